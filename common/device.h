@@ -1,0 +1,122 @@
+/* device.h - the device behind a small interface, shared by subletd and the client library.
+ *
+ * It mirrors the CUDA driver's virtual memory management: physical allocations (handles),
+ * exported as file descriptors and imported in another process, mapped into reserved address
+ * ranges, and copies between device memory and (pinned) host memory. Two backends:
+ *
+ *   cuda   the real one: libcuda.so.1 loaded at run time (dlopen), so nothing needs a GPU or a
+ *          CUDA toolkit to build. Handles are cuMemCreate allocations with POSIX-fd handles.
+ *   memfd  pages are memfd files, mapping is mmap into reserved address space, copies memcpy.
+ *          It lets every machine (CI has no GPU) run daemon and clients end to end for real.
+ *
+ * All functions return 0 or a negative SUBLET_E* code and fill err (may be NULL) on failure.
+ * Sizes given to create/map/unmap are whole multiples of info.page_size.
+ */
+#ifndef SL_DEVICE_H
+#define SL_DEVICE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+
+/* A physical allocation. cuda: a CUmemGenericAllocationHandle. memfd: the memfd's fd + 1
+ * (so that 0 is never a valid handle). The device that made or imported it owns it. */
+typedef uint64_t sl_handle;
+
+enum sl_copy_dir { SL_COPY_TO_HOST, SL_COPY_TO_DEVICE };
+
+struct sl_device_params {
+  const char *backend;      /* "cuda" or "memfd" */
+  int ordinal;              /* cuda: device number, used when uuid is NULL */
+  const uint8_t *uuid;      /* cuda: find the device with this UUID (16 bytes), or NULL */
+  uint64_t page_size;       /* memfd: 0 = $SUBLET_MEMFD_PAGE_SIZE or 2 MiB; cuda: ignored */
+  uint64_t total_bytes;     /* memfd: 0 = $SUBLET_MEMFD_TOTAL or 1 GiB; cuda: ignored */
+};
+
+struct sl_device_info {
+  char backend[16];
+  char name[96];
+  uint8_t uuid[16];
+  int ordinal;
+  uint64_t page_size;   /* the allocation granularity: 2 MiB on an H200 */
+  uint64_t total_bytes;
+};
+
+/* One contiguous piece of a batched copy, as offsets from the two bases. */
+struct sl_copy {
+  uint64_t dev_off;
+  uint64_t host_off;
+  uint64_t len;
+};
+
+struct sl_device;
+
+int sl_device_open(const struct sl_device_params *p, struct sl_device **out, struct sl_err *err);
+void sl_device_close(struct sl_device *d);
+const struct sl_device_info *sl_device_info(const struct sl_device *d);
+/* Device memory not in use by anyone (cuMemGetInfo's free; memfd: total less what the daemon
+ * created). */
+int sl_device_free_bytes(struct sl_device *d, uint64_t *free_bytes, struct sl_err *err);
+
+int sl_device_create(struct sl_device *d, uint64_t size, sl_handle *out, struct sl_err *err);
+int sl_device_release(struct sl_device *d, sl_handle h);
+/* A new fd for h; the caller owns it and closes it once sent. */
+int sl_device_export(struct sl_device *d, sl_handle h, int *fd, struct sl_err *err);
+/* A handle of this device for the allocation behind fd; fd stays the caller's to close. */
+int sl_device_import(struct sl_device *d, int fd, sl_handle *out, struct sl_err *err);
+
+int sl_device_reserve(struct sl_device *d, uint64_t size, void **addr, struct sl_err *err);
+int sl_device_unreserve(struct sl_device *d, void *addr, uint64_t size);
+/* Maps all of h (size bytes) at addr inside a reservation; access is granted separately, once
+ * for a whole range, because per-page access calls cost far more than one over the range. */
+int sl_device_map(struct sl_device *d, void *addr, uint64_t size, sl_handle h,
+                  struct sl_err *err);
+int sl_device_set_access(struct sl_device *d, void *addr, uint64_t size, struct sl_err *err);
+/* Unmaps exactly one earlier mapping. Waits for the device to be idle first: touching an
+ * unmapped address is a GPU fault, not an error. */
+int sl_device_unmap(struct sl_device *d, void *addr, uint64_t size);
+/* Waits until all work queued on the device by this process has finished. */
+int sl_device_synchronize(struct sl_device *d, struct sl_err *err);
+
+/* Host memory the device copies to and from at full speed (pinned, for cuda). */
+int sl_device_host_alloc(struct sl_device *d, uint64_t size, void **p, struct sl_err *err);
+void sl_device_host_free(struct sl_device *d, void *p, uint64_t size);
+
+/* Runs n copies between dev_base and host_base in one batch and waits for them. Neighbouring
+ * pieces should already be coalesced by the caller; the backend batches the rest. */
+int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
+                   const struct sl_copy *copies, size_t n, struct sl_err *err);
+
+/* Backend table; device.c dispatches through it. */
+struct sl_device_ops {
+  const char *name;
+  int (*open)(const struct sl_device_params *p, struct sl_device **out, struct sl_err *err);
+  void (*close)(struct sl_device *d);
+  int (*free_bytes)(struct sl_device *d, uint64_t *free_bytes, struct sl_err *err);
+  int (*create)(struct sl_device *d, uint64_t size, sl_handle *out, struct sl_err *err);
+  int (*release)(struct sl_device *d, sl_handle h);
+  int (*export_fd)(struct sl_device *d, sl_handle h, int *fd, struct sl_err *err);
+  int (*import_fd)(struct sl_device *d, int fd, sl_handle *out, struct sl_err *err);
+  int (*reserve)(struct sl_device *d, uint64_t size, void **addr, struct sl_err *err);
+  int (*unreserve)(struct sl_device *d, void *addr, uint64_t size);
+  int (*map)(struct sl_device *d, void *addr, uint64_t size, sl_handle h, struct sl_err *err);
+  int (*set_access)(struct sl_device *d, void *addr, uint64_t size, struct sl_err *err);
+  int (*unmap)(struct sl_device *d, void *addr, uint64_t size);
+  int (*synchronize)(struct sl_device *d, struct sl_err *err);
+  int (*host_alloc)(struct sl_device *d, uint64_t size, void **p, struct sl_err *err);
+  void (*host_free)(struct sl_device *d, void *p, uint64_t size);
+  int (*copy)(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
+              const struct sl_copy *copies, size_t n, struct sl_err *err);
+};
+
+/* Every backend's struct starts with this. */
+struct sl_device {
+  const struct sl_device_ops *ops;
+  struct sl_device_info info;
+};
+
+extern const struct sl_device_ops sl_device_memfd_ops;
+extern const struct sl_device_ops sl_device_cuda_ops;
+
+#endif

@@ -1,0 +1,196 @@
+/* books.h - subletd's ledger: clients, regions, loans and allocations. Plain C: no I/O, no
+ * device, no clock, so that every path can be unit-tested exhaustively on any machine.
+ *
+ * Vocabulary
+ *   page      the unit of lending: info.page_size bytes (2 MiB on an H200), one device handle.
+ *   region    the memory of one tensor: npages pages, made by its owner client.
+ *   loan      a region lent with a set of kept byte ranges. A page is kept when any kept byte
+ *             lies in it. One loan per device at a time. Lend makes it OFFERED; a borrower (the
+ *             owner's own client, or another client holding the token) makes it ACTIVE.
+ *   window    the loan's pages in lending order, which is also the order of the borrower's
+ *             address window: positions [0, U) are the unkept pages (ascending region index),
+ *             [U, U+F) fresh pages from free device memory, [U+F, U+F+K) the kept pages
+ *             (ascending). F is fixed when the loan is borrowed.
+ *   alloc     a contiguous run of window positions, first fit. Since a run is contiguous and
+ *             first fit, the positions ever handed out in a loan are always a prefix [0, hwm) of
+ *             the window: an allocation reaches new positions only as one run [hwm, end). That
+ *             run may need one new fresh chunk (one device handle for all its fresh pages) and
+ *             may reach kept pages, whose kept bytes are saved to host memory before the
+ *             allocation is granted.
+ *
+ * Two-phase allocation: sl_books_alloc_plan() computes a grant without changing anything; the
+ * daemon does the device work it names (create the chunk, save the kept bytes) and then calls
+ * sl_books_alloc_commit(), or sl_grant_clear() alone if the device work failed.
+ *
+ * Functions return 0 or a negative SUBLET_E* code with a message in err (may be NULL).
+ * Ids are never reused. Arrays inside plans are owned by the plan; *_clear() frees them.
+ */
+#ifndef SL_BOOKS_H
+#define SL_BOOKS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "device.h" /* struct sl_copy only */
+#include "error.h"
+#include "sublet.h"
+
+struct sl_books;
+
+enum sl_source { SL_SRC_UNKEPT = 0, SL_SRC_FRESH = 1, SL_SRC_KEPT = 2 };
+enum sl_loan_state { SL_LOAN_OFFERED = 1, SL_LOAN_ACTIVE = 2, SL_LOAN_DRAINING = 3 };
+
+struct sl_peer {
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+};
+
+struct sl_books_config {
+  uint64_t page_size;
+  gid_t allow_gid;          /* besides the owner's uid (and root), this group may borrow; (gid_t)-1: none */
+};
+
+/* A grant: what one allocation gets, and the device work that must happen before it. */
+struct sl_grant {
+  uint64_t loan_id;
+  uint64_t alloc_id;
+  uint64_t size;              /* bytes asked for */
+  uint64_t pos, npages;       /* window positions [pos, pos+npages) */
+  uint64_t fresh_chunk_id;    /* 0: no new chunk */
+  uint64_t fresh_pos, fresh_npages; /* the new chunk backs these window positions */
+  struct sl_copy *save;       /* kept bytes to save: dev_off is a region offset, host_off an
+                                 offset into the loan's save area; coalesced, ascending */
+  size_t nsave;
+  uint64_t save_bytes;
+  uint64_t served[3];         /* bytes of this grant from each source, by enum sl_source */
+};
+
+/* How a loan ends, as the device must carry it out. */
+struct sl_loan_end {
+  uint64_t loan_id;
+  uint64_t region_id;
+  uint64_t owner_client, borrower_client;
+  struct sl_copy *restore;    /* saved kept bytes to copy back; empty when the owner is gone */
+  size_t nrestore;
+  uint64_t *fresh_chunks;     /* chunk ids to release */
+  size_t nfresh;
+  int free_region;            /* the owner is gone: release the region's pages too */
+  struct sublet_loan_stats stats;
+};
+
+/* What a client's disconnection leaves to do. */
+struct sl_client_gone {
+  uint64_t *free_regions;     /* release their pages now */
+  size_t nfree_regions;
+  uint64_t *draining_loans;   /* the client was their borrower: sl_books_loan_finish() each once
+                                 the client's process has fully exited (its GPU work may still
+                                 be in flight until then) */
+  size_t ndraining;
+  uint64_t *orphaned_loans;   /* the client was their owner and another client borrows them */
+  size_t norphaned;
+};
+
+struct sl_region_info {
+  uint64_t id;
+  uint64_t owner_client;
+  struct sl_peer owner;
+  uint64_t npages;
+  uint64_t loan_id;           /* 0: not lent */
+};
+
+struct sl_loan_info {
+  uint64_t id;
+  uint64_t region_id;
+  enum sl_loan_state state;
+  uint64_t owner_client, borrower_client;
+  struct sl_peer borrower;
+  char name[64];
+  uint64_t unkept_pages, fresh_pages, kept_pages; /* U, F, K */
+  uint64_t kept_bytes;        /* all kept bytes of the region */
+  uint64_t hwm;               /* window positions handed out so far */
+  uint64_t live_allocs, live_bytes;
+  uint64_t fresh_chunk_pages; /* fresh pages created so far */
+  int owner_gone;
+  struct sublet_loan_stats stats;
+};
+
+struct sl_books_totals {
+  uint64_t clients, regions, region_pages, loans;
+  uint64_t loans_ended, borrowers_died;
+  uint64_t copied_out_bytes, copied_in_bytes;
+  uint64_t served_bytes[3];
+};
+
+int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out);
+void sl_books_free(struct sl_books *b);
+
+/* Clients */
+int sl_books_client_add(struct sl_books *b, const struct sl_peer *peer, uint64_t *client_id);
+int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_client_gone *gone);
+void sl_client_gone_clear(struct sl_client_gone *gone);
+
+/* Regions */
+int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
+                        uint64_t *region_id, struct sl_err *err);
+/* Only the owner, and only while not lent. */
+int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_err *err);
+/* May client_id hold handles of this region's pages? Its owner, or the borrower of its loan. */
+int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_err *err);
+int sl_books_region_info(const struct sl_books *b, uint64_t region_id, struct sl_region_info *ri);
+/* Iteration in id order: after = 0 gives the first; returns -ENOENT past the last. */
+int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_region_info *ri);
+
+/* Lending, owner's side. keep: byte ranges within the region, in any order, may overlap; they
+ * are sorted and merged. token: 16 bytes chosen by the caller (random). */
+int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
+                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err);
+/* Withdraws a loan still OFFERED. */
+int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                      struct sl_err *err);
+/* The loan a Reclaim may wait on: owner's loan that exists. */
+int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                        struct sl_err *err);
+
+/* Borrowing. loan_id 0: by name, or the next offer when name is NULL or "". token NULL: only
+ * the owner's own client. fresh_pages: how many pages of free memory the loan may take. */
+int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                    const uint8_t *token, const char *name, uint64_t fresh_pages,
+                    uint64_t *borrowed_loan, struct sl_err *err);
+/* The window's region pages: pages[0..U) for positions [0, U), pages[U..U+K) for
+ * [U+F, U+F+K). The array belongs to the books, valid until the loan ends. */
+int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint64_t **pages,
+                         uint64_t *unkept, uint64_t *fresh, uint64_t *kept);
+int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t size,
+                        struct sl_grant *g, struct sl_err *err);
+int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g);
+void sl_grant_clear(struct sl_grant *g);
+int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_id,
+                        uint64_t *size, struct sl_err *err);
+/* The client's live allocations; returns their count (may exceed n). */
+size_t sl_books_leaks(const struct sl_books *b, uint64_t loan_id, struct sublet_leak *out,
+                      size_t n);
+/* Ends the loan the client borrows. Live allocations: SUBLET_ELEAK and nothing changes, unless
+ * force, where they are forfeit and the loan ends all the same (still SUBLET_ELEAK, with end
+ * filled). */
+int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl_loan_end *end,
+                    struct sl_err *err);
+/* Ends a DRAINING loan (its borrower died) once its process is gone. */
+int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_end *end);
+void sl_loan_end_clear(struct sl_loan_end *end);
+
+/* Observation */
+int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li);
+/* The loan of this device, if any (there is at most one). */
+uint64_t sl_books_current_loan(const struct sl_books *b);
+uint64_t sl_books_client_loan(const struct sl_books *b, uint64_t client_id); /* borrowed */
+void sl_books_totals(const struct sl_books *b, struct sl_books_totals *t);
+/* Checks every invariant: nothing double-granted, granted to the wrong client or leaked.
+ * Returns 0, or -EPROTO... with the first broken invariant described in why. */
+int sl_books_check(const struct sl_books *b, char *why, size_t n);
+
+#endif

@@ -1,0 +1,157 @@
+/* sublet.h - the one public header of libsublet, the sublet client library.
+ *
+ * A process talks to subletd, the per-GPU daemon that owns the memory, through this API:
+ * it creates regions (the memory of one tensor), lends them with a set of kept byte ranges,
+ * borrows loans (its own or another process's), allocates from a loan, and returns it.
+ *
+ * Conventions (libuv's): functions return 0 or a negative SUBLET_E* code; the message that
+ * goes with the last error of the calling thread is sublet_last_error(). Objects are made by
+ * x_new/x_create functions and freed by the matching x_free/x_release. No function here calls
+ * back into the caller. A client is safe to use from several threads (calls are serialised).
+ */
+#ifndef SUBLET_H
+#define SUBLET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define SUBLET_EXPORT __attribute__((visibility("default")))
+#else
+#define SUBLET_EXPORT
+#endif
+
+#define SUBLET_VERSION "0.1.0"
+#define SUBLET_PROTOCOL_VERSION 1
+
+/* Error codes: negative errno where one fits, sublet's own beyond errno's range. They are the
+ * codes of the protocol's Error message too. */
+#define SUBLET_ERRNO_MAP(X)                                                                    \
+  X(EINVAL, -22, "invalid argument")                                                           \
+  X(ENOENT, -2, "no such region, loan or allocation")                                          \
+  X(EPERM, -1, "not permitted")                                                                \
+  X(EBUSY, -16, "busy")                                                                        \
+  X(ENOMEM, -12, "out of device memory")                                                       \
+  X(ETIMEDOUT, -110, "timed out")                                                              \
+  X(ECANCELED, -125, "canceled")                                                               \
+  X(ECONNREFUSED, -111, "cannot reach subletd")                                                \
+  X(EPIPE, -32, "connection to subletd lost")                                                  \
+  X(EIO, -5, "I/O error")                                                                      \
+  X(E2BIG, -7, "request too large")                                                            \
+  X(EPROTO, -71, "protocol error")                                                             \
+  X(ELEAK, -4001, "allocations still alive at the end of the loan")                            \
+  X(EVERSION, -4002, "protocol version mismatch")                                              \
+  X(EDEVICE, -4003, "device error")                                                            \
+  X(EOWNERGONE, -4004, "the owner of the lent region has gone")                                \
+  X(EBORROWERDIED, -4005, "the borrower died during the loan")                                 \
+  X(ENOOFFER, -4006, "no loan is on offer")                                                    \
+  X(ENOTSUP, -95, "not supported")
+
+#define SUBLET_DEFINE_ERR(name, value, text) SUBLET_##name = (value),
+enum sublet_error { SUBLET_ERRNO_MAP(SUBLET_DEFINE_ERR) };
+#undef SUBLET_DEFINE_ERR
+
+typedef struct sublet_client sublet_client;
+typedef struct sublet_region sublet_region;
+
+struct sublet_info {
+  char daemon_version[32];
+  char backend[16];       /* "cuda" or "memfd" */
+  char device_name[96];
+  uint8_t device_uuid[16];
+  uint32_t device_ordinal; /* the daemon's numbering: it differs from the caller's CUDA_VISIBLE_DEVICES */
+  uint64_t page_size;
+  uint64_t total_bytes;
+  uint64_t free_bytes;
+  uint64_t client_id;
+};
+
+/* A byte range of a region: what the owner keeps through a loan. */
+struct sublet_range {
+  uint64_t offset;
+  uint64_t length;
+};
+
+/* Where a loan's memory came from and what crossed the host link. Bytes are exact. */
+struct sublet_loan_stats {
+  uint64_t loan_id;
+  uint64_t copied_out_bytes;   /* kept bytes saved to host memory */
+  uint64_t copied_in_bytes;    /* kept bytes restored (equal to copied_out once the loan ended) */
+  uint64_t served_unkept_bytes;
+  uint64_t served_fresh_bytes;
+  uint64_t served_kept_bytes;
+  uint64_t peak_bytes;         /* the most the borrower held at once */
+  uint64_t allocations;
+  double map_seconds;          /* client side: importing and mapping pages */
+  double copy_out_seconds;     /* daemon side */
+  double copy_in_seconds;      /* daemon side */
+  int borrower_died;           /* set on the owner's side when the borrower died mid-loan */
+  int owner_gone;
+};
+
+/* An allocation still alive when the borrower tried to return the loan. */
+struct sublet_leak {
+  uint64_t alloc_id;
+  uint64_t size;
+  void *ptr;
+};
+
+SUBLET_EXPORT const char *sublet_version(void);
+SUBLET_EXPORT const char *sublet_strerror(int code);
+/* The message of the calling thread's last failed call: says what went wrong and what to do. */
+SUBLET_EXPORT const char *sublet_last_error(void);
+
+/* Connects to subletd. path NULL: $SUBLET_SOCKET, else /run/sublet/gpu0.sock. */
+SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out);
+SUBLET_EXPORT void sublet_disconnect(sublet_client *c);
+SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info);
+
+/* Regions: the memory of one tensor, size rounded up to whole pages, mapped contiguously in
+ * this process at sublet_region_addr(). */
+SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out);
+SUBLET_EXPORT void *sublet_region_addr(const sublet_region *r);
+SUBLET_EXPORT uint64_t sublet_region_size(const sublet_region *r);
+SUBLET_EXPORT uint64_t sublet_region_id(const sublet_region *r);
+SUBLET_EXPORT int sublet_region_release(sublet_region *r);
+
+/* Lending, owner's side. keep: sorted or not, overlapping or not; n == 0 with keep_all == 0
+ * keeps nothing. Offers the loan; on success *loan_id and token[16] identify it. */
+SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
+                              int keep_all, const char *name, uint64_t *loan_id,
+                              uint8_t token[16]);
+/* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
+ * its kept bytes are back. */
+SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
+                                 struct sublet_loan_stats *stats);
+/* Withdraws an offer nobody has borrowed yet. */
+SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id);
+
+/* Borrowing. By id and token (token NULL: only the owner's own client may borrow), or by
+ * name (loan_id 0); name NULL and loan_id 0: the next offer on this device. */
+SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
+                                const char *name, int timeout_ms);
+SUBLET_EXPORT int sublet_alloc(sublet_client *c, uint64_t size, void **ptr);
+SUBLET_EXPORT int sublet_free(sublet_client *c, void *ptr);
+/* Ends the borrowing. With live allocations: SUBLET_ELEAK and the loan goes on (force == 0),
+ * or the loan ends anyway and the allocations are forfeit (force != 0; still SUBLET_ELEAK).
+ * leaks/nleaks (may be NULL/0) receive the live allocations, *nleaks_out their count. */
+SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_stats *stats,
+                                struct sublet_leak *leaks, size_t nleaks, size_t *nleaks_out);
+SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats);
+
+/* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
+ * device index of this process to a client that is borrowing; NULL unbinds. They never call
+ * Python; on failure alloc returns NULL and sublet_last_error() says why. */
+SUBLET_EXPORT int sublet_torch_bind(int device, sublet_client *c);
+SUBLET_EXPORT void *sublet_torch_alloc(ssize_t size, int device, void *stream);
+SUBLET_EXPORT void sublet_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
