@@ -1,1 +1,215 @@
-/* placeholder */
+/* window.c - the borrower's address window (see window.h). */
+#include "window.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define POS_UNMAPPED (-1)
+#define POS_FRESH (-2)
+
+static double now_seconds(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t window_pages(const struct sl_window *w) {
+  return w->unkept + w->fresh + w->kept;
+}
+
+int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
+                  uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
+                  const uint64_t *layout, sl_handle *handles, struct sl_window **out,
+                  struct sl_err *err) {
+  struct sl_window *w = calloc(1, sizeof(*w));
+  uint64_t total = unkept + fresh + kept;
+  int rc;
+
+  if (w == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+  w->dev = dev;
+  w->page_size = page_size;
+  w->region_id = region_id;
+  w->region_pages = region_pages;
+  w->unkept = unkept;
+  w->fresh = fresh;
+  w->kept = kept;
+  w->layout = malloc((unkept + kept + 1) * sizeof(*w->layout));
+  w->mapped = malloc((total + 1) * sizeof(*w->mapped));
+  w->owns_handles = handles == NULL;
+  w->handles = handles != NULL ? handles : calloc(region_pages + 1, sizeof(*w->handles));
+  if (w->layout == NULL || w->mapped == NULL || w->handles == NULL) {
+    sl_window_free(w);
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a window of %llu pages",
+                      (unsigned long long)total);
+  }
+  memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
+  for (uint64_t i = 0; i < total; i++)
+    w->mapped[i] = POS_UNMAPPED;
+  rc = total > 0 ? sl_device_reserve(dev, total * page_size, &w->base, err) : 0;
+  if (rc != 0) {
+    sl_window_free(w);
+    return rc;
+  }
+  *out = w;
+  return 0;
+}
+
+int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,
+                    uint64_t kept, const uint64_t *layout) {
+  if (w->region_id != region_id || w->unkept != unkept || w->fresh != fresh ||
+      w->kept != kept || w->nallocs != 0)
+    return 0;
+  /* Positions whose page changed are remapped lazily by sl_window_map_run. */
+  memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
+  return 1;
+}
+
+int64_t sl_window_page_at(const struct sl_window *w, uint64_t pos) {
+  if (pos < w->unkept)
+    return (int64_t)w->layout[pos];
+  if (pos < w->unkept + w->fresh)
+    return -1;
+  return (int64_t)w->layout[pos - w->fresh];
+}
+
+static void *pos_addr(const struct sl_window *w, uint64_t pos) {
+  return (char *)w->base + pos * w->page_size;
+}
+
+static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct sl_err *err) {
+  int rc;
+
+  if (w->mapped[pos] >= 0)
+    sl_device_unmap(w->dev, pos_addr(w, pos), w->page_size);
+  w->mapped[pos] = POS_UNMAPPED;
+  if (w->handles[page] == 0)
+    return sl_err_set(err, SUBLET_EPROTO, "no handle for region page %lld",
+                      (long long)page);
+  rc = sl_device_map(w->dev, pos_addr(w, pos), w->page_size, w->handles[page], err);
+  if (rc == 0)
+    w->mapped[pos] = page;
+  return rc;
+}
+
+int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_err *err) {
+  uint64_t first = UINT64_MAX, last = 0;
+  double t0 = now_seconds();
+  int rc = 0;
+
+  if (pos > window_pages(w) || n > window_pages(w) - pos)
+    return sl_err_set(err, SUBLET_EPROTO, "subletd granted positions outside the window");
+  for (uint64_t p = pos; p < pos + n && rc == 0; p++) {
+    int64_t page = sl_window_page_at(w, p);
+    if (page < 0) {
+      if (w->mapped[p] != POS_FRESH)
+        rc = sl_err_set(err, SUBLET_EPROTO, "fresh position %llu has no chunk",
+                        (unsigned long long)p);
+      continue;
+    }
+    if (w->mapped[p] == page)
+      continue;
+    rc = map_position(w, p, page, err);
+    first = p < first ? p : first;
+    last = p;
+  }
+  /* One access call over the newly mapped span: per-page calls cost far more. */
+  if (rc == 0 && first != UINT64_MAX)
+    rc = sl_device_set_access(w->dev, pos_addr(w, first), (last - first + 1) * w->page_size,
+                              err);
+  w->map_seconds += now_seconds() - t0;
+  return rc;
+}
+
+int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,
+                        struct sl_err *err) {
+  double t0 = now_seconds();
+  int rc;
+
+  if (pos < w->unkept || pos + npages > w->unkept + w->fresh || npages == 0) {
+    sl_device_release(w->dev, h);
+    return sl_err_set(err, SUBLET_EPROTO, "subletd sent a fresh chunk outside the fresh zone");
+  }
+  if (w->nchunks == w->chunkcap) {
+    size_t cap = w->chunkcap ? 2 * w->chunkcap : 8;
+    struct sl_window_chunk *c = realloc(w->chunks, cap * sizeof(*c));
+    if (c == NULL) {
+      sl_device_release(w->dev, h);
+      return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    }
+    w->chunks = c;
+    w->chunkcap = cap;
+  }
+  rc = sl_device_map(w->dev, pos_addr(w, pos), npages * w->page_size, h, err);
+  if (rc == 0)
+    rc = sl_device_set_access(w->dev, pos_addr(w, pos), npages * w->page_size, err);
+  if (rc != 0) {
+    sl_device_release(w->dev, h);
+    return rc;
+  }
+  w->chunks[w->nchunks++] = (struct sl_window_chunk){pos, npages, h};
+  for (uint64_t p = pos; p < pos + npages; p++)
+    w->mapped[p] = POS_FRESH;
+  w->map_seconds += now_seconds() - t0;
+  return 0;
+}
+
+void sl_window_drop_chunks(struct sl_window *w) {
+  for (size_t i = 0; i < w->nchunks; i++) {
+    struct sl_window_chunk *c = &w->chunks[i];
+    sl_device_unmap(w->dev, pos_addr(w, c->pos), c->npages * w->page_size);
+    sl_device_release(w->dev, c->handle);
+    for (uint64_t p = c->pos; p < c->pos + c->npages; p++)
+      w->mapped[p] = POS_UNMAPPED;
+  }
+  w->nchunks = 0;
+}
+
+void sl_window_free(struct sl_window *w) {
+  if (w == NULL)
+    return;
+  if (w->base != NULL) {
+    sl_window_drop_chunks(w);
+    for (uint64_t p = 0; p < window_pages(w); p++)
+      if (w->mapped[p] >= 0)
+        sl_device_unmap(w->dev, pos_addr(w, p), w->page_size);
+    sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
+  }
+  if (w->owns_handles && w->handles != NULL)
+    for (uint64_t i = 0; i < w->region_pages; i++)
+      if (w->handles[i] != 0)
+        sl_device_release(w->dev, w->handles[i]);
+  if (w->owns_handles)
+    free(w->handles);
+  free(w->layout);
+  free(w->mapped);
+  free(w->chunks);
+  free(w->allocs);
+  free(w);
+}
+
+int sl_window_alloc_add(struct sl_window *w, void *ptr, uint64_t size, uint64_t id) {
+  if (w->nallocs == w->alloccap) {
+    size_t cap = w->alloccap ? 2 * w->alloccap : 16;
+    struct sl_window_alloc *a = realloc(w->allocs, cap * sizeof(*a));
+    if (a == NULL)
+      return SUBLET_ENOMEM;
+    w->allocs = a;
+    w->alloccap = cap;
+  }
+  w->allocs[w->nallocs++] = (struct sl_window_alloc){ptr, size, id};
+  return 0;
+}
+
+int sl_window_alloc_take(struct sl_window *w, void *ptr, struct sl_window_alloc *a) {
+  for (size_t i = 0; i < w->nallocs; i++) {
+    if (w->allocs[i].ptr == ptr) {
+      *a = w->allocs[i];
+      w->allocs[i] = w->allocs[--w->nallocs];
+      return 1;
+    }
+  }
+  return 0;
+}

@@ -1,1 +1,1442 @@
-/* placeholder */
+/* books.c - subletd's ledger (the contract is books.h).
+ *
+ * Plain data. Clients and regions are arrays sorted by id: ids only grow, so appending keeps
+ * them sorted and a lookup is a binary search. There is at most one loan. A loan holds its
+ * merged keep ranges, the region pages in window order, its live allocations sorted by window
+ * position, and the fresh chunks made for it.
+ *
+ * Work per keep range or per page is linear or n log n (a region may have 51,200 pages and a
+ * keep list hundreds of thousands of ranges); work per allocation is linear in the live
+ * allocations, which are few. Every call either fully happens or changes nothing: the memory a
+ * change needs is obtained before the books are touched.
+ *
+ * Byte counts of allocations (live_bytes, peak_bytes, served) are page-granular: they count
+ * the window pages handed out, which is the memory the borrower takes from the device.
+ */
+#include "books.h"
+
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct sl_client {
+  uint64_t id; /* first member: find_by_id() reads it */
+  struct sl_peer peer;
+  uint64_t loan_id; /* the loan it borrows; 0: none */
+};
+
+struct sl_region {
+  uint64_t id; /* first member: find_by_id() reads it */
+  uint64_t owner_client;
+  struct sl_peer owner;
+  uint64_t npages;
+  uint64_t loan_id;
+};
+
+struct sl_alloc {
+  uint64_t id, pos, npages, size;
+};
+
+struct sl_chunk {
+  uint64_t id, pos, npages;
+};
+
+enum { NAME_SIZE = sizeof(((struct sl_loan_info *)0)->name) };
+
+struct sl_loan {
+  uint64_t id, region_id;
+  enum sl_loan_state state;
+  uint64_t owner_client, borrower_client;
+  struct sl_peer borrower;
+  char name[NAME_SIZE];
+  uint8_t token[16];
+  struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
+  size_t nkeep;
+  uint64_t kept_bytes;
+  uint64_t *pages; /* unkept region pages, then kept ones, each ascending */
+  uint64_t unkept, fresh, kept;
+  uint64_t hwm;
+  struct sl_alloc *allocs; /* ascending pos */
+  size_t nallocs, cap_allocs;
+  uint64_t live_bytes;
+  struct sl_chunk *chunks; /* ascending pos, covering [unkept, min(hwm, unkept + fresh)) */
+  size_t nchunks, cap_chunks;
+  uint64_t fresh_chunk_pages;
+  int owner_gone;
+  struct sublet_loan_stats stats;
+};
+
+struct sl_books {
+  struct sl_books_config cfg;
+  struct sl_client *clients;
+  size_t nclients, cap_clients;
+  struct sl_region *regions;
+  size_t nregions, cap_regions;
+  uint64_t region_pages;
+  struct sl_loan *loan;
+  uint64_t next_client, next_region, next_loan, next_alloc, next_chunk;
+  struct sl_books_totals counters; /* only the counters; the gauges are computed */
+};
+
+/* A growing list of copies; neighbours in both address spaces are merged as they come. */
+struct copy_list {
+  struct sl_copy *v;
+  size_t n, cap;
+  uint64_t bytes;
+};
+
+static const char *const state_names[] = {"", "offered", "active", "draining"};
+
+/* ---- small helpers ---------------------------------------------------------------------- */
+
+static int out_of_memory(struct sl_err *err) {
+  return sl_err_set(err, SUBLET_ENOMEM, "subletd is out of host memory; free some and retry");
+}
+
+/* Returns p grown to hold at least want elements, or NULL (p untouched). */
+static void *grow(void *p, size_t *cap, size_t want, size_t elem) {
+  size_t ncap = *cap ? *cap : 8;
+  void *np;
+
+  if (want <= *cap)
+    return p;
+  while (ncap < want)
+    ncap *= 2;
+  np = realloc(p, ncap * elem);
+  if (np != NULL)
+    *cap = ncap;
+  return np;
+}
+
+static int cmp_id(const void *key, const void *elem) {
+  uint64_t a = *(const uint64_t *)key, b = *(const uint64_t *)elem;
+  return (a > b) - (a < b);
+}
+
+static void *find_by_id(const void *base, size_t n, size_t size, uint64_t id) {
+  return n ? bsearch(&id, base, n, size, cmp_id) : NULL;
+}
+
+/* Like strchr, these hand a mutable element out of const books: callers that got the books
+ * const only read it. */
+static struct sl_client *find_client(const struct sl_books *b, uint64_t id) {
+  return find_by_id(b->clients, b->nclients, sizeof(*b->clients), id);
+}
+
+static struct sl_region *find_region(const struct sl_books *b, uint64_t id) {
+  return find_by_id(b->regions, b->nregions, sizeof(*b->regions), id);
+}
+
+static struct sl_loan *find_loan(const struct sl_books *b, uint64_t id) {
+  return b->loan != NULL && b->loan->id == id ? b->loan : NULL;
+}
+
+static uint64_t min_u64(uint64_t a, uint64_t b) {
+  return a < b ? a : b;
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b) {
+  return a > b ? a : b;
+}
+
+/* Length of [a0, a1) ∩ [b0, b1). */
+static uint64_t overlap(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) {
+  uint64_t lo = max_u64(a0, b0), hi = min_u64(a1, b1);
+  return hi > lo ? hi - lo : 0;
+}
+
+static uint64_t pages_for(const struct sl_books *b, uint64_t size) {
+  return size / b->cfg.page_size + (size % b->cfg.page_size != 0);
+}
+
+static uint64_t window_size(const struct sl_loan *l) {
+  return l->unkept + l->fresh + l->kept;
+}
+
+static uint64_t kept_start(const struct sl_loan *l) {
+  return l->unkept + l->fresh;
+}
+
+static int no_client(struct sl_err *err, uint64_t client_id) {
+  return sl_err_set(err, SUBLET_ENOENT,
+                    "no client %" PRIu64 " (disconnected?); reconnect to subletd", client_id);
+}
+
+static int no_region(struct sl_err *err, uint64_t region_id) {
+  return sl_err_set(err, SUBLET_ENOENT,
+                    "no region %" PRIu64 " (released, or its owner has gone); create a new one",
+                    region_id);
+}
+
+static int no_loan(struct sl_err *err, uint64_t loan_id) {
+  return sl_err_set(err, SUBLET_ENOENT,
+                    "no loan %" PRIu64 " on this device: it has ended or was withdrawn",
+                    loan_id);
+}
+
+/* ---- lifetime ----------------------------------------------------------------------------- */
+
+int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out) {
+  struct sl_books *b;
+
+  if (cfg == NULL || cfg->page_size == 0 || out == NULL)
+    return SUBLET_EINVAL;
+  b = calloc(1, sizeof(*b));
+  if (b == NULL)
+    return SUBLET_ENOMEM;
+  b->cfg = *cfg;
+  b->next_client = b->next_region = b->next_loan = b->next_alloc = b->next_chunk = 1;
+  *out = b;
+  return 0;
+}
+
+static void loan_free(struct sl_loan *l) {
+  if (l == NULL)
+    return;
+  free(l->keep);
+  free(l->pages);
+  free(l->allocs);
+  free(l->chunks);
+  free(l);
+}
+
+void sl_books_free(struct sl_books *b) {
+  if (b == NULL)
+    return;
+  loan_free(b->loan);
+  free(b->clients);
+  free(b->regions);
+  free(b);
+}
+
+/* ---- clients ------------------------------------------------------------------------------ */
+
+int sl_books_client_add(struct sl_books *b, const struct sl_peer *peer, uint64_t *client_id) {
+  struct sl_client *v;
+
+  if (peer == NULL)
+    return SUBLET_EINVAL;
+  v = grow(b->clients, &b->cap_clients, b->nclients + 1, sizeof(*v));
+  if (v == NULL)
+    return SUBLET_ENOMEM;
+  b->clients = v;
+  v[b->nclients] = (struct sl_client){.id = b->next_client++, .peer = *peer};
+  if (client_id != NULL)
+    *client_id = v[b->nclients].id;
+  b->nclients++;
+  return 0;
+}
+
+void sl_client_gone_clear(struct sl_client_gone *gone) {
+  if (gone == NULL)
+    return;
+  free(gone->free_regions);
+  free(gone->draining_loans);
+  free(gone->orphaned_loans);
+  memset(gone, 0, sizeof(*gone));
+}
+
+/* ---- regions ------------------------------------------------------------------------------ */
+
+int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
+                        uint64_t *region_id, struct sl_err *err) {
+  struct sl_client *c = find_client(b, client_id);
+  struct sl_region *v;
+
+  if (c == NULL)
+    return no_client(err, client_id);
+  if (npages == 0 || npages > UINT64_MAX / b->cfg.page_size)
+    return sl_err_set(err, SUBLET_EINVAL,
+                      "a region of %" PRIu64 " pages cannot be made; ask for at least one byte "
+                      "and no more than the device holds", npages);
+  v = grow(b->regions, &b->cap_regions, b->nregions + 1, sizeof(*v));
+  if (v == NULL)
+    return out_of_memory(err);
+  b->regions = v;
+  v[b->nregions] = (struct sl_region){
+      .id = b->next_region++, .owner_client = c->id, .owner = c->peer, .npages = npages};
+  if (region_id != NULL)
+    *region_id = v[b->nregions].id;
+  b->nregions++;
+  b->region_pages += npages;
+  return 0;
+}
+
+static void region_delete(struct sl_books *b, struct sl_region *r) {
+  size_t i = (size_t)(r - b->regions);
+
+  b->region_pages -= r->npages;
+  memmove(r, r + 1, (b->nregions - i - 1) * sizeof(*r));
+  b->nregions--;
+}
+
+int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_err *err) {
+  struct sl_region *r = find_region(b, region_id);
+
+  if (r == NULL)
+    return no_region(err, region_id);
+  if (r->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
+                      "release it", region_id, r->owner_client);
+  if (r->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY,
+                      "region %" PRIu64 " is lent (loan %" PRIu64 "); wait for the loan to end "
+                      "(or withdraw it) before releasing the region", region_id, r->loan_id);
+  region_delete(b, r);
+  return 0;
+}
+
+int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_err *err) {
+  const struct sl_region *r = find_region(b, region_id);
+  const struct sl_loan *l;
+
+  if (r == NULL)
+    return no_region(err, region_id);
+  if (r->owner_client == client_id)
+    return 0;
+  l = find_loan(b, r->loan_id);
+  if (l != NULL && l->state == SL_LOAN_ACTIVE && l->borrower_client == client_id)
+    return 0;
+  return sl_err_set(err, SUBLET_EPERM,
+                    "client %" PRIu64 " may not use the pages of region %" PRIu64 ": only its "
+                    "owner (client %" PRIu64 ") and the borrower of its loan may; borrow the "
+                    "loan first", client_id, region_id, r->owner_client);
+}
+
+static void region_fill_info(const struct sl_region *r, struct sl_region_info *ri) {
+  *ri = (struct sl_region_info){.id = r->id, .owner_client = r->owner_client,
+                                .owner = r->owner, .npages = r->npages, .loan_id = r->loan_id};
+}
+
+int sl_books_region_info(const struct sl_books *b, uint64_t region_id,
+                         struct sl_region_info *ri) {
+  const struct sl_region *r = find_region(b, region_id);
+
+  if (r == NULL)
+    return SUBLET_ENOENT;
+  region_fill_info(r, ri);
+  return 0;
+}
+
+int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_region_info *ri) {
+  size_t lo = 0, hi = b->nregions;
+
+  while (lo < hi) { /* the first region with id > after */
+    size_t mid = lo + (hi - lo) / 2;
+    if (b->regions[mid].id <= after)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo == b->nregions)
+    return SUBLET_ENOENT;
+  region_fill_info(&b->regions[lo], ri);
+  return 0;
+}
+
+/* ---- keep ranges and the window's page order ---------------------------------------------- */
+
+static int cmp_range(const void *a, const void *b) {
+  const struct sublet_range *x = a, *y = b;
+  return (x->offset > y->offset) - (x->offset < y->offset);
+}
+
+static int keep_validate(const struct sublet_range *keep, size_t n, uint64_t limit,
+                         struct sl_err *err) {
+  char sz[16];
+
+  for (size_t i = 0; i < n; i++) {
+    if (keep[i].offset <= limit && keep[i].length <= limit - keep[i].offset)
+      continue;
+    return sl_err_set(err, SUBLET_EINVAL,
+                      "keep range %zu (offset %" PRIu64 ", length %" PRIu64 ") reaches past "
+                      "the end of the region (%s); keep only bytes of the region",
+                      i, keep[i].offset, keep[i].length, sl_format_size(sz, limit));
+  }
+  return 0;
+}
+
+/* Sorts and merges in place; drops empty ranges. Returns the new count. */
+static size_t keep_merge(struct sublet_range *v, size_t n) {
+  size_t m = 0;
+
+  qsort(v, n, sizeof(*v), cmp_range);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t end = v[i].offset + v[i].length;
+    if (v[i].length == 0)
+      continue;
+    if (m > 0 && v[m - 1].offset + v[m - 1].length >= v[i].offset) {
+      uint64_t prev_end = v[m - 1].offset + v[m - 1].length;
+      v[m - 1].length = max_u64(prev_end, end) - v[m - 1].offset;
+    } else {
+      v[m++] = v[i];
+    }
+  }
+  return m;
+}
+
+static int loan_set_keep(struct sl_loan *l, const struct sublet_range *keep, size_t nkeep,
+                         int keep_all, uint64_t limit, struct sl_err *err) {
+  struct sublet_range all = {0, limit};
+  int rc;
+
+  if (keep_all) {
+    keep = &all;
+    nkeep = 1;
+  } else if (nkeep > 0 && keep == NULL) {
+    return sl_err_set(err, SUBLET_EINVAL, "%zu keep ranges announced but none given", nkeep);
+  }
+  rc = keep_validate(keep, nkeep, limit, err);
+  if (rc < 0 || nkeep == 0)
+    return rc;
+  l->keep = malloc(nkeep * sizeof(*l->keep));
+  if (l->keep == NULL)
+    return out_of_memory(err);
+  memcpy(l->keep, keep, nkeep * sizeof(*l->keep));
+  l->nkeep = keep_merge(l->keep, nkeep);
+  for (size_t i = 0; i < l->nkeep; i++)
+    l->kept_bytes += l->keep[i].length;
+  return 0;
+}
+
+/* flags[p] = 1 for every page holding a kept byte. Ranges are merged, so consecutive ranges
+ * share at most one page and the marking is linear in pages + ranges. */
+static void mark_kept_pages(const struct sublet_range *keep, size_t nkeep, uint64_t page_size,
+                            uint8_t *flags) {
+  for (size_t i = 0; i < nkeep; i++) {
+    uint64_t first = keep[i].offset / page_size;
+    uint64_t last = (keep[i].offset + keep[i].length - 1) / page_size;
+    for (uint64_t p = first; p <= last; p++)
+      flags[p] = 1;
+  }
+}
+
+static int loan_set_layout(const struct sl_books *b, struct sl_loan *l, uint64_t npages,
+                           struct sl_err *err) {
+  uint8_t *flags = calloc(npages, 1);
+  uint64_t u = 0, k = 0;
+
+  l->pages = malloc(npages * sizeof(*l->pages));
+  if (flags == NULL || l->pages == NULL) {
+    free(flags);
+    return out_of_memory(err);
+  }
+  mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
+  for (uint64_t p = 0; p < npages; p++)
+    u += !flags[p];
+  for (uint64_t p = 0; p < npages; p++) {
+    if (flags[p])
+      l->pages[u + k++] = p;
+    else
+      l->pages[p - k] = p;
+  }
+  l->unkept = u;
+  l->kept = k;
+  free(flags);
+  return 0;
+}
+
+/* ---- lending ------------------------------------------------------------------------------ */
+
+static int device_busy(const struct sl_books *b, struct sl_err *err) {
+  const struct sl_loan *l = b->loan;
+
+  return sl_err_set(err, SUBLET_EBUSY,
+                    "this device already has loan %" PRIu64 " (region %" PRIu64 ", %s); one "
+                    "loan at a time: wait for it to end", l->id, l->region_id,
+                    state_names[l->state]);
+}
+
+static int lend_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
+                      uint64_t region_id, const char *name, const uint8_t *token,
+                      struct sl_err *err) {
+  if (find_client(b, client_id) == NULL)
+    return no_client(err, client_id);
+  if (r == NULL)
+    return no_region(err, region_id);
+  if (r->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
+                      "lend it", region_id, r->owner_client);
+  if (b->loan != NULL)
+    return device_busy(b, err);
+  if (name != NULL && strlen(name) >= NAME_SIZE)
+    return sl_err_set(err, SUBLET_EINVAL, "loan name \"%.20s...\" is too long; use at most "
+                      "%d bytes", name, NAME_SIZE - 1);
+  if (token == NULL)
+    return sl_err_set(err, SUBLET_EINVAL, "a loan needs a 16-byte token");
+  return 0;
+}
+
+int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
+                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err) {
+  struct sl_region *r = find_region(b, region_id);
+  struct sl_loan *l;
+  int rc = lend_check(b, client_id, r, region_id, name, token, err);
+
+  if (rc < 0)
+    return rc;
+  l = calloc(1, sizeof(*l));
+  if (l == NULL)
+    return out_of_memory(err);
+  rc = loan_set_keep(l, keep, nkeep, keep_all, r->npages * b->cfg.page_size, err);
+  if (rc == 0)
+    rc = loan_set_layout(b, l, r->npages, err);
+  if (rc < 0) {
+    loan_free(l);
+    return rc;
+  }
+  l->id = b->next_loan++;
+  l->region_id = r->id;
+  l->state = SL_LOAN_OFFERED;
+  l->owner_client = client_id;
+  l->stats.loan_id = l->id;
+  snprintf(l->name, sizeof(l->name), "%s", name ? name : "");
+  memcpy(l->token, token, sizeof(l->token));
+  r->loan_id = l->id;
+  b->loan = l;
+  if (loan_id != NULL)
+    *loan_id = l->id;
+  return 0;
+}
+
+/* An ended or withdrawn loan leaves the books; the region is idle again, or gone with its
+ * owner. */
+static void loan_delete(struct sl_books *b) {
+  struct sl_loan *l = b->loan;
+  struct sl_region *r = find_region(b, l->region_id);
+  struct sl_client *c = find_client(b, l->borrower_client);
+
+  if (r != NULL && l->owner_gone)
+    region_delete(b, r);
+  else if (r != NULL)
+    r->loan_id = 0;
+  if (c != NULL && c->loan_id == l->id)
+    c->loan_id = 0;
+  loan_free(l);
+  b->loan = NULL;
+}
+
+int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                      struct sl_err *err) {
+  int rc = sl_books_loan_owned(b, client_id, loan_id, err);
+
+  if (rc < 0)
+    return rc;
+  if (b->loan->state != SL_LOAN_OFFERED)
+    return sl_err_set(err, SUBLET_EBUSY,
+                      "loan %" PRIu64 " is %s (borrower client %" PRIu64 "); it can no longer "
+                      "be withdrawn: reclaim it and wait for the borrower to return it",
+                      loan_id, state_names[b->loan->state], b->loan->borrower_client);
+  loan_delete(b);
+  return 0;
+}
+
+int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                        struct sl_err *err) {
+  const struct sl_loan *l = find_loan(b, loan_id);
+
+  if (l == NULL)
+    return no_loan(err, loan_id);
+  if (l->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "loan %" PRIu64 " was lent by client %" PRIu64 ", not by client %" PRIu64
+                      "; only its owner may withdraw or reclaim it", loan_id, l->owner_client,
+                      client_id);
+  return 0;
+}
+
+/* ---- borrowing ---------------------------------------------------------------------------- */
+
+/* Tokens are secrets: compare in time that does not depend on where they differ. */
+static int token_equal(const uint8_t *a, const uint8_t *b) {
+  uint8_t diff = 0;
+
+  for (size_t i = 0; i < 16; i++)
+    diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+static int loan_not_offered(const struct sl_loan *l, struct sl_err *err) {
+  return sl_err_set(err, SUBLET_EBUSY,
+                    "loan %" PRIu64 " is already borrowed (%s, client %" PRIu64 "); wait for it "
+                    "to end and for a new offer", l->id, state_names[l->state],
+                    l->borrower_client);
+}
+
+static int pick_by_id(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                      const uint8_t *token, struct sl_loan **out, struct sl_err *err) {
+  struct sl_loan *l = find_loan(b, loan_id);
+
+  if (l == NULL)
+    return no_loan(err, loan_id);
+  if (token == NULL && l->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "loan %" PRIu64 " was lent by another client; borrow it with the token "
+                      "its owner received from lend", loan_id);
+  if (token != NULL && !token_equal(token, l->token))
+    return sl_err_set(err, SUBLET_EPERM,
+                      "wrong token for loan %" PRIu64 "; use the token its owner received "
+                      "from lend", loan_id);
+  if (l->state != SL_LOAN_OFFERED)
+    return loan_not_offered(l, err);
+  *out = l;
+  return 0;
+}
+
+static int pick_offer(const struct sl_books *b, const char *name, struct sl_loan **out,
+                      struct sl_err *err) {
+  struct sl_loan *l = b->loan;
+  int by_name = name != NULL && name[0] != '\0';
+
+  if (by_name && (l == NULL || strcmp(l->name, name) != 0))
+    return sl_err_set(err, SUBLET_ENOOFFER,
+                      "no loan named \"%.64s\" is on offer on this device; check the name or "
+                      "wait for its owner to lend", name);
+  if (by_name && l->state != SL_LOAN_OFFERED)
+    return loan_not_offered(l, err);
+  if (l == NULL || l->state != SL_LOAN_OFFERED)
+    return sl_err_set(err, SUBLET_ENOOFFER,
+                      "no loan is on offer on this device; wait for an owner to lend");
+  *out = l;
+  return 0;
+}
+
+/* The owner's uid, root, or the group the daemon was told to trust. */
+static int borrow_access(const struct sl_books *b, const struct sl_loan *l,
+                         const struct sl_client *c, struct sl_err *err) {
+  const struct sl_region *r = find_region(b, l->region_id);
+  uid_t owner_uid = r->owner.uid;
+
+  if (c->peer.uid == owner_uid || c->peer.uid == 0)
+    return 0;
+  if (b->cfg.allow_gid != (gid_t)-1 && c->peer.gid == b->cfg.allow_gid)
+    return 0;
+  return sl_err_set(err, SUBLET_EPERM,
+                    "uid %u may not borrow loan %" PRIu64 " of uid %u; run both as the same "
+                    "user, or run subletd with --allow-group GROUP for a group the borrower "
+                    "is in", (unsigned)c->peer.uid, l->id, (unsigned)owner_uid);
+}
+
+static int fresh_fits(const struct sl_books *b, const struct sl_loan *l, uint64_t fresh_pages,
+                      struct sl_err *err) {
+  uint64_t max_pages = UINT64_MAX / b->cfg.page_size;
+
+  if (fresh_pages <= max_pages - l->unkept - l->kept)
+    return 0;
+  return sl_err_set(err, SUBLET_EINVAL,
+                    "%" PRIu64 " fresh pages do not fit a window; ask for fewer", fresh_pages);
+}
+
+int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
+                    const uint8_t *token, const char *name, uint64_t fresh_pages,
+                    uint64_t *borrowed_loan, struct sl_err *err) {
+  struct sl_client *c = find_client(b, client_id);
+  struct sl_loan *l = NULL;
+  int rc;
+
+  if (c == NULL)
+    return no_client(err, client_id);
+  if (c->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY,
+                      "client %" PRIu64 " already borrows loan %" PRIu64 "; return it before "
+                      "borrowing another", client_id, c->loan_id);
+  if (loan_id != 0)
+    rc = pick_by_id(b, client_id, loan_id, token, &l, err);
+  else
+    rc = pick_offer(b, name, &l, err);
+  if (rc == 0)
+    rc = borrow_access(b, l, c, err);
+  if (rc == 0)
+    rc = fresh_fits(b, l, fresh_pages, err);
+  if (rc < 0)
+    return rc;
+  l->state = SL_LOAN_ACTIVE;
+  l->borrower_client = c->id;
+  l->borrower = c->peer;
+  l->fresh = fresh_pages;
+  c->loan_id = l->id;
+  if (borrowed_loan != NULL)
+    *borrowed_loan = l->id;
+  return 0;
+}
+
+int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint64_t **pages,
+                         uint64_t *unkept, uint64_t *fresh, uint64_t *kept) {
+  const struct sl_loan *l = find_loan(b, loan_id);
+
+  if (l == NULL)
+    return SUBLET_ENOENT;
+  if (pages != NULL)
+    *pages = l->pages;
+  if (unkept != NULL)
+    *unkept = l->unkept;
+  if (fresh != NULL)
+    *fresh = l->fresh;
+  if (kept != NULL)
+    *kept = l->kept;
+  return 0;
+}
+
+/* ---- kept bytes: what to save and restore -------------------------------------------------- */
+
+static int copy_list_add(struct copy_list *cl, uint64_t dev_off, uint64_t host_off,
+                         uint64_t len) {
+  struct sl_copy *last = cl->n ? &cl->v[cl->n - 1] : NULL;
+  struct sl_copy *v;
+
+  cl->bytes += len;
+  if (last && last->dev_off + last->len == dev_off && last->host_off + last->len == host_off) {
+    last->len += len;
+    return 0;
+  }
+  v = grow(cl->v, &cl->cap, cl->n + 1, sizeof(*v));
+  if (v == NULL)
+    return SUBLET_ENOMEM;
+  cl->v = v;
+  v[cl->n++] = (struct sl_copy){dev_off, host_off, len};
+  return 0;
+}
+
+/* The region page at window position q of the kept zone. */
+static uint64_t kept_page(const struct sl_loan *l, uint64_t q) {
+  return l->pages[l->unkept + (q - kept_start(l))];
+}
+
+/* The first merged keep range ending after byte off. */
+static size_t keep_lower_bound(const struct sl_loan *l, uint64_t off) {
+  size_t lo = 0, hi = l->nkeep;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (l->keep[mid].offset + l->keep[mid].length <= off)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* Appends the kept bytes of kept-zone window positions [from, to), laid out one after the
+ * other in host memory from host_off. The pages ascend, so one cursor walks the keep list:
+ * linear in pages + ranges after a single binary search. */
+static int collect_kept(const struct sl_books *b, const struct sl_loan *l, uint64_t from,
+                        uint64_t to, uint64_t host_off, struct copy_list *cl) {
+  uint64_t ps = b->cfg.page_size;
+  size_t k;
+
+  if (from >= to)
+    return 0;
+  k = keep_lower_bound(l, kept_page(l, from) * ps);
+  for (uint64_t q = from; q < to; q++) {
+    uint64_t start = kept_page(l, q) * ps, end = start + ps;
+    while (k < l->nkeep && l->keep[k].offset + l->keep[k].length <= start)
+      k++;
+    for (size_t i = k; i < l->nkeep && l->keep[i].offset < end; i++) {
+      uint64_t lo = max_u64(start, l->keep[i].offset);
+      uint64_t len = min_u64(end, l->keep[i].offset + l->keep[i].length) - lo;
+      if (copy_list_add(cl, lo, host_off + cl->bytes, len) < 0)
+        return SUBLET_ENOMEM;
+    }
+  }
+  return 0;
+}
+
+/* ---- allocation --------------------------------------------------------------------------- */
+
+/* The ACTIVE loan client_id borrows. */
+static int borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl_loan **out,
+                         struct sl_err *err) {
+  const struct sl_client *c = find_client(b, client_id);
+
+  if (c == NULL)
+    return no_client(err, client_id);
+  if (c->loan_id == 0 && b->loan != NULL && b->loan->owner_client == client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "client %" PRIu64 " lent loan %" PRIu64 " but does not borrow it; borrow "
+                      "it first", client_id, b->loan->id);
+  if (c->loan_id == 0)
+    return sl_err_set(err, SUBLET_ENOENT,
+                      "client %" PRIu64 " borrows no loan; borrow one first", client_id);
+  *out = find_loan(b, c->loan_id);
+  return 0;
+}
+
+static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t size,
+                   uint64_t largest, struct sl_err *err) {
+  uint64_t ps = b->cfg.page_size;
+  char asked[16], run[16], win[16], used[16];
+
+  return sl_err_set(err, SUBLET_ENOMEM,
+                    "cannot allocate %s from loan %" PRIu64 ": its largest free run is %s "
+                    "(window %s, %s in use); free memory first, keep less, or borrow with "
+                    "more fresh pages", sl_format_size(asked, size), l->id,
+                    sl_format_size(run, largest * ps),
+                    sl_format_size(win, window_size(l) * ps), sl_format_size(used, l->live_bytes));
+}
+
+/* First fit over the gaps between live allocations (sorted by position). */
+static int first_fit(const struct sl_books *b, const struct sl_loan *l, uint64_t size,
+                     uint64_t *pos, struct sl_err *err) {
+  uint64_t npages = pages_for(b, size), start = 0, largest = 0;
+  size_t i;
+
+  for (i = 0; i <= l->nallocs; i++) {
+    uint64_t end = i < l->nallocs ? l->allocs[i].pos : window_size(l);
+    if (end - start >= npages) {
+      *pos = start;
+      return 0;
+    }
+    largest = max_u64(largest, end - start);
+    if (i < l->nallocs)
+      start = l->allocs[i].pos + l->allocs[i].npages;
+  }
+  return no_room(b, l, size, largest, err);
+}
+
+static void plan_served(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g) {
+  uint64_t ps = b->cfg.page_size, end = g->pos + g->npages;
+
+  g->served[SL_SRC_UNKEPT] = overlap(g->pos, end, 0, l->unkept) * ps;
+  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, kept_start(l)) * ps;
+  g->served[SL_SRC_KEPT] = overlap(g->pos, end, kept_start(l), window_size(l)) * ps;
+}
+
+/* The positions no allocation reached before, [max(pos, hwm), end), may need a fresh chunk
+ * and saved kept bytes. */
+static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
+                              struct sl_grant *g) {
+  uint64_t lo = max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
+  uint64_t fresh_lo = max_u64(lo, l->unkept), fresh_hi = min_u64(hi, kept_start(l));
+  struct copy_list cl = {0};
+  int rc;
+
+  if (fresh_hi > fresh_lo) {
+    g->fresh_chunk_id = b->next_chunk;
+    g->fresh_pos = fresh_lo;
+    g->fresh_npages = fresh_hi - fresh_lo;
+  }
+  rc = collect_kept(b, l, max_u64(lo, kept_start(l)), hi, l->stats.copied_out_bytes, &cl);
+  g->save = cl.v;
+  g->nsave = cl.n;
+  g->save_bytes = cl.bytes;
+  return rc;
+}
+
+int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t size,
+                        struct sl_grant *g, struct sl_err *err) {
+  struct sl_loan *l = NULL;
+  int rc;
+
+  memset(g, 0, sizeof(*g));
+  rc = borrowed_loan(b, client_id, &l, err);
+  if (rc < 0)
+    return rc;
+  if (l->owner_gone)
+    return sl_err_set(err, SUBLET_EOWNERGONE,
+                      "the owner of loan %" PRIu64 " has gone; nothing more can be allocated: "
+                      "free what you hold and return the loan", l->id);
+  if (size == 0)
+    return sl_err_set(err, SUBLET_EINVAL, "cannot allocate 0 bytes; ask for at least one");
+  rc = first_fit(b, l, size, &g->pos, err);
+  if (rc < 0)
+    return rc;
+  g->loan_id = l->id;
+  g->alloc_id = b->next_alloc;
+  g->size = size;
+  g->npages = pages_for(b, size);
+  plan_served(b, l, g);
+  rc = plan_new_positions(b, l, g);
+  if (rc < 0) {
+    sl_grant_clear(g);
+    return out_of_memory(err);
+  }
+  return 0;
+}
+
+/* Nothing was committed since the plan (ids match) and its positions are still free. */
+static int grant_current(const struct sl_books *b, const struct sl_grant *g, size_t *index) {
+  const struct sl_loan *l = b->loan;
+  uint64_t end = g->pos + g->npages;
+  size_t i = 0;
+
+  if (l == NULL || l->id != g->loan_id || l->state != SL_LOAN_ACTIVE)
+    return 0;
+  if (g->alloc_id != b->next_alloc || g->npages == 0 || end > window_size(l) || end < g->pos)
+    return 0;
+  if (g->fresh_chunk_id != 0 && g->fresh_chunk_id != b->next_chunk)
+    return 0;
+  while (i < l->nallocs && l->allocs[i].pos < g->pos)
+    i++;
+  if (i > 0 && l->allocs[i - 1].pos + l->allocs[i - 1].npages > g->pos)
+    return 0;
+  if (i < l->nallocs && l->allocs[i].pos < end)
+    return 0;
+  *index = i;
+  return 1;
+}
+
+static void loan_count_grant(struct sl_books *b, struct sl_loan *l, const struct sl_grant *g) {
+  l->hwm = max_u64(l->hwm, g->pos + g->npages);
+  l->live_bytes += g->npages * b->cfg.page_size;
+  l->stats.peak_bytes = max_u64(l->stats.peak_bytes, l->live_bytes);
+  l->stats.allocations++;
+  l->stats.copied_out_bytes += g->save_bytes;
+  b->counters.copied_out_bytes += g->save_bytes;
+  l->stats.served_unkept_bytes += g->served[SL_SRC_UNKEPT];
+  l->stats.served_fresh_bytes += g->served[SL_SRC_FRESH];
+  l->stats.served_kept_bytes += g->served[SL_SRC_KEPT];
+  for (int s = SL_SRC_UNKEPT; s <= SL_SRC_KEPT; s++)
+    b->counters.served_bytes[s] += g->served[s];
+}
+
+int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
+  struct sl_loan *l = b->loan;
+  struct sl_alloc *allocs;
+  struct sl_chunk *chunks;
+  size_t i;
+
+  if (!grant_current(b, g, &i))
+    return SUBLET_EINVAL; /* stale or foreign grant: plan again */
+  allocs = grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
+  if (allocs == NULL)
+    return SUBLET_ENOMEM;
+  l->allocs = allocs;
+  chunks = grow(l->chunks, &l->cap_chunks, l->nchunks + 1, sizeof(*chunks));
+  if (chunks == NULL)
+    return SUBLET_ENOMEM;
+  l->chunks = chunks;
+  memmove(&allocs[i + 1], &allocs[i], (l->nallocs - i) * sizeof(*allocs));
+  allocs[i] = (struct sl_alloc){g->alloc_id, g->pos, g->npages, g->size};
+  l->nallocs++;
+  b->next_alloc++;
+  if (g->fresh_chunk_id != 0) {
+    chunks[l->nchunks++] = (struct sl_chunk){g->fresh_chunk_id, g->fresh_pos, g->fresh_npages};
+    l->fresh_chunk_pages += g->fresh_npages;
+    b->next_chunk++;
+  }
+  loan_count_grant(b, l, g);
+  return 0;
+}
+
+void sl_grant_clear(struct sl_grant *g) {
+  if (g == NULL)
+    return;
+  free(g->save);
+  memset(g, 0, sizeof(*g));
+}
+
+static void alloc_remove(struct sl_books *b, struct sl_loan *l, size_t i) {
+  l->live_bytes -= l->allocs[i].npages * b->cfg.page_size;
+  memmove(&l->allocs[i], &l->allocs[i + 1], (l->nallocs - i - 1) * sizeof(*l->allocs));
+  l->nallocs--;
+}
+
+static size_t alloc_index(const struct sl_loan *l, uint64_t alloc_id) {
+  size_t i = 0;
+
+  while (i < l->nallocs && l->allocs[i].id != alloc_id)
+    i++;
+  return i;
+}
+
+int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_id,
+                        uint64_t *size, struct sl_err *err) {
+  struct sl_loan *l = b->loan;
+  size_t i = l != NULL ? alloc_index(l, alloc_id) : 0;
+
+  if (find_client(b, client_id) == NULL)
+    return no_client(err, client_id);
+  if (l == NULL || i == l->nallocs)
+    return sl_err_set(err, SUBLET_ENOENT,
+                      "no live allocation %" PRIu64 ": it was freed already or never granted",
+                      alloc_id);
+  if (l->borrower_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "allocation %" PRIu64 " belongs to client %" PRIu64 ", the borrower of "
+                      "loan %" PRIu64 "; only it may free it", alloc_id, l->borrower_client,
+                      l->id);
+  if (size != NULL)
+    *size = l->allocs[i].size;
+  alloc_remove(b, l, i);
+  return 0;
+}
+
+size_t sl_books_leaks(const struct sl_books *b, uint64_t loan_id, struct sublet_leak *out,
+                      size_t n) {
+  const struct sl_loan *l = find_loan(b, loan_id);
+
+  if (l == NULL)
+    return 0;
+  for (size_t i = 0; i < n && i < l->nallocs && out != NULL; i++)
+    out[i] = (struct sublet_leak){.alloc_id = l->allocs[i].id, .size = l->allocs[i].size};
+  return l->nallocs;
+}
+
+/* ---- ending a loan ------------------------------------------------------------------------ */
+
+static int leak_error(const struct sl_loan *l, struct sl_err *err) {
+  char sz[16];
+
+  return sl_err_set(err, SUBLET_ELEAK,
+                    "%zu allocation%s (%s) of loan %" PRIu64 " still alive; free them before "
+                    "returning, or return with force to forfeit them", l->nallocs,
+                    l->nallocs == 1 ? " is" : "s are", sl_format_size(sz, l->live_bytes), l->id);
+}
+
+static int end_fill_chunks(const struct sl_loan *l, struct sl_loan_end *end) {
+  if (l->nchunks == 0)
+    return 0;
+  end->fresh_chunks = malloc(l->nchunks * sizeof(*end->fresh_chunks));
+  if (end->fresh_chunks == NULL)
+    return SUBLET_ENOMEM;
+  for (size_t i = 0; i < l->nchunks; i++)
+    end->fresh_chunks[i] = l->chunks[i].id;
+  end->nfresh = l->nchunks;
+  return 0;
+}
+
+/* The saved kept pages are the kept-zone positions below hwm, saved in position order, so
+ * restoring them recomputes the same pieces. */
+static int end_fill_restore(const struct sl_books *b, const struct sl_loan *l,
+                            struct sl_loan_end *end) {
+  struct copy_list cl = {0};
+  int rc = 0;
+
+  if (!l->owner_gone && l->hwm > kept_start(l))
+    rc = collect_kept(b, l, kept_start(l), l->hwm, 0, &cl);
+  end->restore = cl.v;
+  end->nrestore = cl.n;
+  end->stats.copied_in_bytes = cl.bytes;
+  return rc;
+}
+
+static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
+                          struct sl_loan_end *end) {
+  memset(end, 0, sizeof(*end));
+  end->loan_id = l->id;
+  end->region_id = l->region_id;
+  end->owner_client = l->owner_client;
+  end->borrower_client = l->borrower_client;
+  end->free_region = l->owner_gone;
+  end->stats = l->stats;
+  end->stats.owner_gone = l->owner_gone;
+  if (end_fill_restore(b, l, end) < 0 || end_fill_chunks(l, end) < 0) {
+    sl_loan_end_clear(end);
+    return SUBLET_ENOMEM;
+  }
+  return 0;
+}
+
+static void loan_end_apply(struct sl_books *b, const struct sl_loan_end *end) {
+  b->counters.loans_ended++;
+  b->counters.copied_in_bytes += end->stats.copied_in_bytes;
+  loan_delete(b);
+}
+
+int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl_loan_end *end,
+                    struct sl_err *err) {
+  struct sl_loan *l = NULL;
+  int leaked, rc;
+
+  memset(end, 0, sizeof(*end));
+  rc = borrowed_loan(b, client_id, &l, err);
+  if (rc < 0)
+    return rc;
+  leaked = l->nallocs > 0;
+  if (leaked && !force)
+    return leak_error(l, err);
+  if (loan_end_build(b, l, end) < 0)
+    return out_of_memory(err);
+  if (leaked)
+    leak_error(l, err);
+  loan_end_apply(b, end);
+  return leaked ? SUBLET_ELEAK : 0;
+}
+
+int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_end *end) {
+  struct sl_loan *l = find_loan(b, loan_id);
+
+  memset(end, 0, sizeof(*end));
+  if (l == NULL)
+    return SUBLET_ENOENT;
+  if (l->state != SL_LOAN_DRAINING)
+    return SUBLET_EBUSY;
+  if (loan_end_build(b, l, end) < 0)
+    return SUBLET_ENOMEM;
+  loan_end_apply(b, end);
+  return 0;
+}
+
+void sl_loan_end_clear(struct sl_loan_end *end) {
+  if (end == NULL)
+    return;
+  free(end->restore);
+  free(end->fresh_chunks);
+  memset(end, 0, sizeof(*end));
+}
+
+/* ---- a client leaves ---------------------------------------------------------------------- */
+
+static int gone_reserve(const struct sl_books *b, uint64_t client_id,
+                        struct sl_client_gone *g) {
+  size_t owned = 0;
+
+  for (size_t i = 0; i < b->nregions; i++)
+    owned += b->regions[i].owner_client == client_id;
+  /* One loan at most: one draining or orphaned entry at most. */
+  g->free_regions = owned ? malloc(owned * sizeof(uint64_t)) : NULL;
+  g->draining_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
+  g->orphaned_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
+  if ((owned && !g->free_regions) || (b->loan && (!g->draining_loans || !g->orphaned_loans))) {
+    sl_client_gone_clear(g);
+    return SUBLET_ENOMEM;
+  }
+  return 0;
+}
+
+/* The borrower's allocations die with it; the kept bytes already saved stay to be restored
+ * once its process has fully exited. */
+static void loan_drop_borrower(struct sl_books *b, struct sl_loan *l, struct sl_client_gone *g) {
+  l->state = SL_LOAN_DRAINING;
+  l->nallocs = 0;
+  l->live_bytes = 0;
+  l->stats.borrower_died = 1;
+  b->counters.borrowers_died++;
+  g->draining_loans[g->ndraining++] = l->id;
+}
+
+static void loan_drop_client(struct sl_books *b, uint64_t client_id, struct sl_client_gone *g) {
+  struct sl_loan *l = b->loan;
+
+  if (l == NULL)
+    return;
+  if (l->state == SL_LOAN_OFFERED && l->owner_client == client_id) {
+    loan_delete(b); /* withdrawn: nobody borrowed it */
+    return;
+  }
+  if (l->state == SL_LOAN_ACTIVE && l->borrower_client == client_id)
+    loan_drop_borrower(b, l, g);
+  if (l->owner_client == client_id) {
+    l->owner_gone = 1;
+    l->stats.owner_gone = 1;
+    if (l->state == SL_LOAN_ACTIVE)
+      g->orphaned_loans[g->norphaned++] = l->id;
+  }
+}
+
+/* Idle regions of the client go now; a lent one waits for its loan to end. */
+static void regions_drop_owner(struct sl_books *b, uint64_t client_id,
+                               struct sl_client_gone *g) {
+  size_t kept = 0;
+
+  for (size_t i = 0; i < b->nregions; i++) {
+    struct sl_region *r = &b->regions[i];
+    if (r->owner_client == client_id && r->loan_id == 0) {
+      g->free_regions[g->nfree_regions++] = r->id;
+      b->region_pages -= r->npages;
+    } else {
+      b->regions[kept++] = *r;
+    }
+  }
+  b->nregions = kept;
+}
+
+int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_client_gone *gone) {
+  struct sl_client *c = find_client(b, client_id);
+  struct sl_client_gone g = {0};
+  size_t i;
+
+  if (gone != NULL)
+    memset(gone, 0, sizeof(*gone));
+  if (c == NULL)
+    return SUBLET_ENOENT;
+  if (gone_reserve(b, client_id, &g) < 0)
+    return SUBLET_ENOMEM;
+  loan_drop_client(b, client_id, &g);
+  regions_drop_owner(b, client_id, &g);
+  i = (size_t)(c - b->clients);
+  memmove(c, c + 1, (b->nclients - i - 1) * sizeof(*c));
+  b->nclients--;
+  if (gone != NULL)
+    *gone = g;
+  else
+    sl_client_gone_clear(&g);
+  return 0;
+}
+
+/* ---- observation -------------------------------------------------------------------------- */
+
+int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li) {
+  const struct sl_loan *l = find_loan(b, loan_id);
+
+  if (l == NULL)
+    return SUBLET_ENOENT;
+  *li = (struct sl_loan_info){
+      .id = l->id, .region_id = l->region_id, .state = l->state,
+      .owner_client = l->owner_client, .borrower_client = l->borrower_client,
+      .borrower = l->borrower, .unkept_pages = l->unkept, .fresh_pages = l->fresh,
+      .kept_pages = l->kept, .kept_bytes = l->kept_bytes, .hwm = l->hwm,
+      .live_allocs = l->nallocs, .live_bytes = l->live_bytes,
+      .fresh_chunk_pages = l->fresh_chunk_pages, .owner_gone = l->owner_gone,
+      .stats = l->stats};
+  memcpy(li->name, l->name, sizeof(li->name));
+  return 0;
+}
+
+uint64_t sl_books_current_loan(const struct sl_books *b) {
+  return b->loan != NULL ? b->loan->id : 0;
+}
+
+uint64_t sl_books_client_loan(const struct sl_books *b, uint64_t client_id) {
+  const struct sl_client *c = find_client(b, client_id);
+
+  return c != NULL ? c->loan_id : 0;
+}
+
+/* clients, regions, region_pages and loans are what exists now; the rest count since start. */
+void sl_books_totals(const struct sl_books *b, struct sl_books_totals *t) {
+  *t = b->counters;
+  t->clients = b->nclients;
+  t->regions = b->nregions;
+  t->region_pages = b->region_pages;
+  t->loans = b->loan != NULL;
+}
+
+/* ---- invariants --------------------------------------------------------------------------- */
+
+struct check {
+  char *why;
+  size_t n;
+};
+
+static int broken(struct check *ck, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int broken(struct check *ck, const char *fmt, ...) {
+  va_list ap;
+
+  if (ck->why != NULL && ck->n > 0) {
+    va_start(ap, fmt);
+    vsnprintf(ck->why, ck->n, fmt, ap);
+    va_end(ap);
+  }
+  return SUBLET_EPROTO;
+}
+
+static int check_clients(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+
+  for (size_t i = 0; i < b->nclients; i++) {
+    const struct sl_client *c = &b->clients[i];
+    if (c->id == 0 || c->id >= b->next_client || (i > 0 && c->id <= c[-1].id))
+      return broken(ck, "client %" PRIu64 " out of order or never issued", c->id);
+    if (c->loan_id == 0)
+      continue;
+    if (l == NULL || l->id != c->loan_id || l->borrower_client != c->id ||
+        l->state != SL_LOAN_ACTIVE)
+      return broken(ck, "client %" PRIu64 " borrows loan %" PRIu64 " which does not have it "
+                    "as its active borrower", c->id, c->loan_id);
+  }
+  return 0;
+}
+
+static int check_region(const struct sl_books *b, const struct sl_region *r, struct check *ck) {
+  const struct sl_loan *l = find_loan(b, r->loan_id);
+
+  if (r->npages == 0)
+    return broken(ck, "region %" PRIu64 " has no pages", r->id);
+  if (r->loan_id != 0 && (l == NULL || l->region_id != r->id))
+    return broken(ck, "region %" PRIu64 " is lent to loan %" PRIu64 " which does not lend it",
+                  r->id, r->loan_id);
+  if (find_client(b, r->owner_client) != NULL)
+    return 0;
+  if (l == NULL || !l->owner_gone)
+    return broken(ck, "region %" PRIu64 " outlives its owner client %" PRIu64
+                  " without a loan holding it", r->id, r->owner_client);
+  return 0;
+}
+
+static int check_regions(const struct sl_books *b, struct check *ck) {
+  uint64_t pages = 0;
+  int rc;
+
+  for (size_t i = 0; i < b->nregions; i++) {
+    const struct sl_region *r = &b->regions[i];
+    if (r->id == 0 || r->id >= b->next_region || (i > 0 && r->id <= r[-1].id))
+      return broken(ck, "region %" PRIu64 " out of order or never issued", r->id);
+    rc = check_region(b, r, ck);
+    if (rc < 0)
+      return rc;
+    pages += r->npages;
+  }
+  if (pages != b->region_pages)
+    return broken(ck, "region pages %" PRIu64 " counted as %" PRIu64, pages, b->region_pages);
+  return 0;
+}
+
+static int check_parties(const struct sl_books *b, const struct sl_loan *l,
+                         const struct sl_region *r, struct check *ck) {
+  const struct sl_client *borrower = find_client(b, l->borrower_client);
+
+  if (r->owner_client != l->owner_client)
+    return broken(ck, "loan %" PRIu64 " owner %" PRIu64 " is not its region's owner", l->id,
+                  l->owner_client);
+  if (l->owner_gone == (find_client(b, l->owner_client) != NULL))
+    return broken(ck, "loan %" PRIu64 " owner_gone=%d disagrees with the client list", l->id,
+                  l->owner_gone);
+  if (l->state == SL_LOAN_ACTIVE && (borrower == NULL || borrower->loan_id != l->id))
+    return broken(ck, "active loan %" PRIu64 " has no live borrower pointing back", l->id);
+  if (l->state == SL_LOAN_DRAINING && (borrower != NULL || l->nallocs != 0))
+    return broken(ck, "draining loan %" PRIu64 " keeps a borrower or allocations", l->id);
+  if (l->state == SL_LOAN_OFFERED &&
+      (l->borrower_client != 0 || l->hwm != 0 || l->fresh != 0 || l->owner_gone))
+    return broken(ck, "offered loan %" PRIu64 " already has a borrower or an owner gone", l->id);
+  return 0;
+}
+
+static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint64_t npages,
+                        struct check *ck) {
+  uint64_t bytes = 0, limit = npages * b->cfg.page_size;
+  uint8_t *flags;
+  int rc = 0;
+
+  for (size_t i = 0; i < l->nkeep; i++) {
+    const struct sublet_range *k = &l->keep[i];
+    uint64_t prev_end = i > 0 ? k[-1].offset + k[-1].length : 0;
+    if (k->length == 0 || k->offset > limit || k->length > limit - k->offset ||
+        (i > 0 && k->offset <= prev_end))
+      return broken(ck, "loan %" PRIu64 " keep range %zu is not merged or not in the region",
+                    l->id, i);
+    bytes += k->length;
+  }
+  if (bytes != l->kept_bytes || l->unkept + l->kept != npages)
+    return broken(ck, "loan %" PRIu64 " kept bytes or page counts are off", l->id);
+  flags = calloc(npages, 1);
+  if (flags == NULL)
+    return broken(ck, "out of memory while checking");
+  mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
+  for (uint64_t i = 0; i < npages && rc == 0; i++) {
+    uint64_t p = l->pages[i];
+    int want_kept = i >= l->unkept;
+    if (p >= npages || flags[p] != want_kept || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
+      rc = broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
+  }
+  free(flags);
+  return rc;
+}
+
+static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  uint64_t bytes = 0, prev_end = 0, ps = b->cfg.page_size;
+
+  if (l->hwm > window_size(l))
+    return broken(ck, "loan %" PRIu64 " hwm %" PRIu64 " is past its window", l->id, l->hwm);
+  for (size_t i = 0; i < l->nallocs; i++) {
+    const struct sl_alloc *a = &l->allocs[i];
+    if (a->npages == 0 || a->pos < prev_end || a->pos + a->npages > l->hwm)
+      return broken(ck, "allocation %" PRIu64 " overlaps another or lies past hwm", a->id);
+    if (a->id == 0 || a->id >= b->next_alloc || a->size == 0 || pages_for(b, a->size) != a->npages)
+      return broken(ck, "allocation %" PRIu64 " has a bad id or size", a->id);
+    for (size_t j = 0; j < i; j++)
+      if (l->allocs[j].id == a->id)
+        return broken(ck, "allocation %" PRIu64 " granted twice", a->id);
+    prev_end = a->pos + a->npages;
+    bytes += a->npages * ps;
+  }
+  if (bytes != l->live_bytes || l->stats.peak_bytes < bytes || l->stats.allocations < l->nallocs)
+    return broken(ck, "loan %" PRIu64 " live bytes %" PRIu64 " counted as %" PRIu64, l->id,
+                  bytes, l->live_bytes);
+  return 0;
+}
+
+static int check_chunks(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  uint64_t pos = l->unkept, end = max_u64(l->unkept, min_u64(l->hwm, kept_start(l)));
+
+  for (size_t i = 0; i < l->nchunks; i++) {
+    const struct sl_chunk *c = &l->chunks[i];
+    if (c->pos != pos || c->npages == 0 || c->id == 0 || c->id >= b->next_chunk ||
+        (i > 0 && c->id <= c[-1].id))
+      return broken(ck, "loan %" PRIu64 " fresh chunk %" PRIu64 " is misplaced", l->id, c->id);
+    pos += c->npages;
+  }
+  if (pos != end || l->fresh_chunk_pages != end - l->unkept)
+    return broken(ck, "loan %" PRIu64 " fresh positions up to %" PRIu64 " are not all backed "
+                  "by chunks (%" PRIu64 " are)", l->id, end, pos);
+  return 0;
+}
+
+static int check_saved(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  struct copy_list cl = {0};
+  int rc = 0;
+
+  if (l->hwm > kept_start(l) && collect_kept(b, l, kept_start(l), l->hwm, 0, &cl) < 0)
+    rc = broken(ck, "out of memory while checking");
+  else if (cl.bytes != l->stats.copied_out_bytes || l->stats.copied_in_bytes != 0)
+    rc = broken(ck, "loan %" PRIu64 " saved %" PRIu64 " bytes but its kept pages below hwm "
+                "hold %" PRIu64, l->id, l->stats.copied_out_bytes, cl.bytes);
+  free(cl.v);
+  return rc;
+}
+
+static int check_loan(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+  const struct sl_region *r;
+  int rc;
+
+  if (l == NULL)
+    return 0;
+  r = find_region(b, l->region_id);
+  if (l->id == 0 || l->id >= b->next_loan || l->state < SL_LOAN_OFFERED ||
+      l->state > SL_LOAN_DRAINING)
+    return broken(ck, "loan %" PRIu64 " has a bad id or state", l->id);
+  if (r == NULL || r->loan_id != l->id)
+    return broken(ck, "loan %" PRIu64 " region %" PRIu64 " is missing or does not point back",
+                  l->id, l->region_id);
+  rc = check_parties(b, l, r, ck);
+  if (rc == 0)
+    rc = check_layout(b, l, r->npages, ck);
+  if (rc == 0)
+    rc = check_allocs(b, l, ck);
+  if (rc == 0)
+    rc = check_chunks(b, l, ck);
+  if (rc == 0)
+    rc = check_saved(b, l, ck);
+  return rc;
+}
+
+static int check_totals(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+  const struct sl_books_totals *t = &b->counters;
+
+  if (t->copied_in_bytes > t->copied_out_bytes)
+    return broken(ck, "more bytes restored (%" PRIu64 ") than saved (%" PRIu64 ")",
+                  t->copied_in_bytes, t->copied_out_bytes);
+  if (l == NULL)
+    return 0;
+  if (t->copied_out_bytes < l->stats.copied_out_bytes ||
+      t->served_bytes[SL_SRC_UNKEPT] < l->stats.served_unkept_bytes ||
+      t->served_bytes[SL_SRC_FRESH] < l->stats.served_fresh_bytes ||
+      t->served_bytes[SL_SRC_KEPT] < l->stats.served_kept_bytes)
+    return broken(ck, "device totals are below loan %" PRIu64 "'s own counts", l->id);
+  return 0;
+}
+
+int sl_books_check(const struct sl_books *b, char *why, size_t n) {
+  struct check ck = {why, n};
+  int rc = check_clients(b, &ck);
+
+  if (rc == 0)
+    rc = check_regions(b, &ck);
+  if (rc == 0)
+    rc = check_loan(b, &ck);
+  if (rc == 0)
+    rc = check_totals(b, &ck);
+  if (rc == 0 && why != NULL && n > 0)
+    why[0] = '\0';
+  return rc;
+}

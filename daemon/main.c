@@ -1,1 +1,218 @@
-/* placeholder */
+/* main.c - subletd's command line: options, the device, the books, the loop. */
+#include <errno.h>
+#include <getopt.h>
+#include <grp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+
+#define EXIT_USAGE 2
+
+static void usage(FILE *out) {
+  fprintf(out,
+          "Usage: subletd [OPTION]...\n"
+          "Lend a GPU's memory between PyTorch processes: the per-device sublet daemon.\n"
+          "\n"
+          "  -d, --device N         the GPU to serve (CUDA numbering, default 0)\n"
+          "  -s, --socket PATH      listen on PATH (default $SUBLET_SOCKET, else\n"
+          "                         /run/sublet/gpuN.sock); systemd socket activation\n"
+          "                         is used when LISTEN_FDS is set\n"
+          "  -b, --backend NAME     cuda (default) or memfd (host memory; no GPU needed)\n"
+          "  -r, --reserve SIZE     free device memory no loan may take (default 1G on\n"
+          "                         cuda, 0 on memfd); SIZE takes K, M, G suffixes\n"
+          "  -g, --allow-group GRP  members of GRP may borrow other users' loans\n"
+          "      --parent-pid PID   exit when process PID exits (a private daemon)\n"
+          "  -l, --log-level LEVEL  error, warn, info (default) or debug\n"
+          "      --check            verify the books after every request (for tests)\n"
+          "  -h, --help             show this help and exit\n"
+          "  -V, --version          show the version and exit\n"
+          "\n"
+          "Exit status: 0 after a clean shutdown (SIGTERM, SIGINT), 1 on a runtime\n"
+          "error, 2 on a usage error.\n");
+}
+
+static int parse_size(const char *s, uint64_t *out) {
+  char *end;
+  unsigned long long v = strtoull(s, &end, 10);
+  int shift = 0;
+
+  if (end == s)
+    return -1;
+  switch (*end) {
+    case 'k': case 'K': shift = 10; end++; break;
+    case 'm': case 'M': shift = 20; end++; break;
+    case 'g': case 'G': shift = 30; end++; break;
+    case 't': case 'T': shift = 40; end++; break;
+    default: break;
+  }
+  if (*end == 'i' || *end == 'B')
+    end += (*end == 'i' && end[1] == 'B') ? 2 : 1;
+  if (*end != '\0')
+    return -1;
+  *out = (uint64_t)v << shift;
+  return 0;
+}
+
+static int parse_group(const char *name, gid_t *gid) {
+  struct group *g = getgrnam(name);
+  char *end;
+
+  if (g != NULL) {
+    *gid = g->gr_gid;
+    return 0;
+  }
+  *gid = (gid_t)strtoul(name, &end, 10);
+  return end != name && *end == '\0' ? 0 : -1;
+}
+
+static int usage_error(const char *fmt, const char *arg) {
+  fprintf(stderr, "subletd: ");
+  fprintf(stderr, fmt, arg);
+  fprintf(stderr, "\nTry 'subletd --help' for more information.\n");
+  return EXIT_USAGE;
+}
+
+/* Returns -1 to go on, or an exit status. */
+static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *reserve_set) {
+  static const struct option opts[] = {
+      {"device", required_argument, NULL, 'd'},  {"socket", required_argument, NULL, 's'},
+      {"backend", required_argument, NULL, 'b'}, {"reserve", required_argument, NULL, 'r'},
+      {"allow-group", required_argument, NULL, 'g'},
+      {"parent-pid", required_argument, NULL, 'P'},
+      {"log-level", required_argument, NULL, 'l'}, {"check", no_argument, NULL, 'C'},
+      {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
+      {NULL, 0, NULL, 0}};
+  int opt, level;
+  char *end;
+
+  while ((opt = getopt_long(argc, argv, "d:s:b:r:g:l:hV", opts, NULL)) != -1) {
+    switch (opt) {
+      case 'd':
+        cfg->device = (int)strtol(optarg, &end, 10);
+        if (*end != '\0' || cfg->device < 0)
+          return usage_error("--device takes a device number, not '%s'", optarg);
+        break;
+      case 's': cfg->socket_path = optarg; break;
+      case 'b':
+        if (strcmp(optarg, "cuda") != 0 && strcmp(optarg, "memfd") != 0)
+          return usage_error("--backend is cuda or memfd, not '%s'", optarg);
+        cfg->backend = optarg;
+        break;
+      case 'r':
+        if (parse_size(optarg, &cfg->reserve_bytes) != 0)
+          return usage_error("--reserve takes a size such as 512M or 2G, not '%s'", optarg);
+        *reserve_set = 1;
+        break;
+      case 'g':
+        if (parse_group(optarg, &cfg->allow_gid) != 0)
+          return usage_error("--allow-group: no group '%s'", optarg);
+        break;
+      case 'P': cfg->parent_pid = (pid_t)atoi(optarg); break;
+      case 'l':
+        if ((level = sl_log_parse_level(optarg)) < 0)
+          return usage_error("--log-level is error, warn, info or debug, not '%s'", optarg);
+        sl_log_set_level((enum sl_log_level)level);
+        break;
+      case 'C': cfg->check_books = 1; break;
+      case 'h': usage(stdout); return 0;
+      case 'V': printf("subletd %s (protocol %d)\n", SUBLET_VERSION_STRING,
+                       SUBLET_PROTOCOL_VERSION); return 0;
+      default: fprintf(stderr, "Try 'subletd --help' for more information.\n");
+               return EXIT_USAGE;
+    }
+  }
+  if (optind < argc)
+    return usage_error("unexpected argument '%s'", argv[optind]);
+  return -1;
+}
+
+/* systemd socket activation: one listening socket at fd 3. */
+static int activated_socket(void) {
+  const char *pid = getenv("LISTEN_PID"), *fds = getenv("LISTEN_FDS");
+
+  if (pid == NULL || fds == NULL || atoi(pid) != getpid() || atoi(fds) < 1)
+    return -1;
+  return 3;
+}
+
+static void default_socket(struct sl_daemon_config *cfg, char *buf, size_t n) {
+  const char *env = getenv("SUBLET_SOCKET");
+
+  if (cfg->socket_path != NULL)
+    return;
+  if (env != NULL && env[0] != '\0') {
+    cfg->socket_path = env;
+    return;
+  }
+  snprintf(buf, n, "/run/sublet/gpu%d.sock", cfg->device);
+  cfg->socket_path = buf;
+}
+
+static int open_device(struct sl_daemon *d, struct sl_err *err) {
+  struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device};
+  struct sl_books_config bc = {.allow_gid = d->cfg.allow_gid};
+  char a[16], b[16];
+  int rc = sl_device_open(&p, &d->dev, err);
+
+  if (rc != 0)
+    return rc;
+  bc.page_size = sl_device_info(d->dev)->page_size;
+  rc = sl_books_new(&bc, &d->books);
+  if (rc == 0)
+    rc = sl_pool_new(d->dev, &d->pool);
+  if (rc != 0)
+    return sl_err_set(err, rc, "out of host memory");
+  sl_info("device %d: %s (%s backend), %s, pages of %s", d->cfg.device,
+          sl_device_info(d->dev)->name, d->cfg.backend,
+          sl_format_size(a, sl_device_info(d->dev)->total_bytes),
+          sl_format_size(b, sl_device_info(d->dev)->page_size));
+  return 0;
+}
+
+static void cleanup(struct sl_daemon *d) {
+  if (d->loop != NULL)
+    uv_run(d->loop, UV_RUN_NOWAIT); /* let the close callbacks run */
+  sl_pool_free(d->pool);
+  sl_books_free(d->books);
+  if (d->dev != NULL)
+    sl_device_close(d->dev);
+  if (d->cfg.listen_fd < 0 && d->cfg.socket_path != NULL)
+    unlink(d->cfg.socket_path);
+}
+
+int main(int argc, char **argv) {
+  struct sl_daemon d = {0};
+  struct sl_err err = {0};
+  char path[108];
+  int reserve_set = 0, rc;
+
+  d.cfg.backend = "cuda";
+  d.cfg.allow_gid = (gid_t)-1;
+  rc = parse_args(argc, argv, &d.cfg, &reserve_set);
+  if (rc >= 0)
+    return rc;
+  if (!reserve_set && strcmp(d.cfg.backend, "cuda") == 0)
+    d.cfg.reserve_bytes = 1ull << 30;
+  d.cfg.listen_fd = activated_socket();
+  d.cfg.notify = getenv("NOTIFY_SOCKET") != NULL;
+  default_socket(&d.cfg, path, sizeof(path));
+  d.loop = uv_default_loop();
+  rc = open_device(&d, &err);
+  if (rc == 0)
+    rc = sl_server_start(&d, &err);
+  if (rc != 0) {
+    sl_error("%s", err.msg);
+    cleanup(&d);
+    return 1;
+  }
+  sl_info("subletd %s serving device %d on %s", SUBLET_VERSION_STRING, d.cfg.device,
+          d.cfg.listen_fd >= 0 ? "a socket from systemd" : d.cfg.socket_path);
+  uv_run(d.loop, UV_RUN_DEFAULT);
+  cleanup(&d);
+  sl_info("stopped");
+  return 0;
+}

@@ -1,1 +1,159 @@
-/* placeholder */
+/* server.c - the listening socket, signals and the parent watch of subletd's event loop. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+
+double sl_now(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A socket file whose daemon is gone is stale; one that answers belongs to a live daemon. */
+static int socket_in_use(const struct sockaddr_un *addr) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int live;
+
+  if (fd < 0)
+    return 0;
+  live = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0;
+  close(fd);
+  return live;
+}
+
+static int bind_socket(const char *path, struct sl_err *err) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd;
+
+  if (strlen(path) >= sizeof(addr.sun_path))
+    return sl_err_set(err, SUBLET_EINVAL, "socket path %s is too long (%zu bytes at most)",
+                      path, sizeof(addr.sun_path) - 1);
+  strcpy(addr.sun_path, path);
+  if (socket_in_use(&addr))
+    return sl_err_set(err, SUBLET_EBUSY,
+                      "another subletd already serves %s; stop it first or use --socket", path);
+  unlink(path);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0)
+    return sl_err_set(err, -errno, "socket: %s", strerror(errno));
+  /* Owner and group only: the socket's mode and group keep other users out. */
+  if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0 || chmod(path, 0660) != 0 ||
+      listen(fd, 128) != 0) {
+    int e = errno;
+    close(fd);
+    return sl_err_set(err, -e, "cannot listen on %s: %s (does its directory exist and is it "
+                      "writable? set --socket or $SUBLET_SOCKET)", path, strerror(e));
+  }
+  return fd;
+}
+
+static void on_listener(uv_poll_t *h, int status, int events) {
+  struct sl_daemon *d = h->data;
+  int fd;
+
+  while ((fd = accept4(d->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0)
+    sl_conn_accept(d, fd);
+  if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+    sl_warn("accept: %s", strerror(errno));
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  struct sl_daemon *d = h->data;
+
+  sl_info("%s received: shutting down", signum == SIGTERM ? "SIGTERM" : "SIGINT");
+  sl_server_stop(d);
+}
+
+static void on_parent_exit(uv_poll_t *h, int status, int events) {
+  struct sl_daemon *d = h->data;
+
+  sl_info("parent process %d exited: shutting down", (int)d->cfg.parent_pid);
+  sl_server_stop(d);
+}
+
+static int watch_parent(struct sl_daemon *d, struct sl_err *err) {
+  d->parent_pidfd = (int)syscall(SYS_pidfd_open, d->cfg.parent_pid, 0);
+  if (d->parent_pidfd < 0)
+    return sl_err_set(err, SUBLET_EINVAL, "--parent-pid %d: %s", (int)d->cfg.parent_pid,
+                      strerror(errno));
+  uv_poll_init(d->loop, &d->parent_watch, d->parent_pidfd);
+  d->parent_watch.data = d;
+  uv_poll_start(&d->parent_watch, UV_READABLE, on_parent_exit);
+  return 0;
+}
+
+static void notify_ready(void) {
+  const char *path = getenv("NOTIFY_SOCKET");
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  static const char msg[] = "READY=1\nSTATUS=serving";
+  int fd;
+
+  if (path == NULL || strlen(path) >= sizeof(addr.sun_path))
+    return;
+  strcpy(addr.sun_path, path);
+  if (addr.sun_path[0] == '@')
+    addr.sun_path[0] = '\0'; /* abstract namespace */
+  fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return;
+  sendto(fd, msg, sizeof(msg) - 1, 0, (struct sockaddr *)&addr, sizeof(addr));
+  close(fd);
+}
+
+int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
+  int rc;
+
+  d->started = sl_now();
+  d->parent_pidfd = -1;
+  d->listen_fd = d->cfg.listen_fd >= 0 ? d->cfg.listen_fd : bind_socket(d->cfg.socket_path, err);
+  if (d->listen_fd < 0)
+    return d->listen_fd;
+  fcntl(d->listen_fd, F_SETFL, fcntl(d->listen_fd, F_GETFL) | O_NONBLOCK);
+  uv_poll_init(d->loop, &d->listener, d->listen_fd);
+  d->listener.data = d;
+  uv_poll_start(&d->listener, UV_READABLE, on_listener);
+  uv_signal_init(d->loop, &d->sigterm);
+  uv_signal_init(d->loop, &d->sigint);
+  d->sigterm.data = d->sigint.data = d;
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+  if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
+    return rc;
+  if (d->cfg.notify)
+    notify_ready();
+  return 0;
+}
+
+static void close_handle(uv_handle_t *h) {
+  if (!uv_is_closing(h))
+    uv_close(h, NULL);
+}
+
+/* Closes every connection (settling the books: loans end, kept bytes are restored) and the
+ * loop's handles, so that uv_run returns. */
+void sl_server_stop(struct sl_daemon *d) {
+  if (d->stopping)
+    return;
+  d->stopping = 1;
+  while (d->conns != NULL)
+    sl_conn_close(d->conns);
+  sl_handle_shutdown(d);
+  close_handle((uv_handle_t *)&d->listener);
+  close_handle((uv_handle_t *)&d->sigterm);
+  close_handle((uv_handle_t *)&d->sigint);
+  if (d->parent_pidfd >= 0)
+    close_handle((uv_handle_t *)&d->parent_watch);
+  uv_stop(d->loop);
+}

@@ -1,0 +1,40 @@
+/* client.h - libsublet's internals shared by client.c and torch.c. */
+#ifndef SL_CLIENT_H
+#define SL_CLIENT_H
+
+#include <pthread.h>
+
+#include "device.h"
+#include "sublet.h"
+#include "window.h"
+#include "wire.h"
+
+struct sublet_region {
+  sublet_client *client;
+  uint64_t id;
+  uint64_t npages;
+  uint64_t page_size;
+  sl_handle *handles;  /* imported at creation; this process's references to the pages */
+  void *base;          /* all pages mapped contiguously: the tensor's memory */
+  struct sublet_region *next;
+};
+
+struct sublet_client {
+  int sock;             /* owned */
+  pthread_mutex_t lock; /* serialises requests: PyTorch calls the hooks from any thread */
+  struct sl_wire_rx rx;
+  uint64_t next_id;
+  struct sublet_info info;
+  struct sl_device *dev; /* opened at the first region or borrow */
+  struct sublet_region *regions;
+  struct sl_window *win;  /* the current or last loan's window */
+  struct sl_window **forfeit; /* windows of loans ended with live allocations */
+  size_t nforfeit;
+  uint64_t loan_id;       /* the loan being borrowed, 0 if none */
+};
+
+/* Records the calling thread's last error; returns code. */
+int sl_client_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+int sl_client_fail_err(const struct sl_err *err);
+
+#endif

@@ -1,0 +1,70 @@
+/* window.h - a borrower's address window: the loan's pages mapped in lending order.
+ *
+ * The daemon hands out each allocation as a contiguous run of window positions (books.h), so
+ * every allocation is contiguous here with no per-allocation mapping: a position is mapped
+ * the first time it is granted and stays mapped. For the owner's own process the window is
+ * kept from one loan to the next and only positions whose page changed are remapped, so
+ * mapping is paid once. Fresh chunks are mapped when granted and dropped when the loan ends.
+ */
+#ifndef SL_WINDOW_H
+#define SL_WINDOW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "device.h"
+
+struct sl_window_alloc {
+  void *ptr;
+  uint64_t size;
+  uint64_t id;
+};
+
+struct sl_window_chunk {
+  uint64_t pos, npages;
+  sl_handle handle;
+};
+
+struct sl_window {
+  struct sl_device *dev;
+  uint64_t page_size;
+  uint64_t region_id, region_pages;
+  uint64_t unkept, fresh, kept;   /* U, F, K */
+  uint64_t *layout;               /* U + K region page indices */
+  void *base;                     /* U + F + K pages reserved */
+  int64_t *mapped;                /* per position: region page mapped there, or -1 */
+  sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
+  int owns_handles;               /* imported for this window (another process's region) */
+  struct sl_window_chunk *chunks;
+  size_t nchunks, chunkcap;
+  struct sl_window_alloc *allocs;
+  size_t nallocs, alloccap;
+  double map_seconds;
+};
+
+/* A window for a loan's layout. handles: the region's handles when this process owns the
+ * region (borrowed, not freed), or NULL to import them as needed (window-owned). */
+int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
+                  uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
+                  const uint64_t *layout, sl_handle *handles, struct sl_window **out,
+                  struct sl_err *err);
+/* Can w serve this loan's layout (same region and zone sizes)? Then adopt its layout. */
+int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,
+                    uint64_t kept, const uint64_t *layout);
+/* The region page at a window position, or -1 for a fresh position. */
+int64_t sl_window_page_at(const struct sl_window *w, uint64_t pos);
+/* Maps positions [pos, pos+n) that are not mapped to their page yet (fresh positions must be
+ * mapped already by sl_window_add_chunk); every page needs a handle in w->handles. */
+int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_err *err);
+/* Maps a fresh chunk (imported handle, now owned by w) at its positions. */
+int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,
+                        struct sl_err *err);
+/* Unmaps and releases every fresh chunk: the loan's free memory goes back to the device. */
+void sl_window_drop_chunks(struct sl_window *w);
+void sl_window_free(struct sl_window *w);
+
+int sl_window_alloc_add(struct sl_window *w, void *ptr, uint64_t size, uint64_t id);
+/* Removes the allocation at ptr; returns 1 and fills *a if found. */
+int sl_window_alloc_take(struct sl_window *w, void *ptr, struct sl_window_alloc *a);
+
+#endif

@@ -1,0 +1,47 @@
+/* harness.h - starting a real subletd for integration tests, and a tiny assert framework. */
+#ifndef SL_HARNESS_H
+#define SL_HARNESS_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+extern int sl_test_failed, sl_test_passed;
+
+#define CHECK(cond)                                                                   \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);        \
+      sl_test_failed++;                                                               \
+      return;                                                                         \
+    }                                                                                 \
+  } while (0)
+
+#define CHECK_RC(expr, want)                                                            \
+  do {                                                                                  \
+    int rc_ = (expr);                                                                   \
+    if (rc_ != (want)) {                                                                \
+      fprintf(stderr, "%s:%d: %s returned %d, wanted %d (%s)\n", __FILE__, __LINE__,    \
+              #expr, rc_, (want), sublet_last_error());                                 \
+      sl_test_failed++;                                                                 \
+      return;                                                                           \
+    }                                                                                   \
+  } while (0)
+
+struct sl_test_daemon {
+  pid_t pid;
+  char socket[108];
+  char dir[64];
+};
+
+/* Starts subletd ($SUBLETD, else ./subletd) on the memfd backend with pages of page_size and
+ * total bytes of "device" memory, --check on; waits for its socket. */
+int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t total);
+/* SIGTERM, then waits; returns its exit status (0 after a clean shutdown). */
+int sl_test_daemon_stop(struct sl_test_daemon *d);
+int sl_test_count_fds(pid_t pid);
+long sl_test_rss_kib(pid_t pid);
+void sl_test_run(const char *name, void (*fn)(void));
+int sl_test_summary(const char *suite);
+
+#endif

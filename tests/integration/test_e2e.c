@@ -1,0 +1,464 @@
+/* test_e2e.c - sublet end to end: a real subletd (memfd backend), real sockets, client
+ * processes through libsublet. Kept bytes must come back bit-identical whatever the borrower
+ * does, and the bytes copied must equal the kept bytes of the kept pages handed out. */
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "sublet.h"
+#include "wire.h"
+
+#define PAGE (64u << 10)
+#define TOTAL (16u << 20)
+#define REGION_PAGES 64
+
+static struct sl_test_daemon daemon_;
+
+static uint8_t pattern(uint64_t i) {
+  return (uint8_t)((i * 2654435761u) >> 13);
+}
+
+static void fill(uint8_t *p, uint64_t n) {
+  for (uint64_t i = 0; i < n; i++)
+    p[i] = pattern(i);
+}
+
+/* Every kept byte equals the pattern. */
+static int kept_intact(const uint8_t *p, const struct sublet_range *keep, size_t n) {
+  for (size_t k = 0; k < n; k++)
+    for (uint64_t i = keep[k].offset; i < keep[k].offset + keep[k].length; i++)
+      if (p[i] != pattern(i))
+        return 0;
+  return 1;
+}
+
+/* Bytes kept in the region's kept pages: with all kept pages handed out, all kept bytes. */
+static uint64_t kept_bytes(const struct sublet_range *keep, size_t n, uint64_t size) {
+  uint8_t *mark = calloc(size, 1);
+  uint64_t total = 0;
+
+  for (size_t k = 0; k < n; k++)
+    memset(mark + keep[k].offset, 1, keep[k].length);
+  for (uint64_t i = 0; i < size; i++)
+    total += mark[i];
+  free(mark);
+  return total;
+}
+
+static int connect_client(sublet_client **c) {
+  return sublet_connect(daemon_.socket, c);
+}
+
+/* Allocates all the loan can give, writing over every byte; returns bytes taken. */
+static uint64_t take_everything(sublet_client *c, void **ptrs, size_t *n, size_t max) {
+  uint64_t size = 8 * PAGE, taken = 0;
+  void *p;
+
+  *n = 0;
+  while (size >= PAGE && *n < max) {
+    if (sublet_alloc(c, size, &p) != 0) {
+      size /= 2;
+      continue;
+    }
+    memset(p, 0xEE, size);
+    ptrs[(*n)++] = p;
+    taken += size;
+  }
+  return taken;
+}
+
+static void free_all(sublet_client *c, void **ptrs, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    sublet_free(c, ptrs[i]);
+}
+
+/* ------------------------------------------------------------------ tests */
+
+static void test_hello(void) {
+  sublet_client *c;
+  struct sublet_info info;
+
+  CHECK_RC(connect_client(&c), 0);
+  sublet_get_info(c, &info);
+  CHECK(strcmp(info.backend, "memfd") == 0);
+  CHECK(info.page_size == PAGE);
+  CHECK(info.total_bytes == TOTAL);
+  CHECK(info.free_bytes == TOTAL);
+  sublet_disconnect(c);
+}
+
+/* Lends with a keep set, the borrower (same client) takes fill_pages pages or everything. */
+static void lend_in_process(const struct sublet_range *keep, size_t nkeep, int keep_all,
+                            int everything) {
+  sublet_client *c;
+  sublet_region *r;
+  struct sublet_loan_stats st;
+  uint64_t loan, size = REGION_PAGES * PAGE, expect;
+  void *ptrs[1024];
+  size_t n;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, size, &r), 0);
+  fill(sublet_region_addr(r), size);
+  CHECK_RC(sublet_lend(r, keep, nkeep, keep_all, NULL, &loan, NULL), 0);
+  CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
+  if (everything) {
+    uint64_t taken = take_everything(c, ptrs, &n, 1024);
+    CHECK(taken == TOTAL); /* unkept + fresh + kept: the whole "device" */
+  } else {
+    CHECK_RC(sublet_alloc(c, PAGE, &ptrs[0]), 0);
+    memset(ptrs[0], 0xEE, PAGE);
+    n = 1;
+  }
+  free_all(c, ptrs, n);
+  CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, &st), 0);
+  /* One page comes from unkept or fresh pages: nothing copied. Everything: all kept bytes. */
+  expect = !everything ? 0 : keep_all ? size : kept_bytes(keep, nkeep, size);
+  CHECK(st.copied_out_bytes == expect);
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  if (keep_all) {
+    struct sublet_range all = {0, size};
+    CHECK(kept_intact(sublet_region_addr(r), &all, 1));
+  } else {
+    CHECK(kept_intact(sublet_region_addr(r), keep, nkeep));
+  }
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+static void test_keep_nothing(void) {
+  lend_in_process(NULL, 0, 0, 1);
+}
+
+static void test_keep_all(void) {
+  lend_in_process(NULL, 0, 1, 1);
+}
+
+static void test_keep_one_range(void) {
+  struct sublet_range k = {PAGE * 3 + 100, PAGE * 2};
+  lend_in_process(&k, 1, 0, 1);
+}
+
+/* Scattered small blocks, as a paged KV cache keeps them: only their bytes move. */
+static void test_keep_scattered_blocks(void) {
+  struct sublet_range keep[400];
+  size_t n = 0;
+
+  srand(7);
+  for (uint64_t off = 0; off + 4096 <= REGION_PAGES * PAGE && n < 400; off += 4096)
+    if (rand() % 10 < 3)
+      keep[n++] = (struct sublet_range){off, 4096};
+  lend_in_process(keep, n, 0, 1);
+}
+
+static void test_unkept_first(void) {
+  struct sublet_range k = {0, PAGE * 8}; /* the first 8 pages are kept */
+  lend_in_process(&k, 1, 0, 0);          /* one page: from the unkept ones, nothing copied */
+}
+
+static void test_random_keeps(void) {
+  for (int round = 0; round < 20; round++) {
+    struct sublet_range keep[32];
+    size_t n = (size_t)(rand() % 32);
+    for (size_t i = 0; i < n; i++) {
+      uint64_t off = (uint64_t)rand() % (REGION_PAGES * PAGE - 1);
+      uint64_t len = 1 + (uint64_t)rand() % (3 * PAGE);
+      if (off + len > REGION_PAGES * PAGE)
+        len = REGION_PAGES * PAGE - off;
+      keep[i] = (struct sublet_range){off, len};
+    }
+    lend_in_process(keep, n, 0, 1);
+    if (sl_test_failed)
+      return;
+  }
+}
+
+/* A borrower in another process: by loan id and token. */
+static void borrower_child(uint64_t loan, const uint8_t token[16], int die, int ready_fd) {
+  sublet_client *c;
+  void *ptrs[1024];
+  size_t n;
+
+  if (sublet_connect(daemon_.socket, &c) != 0 || sublet_borrow(c, loan, token, NULL, 0) != 0) {
+    fprintf(stderr, "child: %s\n", sublet_last_error());
+    _exit(2);
+  }
+  take_everything(c, ptrs, &n, 1024);
+  if (die) {
+    if (write(ready_fd, "x", 1) != 1)
+      _exit(3);
+    pause(); /* killed here, mid-loan, holding everything */
+  }
+  free_all(c, ptrs, n);
+  _exit(sublet_return(c, 0, NULL, NULL, 0, NULL) == 0 ? 0 : 4);
+}
+
+static void cross_process(int kill_it) {
+  struct sublet_range keep[2] = {{PAGE * 5, PAGE * 3 + 17}, {PAGE * 40 + 5, 1000}};
+  sublet_client *c;
+  sublet_region *r;
+  struct sublet_loan_stats st;
+  uint8_t token[16];
+  uint64_t loan, size = REGION_PAGES * PAGE;
+  int pipefd[2], status;
+  char x;
+  pid_t pid;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, size, &r), 0);
+  fill(sublet_region_addr(r), size);
+  CHECK_RC(sublet_lend(r, keep, 2, 0, "cross", &loan, token), 0);
+  CHECK(pipe(pipefd) == 0);
+  pid = fork();
+  if (pid == 0)
+    borrower_child(loan, token, kill_it, pipefd[1]);
+  if (kill_it) {
+    CHECK(read(pipefd[0], &x, 1) == 1);
+    kill(pid, SIGKILL);
+  }
+  waitpid(pid, &status, 0);
+  CHECK_RC(sublet_reclaim(c, loan, 10000, &st), 0);
+  if (kill_it) {
+    CHECK(WIFSIGNALED(status));
+    CHECK(st.borrower_died);
+    printf("  borrower pid %d killed mid-loan: borrower_died=%d, %llu kept bytes saved and "
+           "restored, data intact=%d\n", (int)pid, st.borrower_died,
+           (unsigned long long)st.copied_in_bytes,
+           kept_intact(sublet_region_addr(r), keep, 2));
+  } else {
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  CHECK(st.copied_out_bytes == kept_bytes(keep, 2, size));
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  CHECK(kept_intact(sublet_region_addr(r), keep, 2));
+  close(pipefd[0]);
+  close(pipefd[1]);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+static void test_cross_process(void) {
+  cross_process(0);
+}
+
+static void test_borrower_killed(void) {
+  cross_process(1);
+}
+
+/* The device is whole again afterwards: nothing leaked. */
+static void test_free_memory_back(void) {
+  sublet_client *c;
+  struct sublet_info info;
+
+  CHECK_RC(connect_client(&c), 0);
+  sublet_get_info(c, &info);
+  CHECK(info.free_bytes == TOTAL);
+  sublet_disconnect(c);
+}
+
+static void test_leak_reported(void) {
+  sublet_client *c;
+  sublet_region *r;
+  struct sublet_loan_stats st;
+  struct sublet_leak leaks[4];
+  size_t nleaks;
+  uint64_t loan;
+  void *p, *q;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 8 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, NULL), 0);
+  CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
+  CHECK_RC(sublet_alloc(c, 3 * PAGE, &p), 0);
+  CHECK_RC(sublet_alloc(c, PAGE, &q), 0);
+  CHECK_RC(sublet_free(c, q), 0);
+  CHECK_RC(sublet_return(c, 0, &st, leaks, 4, &nleaks), SUBLET_ELEAK);
+  CHECK(nleaks == 1 && leaks[0].size == 3 * PAGE && leaks[0].ptr == p);
+  CHECK(strstr(sublet_last_error(), "alive") != NULL || strstr(sublet_last_error(), "leak"));
+  /* The loan goes on: the leak can still be freed and the loan returned cleanly. */
+  CHECK_RC(sublet_free(c, p), 0);
+  CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
+  /* Forced: the loan ends all the same, kept data restored. */
+  fill(sublet_region_addr(r), 8 * PAGE);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, NULL), 0);
+  CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
+  CHECK_RC(sublet_alloc(c, TOTAL, &p), 0); /* everything: kept pages saved */
+  memset(p, 0, TOTAL);
+  CHECK_RC(sublet_return(c, 1, &st, leaks, 4, &nleaks), SUBLET_ELEAK);
+  CHECK(nleaks == 1 && st.copied_in_bytes == 8 * PAGE);
+  {
+    struct sublet_range all = {0, 8 * PAGE};
+    CHECK(kept_intact(sublet_region_addr(r), &all, 1));
+  }
+  CHECK_RC(sublet_free(c, p), 0); /* the forfeit allocation: forgotten locally */
+  CHECK_RC(sublet_reclaim(c, loan, 0, &st), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+static void test_errors(void) {
+  sublet_client *c, *other;
+  sublet_region *r;
+  uint64_t loan;
+  uint8_t token[16], bad[16] = {0};
+  void *p;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(connect_client(&other), 0);
+  CHECK_RC(sublet_alloc(c, PAGE, &p), SUBLET_ENOENT);          /* no loan */
+  CHECK_RC(sublet_region_create(c, 0, &r), SUBLET_EINVAL);
+  CHECK_RC(sublet_region_create(c, 2ull * TOTAL, &r), SUBLET_ENOMEM);
+  CHECK(strstr(sublet_last_error(), "MiB") != NULL);           /* sizes said readably */
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 0, "errs", &loan, token), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 0, NULL, &loan, token), SUBLET_EBUSY); /* one at a time */
+  CHECK_RC(sublet_borrow(other, loan, bad, NULL, 0), SUBLET_EPERM);       /* wrong token */
+  CHECK_RC(sublet_borrow(other, loan, NULL, NULL, 0), SUBLET_EPERM);      /* no token */
+  CHECK_RC(sublet_borrow(other, loan + 100, token, NULL, 0), SUBLET_ENOENT);
+  CHECK_RC(sublet_borrow(other, 0, NULL, "nobody", 0), SUBLET_ENOOFFER);
+  CHECK_RC(sublet_borrow(other, 0, NULL, "errs", 50), 0);                 /* by name */
+  CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), SUBLET_EBUSY);          /* taken */
+  CHECK_RC(sublet_region_release(r), SUBLET_EBUSY);                       /* lent */
+  CHECK_RC(sublet_alloc(other, 2ull * TOTAL, &p), SUBLET_ENOMEM);
+  CHECK_RC(sublet_return(other, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), SUBLET_ENOENT);           /* already taken */
+  CHECK_RC(sublet_borrow(other, 0, NULL, NULL, 100), SUBLET_ETIMEDOUT);   /* nothing offered */
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(other);
+  sublet_disconnect(c);
+}
+
+/* Raw frames: whatever a hostile or broken client sends, the daemon answers or disconnects
+ * it, and goes on serving the others. */
+static int raw_connect(void) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+
+  strcpy(addr.sun_path, daemon_.socket);
+  if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0)
+    return -1;
+  return fd;
+}
+
+/* Sends bytes; returns 1 if the daemon then closed the connection (after any reply). */
+static int closed_after(int fd, const void *buf, size_t len) {
+  char reply[4096];
+  ssize_t n;
+
+  if (write(fd, buf, len) != (ssize_t)len)
+    return 1;
+  shutdown(fd, SHUT_WR);
+  while ((n = read(fd, reply, sizeof(reply))) > 0)
+    ;
+  close(fd);
+  return n == 0;
+}
+
+static void test_malformed_input(void) {
+  uint8_t frame[SL_WIRE_HEADER + 8];
+  struct sl_frame_header h = {SL_WIRE_MAGIC, SUBLET_PROTOCOL_VERSION, SL_WIRE_REQUEST, 8, 0};
+  sublet_client *c;
+
+  CHECK(closed_after(raw_connect(), "garbage, not a frame at all....", 32));
+  h.length = SL_WIRE_MAX_PAYLOAD + 1; /* too large */
+  sl_wire_header_encode(&h, frame);
+  CHECK(closed_after(raw_connect(), frame, SL_WIRE_HEADER));
+  h.length = 8;
+  h.nfds = 3; /* fds announced, none sent */
+  sl_wire_header_encode(&h, frame);
+  memset(frame + SL_WIRE_HEADER, 0xff, 8);
+  CHECK(closed_after(raw_connect(), frame, sizeof(frame)));
+  h.nfds = 0; /* a payload that is no Request */
+  sl_wire_header_encode(&h, frame);
+  CHECK(closed_after(raw_connect(), frame, sizeof(frame)));
+  h.version = 99;
+  sl_wire_header_encode(&h, frame);
+  CHECK(closed_after(raw_connect(), frame, sizeof(frame)));
+  CHECK_RC(connect_client(&c), 0); /* still serving */
+  sublet_disconnect(c);
+}
+
+static void test_many_connections(void) {
+  int fds0, fds1;
+  long rss0, rss1;
+
+  for (int i = 0; i < 200; i++) { /* warm up allocator caches */
+    sublet_client *c;
+    CHECK_RC(connect_client(&c), 0);
+    sublet_disconnect(c);
+  }
+  fds0 = sl_test_count_fds(daemon_.pid);
+  rss0 = sl_test_rss_kib(daemon_.pid);
+  for (int i = 0; i < 3000; i++) {
+    sublet_client *c;
+    sublet_region *r;
+    CHECK_RC(connect_client(&c), 0);
+    if (i % 10 == 0)
+      CHECK_RC(sublet_region_create(c, PAGE, &r), 0); /* freed by the disconnect */
+    sublet_disconnect(c);
+  }
+  usleep(100000);
+  fds1 = sl_test_count_fds(daemon_.pid);
+  rss1 = sl_test_rss_kib(daemon_.pid);
+  printf("  3000 connections: daemon fds %d -> %d, RSS %ld -> %ld KiB\n", fds0, fds1, rss0,
+         rss1);
+  CHECK(fds1 <= fds0); /* the warm-up's last closes may still be in flight at fds0 */
+  CHECK(rss1 - rss0 < 2048);
+}
+
+static void test_owner_dies(void) {
+  sublet_client *c;
+  struct sublet_info info;
+  pid_t pid = fork();
+  int status;
+
+  if (pid == 0) {
+    sublet_client *oc;
+    sublet_region *r;
+    if (sublet_connect(daemon_.socket, &oc) != 0 || sublet_region_create(oc, 32 * PAGE, &r))
+      _exit(2);
+    raise(SIGKILL);
+  }
+  waitpid(pid, &status, 0);
+  usleep(50000);
+  CHECK_RC(connect_client(&c), 0);
+  sublet_get_info(c, &info);
+  CHECK(info.free_bytes == TOTAL); /* the dead owner's region was freed */
+  sublet_disconnect(c);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  srand(1);
+  if (sl_test_daemon_start(&daemon_, PAGE, TOTAL) != 0)
+    return 1;
+  sl_test_run("hello", test_hello);
+  sl_test_run("keep nothing", test_keep_nothing);
+  sl_test_run("keep all", test_keep_all);
+  sl_test_run("keep one range", test_keep_one_range);
+  sl_test_run("keep scattered 4 KiB blocks", test_keep_scattered_blocks);
+  sl_test_run("unkept pages first", test_unkept_first);
+  sl_test_run("random keep sets", test_random_keeps);
+  sl_test_run("borrower in another process", test_cross_process);
+  sl_test_run("borrower killed mid-loan", test_borrower_killed);
+  sl_test_run("free memory back", test_free_memory_back);
+  sl_test_run("leak reported", test_leak_reported);
+  sl_test_run("errors", test_errors);
+  sl_test_run("malformed input", test_malformed_input);
+  sl_test_run("owner dies", test_owner_dies);
+  sl_test_run("many connections", test_many_connections);
+  sl_test_run("free memory back at the end", test_free_memory_back);
+  if (sl_test_daemon_stop(&daemon_) != 0) {
+    fprintf(stderr, "subletd did not exit cleanly\n");
+    sl_test_failed++;
+  }
+  return sl_test_summary("e2e");
+}
