@@ -1,1 +1,820 @@
-/* placeholder */
+/* device_cuda.c - the cuda backend: CUDA virtual memory management through the driver API.
+ *
+ * libcuda.so.1 is loaded at run time and every entry point is resolved through
+ * cuGetProcAddress at a fixed API version, so that nothing needs a GPU or a CUDA toolkit to
+ * build and the signatures below stay those of that version whatever the driver's version.
+ * No CUDA header is included: the few types and values used are declared here, checked against
+ * cuda.h of CUDA 13.0 (layouts and values have been stable since their introduction).
+ *
+ * Handles are cuMemCreate allocations that can be exported as POSIX file descriptors. The
+ * device retains the GPU's primary context (the one PyTorch uses) and pushes it around every
+ * call, so that any thread may call and the caller's current context is left as it was.
+ * Copies run on one non-blocking stream owned by the device, batched with cuMemcpyBatchAsync
+ * where the driver has it.
+ */
+#include "device.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* --- driver types and values (as in cuda.h 13.0) */
+
+typedef enum cudaError_enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
+} CUresult;
+
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef uint64_t cuuint64_t;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+typedef struct CUuuid_st {
+  char bytes[16];
+} CUuuid;
+
+typedef enum CUdevice_attribute_enum {
+  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+  CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
+} CUdevice_attribute;
+
+typedef enum CUmemAllocationHandleType_enum {
+  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 0x1,
+} CUmemAllocationHandleType;
+
+typedef enum CUmemAccess_flags_enum {
+  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3,
+} CUmemAccess_flags;
+
+typedef enum CUmemLocationType_enum {
+  CU_MEM_LOCATION_TYPE_DEVICE = 0x1,
+} CUmemLocationType;
+
+typedef enum CUmemAllocationType_enum {
+  CU_MEM_ALLOCATION_TYPE_PINNED = 0x1,
+} CUmemAllocationType;
+
+typedef enum CUmemAllocationGranularity_flags_enum {
+  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 0x1,
+} CUmemAllocationGranularity_flags;
+
+typedef enum CUmemcpySrcAccessOrder_enum {
+  CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 0x1,
+} CUmemcpySrcAccessOrder;
+
+typedef enum CUdriverProcAddressQueryResult_enum {
+  CU_GET_PROC_ADDRESS_SUCCESS = 0,
+} CUdriverProcAddressQueryResult;
+
+typedef struct CUmemLocation_st {
+  CUmemLocationType type;
+  int id;
+} CUmemLocation;
+
+typedef struct CUmemAllocationProp_st {
+  CUmemAllocationType type;
+  CUmemAllocationHandleType requestedHandleTypes;
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct CUmemAccessDesc_st {
+  CUmemLocation location;
+  CUmemAccess_flags flags;
+} CUmemAccessDesc;
+
+typedef struct CUmemcpyAttributes_st {
+  CUmemcpySrcAccessOrder srcAccessOrder;
+  CUmemLocation srcLocHint;
+  CUmemLocation dstLocHint;
+  unsigned int flags;
+} CUmemcpyAttributes;
+
+#define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_GET_PROC_ADDRESS_DEFAULT 0
+
+/* --- entry points, with their signatures at API version 12000 (cudaTypedefs.h's PFN_*) */
+
+#define SL_CUDA_API_VERSION 12000
+
+#define SL_CUDA_CALLS(X)                                                                      \
+  X(cuInit, (unsigned int flags))                                                             \
+  X(cuDeviceGetCount, (int *count))                                                           \
+  X(cuDeviceGet, (CUdevice * dev, int ordinal))                                               \
+  X(cuDeviceGetName, (char *name, int len, CUdevice dev))                                     \
+  X(cuDeviceGetUuid, (CUuuid * uuid, CUdevice dev))                                           \
+  X(cuDeviceGetAttribute, (int *value, CUdevice_attribute attr, CUdevice dev))                \
+  X(cuDeviceTotalMem, (size_t * bytes, CUdevice dev))                                         \
+  X(cuDevicePrimaryCtxRetain, (CUcontext * ctx, CUdevice dev))                                \
+  X(cuDevicePrimaryCtxRelease, (CUdevice dev))                                                \
+  X(cuCtxPushCurrent, (CUcontext ctx))                                                        \
+  X(cuCtxPopCurrent, (CUcontext * ctx))                                                       \
+  X(cuCtxSynchronize, (void))                                                                 \
+  X(cuMemGetInfo, (size_t * free_bytes, size_t * total_bytes))                                \
+  X(cuMemGetAllocationGranularity, (size_t * granularity, const CUmemAllocationProp *prop,    \
+                                    CUmemAllocationGranularity_flags option))                 \
+  X(cuMemCreate, (CUmemGenericAllocationHandle * h, size_t size,                              \
+                  const CUmemAllocationProp *prop, unsigned long long flags))                 \
+  X(cuMemRelease, (CUmemGenericAllocationHandle h))                                           \
+  X(cuMemExportToShareableHandle, (void *shareable, CUmemGenericAllocationHandle h,           \
+                                   CUmemAllocationHandleType type, unsigned long long flags)) \
+  X(cuMemImportFromShareableHandle, (CUmemGenericAllocationHandle * h, void *os_handle,       \
+                                     CUmemAllocationHandleType type))                         \
+  X(cuMemAddressReserve, (CUdeviceptr * ptr, size_t size, size_t alignment, CUdeviceptr addr, \
+                          unsigned long long flags))                                          \
+  X(cuMemAddressFree, (CUdeviceptr ptr, size_t size))                                         \
+  X(cuMemMap, (CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,   \
+               unsigned long long flags))                                                     \
+  X(cuMemUnmap, (CUdeviceptr ptr, size_t size))                                               \
+  X(cuMemSetAccess, (CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)) \
+  X(cuMemHostRegister, (void *p, size_t size, unsigned int flags))                            \
+  X(cuMemHostUnregister, (void *p))                                                           \
+  X(cuStreamCreate, (CUstream * stream, unsigned int flags))                                  \
+  X(cuStreamDestroy, (CUstream stream))                                                       \
+  X(cuStreamSynchronize, (CUstream stream))                                                   \
+  X(cuMemcpyDtoHAsync, (void *dst, CUdeviceptr src, size_t size, CUstream stream))            \
+  X(cuMemcpyHtoDAsync, (CUdeviceptr dst, const void *src, size_t size, CUstream stream))      \
+  X(cuGetErrorString, (CUresult error, const char **text))                                    \
+  X(cuGetErrorName, (CUresult error, const char **name))
+
+/* cuMemcpyBatchAsync came with 12.8; CUDA 13.0 dropped its failIdx argument. cuGetProcAddress
+ * hands out the variant of the version asked for, so each is called with its own signature. */
+typedef CUresult (*memcpy_batch_v12080_fn)(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                                           size_t count, CUmemcpyAttributes *attrs,
+                                           size_t *attr_idxs, size_t num_attrs,
+                                           size_t *fail_idx, CUstream stream);
+typedef CUresult (*memcpy_batch_v13000_fn)(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                                           size_t count, CUmemcpyAttributes *attrs,
+                                           size_t *attr_idxs, size_t num_attrs,
+                                           CUstream stream);
+
+typedef CUresult (*get_proc_v12000_fn)(const char *symbol, void **pfn, int version,
+                                       cuuint64_t flags,
+                                       CUdriverProcAddressQueryResult *status);
+typedef CUresult (*get_proc_v11030_fn)(const char *symbol, void **pfn, int version,
+                                       cuuint64_t flags);
+
+#define SL_CUDA_MEMBER(name, params) CUresult (*name) params;
+#define SL_CUDA_SYMBOL(name, params) {#name, offsetof(struct cuda_driver, name)},
+
+/* The driver, loaded once per process and never unloaded (CUDA does not support unloading). */
+struct cuda_driver {
+  get_proc_v12000_fn get_proc_v2; /* cuGetProcAddress_v2, CUDA 12.0+ */
+  get_proc_v11030_fn get_proc_v1; /* cuGetProcAddress, CUDA 11.3+: used when v2 is missing */
+  SL_CUDA_CALLS(SL_CUDA_MEMBER)
+  int version; /* cuDriverGetVersion: 13000 for CUDA 13.0 */
+  int batch_version; /* 13000, 12080, or 0 without cuMemcpyBatchAsync */
+  void *memcpy_batch; /* of the signature batch_version says */
+};
+
+static const struct {
+  const char *name;
+  size_t offset;
+} cuda_symbols[] = {SL_CUDA_CALLS(SL_CUDA_SYMBOL)};
+
+static struct cuda_driver drv;
+static struct sl_err load_error;
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+
+/* How many pieces go into one cuMemcpyBatchAsync call: bounds the scratch arrays (96 KiB). */
+#define BATCH_PIECES 4096
+
+struct cuda_device {
+  struct sl_device base;
+  CUdevice dev;
+  CUcontext ctx;     /* the primary context, retained */
+  CUstream stream;   /* for copies; owned */
+  CUmemAllocationProp prop;
+  int use_batch;     /* cleared if the driver refuses batches on this device */
+};
+
+static struct cuda_device *to_cuda(struct sl_device *d) {
+  return (struct cuda_device *)d;
+}
+
+static CUdeviceptr devptr(const void *p) {
+  return (CUdeviceptr)(uintptr_t)p;
+}
+
+/* --- errors */
+
+static int cuda_fail(CUresult r, struct sl_err *err, const char *call, const char *advice) {
+  const char *name = NULL, *text = NULL;
+
+  if (drv.cuGetErrorName != NULL)
+    drv.cuGetErrorName(r, &name);
+  if (drv.cuGetErrorString != NULL)
+    drv.cuGetErrorString(r, &text);
+  return sl_err_set(err, r == CUDA_ERROR_OUT_OF_MEMORY ? SUBLET_ENOMEM : SUBLET_EDEVICE,
+                    "%s failed: %s (%s = %d); %s", call, text != NULL ? text : "unknown error",
+                    name != NULL ? name : "CUresult", (int)r, advice);
+}
+
+static int cuda_check(CUresult r, struct sl_err *err, const char *call, const char *advice) {
+  return r == CUDA_SUCCESS ? 0 : cuda_fail(r, err, call, advice);
+}
+
+/* --- loading the driver */
+
+static const char no_driver_advice[] =
+    "install the NVIDIA driver, or use --backend memfd to run without a GPU";
+
+static int open_libcuda(void **lib, struct sl_err *err) {
+  const char *why;
+
+  *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+  if (*lib != NULL)
+    return 0;
+  why = dlerror();
+  return sl_err_set(err, SUBLET_ENOTSUP,
+                    "the cuda backend needs the NVIDIA driver (libcuda.so.1): %s; %s",
+                    why != NULL ? why : "not found", no_driver_advice);
+}
+
+/* symbol at the given API version, through cuGetProcAddress (12.0's variant also says why a
+ * symbol is missing; 11.3's does not). */
+static int resolve(const char *symbol, int version, void **fn) {
+  CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SUCCESS;
+  CUresult r;
+
+  *fn = NULL;
+  if (drv.get_proc_v2 != NULL)
+    r = drv.get_proc_v2(symbol, fn, version, CU_GET_PROC_ADDRESS_DEFAULT, &status);
+  else
+    r = drv.get_proc_v1(symbol, fn, version, CU_GET_PROC_ADDRESS_DEFAULT);
+  return r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *fn != NULL ? 0 : -1;
+}
+
+static int find_get_proc(void *lib, struct sl_err *err) {
+  *(void **)&drv.get_proc_v2 = dlsym(lib, "cuGetProcAddress_v2");
+  *(void **)&drv.get_proc_v1 = dlsym(lib, "cuGetProcAddress");
+  if (drv.get_proc_v2 != NULL || drv.get_proc_v1 != NULL)
+    return 0;
+  return sl_err_set(err, SUBLET_ENOTSUP,
+                    "the NVIDIA driver is too old (no cuGetProcAddress): sublet needs a driver "
+                    "for CUDA 12.0 or newer (R525+); update it, or use --backend memfd");
+}
+
+static int resolve_calls(struct sl_err *err) {
+  size_t i;
+
+  for (i = 0; i < sizeof(cuda_symbols) / sizeof(cuda_symbols[0]); i++) {
+    void **slot = (void **)((char *)&drv + cuda_symbols[i].offset);
+    if (resolve(cuda_symbols[i].name, SL_CUDA_API_VERSION, slot) != 0)
+      return sl_err_set(err, SUBLET_ENOTSUP,
+                        "the NVIDIA driver (CUDA %d.%d) lacks %s: sublet needs a driver for "
+                        "CUDA 12.0 or newer (R525+); update the driver, or use --backend memfd",
+                        drv.version / 1000, drv.version % 1000 / 10, cuda_symbols[i].name);
+  }
+  return 0;
+}
+
+/* The newest cuMemcpyBatchAsync the driver has; SUBLET_CUDA_NO_BATCH=1 forces the per-piece
+ * fallback (to compare the two, or to work around a driver bug). */
+static void resolve_memcpy_batch(void) {
+  static const int versions[] = {13000, 12080};
+  const char *off = getenv("SUBLET_CUDA_NO_BATCH");
+  size_t i;
+
+  if (off != NULL && strcmp(off, "1") == 0)
+    return;
+  for (i = 0; i < 2; i++) {
+    if (drv.version >= versions[i] &&
+        resolve("cuMemcpyBatchAsync", versions[i], &drv.memcpy_batch) == 0) {
+      drv.batch_version = versions[i];
+      return;
+    }
+  }
+}
+
+static int load_driver(struct sl_err *err) {
+  CUresult (*driver_version)(int *version);
+  void *lib;
+  int rc = open_libcuda(&lib, err);
+
+  if (rc != 0)
+    return rc;
+  *(void **)&driver_version = dlsym(lib, "cuDriverGetVersion");
+  if (driver_version == NULL || driver_version(&drv.version) != CUDA_SUCCESS)
+    return sl_err_set(err, SUBLET_ENOTSUP, "libcuda.so.1 has no working cuDriverGetVersion; %s",
+                      no_driver_advice);
+  rc = find_get_proc(lib, err);
+  if (rc == 0)
+    rc = resolve_calls(err);
+  if (rc == 0)
+    resolve_memcpy_batch();
+  return rc;
+}
+
+static void load_driver_once(void) {
+  load_error.code = load_driver(&load_error);
+}
+
+/* --- the calling thread's context */
+
+/* Makes the device's context current for one call; cuda_leave restores the caller's. */
+static int cuda_enter(struct cuda_device *d, struct sl_err *err) {
+  return cuda_check(drv.cuCtxPushCurrent(d->ctx), err, "cuCtxPushCurrent",
+                    "the GPU's context is unusable; restart the process");
+}
+
+static void cuda_leave(void) {
+  CUcontext popped;
+  drv.cuCtxPopCurrent(&popped);
+}
+
+/* --- opening: find the GPU, check it can do what sublet needs, set up context and stream */
+
+/* As nvidia-smi -L prints it. */
+static const char *format_uuid(char buf[41], const uint8_t *u) {
+  snprintf(buf, 41, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+           u[14], u[15]);
+  return buf;
+}
+
+static int find_by_uuid(const uint8_t *uuid, CUdevice *dev, struct sl_err *err) {
+  int count = 0, i;
+  char wanted[41];
+  CUuuid u;
+
+  if (drv.cuDeviceGetCount(&count) != CUDA_SUCCESS)
+    count = 0;
+  for (i = 0; i < count; i++) {
+    if (drv.cuDeviceGet(dev, i) == CUDA_SUCCESS && drv.cuDeviceGetUuid(&u, *dev) == CUDA_SUCCESS &&
+        memcmp(u.bytes, uuid, 16) == 0)
+      return 0;
+  }
+  return sl_err_set(err, SUBLET_EINVAL,
+                    "no GPU with UUID %s among the %d visible; check CUDA_VISIBLE_DEVICES and "
+                    "nvidia-smi -L", format_uuid(wanted, uuid), count);
+}
+
+static int find_by_ordinal(int ordinal, CUdevice *dev, struct sl_err *err) {
+  int count = 0;
+
+  if (drv.cuDeviceGetCount(&count) != CUDA_SUCCESS)
+    count = 0;
+  if (ordinal < 0 || ordinal >= count)
+    return sl_err_set(err, SUBLET_EINVAL,
+                      "no GPU number %d: %d visible; check --device and CUDA_VISIBLE_DEVICES",
+                      ordinal, count);
+  return cuda_check(drv.cuDeviceGet(dev, ordinal), err, "cuDeviceGet", "check --device");
+}
+
+static int find_device(const struct sl_device_params *p, CUdevice *dev, struct sl_err *err) {
+  CUresult r = drv.cuInit(0);
+
+  if (r == CUDA_ERROR_NO_DEVICE)
+    return sl_err_set(err, SUBLET_ENOTSUP,
+                      "no NVIDIA GPU is visible (cuInit: no CUDA-capable device); check "
+                      "CUDA_VISIBLE_DEVICES, or use --backend memfd to run without a GPU");
+  if (r != CUDA_SUCCESS)
+    return cuda_fail(r, err, "cuInit", "check that the NVIDIA driver works (nvidia-smi)");
+  return p->uuid != NULL ? find_by_uuid(p->uuid, dev, err) : find_by_ordinal(p->ordinal, dev, err);
+}
+
+static int check_vmm_support(struct cuda_device *d, struct sl_err *err) {
+  int vmm = 0, posix_fd = 0;
+
+  drv.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->dev);
+  drv.cuDeviceGetAttribute(&posix_fd,
+                           CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->dev);
+  if (vmm && posix_fd)
+    return 0;
+  return sl_err_set(err, SUBLET_ENOTSUP,
+                    "device %d (%s) does not support virtual memory management with POSIX file "
+                    "descriptor handles; sublet needs it (a Linux driver for CUDA >= 11.x, not "
+                    "WSL, not a vGPU profile without it; this driver is CUDA %d.%d)",
+                    d->base.info.ordinal, d->base.info.name, drv.version / 1000,
+                    drv.version % 1000 / 10);
+}
+
+static int describe_device(struct cuda_device *d, struct sl_err *err) {
+  struct sl_device_info *info = &d->base.info;
+  size_t total = 0;
+  CUuuid uuid;
+  CUresult r;
+
+  snprintf(info->backend, sizeof(info->backend), "cuda");
+  info->ordinal = d->dev;
+  r = drv.cuDeviceGetName(info->name, (int)sizeof(info->name), d->dev);
+  if (r == CUDA_SUCCESS)
+    r = drv.cuDeviceGetUuid(&uuid, d->dev);
+  if (r == CUDA_SUCCESS)
+    r = drv.cuDeviceTotalMem(&total, d->dev);
+  if (r != CUDA_SUCCESS)
+    return cuda_fail(r, err, "describing the GPU", "check nvidia-smi");
+  memcpy(info->uuid, uuid.bytes, sizeof(info->uuid));
+  info->total_bytes = total;
+  return 0;
+}
+
+/* Pinned device memory that can be exported as a file descriptor, and its granularity. */
+static int setup_allocations(struct cuda_device *d, struct sl_err *err) {
+  size_t granularity = 0;
+  int rc;
+
+  memset(&d->prop, 0, sizeof(d->prop));
+  d->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  d->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  d->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  d->prop.location.id = d->dev;
+  rc = cuda_check(drv.cuMemGetAllocationGranularity(&granularity, &d->prop,
+                                                    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                  err, "cuMemGetAllocationGranularity", "check the driver");
+  d->base.info.page_size = granularity;
+  return rc;
+}
+
+static int setup_context(struct cuda_device *d, struct sl_err *err) {
+  int rc = cuda_check(drv.cuDevicePrimaryCtxRetain(&d->ctx, d->dev), err,
+                      "cuDevicePrimaryCtxRetain", "is the GPU in exclusive-process mode?");
+  if (rc != 0)
+    return rc;
+  rc = cuda_enter(d, err);
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuStreamCreate(&d->stream, CU_STREAM_NON_BLOCKING), err, "cuStreamCreate",
+                  "the GPU may be out of memory");
+  cuda_leave();
+  return rc;
+}
+
+static void cuda_close(struct sl_device *dev) {
+  struct cuda_device *d = to_cuda(dev);
+
+  if (d->stream != NULL && cuda_enter(d, NULL) == 0) {
+    drv.cuStreamSynchronize(d->stream);
+    drv.cuStreamDestroy(d->stream);
+    cuda_leave();
+  }
+  if (d->ctx != NULL)
+    drv.cuDevicePrimaryCtxRelease(d->dev);
+  free(d);
+}
+
+static int cuda_open(const struct sl_device_params *p, struct sl_device **out,
+                     struct sl_err *err) {
+  struct cuda_device *d;
+  int rc;
+
+  pthread_once(&load_once, load_driver_once);
+  if (load_error.code != 0)
+    return sl_err_set(err, load_error.code, "%s", load_error.msg);
+  d = calloc(1, sizeof(*d));
+  if (d == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "cuda backend: out of host memory");
+  d->use_batch = drv.batch_version != 0;
+  rc = find_device(p, &d->dev, err);
+  if (rc == 0)
+    rc = describe_device(d, err);
+  if (rc == 0)
+    rc = check_vmm_support(d, err);
+  if (rc == 0)
+    rc = setup_context(d, err);
+  if (rc == 0)
+    rc = setup_allocations(d, err);
+  if (rc != 0) {
+    cuda_close(&d->base);
+    return rc;
+  }
+  *out = &d->base;
+  return 0;
+}
+
+static int cuda_free_bytes(struct sl_device *dev, uint64_t *free_bytes, struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  size_t free_now = 0, total = 0;
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemGetInfo(&free_now, &total), err, "cuMemGetInfo", "check nvidia-smi");
+  cuda_leave();
+  *free_bytes = free_now;
+  return rc;
+}
+
+/* --- handles */
+
+static int cuda_create(struct sl_device *dev, uint64_t size, sl_handle *out,
+                       struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  CUmemGenericAllocationHandle h = 0;
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemCreate(&h, size, &d->prop, 0), err, "cuMemCreate",
+                  "free GPU memory (other processes: nvidia-smi) or ask for less");
+  cuda_leave();
+  *out = rc == 0 ? h : 0;
+  return rc;
+}
+
+static int cuda_release(struct sl_device *dev, sl_handle h) {
+  struct cuda_device *d = to_cuda(dev);
+  int rc = cuda_enter(d, NULL);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemRelease(h), NULL, "cuMemRelease", "");
+  cuda_leave();
+  return rc;
+}
+
+static int cuda_export(struct sl_device *dev, sl_handle h, int *fd, struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                                   0),
+                  err, "cuMemExportToShareableHandle", "check the open-files limit (ulimit -n)");
+  cuda_leave();
+  if (rc != 0)
+    *fd = -1;
+  else
+    fcntl(*fd, F_SETFD, FD_CLOEXEC); /* the caller owns it; no child should inherit a page */
+  return rc;
+}
+
+/* The driver takes the fd by value in a void *, and does not take it over. */
+static int cuda_import(struct sl_device *dev, int fd, sl_handle *out, struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  CUmemGenericAllocationHandle h = 0;
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
+                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                  err, "cuMemImportFromShareableHandle",
+                  "the fd must come from a cuda daemon on this same GPU");
+  cuda_leave();
+  *out = rc == 0 ? h : 0;
+  return rc;
+}
+
+/* --- address space */
+
+static int cuda_reserve(struct sl_device *dev, uint64_t size, void **addr, struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  CUdeviceptr ptr = 0;
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemAddressReserve(&ptr, size, dev->info.page_size, 0, 0), err,
+                  "cuMemAddressReserve", "the process's GPU address space is exhausted");
+  cuda_leave();
+  *addr = (void *)(uintptr_t)ptr;
+  return rc;
+}
+
+static int cuda_unreserve(struct sl_device *dev, void *addr, uint64_t size) {
+  int rc = cuda_enter(to_cuda(dev), NULL);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemAddressFree(devptr(addr), size), NULL, "cuMemAddressFree", "");
+  cuda_leave();
+  return rc;
+}
+
+static int cuda_map(struct sl_device *dev, void *addr, uint64_t size, sl_handle h,
+                    struct sl_err *err) {
+  int rc = cuda_enter(to_cuda(dev), err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemMap(devptr(addr), size, 0, h, 0), err, "cuMemMap",
+                  "the range must lie in a reservation, unmapped, and the size match the handle");
+  cuda_leave();
+  return rc;
+}
+
+static int cuda_set_access(struct sl_device *dev, void *addr, uint64_t size,
+                           struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  CUmemAccessDesc access;
+  int rc = cuda_enter(d, err);
+
+  if (rc != 0)
+    return rc;
+  memset(&access, 0, sizeof(access));
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = d->dev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  rc = cuda_check(drv.cuMemSetAccess(devptr(addr), size, &access, 1), err, "cuMemSetAccess",
+                  "every page of the range must be mapped");
+  cuda_leave();
+  return rc;
+}
+
+/* Waits for the whole context first: a kernel still reading the range would fault. */
+static int cuda_unmap(struct sl_device *dev, void *addr, uint64_t size) {
+  int rc = cuda_enter(to_cuda(dev), NULL);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuCtxSynchronize(), NULL, "cuCtxSynchronize", "");
+  if (rc == 0)
+    rc = cuda_check(drv.cuMemUnmap(devptr(addr), size), NULL, "cuMemUnmap", "");
+  cuda_leave();
+  return rc;
+}
+
+static int cuda_synchronize(struct sl_device *dev, struct sl_err *err) {
+  int rc = cuda_enter(to_cuda(dev), err);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuCtxSynchronize(), err, "cuCtxSynchronize",
+                  "a kernel failed earlier; the context is lost: restart the process");
+  cuda_leave();
+  return rc;
+}
+
+/* --- pinned host memory */
+
+/* Touches the pages first: pinning touched memory costs a tenth of what cuMemHostAlloc does.
+ * Huge pages, where the kernel gives them, mean fewer pages to pin and to translate. */
+static void prefault(void *mem, uint64_t size) {
+  uint64_t step = (uint64_t)sysconf(_SC_PAGESIZE), off;
+
+  madvise(mem, size, MADV_HUGEPAGE);
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(mem, size, MADV_POPULATE_WRITE) == 0)
+    return;
+#endif
+  for (off = 0; off < size; off += step)
+    ((volatile char *)mem)[off] = 0;
+}
+
+static int cuda_host_alloc(struct sl_device *dev, uint64_t size, void **p, struct sl_err *err) {
+  void *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  int rc;
+
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of host memory: %s",
+                      (unsigned long long)size, strerror(errno));
+  prefault(mem, size);
+  rc = cuda_enter(to_cuda(dev), err);
+  if (rc == 0) {
+    rc = cuda_check(drv.cuMemHostRegister(mem, size, CU_MEMHOSTREGISTER_PORTABLE), err,
+                    "cuMemHostRegister", "raise the locked-memory limit (ulimit -l)");
+    cuda_leave();
+  }
+  if (rc != 0) {
+    munmap(mem, size);
+    return rc;
+  }
+  *p = mem;
+  return 0;
+}
+
+static void cuda_host_free(struct sl_device *dev, void *p, uint64_t size) {
+  if (cuda_enter(to_cuda(dev), NULL) == 0) {
+    drv.cuMemHostUnregister(p);
+    cuda_leave();
+  }
+  munmap(p, size);
+}
+
+/* --- copies */
+
+/* Scratch for one cuMemcpyBatchAsync call: the driver reads the arrays during the call only. */
+struct batch {
+  CUdeviceptr dsts[BATCH_PIECES];
+  CUdeviceptr srcs[BATCH_PIECES];
+  size_t sizes[BATCH_PIECES];
+};
+
+static void piece_ends(enum sl_copy_dir dir, char *dev_mem, char *host_mem,
+                       const struct sl_copy *c, CUdeviceptr *dst, CUdeviceptr *src) {
+  CUdeviceptr on_dev = devptr(dev_mem + c->dev_off), on_host = devptr(host_mem + c->host_off);
+  *dst = dir == SL_COPY_TO_HOST ? on_host : on_dev;
+  *src = dir == SL_COPY_TO_HOST ? on_dev : on_host;
+}
+
+static CUresult call_memcpy_batch(struct batch *b, size_t n, CUstream stream) {
+  CUmemcpyAttributes attrs;
+  size_t attr_idx = 0, fail_idx = 0;
+
+  memset(&attrs, 0, sizeof(attrs));
+  attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+  if (drv.batch_version >= 13000)
+    return ((memcpy_batch_v13000_fn)drv.memcpy_batch)(b->dsts, b->srcs, b->sizes, n, &attrs,
+                                                      &attr_idx, 1, stream);
+  return ((memcpy_batch_v12080_fn)drv.memcpy_batch)(b->dsts, b->srcs, b->sizes, n, &attrs,
+                                                    &attr_idx, 1, &fail_idx, stream);
+}
+
+static CUresult enqueue_one(struct cuda_device *d, enum sl_copy_dir dir, CUdeviceptr dst,
+                            CUdeviceptr src, size_t len) {
+  if (dir == SL_COPY_TO_HOST)
+    return drv.cuMemcpyDtoHAsync((void *)(uintptr_t)dst, src, len, d->stream);
+  return drv.cuMemcpyHtoDAsync(dst, (const void *)(uintptr_t)src, len, d->stream);
+}
+
+static CUresult enqueue_each(struct cuda_device *d, enum sl_copy_dir dir, struct batch *b,
+                             size_t n) {
+  CUresult r = CUDA_SUCCESS;
+  size_t i;
+
+  for (i = 0; i < n && r == CUDA_SUCCESS; i++)
+    r = enqueue_one(d, dir, b->dsts[i], b->srcs[i], b->sizes[i]);
+  return r;
+}
+
+/* Queues up to BATCH_PIECES copies: one batched call, or one call per piece where the driver
+ * has no batches or refuses them for these pointers. */
+static CUresult enqueue_chunk(struct cuda_device *d, enum sl_copy_dir dir, char *dev_mem,
+                              char *host_mem, const struct sl_copy *copies, size_t n,
+                              struct batch *b) {
+  CUresult r;
+  size_t i;
+
+  for (i = 0; i < n; i++) {
+    piece_ends(dir, dev_mem, host_mem, &copies[i], &b->dsts[i], &b->srcs[i]);
+    b->sizes[i] = copies[i].len;
+  }
+  if (!d->use_batch)
+    return enqueue_each(d, dir, b, n);
+  r = call_memcpy_batch(b, n, d->stream);
+  if (r != CUDA_ERROR_NOT_SUPPORTED)
+    return r;
+  d->use_batch = 0;
+  return enqueue_each(d, dir, b, n);
+}
+
+static int cuda_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base,
+                     void *host_base, const struct sl_copy *copies, size_t n,
+                     struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  struct batch *b = malloc(sizeof(*b));
+  CUresult r = CUDA_SUCCESS, synced;
+  size_t i;
+  int rc;
+
+  if (b == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "copy: out of host memory for the batch");
+  rc = cuda_enter(d, err);
+  if (rc != 0)
+    goto cleanup;
+  for (i = 0; i < n && r == CUDA_SUCCESS; i += BATCH_PIECES)
+    r = enqueue_chunk(d, dir, dev_base, host_base, copies + i,
+                      n - i < BATCH_PIECES ? n - i : BATCH_PIECES, b);
+  /* Waits even after a failed enqueue: queued copies still read and write the buffers. */
+  synced = drv.cuStreamSynchronize(d->stream);
+  cuda_leave();
+  if (r != CUDA_SUCCESS)
+    rc = cuda_fail(r, err, d->use_batch ? "cuMemcpyBatchAsync" : "cuMemcpyAsync",
+                   "every piece must lie in mapped device memory and in host_alloc'd memory");
+  else
+    rc = cuda_check(synced, err, "cuStreamSynchronize",
+                    "a copy faulted: the device range was probably not mapped");
+cleanup:
+  free(b);
+  return rc;
+}
+
+const struct sl_device_ops sl_device_cuda_ops = {
+    .name = "cuda",
+    .open = cuda_open,
+    .close = cuda_close,
+    .free_bytes = cuda_free_bytes,
+    .create = cuda_create,
+    .release = cuda_release,
+    .export_fd = cuda_export,
+    .import_fd = cuda_import,
+    .reserve = cuda_reserve,
+    .unreserve = cuda_unreserve,
+    .map = cuda_map,
+    .set_access = cuda_set_access,
+    .unmap = cuda_unmap,
+    .synchronize = cuda_synchronize,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy = cuda_copy,
+};

@@ -122,8 +122,8 @@ static void on_readable(uv_poll_t *h, int status, int events) {
     if (n == -EAGAIN)
       return;
     if (n <= 0) {
-      if (n < 0)
-        sl_warn("client pid %d: %s", (int)c->peer.pid, err.msg);
+      if (n < 0) /* a client that dies resets its connection: routine, not a warning */
+        sl_info("client pid %d: %s", (int)c->peer.pid, err.msg);
       sl_conn_close(c);
       return;
     }
@@ -137,7 +137,7 @@ int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t n
   int rc = sl_msg_send_reply(c->fd, rep, fds, nfds, &err);
 
   if (rc != 0) {
-    sl_warn("client pid %d: cannot send a reply (%s); disconnecting it", (int)c->peer.pid,
+    sl_info("client pid %d: cannot send a reply (%s); disconnecting it", (int)c->peer.pid,
             err.msg);
     sl_conn_close(c);
   }
