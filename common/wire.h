@@ -2,7 +2,7 @@
  *
  * A frame is a 16-byte header followed by a protobuf-c payload (proto/sublet.proto):
  *
- *   offset 0  u32  magic    'SBLT' (0x534c4254), little-endian
+ *   offset 0  u32  magic    0x534c4254, little-endian (bytes 54 42 4c 53 on the wire)
  *          4  u16  version  SUBLET_PROTOCOL_VERSION
  *          6  u16  kind     1 = request (client to daemon), 2 = reply (daemon to client)
  *          8  u32  length   payload bytes, at most SL_WIRE_MAX_PAYLOAD
@@ -53,6 +53,8 @@ int sl_wire_send(int sock, uint16_t kind, const void *payload, size_t len, const
 struct sl_wire_rx {
   uint8_t *buf;      /* bytes received and not yet consumed */
   size_t len, cap;
+  size_t off;        /* bytes at the front of buf already handed out in frames: dropped at the
+                        next read, so that a payload stays valid until then */
   int *fds;          /* fds received and not yet handed to a frame; the receiver owns them */
   size_t nfds, fdcap;
 };
@@ -61,7 +63,9 @@ void sl_wire_rx_init(struct sl_wire_rx *rx);
 /* Closes queued fds, frees buffers. */
 void sl_wire_rx_destroy(struct sl_wire_rx *rx);
 /* One recvmsg into the buffer. Returns bytes read (> 0), 0 at EOF, -EAGAIN when nothing is
- * there (non-blocking), or a negative SUBLET_E* code. */
+ * there (non-blocking), or a negative SUBLET_E* code. Take the buffered frames with
+ * sl_wire_rx_next (until it returns 0) between reads: the buffer holds at most one frame of
+ * the largest size. */
 int sl_wire_rx_read(struct sl_wire_rx *rx, int sock, struct sl_err *err);
 /* Takes the next complete frame out of the buffer, if any: returns 1 and sets *h, *payload
  * (valid until the next rx call) and fds (owned by the caller now, h->nfds of them, at most
@@ -69,8 +73,13 @@ int sl_wire_rx_read(struct sl_wire_rx *rx, int sock, struct sl_err *err);
  * error. */
 int sl_wire_rx_next(struct sl_wire_rx *rx, struct sl_frame_header *h, const uint8_t **payload,
                     int *fds, struct sl_err *err);
-/* Blocking convenience for clients: reads until one whole frame is there. */
+/* Blocking convenience for clients: reads until one whole frame is there. Returns 0 with the
+ * frame as sl_wire_rx_next gives it; SUBLET_ETIMEDOUT after timeout_ms (< 0: no limit);
+ * SUBLET_EPIPE at EOF. */
 int sl_wire_recv(struct sl_wire_rx *rx, int sock, struct sl_frame_header *h,
                  const uint8_t **payload, int *fds, int timeout_ms, struct sl_err *err);
+
+/* Closes n fds (those of a frame the caller will not use); skips and leaves -1 in each. */
+void sl_wire_close_fds(int *fds, size_t n);
 
 #endif
