@@ -473,16 +473,13 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
   return 0;
 }
 
-int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
-                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
-                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err) {
-  struct sl_region *r = find_region(b, region_id);
-  struct sl_loan *l;
-  int rc = lend_check(b, client_id, r, region_id, name, token, err);
+/* A loan of region r keeping these ranges, not yet in the books. */
+static int loan_build(const struct sl_books *b, const struct sl_region *r,
+                      const struct sublet_range *keep, size_t nkeep, int keep_all,
+                      struct sl_loan **out, struct sl_err *err) {
+  struct sl_loan *l = calloc(1, sizeof(*l));
+  int rc;
 
-  if (rc < 0)
-    return rc;
-  l = calloc(1, sizeof(*l));
   if (l == NULL)
     return out_of_memory(err);
   rc = loan_set_keep(l, keep, nkeep, keep_all, r->npages * b->cfg.page_size, err);
@@ -492,6 +489,21 @@ int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
     loan_free(l);
     return rc;
   }
+  *out = l;
+  return 0;
+}
+
+int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
+                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err) {
+  struct sl_region *r = find_region(b, region_id);
+  struct sl_loan *l = NULL;
+  int rc = lend_check(b, client_id, r, region_id, name, token, err);
+
+  if (rc == 0)
+    rc = loan_build(b, r, keep, nkeep, keep_all, &l, err);
+  if (rc < 0)
+    return rc;
   l->id = b->next_loan++;
   l->region_id = r->id;
   l->state = SL_LOAN_OFFERED;
@@ -634,6 +646,27 @@ static int fresh_fits(const struct sl_books *b, const struct sl_loan *l, uint64_
                     "%" PRIu64 " fresh pages do not fit a window; ask for fewer", fresh_pages);
 }
 
+/* The loan client c may borrow this way, checked in full. */
+static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64_t loan_id,
+                     const uint8_t *token, const char *name, uint64_t fresh_pages,
+                     struct sl_loan **out, struct sl_err *err) {
+  int rc;
+
+  if (c->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY,
+                      "client %" PRIu64 " already borrows loan %" PRIu64 "; return it before "
+                      "borrowing another", c->id, c->loan_id);
+  if (loan_id != 0)
+    rc = pick_by_id(b, c->id, loan_id, token, out, err);
+  else
+    rc = pick_offer(b, name, out, err);
+  if (rc == 0)
+    rc = borrow_access(b, *out, c, err);
+  if (rc == 0)
+    rc = fresh_fits(b, *out, fresh_pages, err);
+  return rc;
+}
+
 int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                     const uint8_t *token, const char *name, uint64_t fresh_pages,
                     uint64_t *borrowed_loan, struct sl_err *err) {
@@ -643,18 +676,7 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
 
   if (c == NULL)
     return no_client(err, client_id);
-  if (c->loan_id != 0)
-    return sl_err_set(err, SUBLET_EBUSY,
-                      "client %" PRIu64 " already borrows loan %" PRIu64 "; return it before "
-                      "borrowing another", client_id, c->loan_id);
-  if (loan_id != 0)
-    rc = pick_by_id(b, client_id, loan_id, token, &l, err);
-  else
-    rc = pick_offer(b, name, &l, err);
-  if (rc == 0)
-    rc = borrow_access(b, l, c, err);
-  if (rc == 0)
-    rc = fresh_fits(b, l, fresh_pages, err);
+  rc = pick_loan(b, c, loan_id, token, name, fresh_pages, &l, err);
   if (rc < 0)
     return rc;
   l->state = SL_LOAN_ACTIVE;

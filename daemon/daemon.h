@@ -22,6 +22,7 @@ struct sl_daemon_config {
   const char *socket_path;  /* --socket */
   const char *backend;      /* --backend */
   uint64_t reserve_bytes;   /* --reserve: free device memory no loan takes */
+  uint64_t pin_bytes;       /* --pin: host memory pinned ahead of need */
   gid_t allow_gid;          /* --allow-group */
   pid_t parent_pid;         /* --parent-pid: exit when it does (a private daemon) */
   int listen_fd;            /* socket activation: an inherited listening fd, or -1 */

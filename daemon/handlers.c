@@ -612,7 +612,15 @@ static int on_alloc(struct ctx *x, const Sublet__Alloc *m) {
   a.has_fresh_pos = a.has_fresh_pages = g.fresh_npages > 0;
   a.fresh_pos = g.fresh_pos;
   a.fresh_pages = g.fresh_npages;
-  sl_books_alloc_commit(x->d->books, &g);
+  rc = sl_books_alloc_commit(x->d->books, &g);
+  if (rc != 0) { /* cannot happen on one thread: nothing ran between plan and commit */
+    if (fd >= 0) {
+      close(fd);
+      sl_pool_chunk_release(x->d->pool, g.fresh_chunk_id);
+    }
+    sl_grant_clear(&g);
+    return sl_err_set(&x->err, rc, "internal error: an allocation's plan went stale");
+  }
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_ALLOCATED;
   rep.allocated = &a;

@@ -25,6 +25,9 @@ static void usage(FILE *out) {
           "  -r, --reserve SIZE     free device memory no loan may take (default 1G on\n"
           "                         cuda, 0 on memfd); SIZE takes K, M, G suffixes\n"
           "  -g, --allow-group GRP  members of GRP may borrow other users' loans\n"
+          "  -p, --pin SIZE         pin SIZE of host memory for saved kept bytes at start,\n"
+          "                         so that no loan pays for pinning (default 0: pinned\n"
+          "                         as loans need it, then kept)\n"
           "      --parent-pid PID   exit when process PID exits (a private daemon)\n"
           "  -l, --log-level LEVEL  error, warn, info (default) or debug\n"
           "      --check            verify the books after every request (for tests)\n"
@@ -81,7 +84,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
   static const struct option opts[] = {
       {"device", required_argument, NULL, 'd'},  {"socket", required_argument, NULL, 's'},
       {"backend", required_argument, NULL, 'b'}, {"reserve", required_argument, NULL, 'r'},
-      {"allow-group", required_argument, NULL, 'g'},
+      {"allow-group", required_argument, NULL, 'g'}, {"pin", required_argument, NULL, 'p'},
       {"parent-pid", required_argument, NULL, 'P'},
       {"log-level", required_argument, NULL, 'l'}, {"check", no_argument, NULL, 'C'},
       {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
@@ -89,7 +92,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
   int opt, level;
   char *end;
 
-  while ((opt = getopt_long(argc, argv, "d:s:b:r:g:l:hV", opts, NULL)) != -1) {
+  while ((opt = getopt_long(argc, argv, "d:s:b:r:g:p:l:hV", opts, NULL)) != -1) {
     switch (opt) {
       case 'd':
         cfg->device = (int)strtol(optarg, &end, 10);
@@ -106,6 +109,10 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
         if (parse_size(optarg, &cfg->reserve_bytes) != 0)
           return usage_error("--reserve takes a size such as 512M or 2G, not '%s'", optarg);
         *reserve_set = 1;
+        break;
+      case 'p':
+        if (parse_size(optarg, &cfg->pin_bytes) != 0)
+          return usage_error("--pin takes a size such as 16G, not '%s'", optarg);
         break;
       case 'g':
         if (parse_group(optarg, &cfg->allow_gid) != 0)
@@ -166,6 +173,14 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
     rc = sl_pool_new(d->dev, &d->pool);
   if (rc != 0)
     return sl_err_set(err, rc, "out of host memory");
+  if (d->cfg.pin_bytes > 0) {
+    double t0 = sl_now();
+    rc = sl_pool_host_reserve(d->pool, d->cfg.pin_bytes, err);
+    if (rc != 0)
+      return rc;
+    sl_info("pinned %s of host memory in %.1f s", sl_format_size(a, d->cfg.pin_bytes),
+            sl_now() - t0);
+  }
   sl_info("device %d: %s (%s backend), %s, pages of %s", d->cfg.device,
           sl_device_info(d->dev)->name, d->cfg.backend,
           sl_format_size(a, sl_device_info(d->dev)->total_bytes),
