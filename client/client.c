@@ -47,8 +47,8 @@ SUBLET_EXPORT const char *sublet_last_error(void) {
 
 /* Sends req and waits for its reply; an Error reply becomes its code (and the thread's last
  * error), with the reply still returned in *out for callers that read its details. */
-static int call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
-                size_t *nfds, int timeout_ms) {
+int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
+                   size_t *nfds, int timeout_ms) {
   struct sl_frame_header h;
   const uint8_t *payload;
   struct sl_err err = {0};
@@ -83,7 +83,7 @@ static int call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int
 /* A call whose reply carries nothing but success. */
 static int call_simple(sublet_client *c, Sublet__Request *req) {
   Sublet__Reply *rep = NULL;
-  int rc = call(c, req, &rep, NULL, NULL, -1);
+  int rc = sl_client_call(c, req, &rep, NULL, NULL, -1);
 
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -138,7 +138,7 @@ static int hello(sublet_client *c) {
   h.client_name = name;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &h;
-  rc = call(c, &req, &rep, NULL, NULL, 30000);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, 30000);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_WELCOME)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Hello with something else");
   if (rc == 0)
@@ -243,7 +243,7 @@ static int fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64
     pg.count = n;
     req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
     req.pages_get = &pg;
-    rc = call(c, &req, &rep, fds, &nfds, -1);
+    rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
     if (rep != NULL)
       sublet__reply__free_unpacked(rep, NULL);
     if (rc == 0 && nfds != n)
@@ -302,7 +302,7 @@ static int region_create_request(sublet_client *c, uint64_t size, struct sublet_
   rc_msg.size = size;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &rc_msg;
-  rc = call(c, &req, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_REGION_CREATED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered RegionCreate with something else");
   if (rc == 0) {
@@ -422,7 +422,7 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   pthread_mutex_lock(&c->lock);
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = call(c, &req, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_LENT)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Lend with something else");
   if (rc == 0) {
@@ -450,7 +450,7 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
   req.reclaim = &m;
   pthread_mutex_lock(&c->lock);
   /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
-  rc = call(c, &req, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RECLAIMED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Reclaim with something else");
   if (rc == 0 && stats != NULL)
@@ -520,7 +520,7 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
     rc = sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
                         (unsigned long long)c->loan_id);
   if (rc == 0)
-    rc = call(c, &req, &rep, NULL, NULL, -1);
+    rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_BORROWED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Borrow with something else");
   if (rc == 0)
@@ -601,7 +601,7 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_ALLOC;
   req.alloc = &m;
-  rc = call(c, &req, &rep, fds, &nfds, -1);
+  rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_ALLOCATED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Alloc with something else");
   if (rc == 0) {
@@ -714,7 +714,7 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   m.force = force != 0;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  rc = call(c, &req, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RETURNED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Return with something else");
   if (rc == 0 && stats != NULL)
@@ -756,7 +756,7 @@ SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &m;
   pthread_mutex_lock(&c->lock);
-  rc = call(c, &req, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   memset(stats, 0, sizeof(*stats));
   if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_STATUS && rep->status->loan != NULL)
     sl_msg_stats_from_proto(rep->status->loan->stats, stats);

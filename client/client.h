@@ -5,6 +5,7 @@
 #include <pthread.h>
 
 #include "device.h"
+#include "sublet.pb-c.h"
 #include "sublet.h"
 #include "window.h"
 #include "wire.h"
@@ -36,5 +37,10 @@ struct sublet_client {
 /* Records the calling thread's last error; returns code. */
 int sl_client_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int sl_client_fail_err(const struct sl_err *err);
+/* Sends req and waits for its reply (the caller holds c->lock); an Error reply becomes its
+ * code, with the reply still in *out (freed by the caller) for its details. fds/nfds (may be
+ * NULL) receive the reply's fds: *nfds is the capacity in and the count out. */
+int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
+                   size_t *nfds, int timeout_ms);
 
 #endif

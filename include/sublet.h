@@ -144,6 +144,11 @@ SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_
                                 struct sublet_leak *leaks, size_t nleaks, size_t *nleaks_out);
 SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats);
 
+/* The daemon's status (device, regions, the loan in progress, totals since start) as a JSON
+ * object in *json, freed with sublet_string_free(). */
+SUBLET_EXPORT int sublet_status_json(sublet_client *c, char **json);
+SUBLET_EXPORT void sublet_string_free(char *s);
+
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
  * device index of this process to a client that is borrowing; NULL unbinds. They never call
  * Python; on failure alloc returns NULL and sublet_last_error() says why. */
