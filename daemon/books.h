@@ -20,7 +20,8 @@
  *
  * Two-phase allocation: sl_books_alloc_plan() computes a grant without changing anything; the
  * daemon does the device work it names (create the chunk, save the kept bytes) and then calls
- * sl_books_alloc_commit(), or sl_grant_clear() alone if the device work failed.
+ * sl_books_alloc_commit() if it succeeded; either way it then frees the grant with
+ * sl_grant_clear().
  *
  * Functions return 0 or a negative SUBLET_E* code with a message in err (may be NULL).
  * Ids are never reused. Arrays inside plans are owned by the plan; *_clear() frees them.

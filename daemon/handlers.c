@@ -621,6 +621,7 @@ static int on_alloc(struct ctx *x, const Sublet__Alloc *m) {
     sl_grant_clear(&g);
     return sl_err_set(&x->err, rc, "internal error: an allocation's plan went stale");
   }
+  sl_grant_clear(&g);
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_ALLOCATED;
   rep.allocated = &a;

@@ -411,7 +411,9 @@ static void test_many_connections(void) {
   printf("  3000 connections: daemon fds %d -> %d, RSS %ld -> %ld KiB\n", fds0, fds1, rss0,
          rss1);
   CHECK(fds1 <= fds0); /* the warm-up's last closes may still be in flight at fds0 */
+#ifndef __SANITIZE_ADDRESS__ /* ASan's quarantine holds freed memory: RSS says nothing there */
   CHECK(rss1 - rss0 < 2048);
+#endif
 }
 
 static void test_owner_dies(void) {
