@@ -62,6 +62,12 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, 
     rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, timeout_ms, &err);
   if (rc != 0)
     return sl_client_fail_err(&err);
+  if (h.version != SUBLET_PROTOCOL_VERSION) {
+    sl_wire_close_fds(rxfds, h.nfds);
+    return sl_client_fail(SUBLET_EVERSION, "subletd speaks protocol %u, this library %d: "
+                          "install matching versions of sublet and subletd", h.version,
+                          SUBLET_PROTOCOL_VERSION);
+  }
   rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
   if (rep == NULL || rep->id != req->id || (nfds == NULL && h.nfds > 0) ||
       (nfds != NULL && h.nfds > *nfds)) {

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -437,6 +438,72 @@ static void test_owner_dies(void) {
   sublet_disconnect(c);
 }
 
+/* Another user: kept out by the socket's mode, and refused by the books if let in. */
+static int other_user_child(uint64_t loan, const uint8_t token[16]) {
+  sublet_client *c;
+  int rc;
+
+  if (setgid(65534) != 0 || setuid(65534) != 0)
+    return 10;
+  rc = sublet_connect(daemon_.socket, &c);
+  if (rc != SUBLET_ECONNREFUSED)
+    return 11;
+  if (strstr(sublet_last_error(), "Permission denied") == NULL)
+    return 12;
+  /* The test opens the socket to everyone: the books must refuse all the same. */
+  if (write(3, "go", 2) != 2 || read(4, &rc, 1) != 1)
+    return 13;
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    return 14;
+  rc = sublet_borrow(c, loan, token, NULL, 0);
+  if (rc != SUBLET_EPERM || strstr(sublet_last_error(), "allow-group") == NULL)
+    return 15;
+  sublet_disconnect(c);
+  return 0;
+}
+
+static void test_other_user_refused(void) {
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[16];
+  uint64_t loan;
+  int to_parent[2], to_child[2], status;
+  char buf[2];
+  pid_t pid;
+
+  if (geteuid() != 0) {
+    printf("  skipped: needs root to drop privileges in a child\n");
+    return;
+  }
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, token), 0);
+  CHECK(pipe(to_parent) == 0 && pipe(to_child) == 0);
+  chmod(daemon_.dir, 0755);
+  pid = fork();
+  if (pid == 0) {
+    dup2(to_parent[1], 3);
+    dup2(to_child[0], 4);
+    _exit(other_user_child(loan, token));
+  }
+  CHECK(read(to_parent[0], buf, 2) == 2);
+  chmod(daemon_.socket, 0666);
+  CHECK(write(to_child[1], "x", 1) == 1);
+  waitpid(pid, &status, 0);
+  chmod(daemon_.socket, 0660);
+  CHECK(WIFEXITED(status));
+  if (WEXITSTATUS(status) != 0)
+    fprintf(stderr, "other-user child failed at step %d\n", WEXITSTATUS(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+  close(to_parent[0]);
+  close(to_parent[1]);
+  close(to_child[0]);
+  close(to_child[1]);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   srand(1);
@@ -456,6 +523,7 @@ int main(void) {
   sl_test_run("errors", test_errors);
   sl_test_run("malformed input", test_malformed_input);
   sl_test_run("owner dies", test_owner_dies);
+  sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);
   if (sl_test_daemon_stop(&daemon_) != 0) {

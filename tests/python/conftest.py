@@ -1,0 +1,54 @@
+"""Shared pytest setup for sublet's Python tests.
+
+- The package is imported from this checkout (no install needed).
+- `gpu` tests skip cleanly without CUDA.
+- `native` finds build/subletd and build/libsublet.so (built by CMake; nothing is built here)
+  and skips the tests that need them, with the reason, when they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+@dataclass(frozen=True)
+class Native:
+    subletd: Path
+    libsublet: Path
+
+
+def find_native() -> Native | None:
+    """The built daemon and library: $SUBLETD / $SUBLET_LIB, else the repo's build/."""
+    subletd = Path(os.environ.get("SUBLETD", REPO / "build" / "subletd"))
+    lib = Path(os.environ.get("SUBLET_LIB", REPO / "build" / "libsublet.so"))
+    return Native(subletd, lib) if subletd.is_file() and lib.exists() else None
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def native() -> Native:
+    found = find_native()
+    if found is None:
+        pytest.skip("needs the built subletd and libsublet.so: run "
+                    "`cmake -S . -B build -G Ninja && cmake --build build` (or set $SUBLETD "
+                    "and $SUBLET_LIB)")
+    os.environ.setdefault("SUBLETD", str(found.subletd))
+    os.environ.setdefault("SUBLET_LIB", str(found.libsublet))
+    return found

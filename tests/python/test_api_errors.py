@@ -1,0 +1,184 @@
+"""Argument errors and environment checks of the Python API. No daemon, no GPU."""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import pytest
+import torch
+
+import sublet
+from sublet import _lib, _memory, _torch
+from sublet._lib import error_for
+
+from conftest import REPO
+
+
+class _FakeRegion:
+    """Stands for a daemon's region so that lend() argument checks run without a daemon."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.size = tensor.untyped_storage().nbytes()
+        self.lent = False
+
+
+@pytest.fixture
+def sublet_like_tensor():
+    tensor = torch.zeros(8, 16, dtype=torch.uint8)
+    region = _FakeRegion(tensor)
+    addr = tensor.untyped_storage().data_ptr()
+    _memory._registry[addr] = weakref.ref(region)
+    yield tensor
+    _memory._registry.pop(addr, None)
+
+
+# --------------------------------------------------------------------------- lend / keep
+
+def test_lend_refuses_a_tensor_sublet_did_not_make():
+    with pytest.raises(ValueError, match=r"sublet\.empty"):
+        sublet.lend(torch.zeros(4))
+
+
+def test_lend_refuses_a_non_tensor():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        sublet.lend([1, 2, 3])
+
+
+def test_keep_view_of_another_tensor(sublet_like_tensor):
+    other = torch.zeros(8, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not a view of the lent tensor"):
+        sublet.lend(sublet_like_tensor, keep=[sublet_like_tensor[0], other[1]])
+
+
+def test_keep_of_wrong_type(sublet_like_tensor):
+    with pytest.raises(TypeError, match="keep"):
+        sublet.lend(sublet_like_tensor, keep="all")
+
+
+def test_offer_checks_keep_before_lending(sublet_like_tensor):
+    with pytest.raises(ValueError, match="not a view"):
+        sublet.offer(sublet_like_tensor, keep=torch.zeros(3))
+
+
+def test_loan_empty_outside_a_loan(sublet_like_tensor):
+    loan = sublet.lend(sublet_like_tensor, keep=[])
+    with pytest.raises(RuntimeError, match="only while the loan is active"):
+        loan.empty(4)
+    with pytest.raises(RuntimeError, match="has not started"):
+        loan.stats
+
+
+# --------------------------------------------------------------------------- empty
+
+@pytest.mark.parametrize("size, dtype, error", [
+    ((4,), "float32", TypeError),
+    ((4,), torch.float32.itemsize, TypeError),
+    ((-1,), torch.float32, TypeError),
+    ((2.5,), torch.float32, TypeError),
+    ((0, 4), torch.float32, ValueError),
+])
+def test_empty_argument_errors(size, dtype, error):
+    with pytest.raises(error):
+        sublet.empty(*size, dtype=dtype)
+
+
+def test_empty_size_forms():
+    assert _memory.parse_size((2, 3)) == (2, 3)
+    assert _memory.parse_size(((2, 3),)) == (2, 3)
+    assert _memory.parse_size((torch.Size([2, 3]),)) == (2, 3)
+    assert _memory.nbytes_of((2, 3), torch.bfloat16) == 12
+
+
+def test_cpu_device_needs_the_memfd_backend(monkeypatch):
+    monkeypatch.setenv("SUBLET_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="SUBLET_BACKEND=memfd"):
+        sublet.empty(4, device="cpu")
+
+
+def test_unknown_backend(monkeypatch):
+    monkeypatch.setenv("SUBLET_BACKEND", "rocm")
+    with pytest.raises(ValueError, match="'cuda' or 'memfd'"):
+        sublet.empty(4)
+
+
+# --------------------------------------------------------------------------- torch checks
+
+@pytest.mark.parametrize("version", ["2.7.1", "2.16.0", "3.0.0", "1.13.1+cu117"])
+def test_unsupported_torch_versions_are_refused(version):
+    with pytest.raises(RuntimeError, match=r"2\.8 to 2\.15.*SUBLET_SKIP_TORCH_CHECK=1"):
+        _torch.check_torch_version(version, environ={})
+
+
+@pytest.mark.parametrize("version", ["2.8.0", "2.9.0a0+git1234", "2.11.0+cu130",
+                                     "2.15.0+cu132", "2.15.3"])
+def test_supported_torch_versions(version):
+    _torch.check_torch_version(version, environ={})
+
+
+def test_skip_torch_check(monkeypatch):
+    _torch.check_torch_version("2.16.0", environ={"SUBLET_SKIP_TORCH_CHECK": "1"})
+    monkeypatch.setattr(torch, "__version__", "2.7.0")
+    monkeypatch.setenv("SUBLET_SKIP_TORCH_CHECK", "1")
+    _torch.check_torch_version()
+    monkeypatch.delenv("SUBLET_SKIP_TORCH_CHECK")
+    with pytest.raises(RuntimeError, match="not 2.7.0"):
+        _torch.check_torch_version()
+
+
+@pytest.mark.parametrize("env", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, backend: cudaMallocAsync"},
+    {"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"},
+])
+def test_cuda_malloc_async_is_refused(env):
+    with pytest.raises(RuntimeError, match="MemPool"):
+        _torch.check_alloc_conf(env)
+
+
+@pytest.mark.parametrize("env", [
+    {}, {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"},
+    {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"},
+])
+def test_other_allocator_settings_pass(env):
+    _torch.check_alloc_conf(env)
+
+
+# --------------------------------------------------------------------------- errors and lib
+
+def test_error_codes_match_the_header():
+    header = (REPO / "include" / "sublet.h").read_text()
+    declared = dict((name, int(value)) for name, value in
+                    re.findall(r"X\((E\w+),\s*(-\d+),", header))
+    assert declared == _lib.ERROR_CODES
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("ELEAK", sublet.LeakError), ("ENOOFFER", sublet.NoOfferError),
+    ("EOWNERGONE", sublet.OwnerGoneError), ("EBORROWERDIED", sublet.BorrowerDiedError),
+    ("ECONNREFUSED", sublet.DaemonUnavailableError), ("EPIPE", sublet.DaemonUnavailableError),
+    ("EPROTO", sublet.ProtocolError), ("EVERSION", sublet.ProtocolError),
+    ("EBUSY", sublet.BusyError), ("EINVAL", sublet.SubletError),
+])
+def test_codes_map_to_exceptions(name, cls):
+    error = error_for(_lib.ERROR_CODES[name], "what to do")
+    assert type(error) is cls and isinstance(error, RuntimeError)
+    assert error.code == _lib.ERROR_CODES[name] and error.code_name == name
+    assert "what to do" in str(error)
+
+
+def test_timeout_is_a_builtin_timeout_error():
+    error = error_for(_lib.ERROR_CODES["ETIMEDOUT"], "slow")
+    assert isinstance(error, TimeoutError) and isinstance(error, sublet.SubletError)
+
+
+def test_missing_native_file_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setenv("SUBLET_LIB", str(tmp_path / "nope.so"))
+    with pytest.raises(FileNotFoundError, match=r"pip install \.|cmake"):
+        _lib.find_native("libsublet.so", "SUBLET_LIB")
+
+
+def test_status_stub_exit_code(capsys):
+    from sublet._status import main
+    assert main(["status", "--json"]) == 3
+    assert "not available yet" in capsys.readouterr().err

@@ -1,0 +1,315 @@
+"""End to end on the memfd backend (no GPU): a private subletd, real sockets, fd passing,
+mapping and copies, through the public Python API with CPU tensors.
+
+Needs the built subletd and libsublet.so (skipped with the reason when they are missing).
+The daemon gets 64 KiB pages and 64 MiB in all, so a loan is easy to fill completely.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import sublet
+from sublet._keep import keep_ranges, kept_bytes_in_pages, kept_pages
+
+from conftest import REPO
+
+PAGE = 64 * 1024
+TOTAL = 64 * 1024 * 1024
+
+pytestmark = pytest.mark.daemon
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memfd_daemon(native):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SUBLET_BACKEND", "memfd")
+        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
+        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
+        mp.delenv("SUBLET_SOCKET", raising=False)
+        info = sublet.info("cpu")
+        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
+        yield info
+
+
+def patterned(*size, dtype=torch.uint8, seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sublet tensor filled with random bytes, and a copy of them."""
+    t = sublet.empty(*size, dtype=dtype, device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    raw = t.view(-1).view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+    return t, t.clone()
+
+
+def kept_mask(t: torch.Tensor, keep) -> np.ndarray:
+    """One bool per byte of t: the bytes `keep` asks back."""
+    mask = np.zeros(t.untyped_storage().nbytes(), dtype=bool)
+    if keep is None:
+        mask[:] = True
+        return mask
+    for off, length in expected_ranges(t, keep).tolist():
+        mask[off:off + length] = True
+    return mask
+
+
+def expected_ranges(t: torch.Tensor, keep) -> np.ndarray:
+    if keep is None:
+        return np.array([[0, t.untyped_storage().nbytes()]], dtype=np.uint64)
+    return keep_ranges(keep, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    return torch.tensor([], dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def assert_kept_intact(t: torch.Tensor, before: torch.Tensor, keep) -> None:
+    mask = kept_mask(t, keep)
+    now, then = as_bytes(t), as_bytes(before)
+    bad = np.flatnonzero((now != then) & mask)
+    assert len(bad) == 0, f"{len(bad)} kept bytes changed, first at offset {bad[0]}"
+
+
+def fill_loan(loan: sublet.Loan, seed: int = 1) -> list[torch.Tensor]:
+    """Loan.empty() pages until the loan is full, each written with random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    while True:
+        try:
+            x = loan.empty(PAGE, dtype=torch.uint8)
+        except sublet.SubletOutOfMemoryError:
+            return tensors
+        x.copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g))
+        tensors.append(x)
+
+
+KEEPS = {
+    "default": lambda c: None,
+    "nothing": lambda c: [],
+    "one view": lambda c: c[3],
+    "list": lambda c: [c[0], c[5], c[6]],
+    "odd rows": lambda c: c[1::2],
+    "columns": lambda c: c[:, 2:5],
+    "scattered 1 KiB": lambda c: [c[i, j * 1024:(j + 1) * 1024]
+                                  for i, j in [(0, 3), (2, 60), (2, 61), (9, 0), (15, 63)]],
+}
+
+
+@pytest.mark.parametrize("keep_name", list(KEEPS))
+def test_keep_variants_fill_everything_and_restore(keep_name):
+    cache, before = patterned(16, 65536)
+    keep = KEEPS[keep_name](cache)
+    with sublet.lend(cache, keep=keep) as loan:
+        tensors = fill_loan(loan)
+        assert len(tensors) * PAGE == TOTAL - (len(sublet_regions_pages()) - 16) * PAGE
+        del tensors
+    assert_kept_intact(cache, before, keep)
+    expected = kept_bytes_in_pages(expected_ranges(cache, keep), PAGE)
+    assert loan.copied_bytes == expected == loan.copied_in_bytes
+    assert loan.stats.served_kept_bytes == PAGE * len(kept_pages(expected_ranges(cache, keep),
+                                                                  PAGE))
+
+
+def sublet_regions_pages() -> list[int]:
+    """Pages of all regions alive in this process (they are not free memory for a loan)."""
+    from sublet import _memory
+    regions = [ref() for ref in _memory._registry.values()]
+    return [0] * sum(r.size // PAGE for r in regions if r is not None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int64,
+                                   torch.complex64])
+def test_dtypes_and_non_contiguous_views(dtype):
+    cache, before = patterned(8, 4, 4096 // dtype.itemsize, dtype=dtype, seed=3)
+    keep = [cache[1::3, :, 7:100], cache[4, 2]]
+    with sublet.lend(cache, keep=keep) as loan:
+        del_all(fill_loan(loan))
+    assert_kept_intact(cache, before, keep)
+    assert loan.copied_bytes == kept_bytes_in_pages(expected_ranges(cache, keep), PAGE)
+
+
+def del_all(tensors: list) -> None:
+    tensors.clear()
+
+
+def test_copied_bytes_grow_page_by_page_with_the_kept_pages_used():
+    """Kept pages are handed out last, in ascending order, and only their kept bytes move."""
+    cache, before = patterned(32, 65536, seed=5)
+    keep = [cache[i, 100:300] for i in range(0, 32, 3)]
+    ranges = expected_ranges(cache, keep)
+    pages = kept_pages(ranges, PAGE).tolist()
+    with sublet.lend(cache, keep=keep) as loan:
+        tensors, used_kept = [], 0
+        while used_kept < len(pages):
+            tensors.append(loan.empty(PAGE, dtype=torch.uint8).fill_(0xEE))
+            used_kept = loan.stats.served_kept_bytes // PAGE
+            assert loan.stats.copied_out_bytes == kept_bytes_in_pages(ranges, PAGE,
+                                                                      pages[:used_kept])
+        del tensors
+    assert loan.copied_bytes == kept_bytes_in_pages(ranges, PAGE) == 11 * 200
+    assert_kept_intact(cache, before, keep)
+
+
+def test_leak_error_restores_the_kept_data():
+    cache, before = patterned(16, 65536, seed=7)
+    with pytest.raises(sublet.LeakError, match="alive") as caught:
+        with sublet.lend(cache) as loan:
+            tensors = fill_loan(loan)
+            leaked = tensors[-1]
+            del tensors
+    assert len(caught.value.leaks) == 1 and caught.value.leaks[0][1] == PAGE
+    assert_kept_intact(cache, before, None)
+    del leaked  # frees the forfeit allocation; must not crash
+    with sublet.lend(cache, keep=[]) as loan:  # the device is usable again
+        loan.empty(PAGE)
+
+
+def test_an_exception_in_the_block_still_restores():
+    cache, before = patterned(4, 65536, seed=8)
+    with pytest.raises(KeyError):
+        with sublet.lend(cache) as loan:
+            x = fill_loan(loan)
+            raise KeyError("boom")
+    del x
+    assert_kept_intact(cache, before, None)
+
+
+def test_one_loan_at_a_time():
+    a, _ = patterned(2, 65536)
+    b, _ = patterned(2, 65536)
+    with sublet.lend(a, keep=[]):
+        with pytest.raises(sublet.BusyError, match="one loan"):
+            with sublet.lend(b):
+                pass
+    loan = sublet.lend(a)
+    with loan:
+        with pytest.raises(sublet.BusyError):
+            with sublet.lend(a):
+                pass
+    with pytest.raises(RuntimeError, match="only while the loan is active"):
+        loan.empty(16)
+
+
+def free_bytes() -> int:
+    """The daemon's free memory now (a new connection's welcome says it)."""
+    from sublet import _client, _daemon
+    client = _client.Client(_daemon.connect(0, "memfd"), "memfd", 0)
+    try:
+        return client.info.free_bytes
+    finally:
+        client.close()
+
+
+def test_freeing_the_tensor_releases_its_region():
+    free_before = free_bytes()
+    t = sublet.empty(4 * PAGE, dtype=torch.uint8, device="cpu")
+    assert free_bytes() == free_before - 4 * PAGE
+    view = t[PAGE:]
+    del t
+    assert free_bytes() == free_before - 4 * PAGE  # the view keeps it
+    del view
+    assert free_bytes() == free_before
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_fifty_loans_in_a_row_do_not_grow():
+    cache, before = patterned(64, 65536, seed=9)
+    keep = cache[::4]
+    sizes = []
+    for i in range(50):
+        with sublet.lend(cache, keep=keep) as loan:
+            del_all(fill_loan(loan, seed=i))
+        assert loan.copied_bytes == 16 * PAGE
+        if i in (0, 49):
+            sizes.append((_open_fds(), _rss_bytes(), free_bytes()))
+    (fds0, rss0, free0), (fds1, rss1, free1) = sizes
+    assert fds1 == fds0 and free1 == free0
+    assert rss1 - rss0 < 16 * 1024 * 1024, f"RSS grew by {(rss1 - rss0) >> 20} MiB"
+    assert_kept_intact(cache, before, keep)
+
+
+# --------------------------------------------------------------------------- two processes
+
+BORROWER = textwrap.dedent("""
+    import sys, time, torch, sublet
+    name, mode = sys.argv[1], sys.argv[2]
+    with sublet.borrow(name=name, device="cpu", timeout=20) as loan:
+        tensors = []
+        while True:
+            try:
+                tensors.append(loan.empty(65536, dtype=torch.uint8).fill_(0xAB))
+            except sublet.SubletOutOfMemoryError:
+                break
+        print("filled", len(tensors), flush=True)
+        if mode == "hang":
+            time.sleep(60)
+        tensors.clear()
+    print("copied", loan.copied_bytes, flush=True)
+""")
+
+
+def start_borrower(name: str, mode: str) -> subprocess.Popen:
+    from sublet import _daemon
+    socket = _daemon._private[("memfd", 0)].socket
+    env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-c", BORROWER, name, mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_offer_and_borrow_across_processes():
+    cache, before = patterned(16, 65536, seed=11)
+    keep = cache[::2, :4096]
+    with sublet.offer(cache, keep=keep, name="kv") as offer:
+        child = start_borrower("kv", "normal")
+        stats = offer.wait(timeout=30)
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    assert "filled" in out
+    assert_kept_intact(cache, before, keep)
+    assert stats.copied_out_bytes == stats.copied_in_bytes == 8 * 4096
+
+
+def test_borrower_killed_mid_loan():
+    cache, before = patterned(16, 65536, seed=12)
+    offer = sublet.offer(cache, name="kill-me")
+    child = start_borrower("kill-me", "hang")
+    assert child.stdout.readline().startswith("filled")
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    with pytest.raises(sublet.BorrowerDiedError) as caught:
+        offer.wait(timeout=30)
+    assert caught.value.stats is not None and caught.value.stats.borrower_died
+    assert_kept_intact(cache, before, None)
+    with sublet.lend(cache, keep=[]):  # the tensor is the owner's again
+        pass
+
+
+def test_offer_not_taken():
+    cache, _ = patterned(2, 65536)
+    with sublet.offer(cache, name="nobody") as offer:
+        with pytest.raises(sublet.SubletTimeoutError):
+            offer.wait(timeout=0.3)
+    assert offer.done  # leaving the block withdrew it
+    with sublet.lend(cache):
+        pass
+
+
+def test_borrow_without_offer():
+    with pytest.raises(sublet.NoOfferError):
+        with sublet.borrow(name="absent", device="cpu", timeout=0.3):
+            pass
