@@ -182,3 +182,9 @@ def test_status_stub_exit_code(capsys):
     from sublet._status import main
     assert main(["status", "--json"]) == 3
     assert "not available yet" in capsys.readouterr().err
+
+
+def test_every_function_of_the_header_has_a_prototype():
+    header = (REPO / "include" / "sublet.h").read_text()
+    declared = set(re.findall(r"SUBLET_EXPORT[^;(]*?\b(sublet_\w+)\s*\(", header))
+    assert declared and declared == set(_lib._PROTOTYPES)

@@ -80,14 +80,14 @@ def assert_kept_intact(t: torch.Tensor, before: torch.Tensor, keep) -> None:
 def fill_loan(loan: sublet.Loan, seed: int = 1) -> list[torch.Tensor]:
     """Loan.empty() pages until the loan is full, each written with random bytes."""
     g = torch.Generator().manual_seed(seed)
+    noise = torch.randint(0, 256, (7, PAGE), dtype=torch.uint8, generator=g)
     tensors = []
     while True:
         try:
             x = loan.empty(PAGE, dtype=torch.uint8)
         except sublet.SubletOutOfMemoryError:
             return tensors
-        x.copy_(torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g))
-        tensors.append(x)
+        tensors.append(x.copy_(noise[len(tensors) % len(noise)]))
 
 
 KEEPS = {
@@ -313,3 +313,27 @@ def test_borrow_without_offer():
     with pytest.raises(sublet.NoOfferError):
         with sublet.borrow(name="absent", device="cpu", timeout=0.3):
             pass
+
+
+def test_system_daemon_is_found_by_gpu_uuid(native, tmp_path, monkeypatch):
+    """A daemon whose socket number differs from our device number (CUDA_VISIBLE_DEVICES) is
+    still ours when its GPU UUID is; one with another UUID is not."""
+    from sublet import _daemon, _lib
+    socket = tmp_path / "gpu3.sock"
+    daemon = subprocess.Popen([str(native.subletd), "--device", "3", "--backend", "memfd",
+                               "--socket", str(socket), "--parent-pid", str(os.getpid())],
+                              stderr=subprocess.PIPE)
+    try:
+        probe = _daemon.PrivateDaemon(daemon, str(socket), str(tmp_path), os.getpid())
+        _daemon._wait_until_answering(probe, "subletd")
+        monkeypatch.setattr(_daemon, "SYSTEM_SOCKET_DIR", tmp_path)
+        theirs = b"sublet-memfd" + (3).to_bytes(4, "big")
+        monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: theirs)
+        client = _daemon._system_daemon(0)
+        assert client is not None and _daemon._daemon_uuid(client) == theirs
+        _lib.lib().sublet_disconnect(client)
+        monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: bytes(16))
+        assert _daemon._system_daemon(0) is None
+    finally:
+        daemon.terminate()
+        daemon.wait()

@@ -1,0 +1,74 @@
+"""sublet: lend a GPU tensor's memory to other PyTorch work.
+
+    cache = sublet.empty(16, 1024**3, dtype=torch.uint8)  # memory that sublet manages
+    with sublet.lend(cache, keep=cache[1::2]) as loan:    # any PyTorch code inside
+        run_anything()
+    loan.copied_bytes                                      # kept bytes that went to the host
+
+The borrower's allocations are served, cheapest first, from the pages of the tensor it does
+not keep, from free GPU memory, and from kept pages whose kept bytes are saved to the host first
+and restored bit-identical at the end. Across processes: the owner calls sublet.offer(...) and
+waits; another process runs `with sublet.borrow(name=...)`.
+
+Inside a loan, every CUDA allocation of the process on that device goes to the loan: any
+thread, any stream, autograd's backward. Not routed: CUDA graph capture pools (and
+torch.compile's reduce-overhead graphs), symmetric memory, NCCL's internal buffers, user
+MemPools nested in the loan. The owner must not use the lent tensor during the loan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._client import DaemonInfo, LoanStats
+from ._keep import Keep
+from ._lib import (BorrowerDiedError, BusyError, DaemonUnavailableError, LeakError,
+                   NoOfferError, OwnerGoneError, ProtocolError, SubletError,
+                   SubletOutOfMemoryError, SubletTimeoutError)
+from ._loan import BorrowedLoan, Loan, LocalLoan, Offer
+from ._memory import empty, resolve_device
+from ._torch import LeakedBlock
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "empty", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats", "DaemonInfo",
+    "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
+    "BorrowerDiedError", "DaemonUnavailableError", "ProtocolError", "BusyError",
+    "SubletTimeoutError", "SubletOutOfMemoryError", "info",
+]
+
+
+def lend(tensor: torch.Tensor, keep: Keep = None) -> Loan:
+    """Lends the memory of `tensor` (from sublet.empty) to this process's work in a `with`
+    block; returns the Loan.
+
+    keep: what the owner gets back: None (default) all of it; [] nothing; a view of the tensor
+    (cache[3], cache[1::2], cache[:, 2:5]) or a list of views. A page is kept when any kept byte
+    lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
+    raises LeakError, after the kept data is restored.
+    """
+    return LocalLoan(tensor, keep)
+
+
+def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None) -> Offer:
+    """Offers the memory of `tensor` to another process (which calls sublet.borrow(name=...))
+    and returns an Offer at once; Offer.wait() blocks until it comes back. In a `with` block,
+    leaving it withdraws an untaken offer or waits for the borrower to finish."""
+    return Offer(tensor, keep, name)
+
+
+def borrow(name: str | None = None, device: torch.device | str | int | None = None,
+           timeout: float | None = None, *, loan_id: int = 0,
+           token: bytes | None = None) -> Loan:
+    """Borrows, in a `with` block, a loan offered by another process on `device` (default:
+    the current CUDA device): the one named `name`, the one given by loan_id and token, or the
+    next offer. Waits up to `timeout` seconds (None: forever) for it, else NoOfferError."""
+    return BorrowedLoan(name, device, timeout, loan_id, token)
+
+
+def info(device: torch.device | str | int | None = None) -> DaemonInfo:
+    """What the daemon serving `device` (default: the current CUDA device) says about itself:
+    backend, page size, total and free memory."""
+    _, client = resolve_device(device)
+    return client.get_info()

@@ -1,0 +1,268 @@
+"""ctypes binding of libsublet.so, the C client library, and sublet's exception types.
+
+Why ctypes and not an extension module: PyTorch's ``CUDAPluggableAllocator`` loads the
+allocator's alloc/free pair (``sublet_torch_alloc`` / ``sublet_torch_free``) by dlopen()ing a
+shared library *by path*. Loading that very same file here with ctypes gives one copy of the
+library in the process, so the state that ``sublet_torch_bind()`` sets from Python is the state
+the hooks read when PyTorch calls them. An extension module would have to share that state
+across two libraries, and would have to be built against each Python and torch ABI; ctypes needs
+neither. The hooks are plain C and never call back into Python.
+
+Every function of include/sublet.h is declared here with its prototype. ``check()`` turns a
+negative SUBLET_E* code into the matching Python exception carrying sublet_last_error()'s text.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_int, c_size_t,
+                    c_ssize_t, c_uint8, c_uint32, c_uint64, c_void_p)
+from pathlib import Path
+
+# --------------------------------------------------------------------------- error codes
+
+# Mirrors SUBLET_ERRNO_MAP in include/sublet.h (tests/python/test_lib.py checks they agree).
+ERROR_CODES: dict[str, int] = {
+    "EINVAL": -errno.EINVAL,
+    "ENOENT": -errno.ENOENT,
+    "EPERM": -errno.EPERM,
+    "EBUSY": -errno.EBUSY,
+    "ENOMEM": -errno.ENOMEM,
+    "ETIMEDOUT": -errno.ETIMEDOUT,
+    "ECANCELED": -errno.ECANCELED,
+    "ECONNREFUSED": -errno.ECONNREFUSED,
+    "EPIPE": -errno.EPIPE,
+    "EIO": -errno.EIO,
+    "E2BIG": -errno.E2BIG,
+    "EPROTO": -errno.EPROTO,
+    "ELEAK": -4001,
+    "EVERSION": -4002,
+    "EDEVICE": -4003,
+    "EOWNERGONE": -4004,
+    "EBORROWERDIED": -4005,
+    "ENOOFFER": -4006,
+    "ENOTSUP": -errno.EOPNOTSUPP,
+}
+CODE_NAMES: dict[int, str] = {v: k for k, v in ERROR_CODES.items()}
+
+
+class SubletError(RuntimeError):
+    """An error reported by subletd or the client library. ``code`` is the SUBLET_E* code."""
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def code_name(self) -> str | None:
+        return CODE_NAMES.get(self.code) if self.code is not None else None
+
+
+class LeakError(SubletError):
+    """The borrower left allocations alive at the end of a loan. The kept data was restored
+    all the same; ``leaks`` describes what was alive (see sublet.LeakedBlock)."""
+
+    def __init__(self, message: str, code: int | None = None, leaks: list | None = None,
+                 stats: object | None = None):
+        super().__init__(message, code)
+        self.leaks = leaks or []
+        self.stats = stats
+
+
+class NoOfferError(SubletError):
+    """No loan is on offer (by that name) on this device."""
+
+
+class OwnerGoneError(SubletError):
+    """The owner of the lent region went away during the loan."""
+
+
+class BorrowerDiedError(SubletError):
+    """The borrower died mid-loan. The owner's kept data was restored; ``stats`` has the loan."""
+
+    def __init__(self, message: str, code: int | None = None, stats: object | None = None):
+        super().__init__(message, code)
+        self.stats = stats
+
+
+class DaemonUnavailableError(SubletError):
+    """subletd cannot be reached, or the connection to it was lost."""
+
+
+class ProtocolError(SubletError):
+    """subletd and this library do not understand each other (protocol error or version)."""
+
+
+class BusyError(SubletError):
+    """The device or region is busy: one loan per device runs at a time."""
+
+
+class SubletOutOfMemoryError(SubletError, MemoryError):
+    """The loan (or the device) has no room for the allocation; also a builtin MemoryError."""
+
+
+class SubletTimeoutError(SubletError, TimeoutError):
+    """A wait timed out; it is also a builtin TimeoutError."""
+
+
+_EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
+    ERROR_CODES["ELEAK"]: LeakError,
+    ERROR_CODES["ENOOFFER"]: NoOfferError,
+    ERROR_CODES["EOWNERGONE"]: OwnerGoneError,
+    ERROR_CODES["EBORROWERDIED"]: BorrowerDiedError,
+    ERROR_CODES["ECONNREFUSED"]: DaemonUnavailableError,
+    ERROR_CODES["EPIPE"]: DaemonUnavailableError,
+    ERROR_CODES["EPROTO"]: ProtocolError,
+    ERROR_CODES["EVERSION"]: ProtocolError,
+    ERROR_CODES["EBUSY"]: BusyError,
+    ERROR_CODES["ETIMEDOUT"]: SubletTimeoutError,
+    ERROR_CODES["ENOMEM"]: SubletOutOfMemoryError,
+}
+
+
+def error_for(code: int, message: str) -> SubletError:
+    """The exception for a negative SUBLET_E* code (SubletError for codes without a subclass)."""
+    cls = _EXCEPTION_FOR_CODE.get(code, SubletError)
+    name = CODE_NAMES.get(code, str(code))
+    return cls(f"{message} [{name}]" if message else f"sublet error {name}", code)
+
+
+# --------------------------------------------------------------------------- C structs
+
+class Info(Structure):
+    _fields_ = [
+        ("daemon_version", c_char * 32),
+        ("backend", c_char * 16),
+        ("device_name", c_char * 96),
+        ("device_uuid", c_uint8 * 16),
+        ("device_ordinal", c_uint32),
+        ("page_size", c_uint64),
+        ("total_bytes", c_uint64),
+        ("free_bytes", c_uint64),
+        ("client_id", c_uint64),
+    ]
+
+
+class Range(Structure):
+    """struct sublet_range: two uint64s, the same layout as a row of an (n, 2) uint64 array."""
+    _fields_ = [("offset", c_uint64), ("length", c_uint64)]
+
+
+class CLoanStats(Structure):
+    _fields_ = [
+        ("loan_id", c_uint64),
+        ("copied_out_bytes", c_uint64),
+        ("copied_in_bytes", c_uint64),
+        ("served_unkept_bytes", c_uint64),
+        ("served_fresh_bytes", c_uint64),
+        ("served_kept_bytes", c_uint64),
+        ("peak_bytes", c_uint64),
+        ("allocations", c_uint64),
+        ("map_seconds", c_double),
+        ("copy_out_seconds", c_double),
+        ("copy_in_seconds", c_double),
+        ("borrower_died", c_int),
+        ("owner_gone", c_int),
+    ]
+
+
+class CLeak(Structure):
+    _fields_ = [("alloc_id", c_uint64), ("size", c_uint64), ("ptr", c_void_p)]
+
+
+TOKEN = c_uint8 * 16
+
+# name: (restype, argtypes). Opaque handles (sublet_client *, sublet_region *) are c_void_p.
+_PROTOTYPES: dict[str, tuple[object, list]] = {
+    "sublet_version": (c_char_p, []),
+    "sublet_strerror": (c_char_p, [c_int]),
+    "sublet_last_error": (c_char_p, []),
+    "sublet_connect": (c_int, [c_char_p, POINTER(c_void_p)]),
+    "sublet_disconnect": (None, [c_void_p]),
+    "sublet_get_info": (c_int, [c_void_p, POINTER(Info)]),
+    "sublet_region_create": (c_int, [c_void_p, c_uint64, POINTER(c_void_p)]),
+    "sublet_region_addr": (c_void_p, [c_void_p]),
+    "sublet_region_size": (c_uint64, [c_void_p]),
+    "sublet_region_id": (c_uint64, [c_void_p]),
+    "sublet_region_release": (c_int, [c_void_p]),
+    "sublet_lend": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_char_p,
+                            POINTER(c_uint64), TOKEN]),
+    "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
+    "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
+    "sublet_borrow": (c_int, [c_void_p, c_uint64, c_void_p, c_char_p, c_int]),
+    "sublet_alloc": (c_int, [c_void_p, c_uint64, POINTER(c_void_p)]),
+    "sublet_free": (c_int, [c_void_p, c_void_p]),
+    "sublet_return": (c_int, [c_void_p, c_int, POINTER(CLoanStats), POINTER(CLeak), c_size_t,
+                              POINTER(c_size_t)]),
+    "sublet_loan_stats": (c_int, [c_void_p, POINTER(CLoanStats)]),
+    "sublet_status_json": (c_int, [c_void_p, POINTER(c_void_p)]),
+    "sublet_string_free": (None, [c_void_p]),
+    "sublet_torch_bind": (c_int, [c_int, c_void_p]),
+    "sublet_torch_alloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
+    "sublet_torch_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
+}
+
+# --------------------------------------------------------------------------- loading
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_REPO_ROOT = _PACKAGE_DIR.parent
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_path: str | None = None
+
+
+def native_candidates(name: str, env: str) -> list[Path]:
+    """Where to look for a native file: $env, the package's _native/, then ./build of the repo."""
+    found = [Path(os.environ[env])] if os.environ.get(env) else []
+    return found + [_PACKAGE_DIR / "_native" / name, _REPO_ROOT / "build" / name]
+
+
+def find_native(name: str, env: str) -> Path:
+    """The first existing candidate for a native file, or FileNotFoundError saying the fix."""
+    candidates = native_candidates(name, env)
+    if os.environ.get(env):  # an explicit choice is not second-guessed
+        candidates = candidates[:1]
+    for path in candidates:
+        if path.is_file():
+            return path.resolve()
+    tried = ", ".join(str(p) for p in candidates)
+    raise FileNotFoundError(
+        f"{name} not found (tried {tried}). Install sublet with `pip install .`, build it with "
+        f"`cmake -S . -B build -G Ninja && cmake --build build`, or set ${env} to its path.")
+
+
+def library_path() -> str:
+    """The resolved path of libsublet.so: the one path both ctypes and PyTorch load."""
+    lib()
+    assert _lib_path is not None
+    return _lib_path
+
+
+def lib() -> ctypes.CDLL:
+    """libsublet.so, loaded once with every prototype declared."""
+    global _lib, _lib_path
+    with _lock:
+        if _lib is None:
+            path = str(find_native("libsublet.so", "SUBLET_LIB"))
+            handle = ctypes.CDLL(path)
+            for name, (restype, argtypes) in _PROTOTYPES.items():
+                fn = getattr(handle, name)
+                fn.restype, fn.argtypes = restype, argtypes
+            _lib, _lib_path = handle, path
+        return _lib
+
+
+def last_error() -> str:
+    """The calling thread's last error message from the library."""
+    text = lib().sublet_last_error()
+    return text.decode(errors="replace") if text else ""
+
+
+def check(rc: int) -> int:
+    """Returns rc when it is not negative; raises the exception for the code otherwise."""
+    if rc < 0:
+        raise error_for(rc, last_error())
+    return rc

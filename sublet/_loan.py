@@ -1,0 +1,389 @@
+"""Loans: sublet.lend() in one process, sublet.offer() / sublet.borrow() across processes.
+
+A Loan is the borrower's side of one loan: while it is active, every PyTorch allocation of the
+process on that CUDA device is served from it (see _torch), and Loan.empty() allocates from it
+directly. Ending it stops the routing, checks what the borrower left alive, and returns the
+loan; the daemon then restores the owner's kept bytes.
+
+Waits on the daemon (reclaim, borrow) run in short slices, so Ctrl-C is seen between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import threading
+import time
+import weakref
+from typing import Callable, TypeVar
+
+import numpy as np
+import torch
+
+from . import _keep, _lib
+from ._client import Client, LoanStats, ReturnResult
+from ._lib import (BorrowerDiedError, BusyError, DaemonUnavailableError, LeakError,
+                   NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
+from ._memory import Region, nbytes_of, parse_size, region_of, resolve_device, wrap
+from ._torch import LeakedBlock, PoolRouter
+
+_WAIT_SLICE_MS = 200
+_ELEAK = _lib.ERROR_CODES["ELEAK"]
+_EOWNERGONE = _lib.ERROR_CODES["EOWNERGONE"]
+_EBORROWERDIED = _lib.ERROR_CODES["EBORROWERDIED"]
+
+# Loans this process borrows, by device: one per device at a time.
+_active: dict[torch.device, "Loan"] = {}
+_active_lock = threading.Lock()
+
+T = TypeVar("T")
+
+
+class Loan:
+    """A loan this process borrows; use it as a context manager (sublet.lend / sublet.borrow).
+
+    copied_bytes: the owner's kept bytes that were saved to host memory because the borrower
+    used their pages (the same bytes are copied back at the end, so the host link carries twice
+    this). stats: the full LoanStats, live during the loan and final after it.
+    """
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self._client: Client | None = None
+        self._router: PoolRouter | None = None
+        self._live: set[int] = set()          # Loan.empty allocations whose tensors are alive
+        self._to_free: list[int] = []         # ... whose tensors died: freed at a safe point
+        self._returned = False
+        self._final_stats: LoanStats | None = None
+        self.leaks: list[LeakedBlock | tuple[int, int]] = []
+
+    # ---------------------------------------------------------------- results
+    @property
+    def active(self) -> bool:
+        return self._client is not None and not self._returned
+
+    @property
+    def stats(self) -> LoanStats:
+        if self._final_stats is not None:
+            return self._final_stats
+        if self._client is None:
+            raise RuntimeError("the loan has not started: use it in a `with` block")
+        return self._client.loan_stats()
+
+    @property
+    def copied_bytes(self) -> int:
+        """Kept bytes saved to the host (and restored): see the class docstring."""
+        return self.stats.copied_out_bytes
+
+    @property
+    def copied_out_bytes(self) -> int:
+        return self.stats.copied_out_bytes
+
+    @property
+    def copied_in_bytes(self) -> int:
+        return self.stats.copied_in_bytes
+
+    # ---------------------------------------------------------------- explicit allocations
+    def empty(self, *size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A tensor allocated from the loan itself (sublet_alloc); its memory goes back to the
+        loan when the tensor dies. It must not outlive the loan."""
+        if not self.active:
+            raise RuntimeError("Loan.empty() works only while the loan is active")
+        shape = parse_size(size)
+        nbytes = nbytes_of(shape, dtype)
+        self._free_dead_allocations()
+        ptr = self._client.alloc(nbytes)
+        self._live.add(ptr)
+        return wrap(ptr, nbytes, self.device, _Allocation(self, ptr), shape, dtype)
+
+    def _allocation_died(self, ptr: int) -> None:
+        # Runs wherever the tensor died (any thread, inside the GC).
+        self._live.discard(ptr)
+        if self.active:
+            self._to_free.append(ptr)  # freed at the next safe point (after a synchronize)
+        elif self._client is not None:
+            try:  # a leak outliving its loan: let the library drop its forfeit mapping
+                self._client.free(ptr)
+            except SubletError:
+                pass
+
+    def _free_dead_allocations(self) -> None:
+        if not self._to_free:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # queued kernels may still use that memory
+        while self._to_free:
+            self._client.free(self._to_free.pop())
+
+    # ---------------------------------------------------------------- borrowing mechanics
+    def _start(self, client: Client, device: torch.device) -> None:
+        """Claims the device for this loan and starts routing PyTorch into it (CUDA)."""
+        with _active_lock:
+            _check_device_free(device)
+            _active[device] = self
+        self._client, self.device = client, device
+        try:
+            if device.type == "cuda":
+                client.torch_bind(device.index, True)
+                self._router = PoolRouter(device.index, _lib.library_path())
+                self._router.begin()
+        except BaseException:
+            self._unbind()
+            raise
+
+    def _finish(self) -> ReturnResult:
+        """Stops routing, frees what can be freed, returns the loan (by force when something
+        is still alive, so that the owner's kept data comes back all the same)."""
+        try:
+            torch_leaks = self._router.end() if self._router is not None else []
+            if self._live:
+                gc.collect()  # tensors held only by reference cycles are not leaks
+            self._free_dead_allocations()
+            result = self._client.return_loan(force=bool(torch_leaks))
+            if result.code == _ELEAK and not torch_leaks:
+                result = self._client.return_loan(force=True)
+            self._returned = True
+            self.leaks = list(torch_leaks) + ([] if torch_leaks else result.leaks)
+            return result
+        finally:
+            self._unbind()
+
+    def _unbind(self) -> None:
+        if self.device is not None and self.device.type == "cuda" and self._client:
+            self._client.torch_bind(self.device.index, False)
+        self._router = None
+        with _active_lock:
+            if _active.get(self.device) is self:
+                del _active[self.device]
+
+    def _leak_error(self, stats: LoanStats) -> LeakError:
+        described = [leak.describe() if isinstance(leak, LeakedBlock)
+                     else f"{leak[1]} bytes (sublet allocation {leak[0]})" for leak in self.leaks]
+        return LeakError(
+            f"the borrower left {len(self.leaks)} allocation(s) alive at the end of the loan:\n"
+            + "\n".join(f"  - {d}" for d in described)
+            + "\nThe owner's kept data was restored. The memory of those tensors is no longer "
+              "theirs: drop them without reading them, and free what the loan allocates "
+              "before the `with` block ends.", _ELEAK, list(self.leaks), stats)
+
+
+def _check_device_free(device: torch.device) -> None:
+    if device in _active:
+        raise BusyError(f"a loan is already active on {device} in this process: one loan per "
+                        f"device at a time; end it before starting another")
+
+
+class _Allocation:
+    """Owner of one Loan.empty() allocation: its death hands the allocation back."""
+
+    def __init__(self, loan: Loan, ptr: int):
+        weakref.finalize(self, loan._allocation_died, ptr).atexit = False
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+# --------------------------------------------------------------------------- sublet.lend
+
+class LocalLoan(Loan):
+    """sublet.lend(): the process lends its own tensor's memory to its own work."""
+
+    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None):
+        super().__init__()
+        self.tensor = tensor
+        self._region = region_of(tensor)
+        self._ranges = _ranges_for(self._region, tensor, keep)
+        self._loan_id = 0
+
+    def __enter__(self) -> "LocalLoan":
+        region, client = self._region, self._region.client
+        _check_device_free(region.device)
+        _claim(region)
+        try:
+            self._loan_id, _ = client.lend(region.handle, self._ranges, None)
+            try:
+                client.borrow(self._loan_id)  # no token: only our own client may borrow it
+            except BaseException:
+                client.withdraw(self._loan_id)
+                raise
+        except BaseException:
+            region.lent = False
+            raise
+        try:
+            self._start(client, region.device)
+        except BaseException:
+            client.return_loan(force=True)
+            client.reclaim(self._loan_id, -1)
+            region.lent = False
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            returned = self._finish()
+            if returned.code < 0 and returned.code != _ELEAK:
+                raise _lib.error_for(returned.code, returned.message)
+            # The owner's view has the copies; mapping is timed on the borrower's side.
+            self._final_stats = dataclasses.replace(
+                self._region.client.reclaim(self._loan_id, -1),
+                map_seconds=returned.stats.map_seconds)
+        finally:
+            self._region.lent = False
+        if self.leaks:
+            error = self._leak_error(self._final_stats)
+            if exc is None:
+                raise error
+            _add_note(exc, str(error))
+
+
+def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.ndarray | None:
+    """keep as region byte ranges; None keeps the whole region."""
+    if keep is None:
+        return None
+    return _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size)
+
+
+def _claim(region: Region) -> None:
+    if region.lent:
+        raise BusyError("this tensor is already lent: one loan of a tensor at a time")
+    region.lent = True
+
+
+# --------------------------------------------------------------------------- across processes
+
+class Offer:
+    """sublet.offer(): lends a tensor to another process and waits for it to come back.
+
+    The offer is made at once; wait() blocks until a borrower has returned it (or died), and
+    the tensor is the owner's again. As a context manager, leaving the block withdraws an
+    offer nobody took, or waits for the borrower to return it.
+    """
+
+    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None, name: str | None = None):
+        self.tensor = tensor
+        self.name = name
+        self._region = region_of(tensor)
+        ranges = _ranges_for(self._region, tensor, keep)
+        _claim(self._region)
+        try:
+            self.loan_id, self.token = self._region.client.lend(self._region.handle, ranges,
+                                                                 name)
+        except BaseException:
+            self._region.lent = False
+            raise
+        self.stats: LoanStats | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self._region.lent
+
+    def wait(self, timeout: float | None = None) -> LoanStats:
+        """Blocks until the loan has ended and the kept bytes are back; returns its stats.
+        Raises SubletTimeoutError after `timeout` seconds (the offer stands: wait again),
+        BorrowerDiedError when the borrower died (the kept data is back all the same)."""
+        if self.done:
+            if self.stats is None:
+                raise RuntimeError("the offer was withdrawn: there is nothing to wait for")
+            return self.stats
+        code, message, stats = _in_slices(
+            lambda ms: self._reclaim_slice(ms), timeout,
+            f"the loan {self.name or self.loan_id} did not come back within {timeout} s")
+        self.stats = stats
+        self._region.lent = False
+        if code == _EBORROWERDIED or stats.borrower_died:
+            raise BorrowerDiedError(
+                message or "the borrower died during the loan; the kept data was restored",
+                _EBORROWERDIED, stats)
+        return stats
+
+    def _reclaim_slice(self, timeout_ms: int) -> tuple[int, str, LoanStats]:
+        code, message, stats = self._region.client.reclaim_raw(self.loan_id, timeout_ms)
+        if code < 0 and code != _EBORROWERDIED:
+            raise _lib.error_for(code, message)
+        return code, message, stats
+
+    def withdraw(self) -> None:
+        """Takes back an offer nobody has borrowed (raises if a borrower has it)."""
+        self._region.client.withdraw(self.loan_id)
+        self._region.lent = False
+
+    def close(self) -> None:
+        if self.done:
+            return
+        try:
+            self.withdraw()
+        except DaemonUnavailableError:
+            raise
+        except SubletError:  # borrowed meanwhile: it must come back first
+            self.wait()
+
+    def __enter__(self) -> "Offer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+
+class BorrowedLoan(Loan):
+    """sublet.borrow(): borrows, in this process, a loan another process offered."""
+
+    def __init__(self, name: str | None = None, device: torch.device | str | int | None = None,
+                 timeout: float | None = None, loan_id: int = 0, token: bytes | None = None):
+        super().__init__()
+        self.name, self._want_device, self._timeout = name, device, timeout
+        self._loan_id, self._token = loan_id, token
+
+    def __enter__(self) -> "BorrowedLoan":
+        device, client = resolve_device(self._want_device)
+        _check_device_free(device)
+        what = f"named {self.name!r}" if self.name else "(any)"
+        _in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
+                   f"no loan {what} was offered on {device} within {self._timeout} s",
+                   NoOfferError)
+        try:
+            self._start(client, device)
+        except BaseException:
+            client.return_loan(force=True)
+            raise
+        return self
+
+    def _borrow_slice(self, client: Client, timeout_ms: int) -> None:
+        try:
+            client.borrow(self._loan_id, self._token, self.name, timeout_ms)
+        except NoOfferError:
+            if timeout_ms == 0:
+                raise
+            raise SubletTimeoutError("no offer yet", _lib.ERROR_CODES["ETIMEDOUT"])
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        result = self._finish()
+        self._final_stats = result.stats
+        if exc is not None:
+            if self.leaks:
+                _add_note(exc, str(self._leak_error(result.stats)))
+            return
+        if self.leaks:
+            raise self._leak_error(result.stats)
+        if result.code == _EOWNERGONE or result.stats.owner_gone:
+            raise OwnerGoneError(result.message or "the owner went away during the loan; your "
+                                 "work ran, but the loan's memory is gone", _EOWNERGONE)
+        if result.code < 0:
+            raise _lib.error_for(result.code, result.message)
+
+
+def _in_slices(call: Callable[[int], T], timeout: float | None, timeout_message: str,
+               timeout_error: type[SubletError] = SubletTimeoutError) -> T:
+    """Calls call(timeout_ms) with short timeouts until it stops timing out or `timeout`
+    seconds (None: forever) have passed; Ctrl-C lands between slices."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    while True:
+        left = _WAIT_SLICE_MS if deadline is None else \
+            int(max(0.0, deadline - time.monotonic()) * 1000)
+        try:
+            return call(min(left, _WAIT_SLICE_MS))
+        except SubletTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise timeout_error(timeout_message, _lib.ERROR_CODES[
+                    "ENOOFFER" if timeout_error is NoOfferError else "ETIMEDOUT"]) from None
