@@ -188,6 +188,7 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
     return;
   if (c->dev != NULL)
     sl_device_synchronize(c->dev, NULL);
+  sl_torch_forget(c);
   /* Closing the socket first: the daemon settles the books (loans end, kept bytes come back)
    * whatever state this client leaves. */
   close(c->sock);
@@ -207,9 +208,24 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
   free(c);
 }
 
+/* Free memory changes: it is asked afresh; the rest is what Welcome said. */
 SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__StatsGet m = SUBLET__STATS_GET__INIT;
+  Sublet__Reply *rep = NULL;
+  int rc;
+
+  req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
+  req.stats_get = &m;
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, 10000);
+  if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_STATUS)
+    c->info.free_bytes = rep->status->free_bytes;
   *info = c->info;
-  return 0;
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
 }
 
 static int ensure_device(sublet_client *c) {

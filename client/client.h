@@ -43,4 +43,7 @@ int sl_client_fail_err(const struct sl_err *err);
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
                    size_t *nfds, int timeout_ms);
 
+/* Drops every reference torch.c keeps to c: it is being freed. */
+void sl_torch_forget(sublet_client *c);
+
 #endif

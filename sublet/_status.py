@@ -1,23 +1,198 @@
-"""`sublet status`: what each device's subletd is doing (issue 5).
+"""`sublet status`: what each device's subletd is doing, for people, scripts and Prometheus.
 
-A stub for now: the status request (StatsGet) is not yet in the client library's API.
+It asks every daemon it can find (--socket, else $SUBLET_SOCKET, else /run/sublet/gpu*.sock)
+for its status (the daemon's Status message, as JSON from sublet_status_json) and prints it.
+
+Exit status: 0 when every daemon answered; 1 when some did not (the others are still shown);
+2 on a usage error; 3 when no daemon was found at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import json
+import os
 import sys
+from pathlib import Path
+from typing import Any
 
-EXIT_UNAVAILABLE = 3  # scripts can tell "no status to show" from a usage error (2)
+from . import _lib
+
+EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE = 0, 1, 2, 3
+SYSTEM_SOCKET_DIR = Path("/run/sublet")
 
 
-def main(argv: list[str] | None = None) -> int:
+def human(n: float) -> str:
+    """1.50 GiB, 512 B: sizes as people read them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    days, h = divmod(hours, 24)
+    return f"{days}d {h}h {m:02d}m" if days else f"{h}h {m:02d}m {s:02d}s"
+
+
+def sockets(explicit: list[str]) -> list[str]:
+    if explicit:
+        return explicit
+    if os.environ.get("SUBLET_SOCKET"):
+        return [os.environ["SUBLET_SOCKET"]]
+    return [str(p) for p in sorted(SYSTEM_SOCKET_DIR.glob("gpu*.sock"))]
+
+
+def query(path: str) -> dict[str, Any]:
+    """The status of the daemon at `path`; raises SubletError when it cannot be reached."""
+    lib = _lib.lib()
+    client, text = ctypes.c_void_p(), ctypes.c_void_p()
+    _lib.check(lib.sublet_connect(path.encode(), ctypes.byref(client)))
+    try:
+        _lib.check(lib.sublet_status_json(client, ctypes.byref(text)))
+        try:
+            status = json.loads(ctypes.string_at(text.value).decode())
+        finally:
+            lib.sublet_string_free(text)
+    finally:
+        lib.sublet_disconnect(client)
+    status["socket"] = path
+    return status
+
+
+# --------------------------------------------------------------------------- text
+
+
+def text_loan(loan: dict[str, Any]) -> list[str]:
+    name = f' "{loan["name"]}"' if loan["name"] else ""
+    ps = loan["page_size"]
+    who = (f"borrowed by pid {loan['borrower_pid']} (uid {loan['borrower_uid']})"
+           if loan["borrower_pid"] else "waiting for a borrower")
+    return [
+        f"  loan {loan['id']}{name}: {loan['state']}, region {loan['region']}, {who}",
+        f"    pages    {human(loan['unkept_pages'] * ps)} unkept, "
+        f"{human(loan['fresh_pages'] * ps)} free memory, {human(loan['kept_pages'] * ps)} kept",
+        f"    served   {human(loan['served_unkept_bytes'])} unkept, "
+        f"{human(loan['served_fresh_bytes'])} free memory, {human(loan['served_kept_bytes'])} "
+        f"kept; {human(loan['live_bytes'])} held now",
+        f"    copied   {human(loan['copied_out_bytes'])} to the host "
+        f"in {loan['copy_out_seconds']:.2f} s",
+    ]
+
+
+def text_status(s: dict[str, Any]) -> str:
+    t = s["totals"]
+    lines = [
+        f"GPU {s['device_ordinal']}: {s['device_name']} ({s['device_uuid']})",
+        f"  daemon   subletd {s['daemon_version']}, {s['backend']} backend, "
+        f"up {duration(s['uptime_seconds'])}, {s['clients']} clients, {s['socket']}",
+        f"  memory   {human(s['total_bytes'])} total, {human(s['free_bytes'])} free, "
+        f"pages of {human(s['page_size'])}, {human(s['host_bytes'])} pinned on the host",
+        f"  regions  {len(s['regions'])}",
+    ]
+    for r in s["regions"]:
+        lent = f", lent (loan {r['loan']})" if r["loan"] else ""
+        lines.append(f"    region {r['id']}: {human(r['bytes'])} ({r['pages']} pages), "
+                     f"owner pid {r['owner_pid']} (uid {r['owner_uid']}){lent}")
+    lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
+    lines.append(f"  totals   {t['loans_ended']} loans ended, {t['borrowers_died']} borrowers "
+                 f"died, {human(t['copied_out_bytes'])} copied out and "
+                 f"{human(t['copied_in_bytes'])} back")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+METRICS = [  # name, type, help, value from a status
+    ("sublet_up", "gauge", "1 when the daemon answered", lambda s: 1),
+    ("sublet_uptime_seconds", "gauge", "seconds since the daemon started",
+     lambda s: s["uptime_seconds"]),
+    ("sublet_memory_total_bytes", "gauge", "device memory", lambda s: s["total_bytes"]),
+    ("sublet_memory_free_bytes", "gauge", "free device memory", lambda s: s["free_bytes"]),
+    ("sublet_host_pinned_bytes", "gauge", "pinned host memory held for kept bytes",
+     lambda s: s["host_bytes"]),
+    ("sublet_clients", "gauge", "connected clients", lambda s: s["clients"]),
+    ("sublet_regions", "gauge", "regions", lambda s: len(s["regions"])),
+    ("sublet_region_bytes", "gauge", "bytes in regions",
+     lambda s: sum(r["bytes"] for r in s["regions"])),
+    ("sublet_loan_active", "gauge", "1 while a loan is borrowed",
+     lambda s: int(bool(s["loan"]) and s["loan"]["state"] == "active")),
+    ("sublet_loan_live_bytes", "gauge", "bytes the borrower holds now",
+     lambda s: s["loan"]["live_bytes"] if s["loan"] else 0),
+    ("sublet_loan_copied_out_bytes", "gauge", "kept bytes saved in the loan in progress",
+     lambda s: s["loan"]["copied_out_bytes"] if s["loan"] else 0),
+    ("sublet_loans_ended_total", "counter", "loans ended", lambda s: s["totals"]["loans_ended"]),
+    ("sublet_borrowers_died_total", "counter", "borrowers that died mid-loan",
+     lambda s: s["totals"]["borrowers_died"]),
+    ("sublet_copied_out_bytes_total", "counter", "kept bytes saved to the host",
+     lambda s: s["totals"]["copied_out_bytes"]),
+    ("sublet_copied_in_bytes_total", "counter", "kept bytes restored",
+     lambda s: s["totals"]["copied_in_bytes"]),
+]
+
+
+def prometheus(statuses: list[dict[str, Any]]) -> str:
+    out = []
+    for name, kind, help_text, value in METRICS:
+        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for s in statuses:
+            labels = f'device="{s["device_ordinal"]}",uuid="{s["device_uuid"]}"'
+            out.append(f"{name}{{{labels}}} {value(s)}")
+    out += ["# HELP sublet_served_bytes_total bytes lent, by where they came from",
+            "# TYPE sublet_served_bytes_total counter"]
+    for s in statuses:
+        for source in ("unkept", "fresh", "kept"):
+            labels = f'device="{s["device_ordinal"]}",uuid="{s["device_uuid"]}",source="{source}"'
+            out.append(f"sublet_served_bytes_total{{{labels}}} "
+                       f"{s['totals'][f'served_{source}_bytes']}")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sublet", description="sublet: lend GPU memory")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="show what each device's subletd is doing")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--prometheus", action="store_true", help="Prometheus text format")
-    parser.parse_args(argv)
-    print("sublet status is not available yet: the client library has no status request",
-          file=sys.stderr)
-    return EXIT_UNAVAILABLE
+    form = status.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="a JSON list, one object per device")
+    form.add_argument("--prometheus", action="store_true",
+                      help="Prometheus text format (for a node exporter's textfile collector)")
+    status.add_argument("--socket", action="append", default=[], metavar="PATH",
+                        help="ask the daemon at PATH (repeatable; default: $SUBLET_SOCKET, "
+                             "else /run/sublet/gpu*.sock)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+    except SystemExit as e:
+        return EXIT_USAGE if e.code else EXIT_OK
+    paths = sockets(args.socket)
+    if not paths:
+        print("sublet status: no subletd found: none at /run/sublet/gpu*.sock and "
+              "$SUBLET_SOCKET is not set (start one: systemctl start subletd@0.socket)",
+              file=sys.stderr)
+        return EXIT_NONE
+    statuses, failed = [], 0
+    for path in paths:
+        try:
+            statuses.append(query(path))
+        except _lib.SubletError as e:
+            print(f"sublet status: {path}: {e}", file=sys.stderr)
+            failed += 1
+    if args.json:
+        print(json.dumps(statuses, indent=None))
+    elif args.prometheus:
+        sys.stdout.write(prometheus(statuses))
+    else:
+        print("\n\n".join(text_status(s) for s in statuses))
+    if not statuses:
+        return EXIT_NONE
+    return EXIT_PARTIAL if failed else EXIT_OK

@@ -101,3 +101,35 @@ def test_plot_renders_an_svg(tmp_path):
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert text.lstrip().startswith("<?xml") and "<svg" in text
+
+
+def _benchmark_module():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(BENCH))
+    return benchmark
+
+
+def test_default_size_is_capped_by_host_memory():
+    plan = _benchmark_module().plan_sizes(
+        free_bytes=139 * GiB, mem_available=118 * GiB, size_gib=None, free_gib=8,
+        uncapped_sublet=True)
+    assert plan["uncapped_bytes"] == 130 * GiB  # all free memory but F and 1 GiB of headroom
+    assert plan["size_bytes"] == plan["host_cap_bytes"] == 106 * GiB  # 90% of MemAvailable
+    assert plan["capped"]
+    assert plan["copy_all_sizes"] == [106 * GiB]
+    assert plan["sublet_sizes"] == [106 * GiB, 130 * GiB]
+
+
+def test_explicit_and_max_sizes():
+    plan_sizes = _benchmark_module().plan_sizes
+    plan = plan_sizes(139 * GiB, 118 * GiB, 64.0, 8, uncapped_sublet=False)
+    assert (plan["size_bytes"], plan["capped"]) == (64 * GiB, False)
+    assert plan["copy_all_sizes"] == plan["sublet_sizes"] == [64 * GiB]
+    plan = plan_sizes(139 * GiB, 118 * GiB, "max", 8, uncapped_sublet=False)
+    assert plan["size_bytes"] == 130 * GiB
+    assert plan["copy_all_sizes"] == []  # its pinned buffer would not fit in host memory
+    with pytest.raises(SystemExit, match="does not fit"):
+        plan_sizes(139 * GiB, 118 * GiB, 200.0, 8, uncapped_sublet=False)

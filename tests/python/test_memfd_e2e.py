@@ -7,6 +7,7 @@ The daemon gets 64 KiB pages and 64 MiB in all, so a loan is easy to fill comple
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -337,3 +338,60 @@ def test_system_daemon_is_found_by_gpu_uuid(native, tmp_path, monkeypatch):
     finally:
         daemon.terminate()
         daemon.wait()
+
+
+def sublet_status(*args: str) -> subprocess.CompletedProcess:
+    from sublet import _daemon
+    socket = _daemon._private[("memfd", 0)].socket
+    return subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", socket, *args],
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_status_during_a_loan_in_every_form():
+    """`sublet status` shows the loan in progress (borrower, sources, bytes copied) as text,
+    JSON and Prometheus text, while another process borrows."""
+    cache, before = patterned(16, 65536, seed=21)
+    offer = sublet.offer(cache, keep=cache[:4], name="watched")
+    child = start_borrower("watched", "hang")
+    try:
+        assert child.stdout.readline().startswith("filled")
+        as_json = sublet_status("--json")
+        as_text = sublet_status()
+        as_prom = sublet_status("--prometheus")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert as_json.returncode == as_text.returncode == as_prom.returncode == 0, as_json.stderr
+    (status,) = json.loads(as_json.stdout)
+    loan = status["loan"]
+    assert status["backend"] == "memfd" and status["page_size"] == PAGE
+    assert loan["state"] == "active" and loan["name"] == "watched"
+    assert loan["borrower_pid"] == child.pid
+    assert loan["kept_pages"] == 4 and loan["copied_out_bytes"] == 4 * 65536
+    assert loan["served_kept_bytes"] == 4 * PAGE and loan["live_bytes"] > 0
+    assert any(r["loan"] == loan["id"] and r["owner_pid"] == os.getpid()
+               for r in status["regions"])
+    assert f"loan {loan['id']} \"watched\": active" in as_text.stdout
+    assert f"borrowed by pid {child.pid}" in as_text.stdout
+    assert "256.00 KiB to the host" in as_text.stdout
+    metrics = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+               for line in as_prom.stdout.splitlines() if not line.startswith("#")
+               and "source=" not in line}
+    assert metrics["sublet_loan_active"] == 1
+    assert metrics["sublet_loan_copied_out_bytes"] == 4 * 65536
+    assert metrics["sublet_memory_total_bytes"] == TOTAL
+    with pytest.raises(sublet.BorrowerDiedError):
+        offer.wait(timeout=30)
+    assert_kept_intact(cache, before, cache[:4])
+
+
+def test_status_exit_codes(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "sublet", "status", "--socket",
+                              str(tmp_path / "none.sock")], env=dict(os.environ,
+                             PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and "cannot reach subletd" in missing.stderr
+    usage = subprocess.run([sys.executable, "-m", "sublet", "status", "--bogus"],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                           text=True, timeout=60)
+    assert usage.returncode == 2
