@@ -208,18 +208,28 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
   free(c);
 }
 
-/* Free memory changes: it is asked afresh; the rest is what Welcome said. */
-SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info) {
+int sl_client_status(sublet_client *c, Sublet__Reply **rep) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__StatsGet m = SUBLET__STATS_GET__INIT;
-  Sublet__Reply *rep = NULL;
   int rc;
 
+  *rep = NULL;
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &m;
+  rc = sl_client_call(c, &req, rep, NULL, NULL, 10000);
+  if (rc == 0 && (*rep)->body_case != SUBLET__REPLY__BODY_STATUS)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered StatsGet with something else");
+  return rc;
+}
+
+/* Free memory changes: it is asked afresh; the rest is what Welcome said. */
+SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info) {
+  Sublet__Reply *rep;
+  int rc;
+
   pthread_mutex_lock(&c->lock);
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, 10000);
-  if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_STATUS)
+  rc = sl_client_status(c, &rep);
+  if (rc == 0)
     c->info.free_bytes = rep->status->free_bytes;
   *info = c->info;
   pthread_mutex_unlock(&c->lock);
@@ -770,17 +780,13 @@ SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_
 }
 
 SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats) {
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__StatsGet m = SUBLET__STATS_GET__INIT;
-  Sublet__Reply *rep = NULL;
+  Sublet__Reply *rep;
   int rc;
 
-  req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
-  req.stats_get = &m;
-  pthread_mutex_lock(&c->lock);
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   memset(stats, 0, sizeof(*stats));
-  if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_STATUS && rep->status->loan != NULL)
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_status(c, &rep);
+  if (rc == 0 && rep->status->loan != NULL)
     sl_msg_stats_from_proto(rep->status->loan->stats, stats);
   if (c->win != NULL)
     stats->map_seconds = c->win->map_seconds;

@@ -43,6 +43,9 @@ int sl_client_fail_err(const struct sl_err *err);
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
                    size_t *nfds, int timeout_ms);
 
+/* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
+ * failure when a reply came). */
+int sl_client_status(sublet_client *c, Sublet__Reply **rep);
 /* Drops every reference torch.c keeps to c: it is being freed. */
 void sl_torch_forget(sublet_client *c);
 

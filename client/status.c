@@ -137,21 +137,15 @@ static void put_status(struct json *j, const Sublet__Status *st) {
 }
 
 SUBLET_EXPORT int sublet_status_json(sublet_client *c, char **json) {
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__StatsGet m = SUBLET__STATS_GET__INIT;
-  Sublet__Reply *rep = NULL;
   struct json j = {.buf = malloc(4096), .cap = 4096};
+  Sublet__Reply *rep;
   int rc;
 
   if (j.buf == NULL)
     return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
-  req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
-  req.stats_get = &m;
   pthread_mutex_lock(&c->lock);
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, 10000);
+  rc = sl_client_status(c, &rep);
   pthread_mutex_unlock(&c->lock);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_STATUS)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered StatsGet with something else");
   if (rc == 0)
     put_status(&j, rep->status);
   if (rc == 0 && j.failed)

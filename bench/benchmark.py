@@ -1,0 +1,1160 @@
+#!/usr/bin/env python3
+"""Lending against copying everything out and back, on one CUDA GPU (issue 4).
+
+A tensor of S bytes made with sublet.empty sits on the GPU with only F bytes of free memory
+beside it (a ballast allocated outside sublet takes the rest). A fraction of it (30%) holds
+data the owner keeps, in one of three patterns:
+
+  rows    rows of 1 GiB, every third one kept (one strided view)
+  blocks  64 KiB blocks, 30% of them chosen at random with a fixed seed, one view each, the
+          way a paged KV cache holds its live blocks
+  slice   one contiguous slice of 30%
+
+A job allocates one tensor of 25%, 75% or 100% of S with torch.empty and fills it with random
+numbers. A cycle makes room for the job, runs it and gets the owner's data back:
+
+  copy-all  copy the whole tensor (a plain torch tensor here, so that it can be freed) to a
+            pinned host buffer, free it, run the job, allocate it again and copy it back; the
+            first cycle also pins the host buffer
+  sublet    with sublet.lend(tensor, keep=...): job()
+
+Every (method, pattern, fraction) runs in a fresh process of this script (--child): its first
+cycle is the "first" figure, its next --cycles cycles the "later" ones. copy-all ignores the
+keep pattern, so it runs once per fraction and stands beside every pattern. Beside every
+figure: the bytes copied each way and the physical limit, which is the job alone (timed on a
+plain tensor) plus the copied bytes at the pinned host-link bandwidth measured in the same run,
+each way; and the ratio figure / limit.
+
+With the default --daemon shared, the sublet processes use one subletd started for the run
+(as a system service would be), which pins host memory for the kept bytes ahead of need; the
+client processes are fresh for every first cycle all the same. --daemon private lets each
+process start its own daemon (the package's default with no service set up).
+
+    python3 bench/benchmark.py            # the full run, several minutes on an H200
+    python3 bench/benchmark.py --quick    # a smoke run: S = 8 GiB, F = 2 GiB, 2 later cycles
+    python3 bench/benchmark.py --report   # the table and targets again, from the JSON
+    python3 bench/plot.py                 # the chart, from the JSON
+
+Nothing touches the GPU at import time, and the parent process never creates a CUDA context:
+every GPU measurement runs in a child, so that the children see the GPU's memory as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+
+if TYPE_CHECKING:
+    import torch
+
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[1]
+if (REPO / "sublet" / "__init__.py").is_file() and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # benchmark this checkout's package
+
+GiB = 1 << 30
+MiB = 1 << 20
+BLOCK = 64 << 10               # a KV-cache block
+ROW = GiB                      # a row of the "rows" pattern
+PATTERNS = ("rows", "blocks", "slice")
+METHODS = ("copy-all", "sublet")
+ANY_PATTERN = "any"            # copy-all's pattern: it copies everything whatever is kept
+HOST_SHARE = 0.9               # copy-all's pinned buffer may take 90% of MemAvailable
+CONTEXT_HEADROOM = GiB         # GPU memory left for the CUDA contexts of a child and subletd
+RESULT_MARK = "BENCH-RESULT "  # a child's last stdout line: this mark, then its JSON
+NO_GPU = "benchmark.py needs a CUDA GPU (torch.cuda.is_available() is False on this machine)"
+SCHEMA = "sublet-benchmark/1"
+
+TARGET_LIMIT_RATIO = 1.15      # later cycles: sublet within 1.15 x the physical limit
+TARGET_SPEEDUP = 4.0           # later cycles: sublet at least 4 x faster than copy-all ...
+TARGET_SPEEDUP_FRACTIONS = (0.25, 0.75)  # ... at these job fractions
+TARGET_FIRST_RATIO = 2.0       # first cycle within 2 x sublet's own later cycles
+
+# --------------------------------------------------------------------------- progress
+
+_T0 = time.monotonic()
+_log_prefix = "bench"
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def log(message: str) -> None:
+    """Progress on stderr (stdout carries only results)."""
+    print(f"[{_log_prefix} +{time.monotonic() - _T0:6.1f}s] {message}", file=sys.stderr,
+          flush=True)
+
+
+@contextlib.contextmanager
+def step(what: str, every: float = 10.0) -> Iterator[None]:
+    """Logs the start and end of a long step, and a line every `every` seconds meanwhile."""
+    log(f"{what} ...")
+    t0, done = now(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            log(f"  ... {what}: {now() - t0:.0f} s so far")
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+    log(f"{what}: done in {now() - t0:.2f} s")
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes % GiB else f"{nbytes // GiB:.0f} GiB"
+
+
+def pct(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+# --------------------------------------------------------------------------- host facts
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return values
+
+
+def _command_output(argv: list[str]) -> str | None:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cuda_driver_api_version() -> str | None:
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def machine_info() -> dict[str, Any]:
+    """The GPU, its driver, torch, CUDA and the host: what a reader needs to compare runs."""
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    smi = _command_output(["nvidia-smi", "-i", "0", "--query-gpu=driver_version,pci.bus_id",
+                           "--format=csv,noheader"])
+    mem = meminfo()
+    try:
+        import sublet
+        sublet_version = sublet.__version__
+    except Exception:  # the package is not needed to describe the machine
+        sublet_version = None
+    return {
+        "gpu": props.name,
+        "gpu_memory_bytes": props.total_memory,
+        "gpu_count": torch.cuda.device_count(),
+        "driver": smi.split(",")[0].strip() if smi else None,
+        "cuda_driver_api": _cuda_driver_api_version(),
+        "cuda_runtime": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "host_memory_bytes": mem.get("MemTotal"),
+        "host_available_bytes": mem.get("MemAvailable"),
+        "sublet": sublet_version,
+        "commit": _command_output(["git", "-C", str(REPO), "describe", "--always", "--dirty"]),
+    }
+
+
+# --------------------------------------------------------------------------- pinned memory
+
+def _loaded_cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded into this process, if it is a shared library."""
+    with open("/proc/self/maps") as f:
+        paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+class HostBuffer:
+    """Exactly nbytes of pinned host memory as a CPU uint8 tensor (`.tensor`).
+
+    Allocated with cudaHostAlloc, the call behind pin_memory() and torch.empty(pin_memory=True),
+    but without their power-of-two rounding (PyTorch's caching host allocator rounds 65 GiB up
+    to 128 GiB, which does not fit in a 125 GiB host). The driver's cuMemHostAlloc stands in
+    where the runtime is not a shared library.
+    """
+
+    def __init__(self, nbytes: int):
+        import torch
+        self.nbytes = nbytes
+        lib = _loaded_cudart()
+        alloc, self._free = (("cudaHostAlloc", "cudaFreeHost") if lib is not None else
+                             ("cuMemHostAlloc", "cuMemFreeHost"))
+        self._lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+        ptr = ctypes.c_void_p()
+        rc = getattr(self._lib, alloc)(ctypes.byref(ptr), ctypes.c_size_t(nbytes),
+                                       ctypes.c_uint(0))
+        if rc != 0 or not ptr.value:
+            raise MemoryError(f"{alloc} of {gib(nbytes)} of pinned host memory failed "
+                              f"(error {rc}): not enough host memory?")
+        self.ptr = ptr.value
+        buffer = (ctypes.c_uint8 * nbytes).from_address(self.ptr)
+        self.tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def free(self) -> None:
+        if self.ptr:
+            del self.tensor
+            getattr(self._lib, self._free)(ctypes.c_void_p(self.ptr))
+            self.ptr = 0
+
+
+# --------------------------------------------------------------------------- GPU helpers
+
+def init_cuda() -> "torch.device":
+    """CUDA device 0 with its context made; exits with NO_GPU where there is no GPU."""
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_GPU)
+    torch.cuda.set_device(0)
+    torch.empty(1, device="cuda:0")
+    return torch.device("cuda", 0)
+
+
+def sync() -> None:
+    import torch
+    torch.cuda.synchronize()
+
+
+def free_gpu_bytes() -> int:
+    import torch
+    sync()
+    return torch.cuda.mem_get_info()[0]
+
+
+def job_bytes(size: int, fraction: float) -> int:
+    """The job's tensor: fraction x S, whole 2 MiB (PyTorch's segment granularity)."""
+    return max(2 * MiB, int(size * fraction) // (2 * MiB) * (2 * MiB))
+
+
+def run_job(nbytes: int, release: bool) -> None:
+    """The borrower's work: one tensor of nbytes filled with random numbers, then dropped.
+    release: also hand PyTorch's cached memory back to the device (copy-all needs the room)."""
+    import torch
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.view(torch.float32).uniform_()
+    sync()
+    del x
+    if release:
+        torch.cuda.empty_cache()
+
+
+def fill_random(tensor: "torch.Tensor") -> None:
+    import torch
+    tensor.view(-1).view(torch.float32).uniform_()
+    sync()
+
+
+def wrapping_sum(t: "torch.Tensor") -> int:
+    """A checksum of a view whose last dimension is contiguous whole 8-byte words."""
+    import torch
+    return int(t.view(torch.int64).sum().item())
+
+
+def make_ballast(free_bytes: int) -> tuple["torch.Tensor | None", int]:
+    """Allocates (outside sublet) all free GPU memory but free_bytes; returns the ballast and
+    the free memory measured after it."""
+    import torch
+    torch.cuda.empty_cache()
+    size = (free_gpu_bytes() - free_bytes) // (2 * MiB) * (2 * MiB)
+    if size <= 0:
+        log(f"warning: only {gib(free_gpu_bytes())} is free, less than F = {gib(free_bytes)}: "
+            f"no ballast")
+        return None, free_gpu_bytes()
+    ballast = torch.empty(size, dtype=torch.uint8, device="cuda")
+    return ballast, free_gpu_bytes()
+
+
+# --------------------------------------------------------------------------- keep patterns
+
+@dataclass
+class KeepPattern:
+    keep: Any                      # what sublet.lend(keep=...) gets: a view or a list of views
+    kept_bytes: int
+    views: int
+    checksum: Callable[[], int]    # of the kept bytes
+
+
+def keep_pattern(tensor: "torch.Tensor", pattern: str, kept_fraction: float,
+                 seed: int) -> KeepPattern:
+    """The kept views of a flat uint8 tensor for one of PATTERNS."""
+    size = tensor.numel()
+    if pattern == "rows":
+        nrows = size // ROW
+        if nrows == 0:
+            raise ValueError("the rows pattern needs a tensor of at least 1 GiB")
+        stride = max(1, round(1 / kept_fraction))  # 30% -> every third row
+        kept = tensor[: nrows * ROW].view(nrows, ROW)[0::stride]
+        return KeepPattern(kept, kept.numel(), 1, lambda: wrapping_sum(kept))
+    if pattern == "slice":
+        n = int(size * kept_fraction) // BLOCK * BLOCK
+        kept = tensor[:n]
+        return KeepPattern(kept, n, 1, lambda: wrapping_sum(kept))
+    if pattern == "blocks":
+        return _blocks_pattern(tensor, kept_fraction, seed)
+    raise ValueError(f"unknown pattern {pattern!r}: use one of {', '.join(PATTERNS)}")
+
+
+def _blocks_pattern(tensor: "torch.Tensor", kept_fraction: float, seed: int) -> KeepPattern:
+    import numpy as np
+    import torch
+    nblocks = tensor.numel() // BLOCK
+    blocks = tensor[: nblocks * BLOCK].view(nblocks, BLOCK)
+    chosen = np.sort(np.random.default_rng(seed).choice(
+        nblocks, size=round(nblocks * kept_fraction), replace=False))
+    views = [blocks[i] for i in chosen.tolist()]
+    index = torch.from_numpy(chosen).to(tensor.device)
+
+    def checksum() -> int:  # gathered in chunks of 256 MiB
+        return sum(wrapping_sum(blocks[part]) for part in index.split(4096)) & (2**64 - 1)
+
+    return KeepPattern(views, len(views) * BLOCK, len(views), checksum)
+
+
+# --------------------------------------------------------------------------- child: probe
+
+def plan_sizes(free_bytes: int, mem_available: int, size_gib: float | str | None,
+               free_gib: float, uncapped_sublet: bool) -> dict[str, Any]:
+    """S for copy-all and sublet from the GPU's free memory and the host's available memory.
+
+    Default S: all free GPU memory but F (less headroom for CUDA contexts), capped so that
+    copy-all's pinned buffer fits in HOST_SHARE of MemAvailable. size_gib 'max' takes the
+    uncapped size (copy-all is then skipped if it does not fit)."""
+    free_target = int(free_gib * GiB)
+    uncapped = (free_bytes - free_target - CONTEXT_HEADROOM) // GiB * GiB
+    host_cap = int(HOST_SHARE * mem_available) // GiB * GiB
+    if uncapped < GiB:
+        raise SystemExit(f"only {gib(free_bytes)} of GPU memory is free: no room for a tensor "
+                         f"beside F = {gib(free_target)}; lower --free")
+    if size_gib is None:
+        size = min(uncapped, host_cap)
+    elif size_gib == "max":
+        size = uncapped
+    else:
+        size = int(float(size_gib) * GiB) // (2 * MiB) * (2 * MiB)
+        if size > uncapped:
+            raise SystemExit(f"--size {gib(size)} does not fit: {gib(free_bytes)} of GPU "
+                             f"memory is free, so at most {gib(uncapped)} beside F = "
+                             f"{gib(free_target)}")
+    sublet_sizes = [size] + ([uncapped] if uncapped_sublet and uncapped > size else [])
+    return {
+        "gpu_free_bytes": free_bytes,
+        "host_available_bytes": mem_available,
+        "uncapped_bytes": uncapped,
+        "host_cap_bytes": host_cap,
+        "size_bytes": size,
+        "capped": size_gib is None and uncapped > host_cap,
+        "free_bytes": free_target,
+        "copy_all_sizes": [size] if size <= host_cap else [],
+        "sublet_sizes": sublet_sizes,
+    }
+
+
+def measure_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
+    """Pinned host link bandwidth each way: best of reps copies of nbytes."""
+    import torch
+    host = HostBuffer(nbytes)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device.fill_(1)
+    times: dict[str, list[float]] = {"d2h": [], "h2d": []}
+    pinned = bool(host.tensor.is_pinned())
+    for _ in range(reps):
+        times["d2h"].append(_timed_copy(host.tensor, device))
+        times["h2d"].append(_timed_copy(device, host.tensor))
+    del device
+    torch.cuda.empty_cache()
+    host.free()
+    return {"bytes": nbytes, "reps": reps, "pinned": pinned, "d2h_seconds": times["d2h"],
+            "h2d_seconds": times["h2d"], "d2h_bytes_per_s": nbytes / min(times["d2h"]),
+            "h2d_bytes_per_s": nbytes / min(times["h2d"])}
+
+
+def _timed_copy(dst: "torch.Tensor", src: "torch.Tensor") -> float:
+    sync()
+    t0 = now()
+    dst.copy_(src)
+    sync()
+    return now() - t0
+
+
+def measure_job_alone(nbytes: int, reps: int) -> dict[str, Any]:
+    """The job on a plain torch tensor: one warm-up, then the median of reps (the allocator's
+    cache is warm, so this is the job's own work)."""
+    import torch
+    run_job(nbytes, release=False)
+    seconds = []
+    for _ in range(reps):
+        t0 = now()
+        run_job(nbytes, release=False)
+        seconds.append(now() - t0)
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "seconds": seconds, "median_s": statistics.median(seconds)}
+
+
+def child_probe(spec: dict[str, Any]) -> dict[str, Any]:
+    """Machine, sizes, link bandwidth and the job alone, for the parent's plan."""
+    init_cuda()
+    import torch
+    free_bytes = torch.cuda.mem_get_info()[0]
+    plan = plan_sizes(free_bytes, meminfo()["MemAvailable"], spec["size_gib"],
+                      spec["free_gib"], spec["uncapped_sublet"])
+    machine = machine_info()
+    with step(f"host link bandwidth: {gib(spec['bandwidth_bytes'])} pinned, "
+              f"{spec['bandwidth_reps']} copies each way"):
+        bandwidth = measure_bandwidth(spec["bandwidth_bytes"], spec["bandwidth_reps"])
+    log(f"pinned link: device to host {bandwidth['d2h_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"host to device {bandwidth['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    job_alone: dict[str, dict[str, Any]] = {}
+    for size in sorted(set(plan["sublet_sizes"] + plan["copy_all_sizes"])):
+        for fraction in spec["fractions"]:
+            n = job_bytes(size, fraction)
+            with step(f"the job alone: {gib(n)} ({pct(fraction)} of {gib(size)}), "
+                      f"{spec['job_reps']} times"):
+                job_alone[str(n)] = measure_job_alone(n, spec["job_reps"])
+    return {"machine": machine, "plan": plan, "bandwidth": bandwidth, "job_alone": job_alone}
+
+
+# --------------------------------------------------------------------------- child: cases
+
+def run_cycles(count: int, cycle: Callable[[int], dict[str, Any]]
+               ) -> tuple[list[dict[str, Any]], str | None]:
+    """Runs cycle(0..count-1); a failing cycle ends the run but keeps the cycles before it."""
+    cycles = []
+    for i in range(count):
+        try:
+            cycles.append(cycle(i))
+        except Exception as e:  # reported with the result, not lost with the process
+            log(f"cycle {i} failed: {traceback.format_exc()}")
+            return cycles, f"cycle {i}: {type(e).__name__}: {e}"
+        log(f"cycle {i} ({'first' if i == 0 else 'later'}): {cycles[-1]['seconds']:.3f} s, "
+            f"copied {gib(cycles[-1]['out_bytes'])} out, {gib(cycles[-1]['in_bytes'])} in")
+    return cycles, None
+
+
+def child_copy_all(spec: dict[str, Any]) -> dict[str, Any]:
+    """copy-all: out to pinned host memory, free, job, allocate again, back in."""
+    init_cuda()
+    import torch
+    size, n_job = spec["size_bytes"], job_bytes(spec["size_bytes"], spec["fraction"])
+    with step(f"allocating and filling the {gib(size)} tensor (torch.empty)"):
+        state: dict[str, Any] = {"tensor": torch.empty(size, dtype=torch.uint8, device="cuda"),
+                                 "host": None}
+        fill_random(state["tensor"])
+        before = wrapping_sum(state["tensor"])
+    ballast, free_measured = make_ballast(spec["free_bytes"])  # held until the end
+    log(f"{gib(free_measured)} of GPU memory free beside the tensor")
+
+    def cycle(i: int) -> dict[str, Any]:
+        t0 = now()
+        if state["host"] is None:
+            with step(f"pinning {gib(size)} of host memory (the first cycle's cost)"):
+                state["host"] = HostBuffer(size)
+        host = state["host"].tensor
+        t_pin = now()
+        host.copy_(state["tensor"])
+        sync()
+        t_out = now()
+        state["tensor"] = None
+        torch.cuda.empty_cache()
+        t_free = now()
+        run_job(n_job, release=True)
+        t_job = now()
+        state["tensor"] = torch.empty(size, dtype=torch.uint8, device="cuda")
+        t_alloc = now()
+        state["tensor"].copy_(host)
+        sync()
+        t_in = now()
+        return {"seconds": t_in - t0, "out_bytes": size, "in_bytes": size, "phases": {
+            "pin": t_pin - t0, "copy_out": t_out - t_pin, "free": t_free - t_out,
+            "job": t_job - t_free, "alloc": t_alloc - t_job, "copy_in": t_in - t_alloc}}
+
+    cycles, error = run_cycles(1 + spec["cycles"], cycle)
+    intact = state["tensor"] is not None and wrapping_sum(state["tensor"]) == before
+    return {"free_bytes_measured": free_measured, "job_bytes": n_job, "kept_bytes": size,
+            "keep_views": 0, "cycles": cycles, "kept_intact": intact, "error": error}
+
+
+def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
+    """sublet: `with sublet.lend(tensor, keep=...): job()`, timed whole and in phases."""
+    init_cuda()
+    import torch
+    import sublet
+    size, n_job = spec["size_bytes"], job_bytes(spec["size_bytes"], spec["fraction"])
+    with step(f"creating and filling the {gib(size)} tensor (sublet.empty)"):
+        tensor = sublet.empty(size, dtype=torch.uint8)
+        fill_random(tensor)
+    with step(f"building the {spec['pattern']} keep views"):
+        pattern = keep_pattern(tensor, spec["pattern"], spec["kept_fraction"], spec["seed"])
+        before = pattern.checksum()
+    log(f"keeping {gib(pattern.kept_bytes)} in {pattern.views} view(s)")
+    ballast, free_measured = make_ballast(spec["free_bytes"])
+    log(f"{gib(free_measured)} of GPU memory free beside the tensor")
+
+    def cycle(i: int) -> dict[str, Any]:
+        t0 = now()
+        loan = sublet.lend(tensor, keep=pattern.keep)  # turns the views into kept ranges
+        t_lend = now()
+        with loan:
+            t_enter = now()
+            run_job(n_job, release=False)
+            t_job = now()
+        t_exit = now()
+        stats = asdict(loan.stats)
+        return {"seconds": t_exit - t0, "out_bytes": stats["copied_out_bytes"],
+                "in_bytes": stats["copied_in_bytes"], "stats": stats, "phases": {
+                    "lend_call": t_lend - t0, "enter": t_enter - t_lend,
+                    "job": t_job - t_enter, "exit": t_exit - t_job}}
+
+    cycles, error = run_cycles(1 + spec["cycles"], cycle)
+    del ballast
+    torch.cuda.empty_cache()
+    intact = pattern.checksum() == before
+    return {"free_bytes_measured": free_measured, "job_bytes": n_job,
+            "kept_bytes": pattern.kept_bytes, "keep_views": pattern.views, "cycles": cycles,
+            "kept_intact": intact, "error": error}
+
+
+def child_main(mode: str, spec: dict[str, Any]) -> int:
+    global _log_prefix
+    _log_prefix = spec.get("label", mode)
+    if mode == "probe":
+        result = child_probe(spec)
+    elif spec["method"] == "copy-all":
+        result = child_copy_all(spec)
+    else:
+        result = child_sublet(spec)
+    emit_result(result)
+    return 0
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """A child's result: the last line of its stdout."""
+    sys.stdout.write(RESULT_MARK + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------- parent: children
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+def _pump(stream: IO[str], sink: Callable[[str], None]) -> None:
+    for line in stream:
+        sink(line)
+
+
+def run_child(mode: str, spec: dict[str, Any], env: dict[str, str],
+              timeout: float) -> dict[str, Any]:
+    """Runs this script with --child in a fresh process and returns its result."""
+    return run_script([str(SCRIPT), "--child", mode, "--spec", json.dumps(spec)], env, timeout)
+
+
+def run_script(args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Runs `python3 args...` in a fresh process: its stderr streams through, its result is the
+    JSON after RESULT_MARK on stdout. Raises ChildFailed."""
+    argv = [sys.executable, *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    out: list[str] = []
+    tail: deque[str] = deque(maxlen=30)
+
+    def err_line(line: str) -> None:
+        tail.append(line)
+        sys.stderr.write(line)
+
+    def out_line(line: str) -> None:
+        out.append(line) if line.startswith(RESULT_MARK) else err_line(line)
+
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, out_line), daemon=True),
+             threading.Thread(target=_pump, args=(proc.stderr, err_line), daemon=True)]
+    for pump in pumps:
+        pump.start()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise ChildFailed(f"timed out after {timeout:.0f} s") from None
+    finally:
+        for pump in pumps:
+            pump.join(timeout=10)
+    if proc.returncode != 0 or not out:
+        last = "".join(tail).strip().splitlines()[-1:] or ["(no output)"]
+        raise ChildFailed(f"exit status {proc.returncode}: {last[0]}")
+    return json.loads(out[-1][len(RESULT_MARK):])
+
+
+# --------------------------------------------------------------------------- parent: subletd
+
+@dataclass
+class Daemon:
+    """A subletd this script started for the run (or None fields where it uses another)."""
+    mode: str                      # shared | private | external
+    env: dict[str, str] = field(default_factory=dict)
+    pin_bytes: int = 0
+    process: subprocess.Popen | None = None
+    workdir: str | None = None
+    log_text: str = ""             # its log, kept when it stops
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "pin_bytes": self.pin_bytes,
+                "socket": self.env.get("SUBLET_SOCKET"), "log": self.log_text[-20000:]}
+
+
+def _daemon_answers(socket: str) -> bool:
+    from sublet import _lib
+    client = ctypes.c_void_p()
+    if _lib.lib().sublet_connect(socket.encode(), ctypes.byref(client)) != 0:
+        return False
+    _lib.lib().sublet_disconnect(client)
+    return True
+
+
+def start_daemon(pin_bytes: int, timeout: float = 300.0) -> Daemon:
+    """Starts subletd for device 0 (the backend sublet would use: cuda, or memfd where
+    $SUBLET_BACKEND says so), pinning pin_bytes of host memory ahead; waits until it answers."""
+    from sublet import _daemon, _lib
+    binary = _lib.find_native("subletd", "SUBLETD")
+    workdir = tempfile.mkdtemp(prefix="sublet-bench-")
+    socket = os.path.join(workdir, "gpu0.sock")
+    argv = [str(binary), "--device", "0", "--socket", socket, "--backend",
+            _daemon.requested_backend(), "--parent-pid", str(os.getpid())]
+    if pin_bytes > 0:
+        argv += ["--pin", f"{math.ceil(pin_bytes / GiB)}G"]
+    log_path = os.path.join(workdir, "subletd.log")
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                   stderr=log_file, start_new_session=True)
+    daemon = Daemon("shared", {"SUBLET_SOCKET": socket}, pin_bytes, process, workdir)
+    try:
+        with step(f"starting subletd ({' '.join(argv[1:])})"):
+            deadline = time.monotonic() + timeout
+            while not (os.path.exists(socket) and _daemon_answers(socket)):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    text = Path(log_path).read_text(errors="replace")[-3000:]
+                    raise SystemExit(f"subletd did not come up ({' '.join(argv)}):\n{text}")
+                time.sleep(0.05)
+    except BaseException:
+        stop_daemon(daemon)
+        raise
+    return daemon
+
+
+def stop_daemon(daemon: Daemon) -> None:
+    if daemon.process is not None and daemon.process.poll() is None:
+        daemon.process.send_signal(signal.SIGTERM)
+        try:
+            daemon.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.process.kill()
+            daemon.process.wait()
+    if daemon.workdir:
+        with contextlib.suppress(OSError):
+            daemon.log_text = Path(daemon.workdir, "subletd.log").read_text(errors="replace")
+        shutil.rmtree(daemon.workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def daemon_for_run(mode: str, pin_bytes: int) -> Iterator[Daemon]:
+    """The subletd the sublet processes use: one started here (shared), theirs (private), or
+    the one $SUBLET_SOCKET names (external)."""
+    if os.environ.get("SUBLET_SOCKET"):
+        yield Daemon("external", {"SUBLET_SOCKET": os.environ["SUBLET_SOCKET"]})
+        return
+    if mode == "private":
+        yield Daemon("private")
+        return
+    daemon = start_daemon(pin_bytes)
+    try:
+        yield daemon
+    finally:
+        stop_daemon(daemon)
+
+
+# --------------------------------------------------------------------------- parent: results
+
+def summarize(cycles: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not cycles:
+        return None
+    seconds = [c["seconds"] for c in cycles]
+    limit = statistics.fmean(c["limit_s"] for c in cycles)
+    return {"n": len(cycles), "seconds": statistics.fmean(seconds), "seconds_min": min(seconds),
+            "seconds_max": max(seconds),
+            "out_bytes": statistics.fmean(c["out_bytes"] for c in cycles),
+            "in_bytes": statistics.fmean(c["in_bytes"] for c in cycles),
+            "limit_s": limit, "ratio": statistics.fmean(seconds) / limit}
+
+
+def add_limits(result: dict[str, Any], bandwidth: dict[str, Any], job_alone_s: float) -> None:
+    """The physical limit of each cycle: the job alone plus the copied bytes at the measured
+    pinned bandwidth each way; then the first and later summaries."""
+    for cycle in result["cycles"]:
+        cycle["limit_s"] = (job_alone_s + cycle["out_bytes"] / bandwidth["d2h_bytes_per_s"]
+                            + cycle["in_bytes"] / bandwidth["h2d_bytes_per_s"])
+        cycle["ratio"] = cycle["seconds"] / cycle["limit_s"]
+    result["job_alone_s"] = job_alone_s
+    result["first"] = summarize(result["cycles"][:1])
+    result["later"] = summarize(result["cycles"][1:])
+
+
+def case_key(result: dict[str, Any]) -> tuple:
+    return (result["method"], result["pattern"], result["fraction"], result["size_bytes"])
+
+
+def upsert(doc: dict[str, Any], result: dict[str, Any]) -> None:
+    doc["results"] = [r for r in doc["results"] if case_key(r) != case_key(result)]
+    doc["results"].append(result)
+
+
+def save(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def load(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    if doc.get("schema") != SCHEMA:
+        raise SystemExit(f"{path} is not a {SCHEMA} results file")
+    return doc
+
+
+# --------------------------------------------------------------------------- parent: the run
+
+@dataclass
+class Settings:
+    size_gib: float | str | None
+    free_gib: float
+    kept_fraction: float
+    fractions: list[float]
+    cycles: int
+    patterns: list[str]
+    methods: list[str]
+    json_path: Path
+    append: bool
+    uncapped_sublet: bool
+    daemon: str
+    daemon_pin_gib: float | None
+    seed: int
+    bandwidth_gib: float
+    job_reps: int
+    child_timeout: float | None
+
+
+def plan_cases(s: Settings, plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The fresh processes to run, copy-all first (before subletd pins host memory)."""
+    cases = []
+    common = {"free_bytes": plan["free_bytes"], "kept_fraction": s.kept_fraction,
+              "cycles": s.cycles, "seed": s.seed}
+    if "copy-all" in s.methods:
+        for size in plan["copy_all_sizes"]:
+            for f in s.fractions:
+                cases.append({**common, "method": "copy-all", "pattern": ANY_PATTERN,
+                              "fraction": f, "size_bytes": size})
+    if "sublet" in s.methods:
+        for size in plan["sublet_sizes"]:
+            for p in s.patterns:
+                for f in s.fractions:
+                    cases.append({**common, "method": "sublet", "pattern": p, "fraction": f,
+                                  "size_bytes": size})
+    for case in cases:
+        case["label"] = f"{case['method']} {case['pattern']} {pct(case['fraction'])} " \
+                        f"{gib(case['size_bytes'])}"
+    return cases
+
+
+def log_plan(plan: dict[str, Any], s: Settings) -> None:
+    log(f"GPU: {gib(plan['gpu_free_bytes'])} free; host: {gib(plan['host_available_bytes'])} "
+        f"available")
+    if plan["capped"]:
+        log(f"S capped at {gib(plan['size_bytes'])}: copy-all's pinned buffer must fit in "
+            f"{HOST_SHARE:.0%} of the host's available memory (uncapped S would be "
+            f"{gib(plan['uncapped_bytes'])}"
+            + ("; sublet also runs at that size)" if len(plan["sublet_sizes"]) > 1 else
+               "; --uncapped-sublet also runs sublet there)"))
+    if "copy-all" in s.methods and not plan["copy_all_sizes"]:
+        log(f"copy-all skipped: its {gib(plan['size_bytes'])} pinned buffer would not fit in "
+            f"{gib(plan['host_cap_bytes'])} ({HOST_SHARE:.0%} of the host's available memory)")
+    log(f"S = {gib(plan['size_bytes'])}, F = {gib(plan['free_bytes'])}, kept "
+        f"{pct(s.kept_fraction)}, jobs {', '.join(pct(f) for f in s.fractions)} of S")
+
+
+def size_note(size: int, plan: dict[str, Any]) -> str:
+    """Why S is what it is, for the table and the chart."""
+    if plan["capped"] and size == plan["size_bytes"]:
+        return "capped: copy-all's pinned buffer must fit in host memory"
+    if size > plan["host_cap_bytes"]:
+        return "uncapped: too large for copy-all's pinned buffer"
+    return ""
+
+
+def child_timeout(s: Settings, size: int) -> float:
+    """Generous: pinning S at 0.7 s/GiB plus (cycles + 1) cycles of copies, plus start-up."""
+    if s.child_timeout:
+        return s.child_timeout
+    return 300 + size / GiB * (0.7 + 0.2 * (s.cycles + 1))
+
+
+def run_benchmark(s: Settings) -> int:
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit(NO_GPU)
+    started = time.time()
+    probe_spec = {"label": "probe", "size_gib": s.size_gib, "free_gib": s.free_gib,
+                  "uncapped_sublet": s.uncapped_sublet, "fractions": s.fractions,
+                  "bandwidth_bytes": int(s.bandwidth_gib * GiB), "bandwidth_reps": 5,
+                  "job_reps": s.job_reps}
+    log("probing: free memory, host link bandwidth, the job alone (a fresh process)")
+    probe = run_child("probe", probe_spec, {}, timeout=900)
+    plan = probe["plan"]
+    log_plan(plan, s)
+    doc = load(s.json_path) if s.append and s.json_path.exists() else \
+        {"schema": SCHEMA, "runs": [], "results": []}
+    doc["machine"] = probe["machine"]
+    run_id = max((r["id"] for r in doc["runs"]), default=-1) + 1
+    run = {"id": run_id, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z",
+                                                  time.localtime(started)),
+           "argv": sys.argv[1:], "settings": {k: str(v) if isinstance(v, Path) else v
+                                              for k, v in asdict(s).items()},
+           "plan": plan, "bandwidth": probe["bandwidth"], "job_alone": probe["job_alone"]}
+    doc["runs"].append(run)
+    save(doc, s.json_path)
+
+    cases = plan_cases(s, plan)
+    copy_cases = [c for c in cases if c["method"] == "copy-all"]
+    sublet_cases = [c for c in cases if c["method"] == "sublet"]
+    done = 0
+    for case in copy_cases:
+        done += 1
+        run_case(case, done, len(cases), {}, probe, run_id, plan, doc, s)
+    if sublet_cases:
+        pin = s.daemon_pin_gib * GiB if s.daemon_pin_gib is not None else \
+            s.kept_fraction * max(plan["sublet_sizes"])
+        with daemon_for_run(s.daemon, int(pin)) as daemon:
+            run["daemon"] = daemon.describe()
+            for case in sublet_cases:
+                done += 1
+                run_case(case, done, len(cases), daemon.env, probe, run_id, plan, doc, s)
+        run["daemon"] = daemon.describe()  # with the log of a daemon started here
+    run["elapsed_s"] = time.time() - started
+    save(doc, s.json_path)
+    log(f"done in {run['elapsed_s']:.0f} s; results in {s.json_path}")
+    print_report(doc)
+    return 0
+
+
+def run_case(case: dict[str, Any], index: int, total: int, env: dict[str, str],
+             probe: dict[str, Any], run_id: int, plan: dict[str, Any], doc: dict[str, Any],
+             s: Settings) -> None:
+    """One (method, pattern, fraction, size) in a fresh process; its result goes into doc and
+    the JSON file at once, so that an interrupted run keeps what it measured."""
+    log(f"case {index}/{total}: {case['label']} (fresh process)")
+    result = {k: case[k] for k in ("method", "pattern", "fraction", "size_bytes",
+                                   "free_bytes", "kept_fraction")}
+    result.update(run=run_id, size_note=size_note(case["size_bytes"], plan))
+    try:
+        result.update(run_child("case", case, env, child_timeout(s, case["size_bytes"])))
+        job = probe["job_alone"][str(result["job_bytes"])]["median_s"]
+        add_limits(result, probe["bandwidth"], job)
+        if result["error"]:
+            log(f"case {case['label']}: {result['error']}")
+    except ChildFailed as e:
+        log(f"case {case['label']} failed: {e}")
+        result["error"] = str(e)
+    upsert(doc, result)
+    save(doc, s.json_path)
+
+
+# --------------------------------------------------------------------------- report
+
+def _fmt_row(label: str, cycle: str, summary: dict[str, Any] | None, job_s: float) -> str:
+    """One table row; later rows are means, with the spread of the cycles after them."""
+    if summary is None:
+        return f"  {label:<22} {cycle:<6} (no cycles)"
+    spread = "" if summary["n"] < 2 else \
+        f"  ({summary['seconds_min']:.3f}-{summary['seconds_max']:.3f}, n={summary['n']})"
+    return (f"  {label:<22} {cycle:<6} {summary['seconds']:>9.3f} "
+            f"{summary['out_bytes'] / GiB:>9.2f} {summary['in_bytes'] / GiB:>9.2f} "
+            f"{job_s:>8.3f} {summary['limit_s']:>9.3f} {summary['ratio']:>8.2f}x{spread}")
+
+
+def table_lines(doc: dict[str, Any]) -> list[str]:
+    """The results as a table: per size and job fraction, copy-all then sublet per pattern."""
+    lines = []
+    for run in doc["runs"]:
+        bw = run["bandwidth"]
+        lines.append(f"run {run['id']} ({run['started']}): pinned link D2H "
+                     f"{bw['d2h_bytes_per_s'] / 1e9:.1f} GB/s, H2D "
+                     f"{bw['h2d_bytes_per_s'] / 1e9:.1f} GB/s (best of {bw['reps']} x "
+                     f"{gib(bw['bytes'])}); daemon: {run.get('daemon', {}).get('mode', '-')}")
+    results = doc["results"]
+    for size in sorted({r["size_bytes"] for r in results}):
+        at_size = [r for r in results if r["size_bytes"] == size]
+        note = next((r["size_note"] for r in at_size if r.get("size_note")), "")
+        free = at_size[0]["free_bytes"]
+        lines.append("")
+        lines.append(f"S = {gib(size)}{f' ({note})' if note else ''}, F = {gib(free)}, "
+                     f"kept {pct(at_size[0]['kept_fraction'])}")
+        lines.append(f"  {'case':<22} {'cycle':<6} {'seconds':>9} {'out GiB':>9} "
+                     f"{'in GiB':>9} {'job s':>8} {'limit s':>9} {'x limit':>9}")
+        for fraction in sorted({r["fraction"] for r in at_size}):
+            lines.append(f" job {pct(fraction)} of S ({gib(job_bytes(size, fraction))})")
+            ordered = sorted((r for r in at_size if r["fraction"] == fraction),
+                             key=lambda r: (METHODS.index(r["method"]),
+                                            _pattern_order(r["pattern"])))
+            for r in ordered:
+                label = _case_label(r)
+                if r.get("first"):
+                    lines.append(_fmt_row(label, "first", r["first"], r["job_alone_s"]))
+                    lines.append(_fmt_row("", "later", r["later"], r["job_alone_s"]))
+                if r.get("error"):
+                    lines.append(f"  {'' if r.get('first') else label:<22} failed: "
+                                 f"{r['error']}")
+                if not r.get("kept_intact", True):
+                    lines.append(f"  {'':<22} KEPT DATA NOT INTACT after the cycles")
+    return lines
+
+
+def _case_label(r: dict[str, Any]) -> str:
+    """'copy-all', or 'sublet rows 34%' with the share of S actually kept."""
+    if r["method"] != "sublet":
+        return r["method"]
+    kept = f" {r['kept_bytes'] / r['size_bytes']:.0%}" if r.get("kept_bytes") else ""
+    return f"sublet {r['pattern']}{kept}"
+
+
+def _pattern_order(pattern: str) -> int:
+    return PATTERNS.index(pattern) if pattern in PATTERNS else -1
+
+
+@dataclass
+class Target:
+    name: str
+    case: str
+    met: bool
+    detail: str
+
+
+def evaluate_targets(results: list[dict[str, Any]]) -> list[Target]:
+    """Issue 4's targets for every sublet case (later cycles within 1.15 x the limit, 4 x
+    faster than copy-all at 25% and 75%, first cycle within 2 x its later cycles)."""
+    ok = [r for r in results if not r.get("error") and r.get("later")]
+    copy_all = {(r["size_bytes"], r["fraction"]): r for r in ok if r["method"] == "copy-all"}
+    targets = []
+    for r in sorted((r for r in ok if r["method"] == "sublet"),
+                    key=lambda r: (r["size_bytes"], _pattern_order(r["pattern"]),
+                                   r["fraction"])):
+        case = f"{r['pattern']} {pct(r['fraction'])} S={gib(r['size_bytes'])}"
+        later = r["later"]
+        targets.append(Target(
+            f"sublet later <= {TARGET_LIMIT_RATIO} x limit", case,
+            later["ratio"] <= TARGET_LIMIT_RATIO,
+            f"{later['seconds']:.3f} s vs limit {later['limit_s']:.3f} s = "
+            f"{later['ratio']:.2f}x"))
+        other = copy_all.get((r["size_bytes"], r["fraction"]))
+        if other and any(math.isclose(r["fraction"], f) for f in TARGET_SPEEDUP_FRACTIONS):
+            speedup = other["later"]["seconds"] / later["seconds"]
+            targets.append(Target(
+                f"sublet later >= {TARGET_SPEEDUP:g} x faster than copy-all", case,
+                speedup >= TARGET_SPEEDUP,
+                f"copy-all {other['later']['seconds']:.3f} s / sublet {later['seconds']:.3f} "
+                f"s = {speedup:.1f}x"))
+        first_ratio = r["first"]["seconds"] / later["seconds"]
+        targets.append(Target(
+            f"sublet first <= {TARGET_FIRST_RATIO:g} x its later", case,
+            first_ratio <= TARGET_FIRST_RATIO,
+            f"{r['first']['seconds']:.3f} s vs {later['seconds']:.3f} s = {first_ratio:.2f}x"))
+    return targets
+
+
+def target_lines(results: list[dict[str, Any]]) -> list[str]:
+    targets = evaluate_targets(results)
+    if not targets:
+        return ["targets: no sublet case with later cycles to judge"]
+    lines = [f"targets: {sum(t.met for t in targets)} of {len(targets)} met"]
+    for name in dict.fromkeys(t.name for t in targets):
+        lines.append(f" {name}")
+        for t in (t for t in targets if t.name == name):
+            lines.append(f"  {'met    ' if t.met else 'NOT MET'}  {t.case:<26} {t.detail}")
+    return lines
+
+
+def print_report(doc: dict[str, Any]) -> None:
+    machine = doc.get("machine", {})
+    print(f"sublet benchmark: {machine.get('gpu')} (driver {machine.get('driver')}, CUDA "
+          f"{machine.get('cuda_runtime')}), torch {machine.get('torch')}, host "
+          f"{gib(machine.get('host_memory_bytes') or 0)}")
+    print("figures are seconds per cycle (make room, run the job, get the data back); "
+          "limit = job alone + copied bytes at the pinned link speed each way")
+    for line in table_lines(doc) + [""] + target_lines(doc["results"]):
+        print(line)
+
+
+# --------------------------------------------------------------------------- arguments
+
+def _float_list(text: str) -> list[float]:
+    values = [float(v.strip().rstrip("%")) for v in text.split(",") if v.strip()]
+    return [v / 100 if v > 1 else v for v in values]  # 25 and 0.25 both mean 25%
+
+
+def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: choose from "
+                                             f"{', '.join(allowed)}")
+        return values
+    return parse
+
+
+def _size(text: str) -> float | str:
+    return "max" if text == "max" else float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="sublet against copy-all on one CUDA GPU: seconds per cycle, bytes copied, "
+                    "the physical limit; a table on stdout and a JSON file (bench/plot.py "
+                    "draws it). A full run at S = 64 GiB takes about 7 minutes on an H200 "
+                    "(estimated: copy-all's first cycles pin host memory at about 0.6 s/GiB, "
+                    "each case is a fresh process).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size", type=_size, default=None, metavar="GiB",
+                        help="S, the lent tensor's size in GiB; 'max': all free GPU memory but "
+                             "F, uncapped (copy-all then runs only if it fits in host memory). "
+                             "Default: all free GPU memory but F, capped so that copy-all's "
+                             "pinned buffer fits in 90%% of MemAvailable")
+    parser.add_argument("--free", type=float, default=None, metavar="GiB",
+                        help="F, free GPU memory left beside the tensor (default 8, quick 2)")
+    parser.add_argument("--kept-fraction", type=float, default=0.3,
+                        help="the share of the tensor the owner keeps")
+    parser.add_argument("--fractions", type=_float_list, default=[0.25, 0.75, 1.0],
+                        help="job sizes as fractions of S, comma-separated (25 or 0.25)")
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="later cycles per case, after the first (default 3, quick 2)")
+    parser.add_argument("--patterns", type=_choices(PATTERNS), default=list(PATTERNS),
+                        help="keep patterns, comma-separated")
+    parser.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
+                        help="methods, comma-separated")
+    parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json",
+                        help="where to write all results")
+    parser.add_argument("--append", action="store_true",
+                        help="add to the results already in --json (a run split in parts) "
+                             "instead of starting a new file; a case measured again replaces "
+                             "the old one")
+    parser.add_argument("--uncapped-sublet", action="store_true",
+                        help="when S is capped by host memory, also run sublet at the "
+                             "uncapped size, where copy-all cannot run")
+    parser.add_argument("--daemon", choices=("shared", "private"), default="shared",
+                        help="shared: one subletd started for the run serves every sublet "
+                             "process (as a system service would); private: each process "
+                             "starts its own. $SUBLET_SOCKET, when set, wins over both")
+    parser.add_argument("--daemon-pin", type=float, default=None, metavar="GiB",
+                        help="host memory the shared subletd pins ahead (default: the kept "
+                             "fraction of the largest S; 0: pinned as loans need it)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the blocks pattern")
+    parser.add_argument("--bandwidth-size", type=float, default=None, metavar="GiB",
+                        help="pinned buffer for the bandwidth measurement (default 4, quick 1)")
+    parser.add_argument("--job-reps", type=int, default=5,
+                        help="timed repetitions of the job alone (the median is taken)")
+    parser.add_argument("--child-timeout", type=float, default=None, metavar="S",
+                        help="seconds before a case's process is killed (default: from S)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: S = 8 GiB, F = 2 GiB, 2 later cycles, 1 GiB "
+                             "bandwidth buffer (options given explicitly still win)")
+    parser.add_argument("--report", action="store_true",
+                        help="print the table and targets of --json and exit (no GPU needed)")
+    parser.add_argument("--child", choices=("probe", "case"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    quick = args.quick
+    size = args.size if args.size is not None else (8.0 if quick else None)
+    return Settings(
+        size_gib=size, free_gib=args.free if args.free is not None else (2.0 if quick else 8.0),
+        kept_fraction=args.kept_fraction, fractions=args.fractions,
+        cycles=args.cycles if args.cycles is not None else (2 if quick else 3),
+        patterns=args.patterns, methods=args.methods, json_path=args.json.resolve(),
+        append=args.append, uncapped_sublet=args.uncapped_sublet, daemon=args.daemon,
+        daemon_pin_gib=args.daemon_pin, seed=args.seed,
+        bandwidth_gib=args.bandwidth_size or (1.0 if quick else 4.0), job_reps=args.job_reps,
+        child_timeout=args.child_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.child:
+        return child_main(args.child, json.loads(args.spec))
+    if args.report:
+        print_report(load(args.json))
+        return 0
+    settings = settings_from(args)
+    if not 0 < settings.kept_fraction < 1:
+        raise SystemExit("--kept-fraction must lie between 0 and 1")
+    if settings.cycles < 1:
+        raise SystemExit("--cycles must be at least 1 (the later cycles after the first)")
+    return run_benchmark(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
