@@ -542,6 +542,11 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
         pattern = keep_pattern(tensor, spec["pattern"], spec["kept_fraction"], spec["seed"])
         before = pattern.checksum()
     log(f"keeping {gib(pattern.kept_bytes)} in {pattern.views} view(s)")
+    # What a serving process has done long before it lends (cuBLAS's workspace made): done
+    # here before the ballast, or free memory shrinks after the first loan and the next loan's
+    # window is laid out anew.
+    from sublet import _torch
+    _torch.warm_up_cublas(torch.cuda.current_device())
     ballast, free_measured = make_ballast(spec["free_bytes"])
     log(f"{gib(free_measured)} of GPU memory free beside the tensor")
 
@@ -673,8 +678,9 @@ def start_daemon(pin_bytes: int, timeout: float = 300.0) -> Daemon:
     binary = _lib.find_native("subletd", "SUBLETD")
     workdir = tempfile.mkdtemp(prefix="sublet-bench-")
     socket = os.path.join(workdir, "gpu0.sock")
+    # F is the benchmark's own: the daemon holds back only a little headroom beside it.
     argv = [str(binary), "--device", "0", "--socket", socket, "--backend",
-            _daemon.requested_backend(), "--parent-pid", str(os.getpid())]
+            _daemon.requested_backend(), "--parent-pid", str(os.getpid()), "--reserve", "256M"]
     if pin_bytes > 0:
         argv += ["--pin", f"{math.ceil(pin_bytes / GiB)}G"]
     log_path = os.path.join(workdir, "subletd.log")

@@ -298,9 +298,10 @@ static void release_region_local(struct sublet_region *r) {
   struct sl_device *dev = r->client->dev;
 
   if (r->base != NULL) {
+    sl_device_synchronize(dev, NULL);
     for (uint64_t i = 0; i < r->npages; i++)
       if (r->handles[i] != 0)
-        sl_device_unmap(dev, (char *)r->base + i * r->page_size, r->page_size);
+        sl_device_unmap_idle(dev, (char *)r->base + i * r->page_size, r->page_size);
     sl_device_unreserve(dev, r->base, r->npages * r->page_size);
   }
   for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)

@@ -82,8 +82,9 @@ static void *pos_addr(const struct sl_window *w, uint64_t pos) {
 static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct sl_err *err) {
   int rc;
 
+  /* A page changed since the last loan, which ended synchronised: nothing uses it now. */
   if (w->mapped[pos] >= 0)
-    sl_device_unmap(w->dev, pos_addr(w, pos), w->page_size);
+    sl_device_unmap_idle(w->dev, pos_addr(w, pos), w->page_size);
   w->mapped[pos] = POS_UNMAPPED;
   if (w->handles[page] == 0)
     return sl_err_set(err, SUBLET_EPROTO, "no handle for region page %lld",
@@ -157,9 +158,11 @@ int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_h
 }
 
 void sl_window_drop_chunks(struct sl_window *w) {
+  if (w->nchunks > 0)
+    sl_device_synchronize(w->dev, NULL);
   for (size_t i = 0; i < w->nchunks; i++) {
     struct sl_window_chunk *c = &w->chunks[i];
-    sl_device_unmap(w->dev, pos_addr(w, c->pos), c->npages * w->page_size);
+    sl_device_unmap_idle(w->dev, pos_addr(w, c->pos), c->npages * w->page_size);
     sl_device_release(w->dev, c->handle);
     for (uint64_t p = c->pos; p < c->pos + c->npages; p++)
       w->mapped[p] = POS_UNMAPPED;
@@ -172,9 +175,10 @@ void sl_window_free(struct sl_window *w) {
     return;
   if (w->base != NULL) {
     sl_window_drop_chunks(w);
+    sl_device_synchronize(w->dev, NULL);
     for (uint64_t p = 0; p < window_pages(w); p++)
       if (w->mapped[p] >= 0)
-        sl_device_unmap(w->dev, pos_addr(w, p), w->page_size);
+        sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
     sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
   }
   if (w->owns_handles && w->handles != NULL)

@@ -129,6 +129,12 @@ int sl_device_unmap(struct sl_device *d, void *addr, uint64_t size) {
   return d->ops->unmap(d, addr, size);
 }
 
+int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size) {
+  if (!is_whole_pages(d, size) || addr == NULL)
+    return SUBLET_EINVAL;
+  return d->ops->unmap_idle(d, addr, size);
+}
+
 int sl_device_synchronize(struct sl_device *d, struct sl_err *err) {
   return d->ops->synchronize(d, err);
 }

@@ -76,6 +76,9 @@ int sl_device_set_access(struct sl_device *d, void *addr, uint64_t size, struct 
 /* Unmaps exactly one earlier mapping. Waits for the device to be idle first: touching an
  * unmapped address is a GPU fault, not an error. */
 int sl_device_unmap(struct sl_device *d, void *addr, uint64_t size);
+/* The same without waiting: for many unmaps after one sl_device_synchronize() (a wait per
+ * page costs more than the unmap itself). */
+int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size);
 /* Waits until all work queued on the device by this process has finished. */
 int sl_device_synchronize(struct sl_device *d, struct sl_err *err);
 
@@ -103,6 +106,7 @@ struct sl_device_ops {
   int (*map)(struct sl_device *d, void *addr, uint64_t size, sl_handle h, struct sl_err *err);
   int (*set_access)(struct sl_device *d, void *addr, uint64_t size, struct sl_err *err);
   int (*unmap)(struct sl_device *d, void *addr, uint64_t size);
+  int (*unmap_idle)(struct sl_device *d, void *addr, uint64_t size);
   int (*synchronize)(struct sl_device *d, struct sl_err *err);
   int (*host_alloc)(struct sl_device *d, uint64_t size, void **p, struct sl_err *err);
   void (*host_free)(struct sl_device *d, void *p, uint64_t size);

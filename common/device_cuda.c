@@ -644,6 +644,16 @@ static int cuda_unmap(struct sl_device *dev, void *addr, uint64_t size) {
   return rc;
 }
 
+static int cuda_unmap_idle(struct sl_device *dev, void *addr, uint64_t size) {
+  int rc = cuda_enter(to_cuda(dev), NULL);
+
+  if (rc != 0)
+    return rc;
+  rc = cuda_check(drv.cuMemUnmap(devptr(addr), size), NULL, "cuMemUnmap", "");
+  cuda_leave();
+  return rc;
+}
+
 static int cuda_synchronize(struct sl_device *dev, struct sl_err *err) {
   int rc = cuda_enter(to_cuda(dev), err);
 
@@ -813,6 +823,7 @@ const struct sl_device_ops sl_device_cuda_ops = {
     .map = cuda_map,
     .set_access = cuda_set_access,
     .unmap = cuda_unmap,
+    .unmap_idle = cuda_unmap_idle,
     .synchronize = cuda_synchronize,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,

@@ -436,6 +436,7 @@ const struct sl_device_ops sl_device_memfd_ops = {
     .map = memfd_map,
     .set_access = memfd_set_access,
     .unmap = memfd_unmap,
+    .unmap_idle = memfd_unmap,
     .synchronize = memfd_synchronize,
     .host_alloc = memfd_host_alloc,
     .host_free = memfd_host_free,

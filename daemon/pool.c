@@ -58,8 +58,10 @@ static struct pool_region *find_region(const struct sl_pool *p, uint64_t id) {
 
 static void region_unmap_release(struct sl_pool *p, struct pool_region *r, uint64_t created,
                                  uint64_t mapped) {
+  if (mapped > 0)
+    sl_device_synchronize(p->dev, NULL);
   for (uint64_t i = 0; i < mapped; i++)
-    sl_device_unmap(p->dev, (char *)r->base + i * p->page_size, p->page_size);
+    sl_device_unmap_idle(p->dev, (char *)r->base + i * p->page_size, p->page_size);
   for (uint64_t i = 0; i < created; i++)
     sl_device_release(p->dev, r->pages[i]);
   if (r->base != NULL)
