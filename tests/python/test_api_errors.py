@@ -178,10 +178,12 @@ def test_missing_native_file_names_the_fix(monkeypatch, tmp_path):
         _lib.find_native("libsublet.so", "SUBLET_LIB")
 
 
-def test_status_stub_exit_code(capsys):
-    from sublet._status import main
-    assert main(["status", "--json"]) == 3
-    assert "not available yet" in capsys.readouterr().err
+def test_status_without_any_daemon_exits_3_and_names_the_fix(capsys, monkeypatch, tmp_path):
+    from sublet import _status
+    monkeypatch.delenv("SUBLET_SOCKET", raising=False)
+    monkeypatch.setattr(_status, "SYSTEM_SOCKET_DIR", tmp_path)
+    assert _status.main(["status", "--json"]) == 3
+    assert "systemctl start subletd@0.socket" in capsys.readouterr().err
 
 
 def test_every_function_of_the_header_has_a_prototype():
