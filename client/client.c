@@ -527,6 +527,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
                     b->fresh_pages, b->kept_pages, b->layout,
                     own != NULL ? own->handles : NULL, &c->win, &err) != 0)
     return sl_client_fail_err(&err);
+  c->win->region_base = own != NULL ? own->base : NULL;
   return 0;
 }
 
@@ -638,8 +639,13 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_ALLOCATED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Alloc with something else");
   if (rc == 0) {
-    rc = map_grant(c, rep->allocated, fds, nfds);
-    *ptr = (char *)c->win->base + rep->allocated->pos * c->win->page_size;
+    const Sublet__Allocated *a = rep->allocated;
+    /* In the owner's process a run of consecutive region pages needs no mapping at all. */
+    *ptr = nfds == 0 ? sl_window_direct(c->win, a->pos, a->pages) : NULL;
+    if (*ptr == NULL) {
+      rc = map_grant(c, a, fds, nfds);
+      *ptr = (char *)c->win->base + a->pos * c->win->page_size;
+    }
     if (rc == 0 && sl_window_alloc_add(c->win, *ptr, size, rep->allocated->alloc) != 0)
       rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
     if (rc != 0) {

@@ -75,6 +75,17 @@ int64_t sl_window_page_at(const struct sl_window *w, uint64_t pos) {
   return (int64_t)w->layout[pos - w->fresh];
 }
 
+void *sl_window_direct(const struct sl_window *w, uint64_t pos, uint64_t n) {
+  int64_t first = n > 0 ? sl_window_page_at(w, pos) : -1;
+
+  if (w->region_base == NULL || first < 0)
+    return NULL;
+  for (uint64_t i = 1; i < n; i++)
+    if (sl_window_page_at(w, pos + i) != first + (int64_t)i)
+      return NULL;
+  return (char *)w->region_base + (uint64_t)first * w->page_size;
+}
+
 static void *pos_addr(const struct sl_window *w, uint64_t pos) {
   return (char *)w->base + pos * w->page_size;
 }

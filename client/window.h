@@ -32,6 +32,7 @@ struct sl_window {
   uint64_t unkept, fresh, kept;   /* U, F, K */
   uint64_t *layout;               /* U + K region page indices */
   void *base;                     /* U + F + K pages reserved */
+  void *region_base;              /* the region's own mapping in this process, or NULL */
   int64_t *mapped;                /* per position: region page mapped there, or -1 */
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
   int owns_handles;               /* imported for this window (another process's region) */
@@ -53,6 +54,10 @@ int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, ui
                     uint64_t kept, const uint64_t *layout);
 /* The region page at a window position, or -1 for a fresh position. */
 int64_t sl_window_page_at(const struct sl_window *w, uint64_t pos);
+/* Where positions [pos, pos+n) already lie contiguous in this process: inside the region's
+ * own mapping, when they are consecutive pages of a region this process owns (the unkept
+ * tail of a tensor that keeps its head, say). NULL otherwise: they go in the window. */
+void *sl_window_direct(const struct sl_window *w, uint64_t pos, uint64_t n);
 /* Maps positions [pos, pos+n) that are not mapped to their page yet (fresh positions must be
  * mapped already by sl_window_add_chunk); every page needs a handle in w->handles. */
 int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_err *err);

@@ -164,6 +164,38 @@ static void test_unkept_first(void) {
   lend_in_process(&k, 1, 0, 0);          /* one page: from the unkept ones, nothing copied */
 }
 
+/* In the owner's process, a run of consecutive unkept pages is served inside the tensor's own
+ * mapping (no mapping paid); a run that reaches free memory goes to the window. */
+static void test_direct_runs(void) {
+  struct sublet_range keep = {0, 4 * PAGE};
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t loan;
+  uint8_t *base;
+  void *p, *q;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 16 * PAGE, &r), 0);
+  base = sublet_region_addr(r);
+  fill(base, 16 * PAGE);
+  CHECK_RC(sublet_lend(r, &keep, 1, 0, NULL, &loan, NULL), 0);
+  CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
+  CHECK_RC(sublet_alloc(c, 8 * PAGE, &p), 0);
+  CHECK((uint8_t *)p == base + 4 * PAGE); /* unkept pages 4..11, in place */
+  memset(p, 0xEE, 8 * PAGE);
+  CHECK_RC(sublet_alloc(c, 8 * PAGE, &q), 0); /* pages 12..15 and 4 fresh ones */
+  CHECK((uint8_t *)q < base || (uint8_t *)q >= base + 16 * PAGE);
+  memset(q, 0xDD, 8 * PAGE);
+  CHECK(((uint8_t *)q)[0] == 0xDD && base[12 * PAGE] == 0xDD); /* the window aliases the page */
+  CHECK_RC(sublet_free(c, p), 0);
+  CHECK_RC(sublet_free(c, q), 0);
+  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  CHECK(kept_intact(base, &keep, 1));
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
 static void test_random_keeps(void) {
   for (int round = 0; round < 20; round++) {
     struct sublet_range keep[32];
@@ -515,6 +547,7 @@ int main(void) {
   sl_test_run("keep one range", test_keep_one_range);
   sl_test_run("keep scattered 4 KiB blocks", test_keep_scattered_blocks);
   sl_test_run("unkept pages first", test_unkept_first);
+  sl_test_run("consecutive unkept pages in place", test_direct_runs);
   sl_test_run("random keep sets", test_random_keeps);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);
