@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ def draw_panel(ax: Any, results: list[dict[str, Any]], size: int, title: str) ->
     patterns = [p for p in PATTERNS if any(r["pattern"] == p for r in at_size)]
     fractions = sorted({r["fraction"] for r in at_size})
     groups = [(p, f) for p in patterns for f in fractions]
+    # Bars on a log axis need a bottom above zero: a decade under the smallest figure.
+    values = [s["seconds"] for r in at_size for s in (r.get("first"), r.get("later")) if s]
+    floor = 10 ** math.floor(math.log10(min(values) / 2)) if values else 1e-3
+    ax.set_yscale("log")
+    ax.set_ylim(floor, max(values) * 4 if values else 10)  # room above for the labels
     for g, (pattern, fraction) in enumerate(groups):
         for b, (method, cycle, colour, _) in enumerate(BARS):
             r = find(at_size, method, pattern, fraction, size)
@@ -61,7 +67,7 @@ def draw_panel(ax: Any, results: list[dict[str, Any]], size: int, title: str) ->
             if not summary:
                 continue
             x = g + (b - (len(BARS) - 1) / 2) * BAR_WIDTH
-            ax.bar(x, summary["seconds"], BAR_WIDTH * 0.92, color=colour)
+            ax.bar(x, summary["seconds"] - floor, BAR_WIDTH * 0.92, bottom=floor, color=colour)
             ax.hlines(summary["limit_s"], x - BAR_WIDTH * 0.4, x + BAR_WIDTH * 0.4,
                       colors="black", linewidth=2)
             ax.annotate(f"{summary['seconds']:.3g}", (x, summary["seconds"]),
@@ -71,12 +77,10 @@ def draw_panel(ax: Any, results: list[dict[str, Any]], size: int, title: str) ->
         ax.axvline(boundary - 0.5, color="grey", linewidth=0.6, alpha=0.5)
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels([f"{p}\njob {f * 100:g}%" for p, f in groups], fontsize=8)
-    ax.set_yscale("log")
     ax.set_ylabel("seconds per cycle (log)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", which="both", alpha=0.25)
     ax.set_axisbelow(True)
-    ax.margins(y=0.15)
 
 
 def panel_title(doc: dict[str, Any], size: int) -> str:
@@ -117,7 +121,8 @@ def render(doc: dict[str, Any], out: Path) -> None:
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07 if len(sizes) == 1 else 0.04, 1, 0.96))
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="svg", metadata={"Date": None})
+    fmt = out.suffix.lstrip(".") or "svg"
+    fig.savefig(out, format=fmt, metadata={"Date": None} if fmt == "svg" else None, dpi=110)
     plt.close(fig)
 
 
