@@ -155,3 +155,28 @@ int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err)
   rep.error = &e;
   return sl_conn_send(c, &rep, NULL, 0);
 }
+
+void sl_conn_send_ok(struct sl_conn *c, uint64_t id) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Ok ok = SUBLET__OK__INIT;
+
+  rep.id = id;
+  rep.body_case = SUBLET__REPLY__BODY_OK;
+  rep.ok = &ok;
+  sl_conn_send(c, &rep, NULL, 0);
+}
+
+void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
+                        const struct sublet_loan_stats *s) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__LoanStats m;
+
+  sl_msg_stats_to_proto(s, &m);
+  rep.id = id;
+  rep.body_case = returned ? SUBLET__REPLY__BODY_RETURNED : SUBLET__REPLY__BODY_RECLAIMED;
+  if (returned)
+    rep.returned = &m;
+  else
+    rep.reclaimed = &m;
+  sl_conn_send(c, &rep, NULL, 0);
+}

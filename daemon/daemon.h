@@ -1,4 +1,6 @@
-/* daemon.h - subletd's state shared by its I/O modules (server, conn, handlers).
+/* daemon.h - subletd's state shared by its modules: server.c (socket, signals), conn.c (one
+ * connection's frames), handlers.c (requests), waiters.c (requests answered later), endings.c
+ * (how loans end, what a client leaves), status.c (the Status reply).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
@@ -69,6 +71,28 @@ struct sl_conn {
   struct sl_conn *next;
 };
 
+enum sl_waiter_kind { SL_WAIT_RECLAIM, SL_WAIT_BORROW };
+
+/* A request answered later (waiters.c). */
+struct sl_waiter {
+  struct sl_daemon *d;
+  struct sl_conn *conn;
+  enum sl_waiter_kind kind;
+  uint64_t req_id;
+  uint64_t loan_id;
+  uint8_t token[16];
+  int has_token;
+  char name[64];
+  uv_timer_t timer;
+  struct sl_waiter *next;
+};
+
+/* A loan's end its owner has not asked about yet (it asks with Reclaim). */
+struct sl_ended {
+  struct sublet_loan_stats stats;
+  struct sl_ended *next;
+};
+
 /* Loans whose borrower died: finished once its process has exited. */
 struct sl_drain {
   struct sl_daemon *d;
@@ -90,6 +114,26 @@ void sl_conn_close(struct sl_conn *c);
 /* Sends a reply; a client that cannot take it is disconnected. fds stay the caller's. */
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds);
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err);
+void sl_conn_send_ok(struct sl_conn *c, uint64_t id);
+/* A loan's stats, as Returned (returned != 0) or Reclaimed. */
+void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
+                        const struct sublet_loan_stats *s);
+
+/* Waiters: park one (timeout_ms < 0: no timer), answer-and-free one, drop a conn's. */
+struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
+                                 int timeout_ms);
+void sl_waiter_done(struct sl_waiter *w);
+void sl_waiters_cancel(struct sl_conn *c);
+/* Tells the owner that a loan ended: its waiting Reclaim, else its next one. */
+void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
+                           uint64_t owner_client);
+/* Takes an ended loan's stats off the conn's list; returns 1 if it was there. */
+int sl_ended_take(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s);
+
+/* Carries out a loan's end on the device and tells its owner (endings.c). */
+void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
+                       struct sublet_loan_stats *out);
+int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
 
 /* Handles one request; every request gets exactly one reply, now or (Borrow, Reclaim) later. */
 void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,

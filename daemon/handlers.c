@@ -1,305 +1,18 @@
 /* handlers.c - what subletd does for each request, between the books and the pool.
  *
  * Each handler checks its arguments, asks the books, does the device work the books name, and
- * answers. Requests that wait (Borrow with a timeout, Reclaim) park a waiter, answered when
- * an offer is posted or the loan ends, or when its timer fires.
+ * answers. Requests that wait (Borrow with a timeout, Reclaim) park a waiter (waiters.c),
+ * answered when an offer is posted or the loan ends, or when its timer fires.
  */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "daemon.h"
 #include "log.h"
 #include "msg.h"
-
-enum waiter_kind { WAIT_RECLAIM, WAIT_BORROW };
-
-struct sl_waiter {
-  struct sl_daemon *d;
-  struct sl_conn *conn;
-  enum waiter_kind kind;
-  uint64_t req_id;
-  uint64_t loan_id;
-  uint8_t token[16];
-  int has_token;
-  char name[64];
-  uv_timer_t timer;
-  struct sl_waiter *next;
-};
-
-struct sl_ended {
-  struct sublet_loan_stats stats;
-  struct sl_ended *next;
-};
-
-/* ------------------------------------------------------------------ replies */
-
-static void reply_ok(struct sl_conn *c, uint64_t id) {
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__Ok ok = SUBLET__OK__INIT;
-
-  rep.id = id;
-  rep.body_case = SUBLET__REPLY__BODY_OK;
-  rep.ok = &ok;
-  sl_conn_send(c, &rep, NULL, 0);
-}
-
-static void reply_stats(struct sl_conn *c, uint64_t id, int returned,
-                        const struct sublet_loan_stats *s) {
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__LoanStats m;
-
-  sl_msg_stats_to_proto(s, &m);
-  rep.id = id;
-  rep.body_case = returned ? SUBLET__REPLY__BODY_RETURNED : SUBLET__REPLY__BODY_RECLAIMED;
-  if (returned)
-    rep.returned = &m;
-  else
-    rep.reclaimed = &m;
-  sl_conn_send(c, &rep, NULL, 0);
-}
-
-/* ------------------------------------------------------------------ waiters */
-
-static void free_waiter(uv_handle_t *h) {
-  free(h->data);
-}
-
-static void unlink_waiter(struct sl_waiter *w) {
-  struct sl_waiter **link = &w->d->waiters;
-
-  while (*link != NULL && *link != w)
-    link = &(*link)->next;
-  if (*link != NULL)
-    *link = w->next;
-  w->conn->waiting = 0;
-  uv_timer_stop(&w->timer);
-  uv_close((uv_handle_t *)&w->timer, free_waiter);
-}
-
-static void on_wait_timeout(uv_timer_t *t) {
-  struct sl_waiter *w = t->data;
-  struct sl_err err;
-
-  if (w->kind == WAIT_RECLAIM)
-    sl_err_set(&err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet; it goes on",
-               (unsigned long long)w->loan_id);
-  else
-    sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
-               w->name[0] ? " under the name " : "", w->name);
-  sl_conn_send_error(w->conn, w->req_id, &err);
-  unlink_waiter(w);
-}
-
-static struct sl_waiter *park(struct sl_conn *c, enum waiter_kind kind, uint64_t req_id,
-                              int timeout_ms) {
-  struct sl_waiter *w = calloc(1, sizeof(*w));
-
-  if (w == NULL)
-    return NULL;
-  w->d = c->d;
-  w->conn = c;
-  w->kind = kind;
-  w->req_id = req_id;
-  uv_timer_init(c->d->loop, &w->timer);
-  w->timer.data = w;
-  if (timeout_ms >= 0)
-    uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)timeout_ms, 0);
-  w->next = c->d->waiters;
-  c->d->waiters = w;
-  c->waiting = 1;
-  return w;
-}
-
-static void cancel_waiters(struct sl_conn *c) {
-  struct sl_waiter *w = c->d->waiters, *next;
-
-  for (; w != NULL; w = next) {
-    next = w->next;
-    if (w->conn == c)
-      unlink_waiter(w);
-  }
-}
-
-/* ------------------------------------------------------------------ loan ends */
-
-static struct sl_conn *conn_of_client(struct sl_daemon *d, uint64_t client_id) {
-  for (struct sl_conn *c = d->conns; c != NULL; c = c->next)
-    if (c->client_id == client_id)
-      return c;
-  return NULL;
-}
-
-/* The owner learns of the end through its waiting Reclaim, or its next one. */
-static void tell_owner(struct sl_daemon *d, const struct sublet_loan_stats *s,
-                       uint64_t owner_client) {
-  struct sl_conn *owner = conn_of_client(d, owner_client);
-  struct sl_ended *e;
-
-  if (owner == NULL)
-    return;
-  for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next) {
-    if (w->kind == WAIT_RECLAIM && w->conn == owner && w->loan_id == s->loan_id) {
-      reply_stats(owner, w->req_id, 0, s);
-      unlink_waiter(w);
-      return;
-    }
-  }
-  e = calloc(1, sizeof(*e));
-  if (e == NULL)
-    return;
-  e->stats = *s;
-  e->next = owner->ended;
-  owner->ended = e;
-}
-
-/* Carries out a loan's end on the device: the kept bytes back, fresh memory released. The
- * final stats go to the owner and, if out is not NULL, to the caller. */
-static void finish_loan(struct sl_daemon *d, struct sl_loan_end *end,
-                        struct sublet_loan_stats *out) {
-  struct sl_err err = {0};
-  double secs = 0;
-  char size[16];
-
-  if (end->nrestore > 0 &&
-      sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0)
-    sl_error("loan %llu: restoring kept bytes failed: %s", (unsigned long long)end->loan_id,
-             err.msg);
-  for (size_t i = 0; i < end->nfresh; i++)
-    sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
-  if (end->free_region)
-    sl_pool_region_destroy(d->pool, end->region_id);
-  end->stats.copy_in_seconds = secs;
-  end->stats.copy_out_seconds = d->copy_out_seconds;
-  sl_info("loan %llu ended: %s copied out and back%s", (unsigned long long)end->loan_id,
-          sl_format_size(size, end->stats.copied_out_bytes),
-          end->stats.borrower_died ? " (the borrower died)" : "");
-  tell_owner(d, &end->stats, end->owner_client);
-  if (out != NULL)
-    *out = end->stats;
-  sl_loan_end_clear(end);
-}
-
-static void drain_done(struct sl_drain *dr) {
-  struct sl_daemon *d = dr->d;
-  struct sl_drain **link = &d->drains;
-
-  for (size_t i = 0; i < dr->nloans; i++) {
-    struct sl_loan_end end = {0};
-    if (sl_books_loan_finish(d->books, dr->loans[i], &end) == 0)
-      finish_loan(d, &end, NULL);
-  }
-  while (*link != NULL && *link != dr)
-    link = &(*link)->next;
-  if (*link != NULL)
-    *link = dr->next;
-}
-
-static void free_drain(uv_handle_t *h) {
-  struct sl_drain *dr = h->data;
-
-  if (dr->pidfd >= 0)
-    close(dr->pidfd);
-  free(dr->loans);
-  free(dr);
-}
-
-static void on_drain_exit(uv_poll_t *h, int status, int events) {
-  struct sl_drain *dr = h->data;
-
-  sl_info("borrower pid %d has exited: restoring its loan's kept bytes", (int)dr->pid);
-  drain_done(dr);
-  uv_poll_stop(h);
-  uv_close((uv_handle_t *)h, free_drain);
-}
-
-/* Without a pidfd: poll until the pid is gone (kill(pid, 0) fails with ESRCH). */
-static void on_drain_tick(uv_timer_t *t) {
-  struct sl_drain *dr = t->data;
-
-  if (kill(dr->pid, 0) == 0 || errno != ESRCH)
-    return;
-  drain_done(dr);
-  uv_timer_stop(t);
-  uv_close((uv_handle_t *)t, free_drain);
-}
-
-/* The borrower died: its GPU work may run until its process is gone, so restore only then. */
-static void drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
-  struct sl_daemon *d = c->d;
-  struct sl_drain *dr = calloc(1, sizeof(*dr));
-
-  if (dr == NULL)
-    return;
-  dr->d = d;
-  dr->pid = c->peer.pid;
-  dr->pidfd = c->pidfd;
-  c->pidfd = -1;
-  dr->loans = malloc(n * sizeof(*loans));
-  memcpy(dr->loans, loans, n * sizeof(*loans));
-  dr->nloans = n;
-  dr->next = d->drains;
-  d->drains = dr;
-  if (dr->pidfd >= 0) {
-    uv_poll_init(d->loop, &dr->poll, dr->pidfd);
-    dr->poll.data = dr;
-    uv_poll_start(&dr->poll, UV_READABLE, on_drain_exit);
-  } else {
-    uv_timer_init(d->loop, &dr->timer);
-    dr->timer.data = dr;
-    uv_timer_start(&dr->timer, on_drain_tick, 10, 10);
-  }
-}
-
-void sl_handle_shutdown(struct sl_daemon *d) {
-  while (d->drains != NULL) {
-    struct sl_drain *dr = d->drains;
-    drain_done(dr); /* unlinks dr */
-    if (dr->pidfd >= 0) {
-      uv_poll_stop(&dr->poll);
-      uv_close((uv_handle_t *)&dr->poll, free_drain);
-    } else {
-      uv_timer_stop(&dr->timer);
-      uv_close((uv_handle_t *)&dr->timer, free_drain);
-    }
-  }
-}
-
-void sl_handle_disconnect(struct sl_conn *c) {
-  struct sl_daemon *d = c->d;
-  struct sl_client_gone gone = {0};
-
-  cancel_waiters(c);
-  while (c->ended != NULL) {
-    struct sl_ended *e = c->ended;
-    c->ended = e->next;
-    free(e);
-  }
-  if (c->client_id != 0 && sl_books_client_remove(d->books, c->client_id, &gone) == 0) {
-    for (size_t i = 0; i < gone.nfree_regions; i++)
-      sl_pool_region_destroy(d->pool, gone.free_regions[i]);
-    if (gone.ndraining > 0 && d->stopping) {
-      for (size_t i = 0; i < gone.ndraining; i++) {
-        struct sl_loan_end end = {0};
-        if (sl_books_loan_finish(d->books, gone.draining_loans[i], &end) == 0)
-          finish_loan(d, &end, NULL);
-      }
-    } else if (gone.ndraining > 0) {
-      sl_warn("borrower pid %d left mid-loan; its loan ends once the process has exited",
-              (int)c->peer.pid);
-      drain_after_exit(c, gone.draining_loans, gone.ndraining);
-    }
-    sl_client_gone_clear(&gone);
-  }
-  if (c->pidfd >= 0)
-    close(c->pidfd);
-  c->pidfd = -1;
-}
-
-/* ------------------------------------------------------------------ requests */
 
 struct ctx {
   struct sl_conn *c;
@@ -410,7 +123,7 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
   if (rc != 0)
     return rc;
   sl_pool_region_destroy(x->d->pool, m->region);
-  reply_ok(x->c, x->id);
+  sl_conn_send_ok(x->c, x->id);
   return 0;
 }
 
@@ -447,26 +160,13 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   return 0;
 }
 
-static int take_ended(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s) {
-  for (struct sl_ended **link = &c->ended; *link != NULL; link = &(*link)->next) {
-    struct sl_ended *e = *link;
-    if (e->stats.loan_id == loan) {
-      *s = e->stats;
-      *link = e->next;
-      free(e);
-      return 1;
-    }
-  }
-  return 0;
-}
-
 static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
   struct sublet_loan_stats s;
   struct sl_waiter *w;
   int rc;
 
-  if (take_ended(x->c, m->loan, &s)) {
-    reply_stats(x->c, x->id, 0, &s);
+  if (sl_ended_take(x->c, m->loan, &s)) {
+    sl_conn_send_stats(x->c, x->id, 0, &s);
     return 0;
   }
   rc = sl_books_loan_owned(x->d->books, x->c->client_id, m->loan, &x->err);
@@ -475,7 +175,7 @@ static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
   if (m->timeout_ms == 0)
     return sl_err_set(&x->err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet",
                       (unsigned long long)m->loan);
-  w = park(x->c, WAIT_RECLAIM, x->id, m->timeout_ms);
+  w = sl_waiter_park(x->c, SL_WAIT_RECLAIM, x->id, m->timeout_ms);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
   w->loan_id = m->loan;
@@ -486,7 +186,7 @@ static int on_withdraw(struct ctx *x, const Sublet__Withdraw *m) {
   int rc = sl_books_withdraw(x->d->books, x->c->client_id, m->loan, &x->err);
 
   if (rc == 0)
-    reply_ok(x->c, x->id);
+    sl_conn_send_ok(x->c, x->id);
   return rc;
 }
 
@@ -551,7 +251,7 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
   rc = try_borrow(x->c, x->id, m->loan, token, m->name, &x->err);
   if (rc != SUBLET_ENOOFFER || m->timeout_ms == 0)
     return rc;
-  w = park(x->c, WAIT_BORROW, x->id, m->timeout_ms);
+  w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
   w->loan_id = m->loan;
@@ -569,7 +269,7 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
   /* Oldest first: waiters are pushed at the head, so walk to find the last match. */
   for (w = d->waiters; w != NULL; w = next) {
     next = w->next;
-    if (w->kind != WAIT_BORROW)
+    if (w->kind != SL_WAIT_BORROW)
       continue;
     int rc = try_borrow(w->conn, w->req_id, w->loan_id, w->has_token ? w->token : NULL,
                         w->name, &err);
@@ -577,7 +277,7 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
       continue;
     if (rc != 0)
       sl_conn_send_error(w->conn, w->req_id, &err);
-    unlink_waiter(w);
+    sl_waiter_done(w);
     return; /* one loan per device: the offer is taken */
   }
 }
@@ -636,7 +336,7 @@ static int on_free(struct ctx *x, const Sublet__Free *m) {
   int rc = sl_books_free_alloc(x->d->books, x->c->client_id, m->alloc, &size, &x->err);
 
   if (rc == 0)
-    reply_ok(x->c, x->id);
+    sl_conn_send_ok(x->c, x->id);
   return rc;
 }
 
@@ -685,116 +385,13 @@ static int on_return(struct ctx *x, const Sublet__Return *m) {
   nleaks = sl_books_leaks(x->d->books, loan, leaks, nleaks);
   rc = sl_books_return(x->d->books, x->c->client_id, m->force, &end, &x->err);
   if (end.loan_id != 0)
-    finish_loan(x->d, &end, &s);
+    sl_loan_end_apply(x->d, &end, &s);
   if (rc == SUBLET_ELEAK)
     reply_leaks(x, leaks, nleaks, s.loan_id != 0 ? &s : NULL);
   else if (rc == 0)
-    reply_stats(x->c, x->id, 1, &s);
+    sl_conn_send_stats(x->c, x->id, 1, &s);
   free(leaks);
   return rc == SUBLET_ELEAK ? 0 : rc;
-}
-
-static const char *loan_state_name(enum sl_loan_state s) {
-  return s == SL_LOAN_OFFERED ? "offered" : s == SL_LOAN_ACTIVE ? "active" : "draining";
-}
-
-/* Fills the Status message's regions; the arrays are freed by the caller. */
-static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__RegionStatus **msgs) {
-  struct sl_books_totals t;
-  struct sl_region_info ri;
-  uint64_t after = 0;
-  size_t n = 0;
-
-  sl_books_totals(d->books, &t);
-  *msgs = calloc(t.regions + 1, sizeof(**msgs));
-  st->regions = calloc(t.regions + 1, sizeof(*st->regions));
-  if (*msgs == NULL || st->regions == NULL)
-    return SUBLET_ENOMEM;
-  while (n < t.regions && sl_books_region_next(d->books, after, &ri) == 0) {
-    Sublet__RegionStatus *r = &(*msgs)[n];
-    sublet__region_status__init(r);
-    r->region = ri.id;
-    r->owner_pid = (uint32_t)ri.owner.pid;
-    r->owner_uid = (uint32_t)ri.owner.uid;
-    r->pages = ri.npages;
-    r->has_loan = ri.loan_id != 0;
-    r->loan = ri.loan_id;
-    st->regions[n++] = r;
-    after = ri.id;
-  }
-  st->n_regions = n;
-  return 0;
-}
-
-static void status_loan(struct sl_daemon *d, Sublet__LoanStatus *ls, Sublet__LoanStats *stats) {
-  struct sl_loan_info li;
-
-  sl_books_loan_info(d->books, sl_books_current_loan(d->books), &li);
-  li.stats.copy_out_seconds = d->copy_out_seconds;
-  sl_msg_stats_to_proto(&li.stats, stats);
-  ls->loan = li.id;
-  ls->region = li.region_id;
-  ls->state = (char *)loan_state_name(li.state);
-  ls->name = li.name;
-  ls->has_borrower_pid = ls->has_borrower_uid = li.borrower_client != 0;
-  ls->borrower_pid = (uint32_t)li.borrower.pid;
-  ls->borrower_uid = (uint32_t)li.borrower.uid;
-  ls->unkept_pages = li.unkept_pages;
-  ls->fresh_pages = li.fresh_pages;
-  ls->kept_pages = li.kept_pages;
-  ls->live_bytes = li.live_bytes;
-  ls->stats = stats;
-}
-
-static void status_device(struct sl_daemon *d, Sublet__Status *st) {
-  const struct sl_device_info *info = sl_device_info(d->dev);
-  struct sl_books_totals t;
-
-  sl_books_totals(d->books, &t);
-  sl_device_free_bytes(d->dev, &st->free_bytes, NULL);
-  st->daemon_version = (char *)SUBLET_VERSION_STRING;
-  st->uptime_seconds = sl_now() - d->started;
-  st->backend = (char *)info->backend;
-  st->device_uuid.data = (uint8_t *)info->uuid;
-  st->device_uuid.len = sizeof(info->uuid);
-  st->device_name = (char *)info->name;
-  st->device_ordinal = (uint32_t)info->ordinal;
-  st->page_size = info->page_size;
-  st->total_bytes = info->total_bytes;
-  st->clients = t.clients;
-  st->loans_ended = t.loans_ended;
-  st->borrowers_died = t.borrowers_died;
-  st->copied_out_bytes = t.copied_out_bytes;
-  st->copied_in_bytes = t.copied_in_bytes;
-  st->served_unkept_bytes = t.served_bytes[SL_SRC_UNKEPT];
-  st->served_fresh_bytes = t.served_bytes[SL_SRC_FRESH];
-  st->served_kept_bytes = t.served_bytes[SL_SRC_KEPT];
-  st->host_bytes = sl_pool_host_bytes(d->pool);
-}
-
-static int on_stats(struct ctx *x) {
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__Status st = SUBLET__STATUS__INIT;
-  Sublet__LoanStatus ls = SUBLET__LOAN_STATUS__INIT;
-  Sublet__LoanStats stats;
-  Sublet__RegionStatus *regions = NULL;
-  int rc;
-
-  status_device(x->d, &st);
-  rc = status_regions(x->d, &st, &regions);
-  if (rc == 0) {
-    if (sl_books_current_loan(x->d->books) != 0) {
-      status_loan(x->d, &ls, &stats);
-      st.loan = &ls;
-    }
-    rep.id = x->id;
-    rep.body_case = SUBLET__REPLY__BODY_STATUS;
-    rep.status = &st;
-    sl_conn_send(x->c, &rep, NULL, 0);
-  }
-  free(regions);
-  free(st.regions);
-  return rc != 0 ? sl_err_set(&x->err, rc, "out of host memory") : 0;
 }
 
 static int dispatch(struct ctx *x, const Sublet__Request *r) {
@@ -815,7 +412,7 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_ALLOC: return on_alloc(x, r->alloc);
     case SUBLET__REQUEST__BODY_FREE: return on_free(x, r->free);
     case SUBLET__REQUEST__BODY_RETURN: return on_return(x, r->return_);
-    case SUBLET__REQUEST__BODY_STATS_GET: return on_stats(x);
+    case SUBLET__REQUEST__BODY_STATS_GET: return sl_status_reply(x->c, x->id, &x->err);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);

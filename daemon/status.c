@@ -1,0 +1,109 @@
+/* status.c - the daemon's Status reply: the device, its regions, the loan in progress and
+ * the totals since start (`sublet status` shows it). */
+#include <stdlib.h>
+
+#include "daemon.h"
+#include "msg.h"
+
+static const char *loan_state_name(enum sl_loan_state s) {
+  return s == SL_LOAN_OFFERED ? "offered" : s == SL_LOAN_ACTIVE ? "active" : "draining";
+}
+
+/* Fills the Status message's regions; the arrays are freed by the caller. */
+static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__RegionStatus **msgs) {
+  struct sl_books_totals t;
+  struct sl_region_info ri;
+  uint64_t after = 0;
+  size_t n = 0;
+
+  sl_books_totals(d->books, &t);
+  *msgs = calloc(t.regions + 1, sizeof(**msgs));
+  st->regions = calloc(t.regions + 1, sizeof(*st->regions));
+  if (*msgs == NULL || st->regions == NULL)
+    return SUBLET_ENOMEM;
+  while (n < t.regions && sl_books_region_next(d->books, after, &ri) == 0) {
+    Sublet__RegionStatus *r = &(*msgs)[n];
+    sublet__region_status__init(r);
+    r->region = ri.id;
+    r->owner_pid = (uint32_t)ri.owner.pid;
+    r->owner_uid = (uint32_t)ri.owner.uid;
+    r->pages = ri.npages;
+    r->has_loan = ri.loan_id != 0;
+    r->loan = ri.loan_id;
+    st->regions[n++] = r;
+    after = ri.id;
+  }
+  st->n_regions = n;
+  return 0;
+}
+
+static void status_loan(struct sl_daemon *d, Sublet__LoanStatus *ls, Sublet__LoanStats *stats) {
+  struct sl_loan_info li;
+
+  sl_books_loan_info(d->books, sl_books_current_loan(d->books), &li);
+  li.stats.copy_out_seconds = d->copy_out_seconds;
+  sl_msg_stats_to_proto(&li.stats, stats);
+  ls->loan = li.id;
+  ls->region = li.region_id;
+  ls->state = (char *)loan_state_name(li.state);
+  ls->name = li.name;
+  ls->has_borrower_pid = ls->has_borrower_uid = li.borrower_client != 0;
+  ls->borrower_pid = (uint32_t)li.borrower.pid;
+  ls->borrower_uid = (uint32_t)li.borrower.uid;
+  ls->unkept_pages = li.unkept_pages;
+  ls->fresh_pages = li.fresh_pages;
+  ls->kept_pages = li.kept_pages;
+  ls->live_bytes = li.live_bytes;
+  ls->stats = stats;
+}
+
+static void status_device(struct sl_daemon *d, Sublet__Status *st) {
+  const struct sl_device_info *info = sl_device_info(d->dev);
+  struct sl_books_totals t;
+
+  sl_books_totals(d->books, &t);
+  sl_device_free_bytes(d->dev, &st->free_bytes, NULL);
+  st->daemon_version = (char *)SUBLET_VERSION_STRING;
+  st->uptime_seconds = sl_now() - d->started;
+  st->backend = (char *)info->backend;
+  st->device_uuid.data = (uint8_t *)info->uuid;
+  st->device_uuid.len = sizeof(info->uuid);
+  st->device_name = (char *)info->name;
+  st->device_ordinal = (uint32_t)info->ordinal;
+  st->page_size = info->page_size;
+  st->total_bytes = info->total_bytes;
+  st->clients = t.clients;
+  st->loans_ended = t.loans_ended;
+  st->borrowers_died = t.borrowers_died;
+  st->copied_out_bytes = t.copied_out_bytes;
+  st->copied_in_bytes = t.copied_in_bytes;
+  st->served_unkept_bytes = t.served_bytes[SL_SRC_UNKEPT];
+  st->served_fresh_bytes = t.served_bytes[SL_SRC_FRESH];
+  st->served_kept_bytes = t.served_bytes[SL_SRC_KEPT];
+  st->host_bytes = sl_pool_host_bytes(d->pool);
+}
+
+int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Status st = SUBLET__STATUS__INIT;
+  Sublet__LoanStatus ls = SUBLET__LOAN_STATUS__INIT;
+  Sublet__LoanStats stats;
+  Sublet__RegionStatus *regions = NULL;
+  int rc;
+
+  status_device(c->d, &st);
+  rc = status_regions(c->d, &st, &regions);
+  if (rc == 0) {
+    if (sl_books_current_loan(c->d->books) != 0) {
+      status_loan(c->d, &ls, &stats);
+      st.loan = &ls;
+    }
+    rep.id = id;
+    rep.body_case = SUBLET__REPLY__BODY_STATUS;
+    rep.status = &st;
+    sl_conn_send(c, &rep, NULL, 0);
+  }
+  free(regions);
+  free(st.regions);
+  return rc != 0 ? sl_err_set(err, rc, "out of host memory") : 0;
+}

@@ -1,0 +1,114 @@
+/* waiters.c - requests that wait: a Borrow until an offer is posted, a Reclaim until its
+ * loan ends; and the ends an owner has not asked about yet.
+ *
+ * A waiter is answered exactly once: by the event it waits for, by its timer, or not at all
+ * when its connection goes first (then it is only freed).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon.h"
+#include "log.h"
+
+static void free_waiter(uv_handle_t *h) {
+  free(h->data);
+}
+
+void sl_waiter_done(struct sl_waiter *w) {
+  struct sl_waiter **link = &w->d->waiters;
+
+  while (*link != NULL && *link != w)
+    link = &(*link)->next;
+  if (*link != NULL)
+    *link = w->next;
+  w->conn->waiting = 0;
+  uv_timer_stop(&w->timer);
+  uv_close((uv_handle_t *)&w->timer, free_waiter);
+}
+
+static void on_wait_timeout(uv_timer_t *t) {
+  struct sl_waiter *w = t->data;
+  struct sl_err err;
+
+  if (w->kind == SL_WAIT_RECLAIM)
+    sl_err_set(&err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet; it goes on",
+               (unsigned long long)w->loan_id);
+  else
+    sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
+               w->name[0] ? " under the name " : "", w->name);
+  sl_conn_send_error(w->conn, w->req_id, &err);
+  sl_waiter_done(w);
+}
+
+struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
+                                 int timeout_ms) {
+  struct sl_waiter *w = calloc(1, sizeof(*w));
+
+  if (w == NULL)
+    return NULL;
+  w->d = c->d;
+  w->conn = c;
+  w->kind = kind;
+  w->req_id = req_id;
+  uv_timer_init(c->d->loop, &w->timer);
+  w->timer.data = w;
+  if (timeout_ms >= 0)
+    uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)timeout_ms, 0);
+  w->next = c->d->waiters;
+  c->d->waiters = w;
+  c->waiting = 1;
+  return w;
+}
+
+void sl_waiters_cancel(struct sl_conn *c) {
+  struct sl_waiter *w = c->d->waiters, *next;
+
+  for (; w != NULL; w = next) {
+    next = w->next;
+    if (w->conn == c)
+      sl_waiter_done(w);
+  }
+}
+
+static struct sl_conn *conn_of_client(struct sl_daemon *d, uint64_t client_id) {
+  for (struct sl_conn *c = d->conns; c != NULL; c = c->next)
+    if (c->client_id == client_id)
+      return c;
+  return NULL;
+}
+
+/* The owner learns of the end through its waiting Reclaim, or its next one. */
+void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
+                       uint64_t owner_client) {
+  struct sl_conn *owner = conn_of_client(d, owner_client);
+  struct sl_ended *e;
+
+  if (owner == NULL)
+    return;
+  for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next) {
+    if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == s->loan_id) {
+      sl_conn_send_stats(owner, w->req_id, 0, s);
+      sl_waiter_done(w);
+      return;
+    }
+  }
+  e = calloc(1, sizeof(*e));
+  if (e == NULL)
+    return;
+  e->stats = *s;
+  e->next = owner->ended;
+  owner->ended = e;
+}
+
+int sl_ended_take(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s) {
+  for (struct sl_ended **link = &c->ended; *link != NULL; link = &(*link)->next) {
+    struct sl_ended *e = *link;
+    if (e->stats.loan_id == loan) {
+      *s = e->stats;
+      *link = e->next;
+      free(e);
+      return 1;
+    }
+  }
+  return 0;
+}
