@@ -52,3 +52,13 @@ def native() -> Native:
     os.environ.setdefault("SUBLETD", str(found.subletd))
     os.environ.setdefault("SUBLET_LIB", str(found.libsublet))
     return found
+
+
+def kept_ranges_of(t, keep):
+    """The kept byte ranges of `t` for `keep` (None: all of it), as sublet computes them."""
+    import numpy as np
+    from sublet._keep import keep_ranges
+    storage = t.untyped_storage()
+    if keep is None:
+        return np.array([[0, storage.nbytes()]], dtype=np.uint64)
+    return keep_ranges(keep, storage.data_ptr(), storage.nbytes())

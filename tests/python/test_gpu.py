@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import sublet
-from sublet._keep import keep_ranges, kept_bytes_in_pages, kept_pages
+from sublet._keep import kept_bytes_in_pages, kept_pages
 
-from conftest import REPO
+from conftest import REPO, kept_ranges_of
 
 GiB = 1024 ** 3
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
@@ -62,12 +62,6 @@ def random_fill(t: torch.Tensor, seed: int = 0) -> torch.Tensor:
     g = torch.Generator(device=t.device).manual_seed(seed)
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=t.device, generator=g))
     return t
-
-
-def ranges_of(t: torch.Tensor, keep) -> np.ndarray:
-    if keep is None:
-        return np.array([[0, t.untyped_storage().nbytes()]], dtype=np.uint64)
-    return keep_ranges(keep, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
 
 
 def bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +127,7 @@ def test_keep_variants_spill_and_restore(keep_name, page):
     cache = random_fill(sublet.empty(8, 64 * 1024 ** 2, dtype=torch.uint8), seed=2)
     before = cache.clone()
     keep = KEEPS[keep_name](cache)
-    ranges = ranges_of(cache, keep)
+    ranges = kept_ranges_of(cache, keep)
     with free_memory_left(3 * GiB):
         with sublet.lend(cache, keep=keep) as loan:
             tensors = fill_with_torch(64 * 1024 ** 2)
@@ -151,7 +145,7 @@ def test_dtypes_and_non_contiguous_views(dtype, page):
     cache = random_fill(sublet.empty(4, 64, 1024 ** 2 // dtype.itemsize, dtype=dtype), seed=3)
     before = cache.clone()
     keep = [cache[1::2, :, 7:50000], cache[0, 3]]
-    ranges = ranges_of(cache, keep)
+    ranges = kept_ranges_of(cache, keep)
     with free_memory_left(3 * GiB):
         with sublet.lend(cache, keep=keep) as loan:
             tensors = fill_with_torch(32 * 1024 ** 2)
@@ -168,7 +162,7 @@ def test_100k_scattered_64k_views_copy_only_kept_bytes(page):
                                                           replace=False)).cuda()
     before = cache[idx].clone()
     keep = [cache[i] for i in idx.tolist()]
-    ranges = ranges_of(cache, keep)
+    ranges = kept_ranges_of(cache, keep)
     assert len(kept_pages(ranges, page)) * page > 1.5 * 100_000 * block  # pages >> kept bytes
     with free_memory_left(3 * GiB):
         with sublet.lend(cache, keep=keep) as loan:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import sublet
-from sublet._keep import keep_ranges, kept_bytes_in_pages, kept_pages
+from sublet._keep import kept_bytes_in_pages, kept_pages
 
-from conftest import REPO
+from conftest import REPO, kept_ranges_of
 
 PAGE = 64 * 1024
 TOTAL = 64 * 1024 * 1024
@@ -56,15 +56,9 @@ def kept_mask(t: torch.Tensor, keep) -> np.ndarray:
     if keep is None:
         mask[:] = True
         return mask
-    for off, length in expected_ranges(t, keep).tolist():
+    for off, length in kept_ranges_of(t, keep).tolist():
         mask[off:off + length] = True
     return mask
-
-
-def expected_ranges(t: torch.Tensor, keep) -> np.ndarray:
-    if keep is None:
-        return np.array([[0, t.untyped_storage().nbytes()]], dtype=np.uint64)
-    return keep_ranges(keep, t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
@@ -112,9 +106,9 @@ def test_keep_variants_fill_everything_and_restore(keep_name):
         assert len(tensors) * PAGE == TOTAL - (len(sublet_regions_pages()) - 16) * PAGE
         del tensors
     assert_kept_intact(cache, before, keep)
-    expected = kept_bytes_in_pages(expected_ranges(cache, keep), PAGE)
+    expected = kept_bytes_in_pages(kept_ranges_of(cache, keep), PAGE)
     assert loan.copied_bytes == expected == loan.copied_in_bytes
-    assert loan.stats.served_kept_bytes == PAGE * len(kept_pages(expected_ranges(cache, keep),
+    assert loan.stats.served_kept_bytes == PAGE * len(kept_pages(kept_ranges_of(cache, keep),
                                                                   PAGE))
 
 
@@ -133,7 +127,7 @@ def test_dtypes_and_non_contiguous_views(dtype):
     with sublet.lend(cache, keep=keep) as loan:
         del_all(fill_loan(loan))
     assert_kept_intact(cache, before, keep)
-    assert loan.copied_bytes == kept_bytes_in_pages(expected_ranges(cache, keep), PAGE)
+    assert loan.copied_bytes == kept_bytes_in_pages(kept_ranges_of(cache, keep), PAGE)
 
 
 def del_all(tensors: list) -> None:
@@ -144,7 +138,7 @@ def test_copied_bytes_grow_page_by_page_with_the_kept_pages_used():
     """Kept pages are handed out last, in ascending order, and only their kept bytes move."""
     cache, before = patterned(32, 65536, seed=5)
     keep = [cache[i, 100:300] for i in range(0, 32, 3)]
-    ranges = expected_ranges(cache, keep)
+    ranges = kept_ranges_of(cache, keep)
     pages = kept_pages(ranges, PAGE).tolist()
     with sublet.lend(cache, keep=keep) as loan:
         tensors, used_kept = [], 0
