@@ -470,6 +470,49 @@ static void test_owner_dies(void) {
   sublet_disconnect(c);
 }
 
+/* The owner dies while another process borrows: the borrower hears of it at its next
+ * allocation, returns cleanly, and the region is freed then. */
+static void test_owner_killed_mid_loan(void) {
+  struct { uint64_t loan; uint8_t token[16]; } offer;
+  struct sublet_loan_stats st;
+  struct sublet_info info;
+  sublet_client *c;
+  int pipefd[2], status;
+  void *p, *q;
+  pid_t pid;
+
+  CHECK(pipe(pipefd) == 0);
+  pid = fork();
+  if (pid == 0) {
+    sublet_client *oc;
+    sublet_region *r;
+    if (sublet_connect(daemon_.socket, &oc) != 0 || sublet_region_create(oc, 16 * PAGE, &r) ||
+        sublet_lend(r, NULL, 0, 1, "doomed", &offer.loan, offer.token) ||
+        write(pipefd[1], &offer, sizeof(offer)) != sizeof(offer))
+      _exit(2);
+    pause();
+  }
+  CHECK(read(pipefd[0], &offer, sizeof(offer)) == sizeof(offer));
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_borrow(c, offer.loan, offer.token, NULL, 0), 0);
+  CHECK_RC(sublet_alloc(c, 20 * PAGE, &p), 0); /* into the kept pages: they are saved */
+  memset(p, 0xAB, 20 * PAGE);
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  usleep(50000);
+  CHECK_RC(sublet_alloc(c, PAGE, &q), SUBLET_EOWNERGONE);
+  CHECK(strstr(sublet_last_error(), "owner") != NULL);
+  CHECK(((uint8_t *)p)[20 * PAGE - 1] == 0xAB); /* what it holds stays usable until it returns */
+  CHECK_RC(sublet_free(c, p), 0);
+  CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
+  CHECK(st.owner_gone);
+  sublet_get_info(c, &info);
+  CHECK(info.free_bytes == TOTAL); /* the dead owner's region went with the loan's end */
+  sublet_disconnect(c);
+  close(pipefd[0]);
+  close(pipefd[1]);
+}
+
 /* Another user: kept out by the socket's mode, and refused by the books if let in. */
 static int other_user_child(uint64_t loan, const uint8_t token[16]) {
   sublet_client *c;
@@ -556,6 +599,7 @@ int main(void) {
   sl_test_run("errors", test_errors);
   sl_test_run("malformed input", test_malformed_input);
   sl_test_run("owner dies", test_owner_dies);
+  sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
   sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -389,3 +390,38 @@ def test_status_exit_codes(tmp_path):
                            env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
                            text=True, timeout=60)
     assert usage.returncode == 2
+
+
+OWNER = textwrap.dedent("""
+    import sys, time, torch, sublet
+    cache = sublet.empty(16, 65536, dtype=torch.uint8, device="cpu").fill_(5)
+    offer = sublet.offer(cache, name=sys.argv[1])
+    print("offered", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_owner_killed_mid_loan_is_told_to_the_borrower():
+    from sublet import _daemon
+    socket = _daemon._private[("memfd", 0)].socket
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, "orphan"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO)))
+    try:
+        assert owner.stdout.readline().startswith("offered"), owner.stderr.read()
+        # Told at the next allocation, and again when the loan is returned (cleanly).
+        with pytest.raises(sublet.OwnerGoneError, match="owner went away"):
+            with sublet.borrow(name="orphan", device="cpu", timeout=30) as loan:
+                held = loan.empty(4 * 65536, dtype=torch.uint8).fill_(1)
+                owner.send_signal(signal.SIGKILL)
+                owner.wait()
+                time.sleep(0.1)
+                with pytest.raises(sublet.OwnerGoneError, match="owner"):
+                    loan.empty(65536, dtype=torch.uint8)
+                assert int(held.sum()) == 4 * 65536  # usable until the loan is returned
+                del held
+        assert loan.stats.owner_gone
+        assert sublet.info("cpu").free_bytes == TOTAL  # the dead owner's region is freed
+    finally:
+        owner.kill()
+        owner.wait()
