@@ -176,8 +176,13 @@ static void iov_advance(struct iovec **iov, int *iovcnt, size_t n) {
 static int send_failed(int sock, int errnum, struct sl_err *err) {
   if (errnum == EINTR)
     return 0;
-  if (errnum == EAGAIN || errnum == EWOULDBLOCK)
-    return wait_ready(sock, POLLOUT, -1) == 0 ? 0 : sl_err_set(err, SUBLET_EIO, "poll failed");
+  if (errnum == EAGAIN || errnum == EWOULDBLOCK) {
+    int rc = wait_ready(sock, POLLOUT, now_ms() + SL_WIRE_SEND_TIMEOUT_MS);
+    if (rc == SUBLET_ETIMEDOUT)
+      return sl_err_set(err, rc, "the peer has not read for %d ms: giving up on it",
+                        SL_WIRE_SEND_TIMEOUT_MS);
+    return rc == 0 ? 0 : sl_err_set(err, SUBLET_EIO, "poll failed");
+  }
   if (errnum == EPIPE || errnum == ECONNRESET)
     return sl_err_set(err, SUBLET_EPIPE, "the peer closed the connection");
   return sl_err_set(err, SUBLET_EIO, "cannot send a frame: %s", strerror(errnum));

@@ -43,9 +43,13 @@ void sl_wire_header_encode(const struct sl_frame_header *h, uint8_t out[SL_WIRE_
 int sl_wire_header_decode(const uint8_t in[SL_WIRE_HEADER], struct sl_frame_header *h,
                           struct sl_err *err);
 
+/* A peer that takes no bytes of a frame for this long is given up on (SUBLET_ETIMEDOUT): a
+ * client that stops reading must not stall the daemon and everyone it serves. */
+#define SL_WIRE_SEND_TIMEOUT_MS 2000
+
 /* One frame, sent whole: header + payload, with fds on the first byte. Blocks (retrying on
- * EINTR/EAGAIN with poll) until all is written or the peer is gone. The fds stay the
- * caller's. */
+ * EINTR/EAGAIN with poll) until all is written, the peer is gone, or it took nothing for
+ * SL_WIRE_SEND_TIMEOUT_MS. The fds stay the caller's. */
 int sl_wire_send(int sock, uint16_t kind, const void *payload, size_t len, const int *fds,
                  size_t nfds, struct sl_err *err);
 

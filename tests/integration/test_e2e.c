@@ -13,6 +13,7 @@
 
 #include "harness.h"
 #include "sublet.h"
+#include "msg.h"
 #include "wire.h"
 
 #define PAGE (64u << 10)
@@ -419,6 +420,44 @@ static void test_malformed_input(void) {
   sublet_disconnect(c);
 }
 
+/* A client that sends requests and never reads the replies: the daemon gives up on it after
+ * SL_WIRE_SEND_TIMEOUT_MS instead of stalling, and goes on serving the others. */
+static void flood_without_reading(void) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+  Sublet__StatsGet stats = SUBLET__STATS_GET__INIT;
+  int fd = raw_connect();
+
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  if (fd < 0 || sl_msg_send_request(fd, &req, NULL, 0, NULL) != 0)
+    _exit(2);
+  req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
+  req.stats_get = &stats;
+  for (uint64_t id = 2;; id++) {
+    req.id = id;
+    if (sl_msg_send_request(fd, &req, NULL, 0, NULL) != 0)
+      _exit(0); /* the daemon hung up on us: what it should do */
+  }
+}
+
+static void test_client_that_never_reads(void) {
+  struct sublet_info info;
+  sublet_client *c;
+  int status;
+  pid_t pid = fork();
+
+  if (pid == 0)
+    flood_without_reading();
+  usleep(200000);
+  CHECK_RC(connect_client(&c), 0); /* answered, at worst after the send timeout */
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  sublet_disconnect(c);
+  waitpid(pid, &status, 0); /* the flooder ends once the daemon hangs up on it */
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 static void test_many_connections(void) {
   int fds0, fds1;
   long rss0, rss1;
@@ -598,6 +637,7 @@ int main(void) {
   sl_test_run("leak reported", test_leak_reported);
   sl_test_run("errors", test_errors);
   sl_test_run("malformed input", test_malformed_input);
+  sl_test_run("client that never reads", test_client_that_never_reads);
   sl_test_run("owner dies", test_owner_dies);
   sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
   sl_test_run("other user refused", test_other_user_refused);

@@ -525,6 +525,25 @@ static void test_timeout(void) {
   close_pair(sv);
 }
 
+/* A peer that stops reading: the sender gives up instead of stalling for ever. */
+static void test_send_to_a_peer_that_does_not_read(void) {
+  size_t len = 8u << 20; /* far more than the socket buffers hold */
+  uint8_t *big = calloc(1, len);
+  struct sl_err err;
+  double start = now_s(), took;
+  int sv[2];
+
+  make_pair(sv, 0);
+  fcntl(sv[0], F_SETFL, fcntl(sv[0], F_GETFL) | O_NONBLOCK); /* as the daemon's sockets are */
+  CHECK(big != NULL);
+  CHECK(sl_wire_send(sv[0], SL_WIRE_REPLY, big, len, NULL, 0, &err) == SUBLET_ETIMEDOUT);
+  took = now_s() - start;
+  CHECK(took >= SL_WIRE_SEND_TIMEOUT_MS / 1000.0 * 0.9 && took < 10.0);
+  CHECK(strstr(err.msg, "has not read") != NULL);
+  free(big);
+  close_pair(sv);
+}
+
 static void test_send_to_closed_peer(void) {
   struct sl_err err;
   int sv[2];
@@ -589,6 +608,7 @@ int main(void) {
   run("truncated_fds", test_truncated_fds);
   run("eof", test_eof);
   run("timeout", test_timeout);
+  run("send_to_a_peer_that_does_not_read", test_send_to_a_peer_that_does_not_read);
   run("send_to_closed_peer", test_send_to_closed_peer);
   run("other_version_passes", test_other_version_passes);
   if (count_open_fds() != before) {
