@@ -34,6 +34,8 @@ struct sublet_client {
   uint64_t loan_id;       /* the loan being borrowed, 0 if none */
 };
 
+/* The calling thread's last error (its message is sublet_last_error()). */
+struct sl_err *sl_client_last_error(void);
 /* Records the calling thread's last error; returns code. */
 int sl_client_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int sl_client_fail_err(const struct sl_err *err);
@@ -43,6 +45,16 @@ int sl_client_fail_err(const struct sl_err *err);
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
                    size_t *nfds, int timeout_ms);
 
+/* A request whose reply carries nothing but success (the caller holds c->lock). */
+int sl_client_call_simple(sublet_client *c, Sublet__Request *req);
+/* Opens this process's side of the daemon's device, once. */
+int sl_client_ensure_device(sublet_client *c);
+/* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
+int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                          sl_handle *handles);
+struct sublet_region *sl_client_find_region(sublet_client *c, uint64_t id);
+/* Unmaps and releases this process's side of a region (not the daemon's). */
+void sl_region_release_local(struct sublet_region *r);
 /* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
  * failure when a reply came). */
 int sl_client_status(sublet_client *c, Sublet__Reply **rep);

@@ -1,0 +1,303 @@
+/* borrow.c - libsublet: borrowing a loan, allocating from it and returning it. */
+#include "client.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "msg.h"
+
+/* ------------------------------------------------------------------ borrowing */
+
+/* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew. */
+static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
+  struct sublet_region *own = b->own_region ? sl_client_find_region(c, b->region) : NULL;
+  struct sl_window *w = c->win;
+  struct sl_err err = {0};
+
+  if (b->n_layout != b->unkept_pages + b->kept_pages)
+    return sl_client_fail(SUBLET_EPROTO, "subletd sent a layout of the wrong length");
+  if (w != NULL && sl_window_adopt(w, b->region, b->unkept_pages, b->fresh_pages,
+                                   b->kept_pages, b->layout))
+    return 0;
+  sl_window_free(w);
+  c->win = NULL;
+  if (sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
+                    b->fresh_pages, b->kept_pages, b->layout,
+                    own != NULL ? own->handles : NULL, &c->win, &err) != 0)
+    return sl_client_fail_err(&err);
+  c->win->region_base = own != NULL ? own->base : NULL;
+  return 0;
+}
+
+SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
+                                const char *name, int timeout_ms) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Borrow m = SUBLET__BORROW__INIT;
+  Sublet__Reply *rep = NULL;
+  int rc;
+
+  m.has_loan = loan_id != 0;
+  m.loan = loan_id;
+  m.has_token = token != NULL;
+  m.token.data = (uint8_t *)token;
+  m.token.len = token != NULL ? 16 : 0;
+  m.name = (char *)name;
+  m.has_timeout_ms = 1;
+  m.timeout_ms = timeout_ms;
+  req.body_case = SUBLET__REQUEST__BODY_BORROW;
+  req.borrow = &m;
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_ensure_device(c);
+  if (rc == 0 && c->loan_id != 0)
+    rc = sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
+                        (unsigned long long)c->loan_id);
+  if (rc == 0)
+    rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_BORROWED)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Borrow with something else");
+  if (rc == 0)
+    rc = setup_window(c, rep->borrowed);
+  if (rc == 0)
+    c->loan_id = rep->borrowed->loan;
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+/* Imports the handles of the region pages at positions [pos, pos+n) that this process lacks
+ * (a borrower in another process than the owner), in runs of consecutive pages. */
+static int fetch_run_handles(sublet_client *c, struct sl_window *w, uint64_t pos, uint64_t n) {
+  uint64_t p = pos;
+
+  while (p < pos + n) {
+    int64_t first = sl_window_page_at(w, p);
+    uint64_t len = 1;
+    if (first < 0 || w->handles[first] != 0) {
+      p++;
+      continue;
+    }
+    while (p + len < pos + n && len < SL_WIRE_MAX_FDS &&
+           sl_window_page_at(w, p + len) == first + (int64_t)len &&
+           w->handles[first + len] == 0)
+      len++;
+    int rc = sl_client_fetch_pages(c, w->region_id, (uint64_t)first, len, w->handles);
+    if (rc != 0)
+      return rc;
+    p += len;
+  }
+  return 0;
+}
+
+/* Maps what an Allocated reply grants: the fresh chunk it carries, then the region pages. */
+static int map_grant(sublet_client *c, const Sublet__Allocated *a, const int *fds, size_t nfds) {
+  struct sl_window *w = c->win;
+  struct sl_err err = {0};
+  sl_handle h = 0;
+
+  if ((a->fresh_pages > 0) != (nfds == 1))
+    return sl_client_fail(SUBLET_EPROTO, "Allocated carried %zu fds for %llu fresh pages",
+                          nfds, (unsigned long long)a->fresh_pages);
+  if (nfds == 1) {
+    if (sl_device_import(c->dev, fds[0], &h, &err) != 0 ||
+        sl_window_add_chunk(w, a->fresh_pos, a->fresh_pages, h, &err) != 0)
+      return sl_client_fail_err(&err);
+  }
+  if (w->owns_handles && fetch_run_handles(c, w, a->pos, a->pages) != 0)
+    return sl_client_last_error()->code;
+  if (sl_window_map_run(w, a->pos, a->pages, &err) != 0)
+    return sl_client_fail_err(&err);
+  return 0;
+}
+
+static int free_request(sublet_client *c, uint64_t alloc_id) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Free m = SUBLET__FREE__INIT;
+
+  m.alloc = alloc_id;
+  req.body_case = SUBLET__REQUEST__BODY_FREE;
+  req.free = &m;
+  return sl_client_call_simple(c, &req);
+}
+
+static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Alloc m = SUBLET__ALLOC__INIT;
+  Sublet__Reply *rep = NULL;
+  int fds[1];
+  size_t nfds = 1;
+  int rc;
+
+  if (c->loan_id == 0)
+    return sl_client_fail(SUBLET_ENOENT, "no loan is being borrowed: borrow one first");
+  m.size = size;
+  req.body_case = SUBLET__REQUEST__BODY_ALLOC;
+  req.alloc = &m;
+  rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_ALLOCATED)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Alloc with something else");
+  if (rc == 0) {
+    const Sublet__Allocated *a = rep->allocated;
+    /* In the owner's process a run of consecutive region pages needs no mapping at all. */
+    *ptr = nfds == 0 ? sl_window_direct(c->win, a->pos, a->pages) : NULL;
+    if (*ptr == NULL) {
+      rc = map_grant(c, a, fds, nfds);
+      *ptr = (char *)c->win->base + a->pos * c->win->page_size;
+    }
+    if (rc == 0 && sl_window_alloc_add(c->win, *ptr, size, rep->allocated->alloc) != 0)
+      rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    if (rc != 0) {
+      struct sl_err saved = *sl_client_last_error();
+      free_request(c, rep->allocated->alloc);
+      *sl_client_last_error() = saved;
+    }
+  }
+  sl_wire_close_fds(fds, rep != NULL ? nfds : 0); /* imported by now: ours to close */
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_alloc(sublet_client *c, uint64_t size, void **ptr) {
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  rc = alloc_locked(c, size, ptr);
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+/* An allocation of a loan that ended with it alive: forget it, and its window once empty. */
+static int free_forfeit(sublet_client *c, void *ptr) {
+  struct sl_window_alloc a;
+
+  for (size_t i = 0; i < c->nforfeit; i++) {
+    struct sl_window *w = c->forfeit[i];
+    if (!sl_window_alloc_take(w, ptr, &a))
+      continue;
+    if (w->nallocs == 0) {
+      sl_device_synchronize(c->dev, NULL);
+      sl_window_free(w);
+      c->forfeit[i] = c->forfeit[--c->nforfeit];
+    }
+    return 0;
+  }
+  return sl_client_fail(SUBLET_ENOENT, "%p was not allocated by sublet", ptr);
+}
+
+SUBLET_EXPORT int sublet_free(sublet_client *c, void *ptr) {
+  struct sl_window_alloc a;
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  if (c->win != NULL && c->loan_id != 0 && sl_window_alloc_take(c->win, ptr, &a))
+    rc = free_request(c, a.id);
+  else
+    rc = free_forfeit(c, ptr);
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+static void leaks_from_reply(const Sublet__Error *e, const struct sl_window *w,
+                             struct sublet_leak *leaks, size_t n, size_t *nleaks_out) {
+  for (size_t i = 0; i < e->n_leaks && i < n; i++) {
+    leaks[i].alloc_id = e->leaks[i]->alloc;
+    leaks[i].size = e->leaks[i]->size;
+    leaks[i].ptr = NULL;
+    for (size_t j = 0; w != NULL && j < w->nallocs; j++)
+      if (w->allocs[j].id == leaks[i].alloc_id)
+        leaks[i].ptr = w->allocs[j].ptr;
+  }
+  if (nleaks_out != NULL)
+    *nleaks_out = e->n_leaks;
+}
+
+/* The loan is over for this client: fresh memory goes back; a window on another process's
+ * region goes too (its owner may free the region); one with forfeit allocations is kept
+ * until they are freed. */
+static void end_borrowing(sublet_client *c, int forfeit) {
+  struct sl_window *w = c->win;
+  struct sl_window **fw;
+
+  c->loan_id = 0;
+  if (forfeit && w->nallocs > 0 &&
+      (fw = realloc(c->forfeit, (c->nforfeit + 1) * sizeof(*fw))) != NULL) {
+    c->forfeit = fw;
+    c->forfeit[c->nforfeit++] = w;
+    c->win = NULL;
+    return;
+  }
+  w->nallocs = 0;
+  sl_window_drop_chunks(w);
+  if (w->owns_handles) {
+    sl_window_free(w);
+    c->win = NULL;
+  }
+}
+
+static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *stats,
+                         struct sublet_leak *leaks, size_t nleaks, size_t *nleaks_out) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Return m = SUBLET__RETURN__INIT;
+  Sublet__Reply *rep = NULL;
+  double map_seconds = c->win != NULL ? c->win->map_seconds : 0;
+  int rc;
+
+  if (c->loan_id == 0)
+    return sl_client_fail(SUBLET_ENOENT, "no loan is being borrowed");
+  /* The borrower's GPU work must be finished before its pages change hands. */
+  sl_device_synchronize(c->dev, NULL);
+  m.has_force = 1;
+  m.force = force != 0;
+  req.body_case = SUBLET__REQUEST__BODY_RETURN;
+  req.return_ = &m;
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RETURNED)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Return with something else");
+  if (rc == 0 && stats != NULL)
+    sl_msg_stats_from_proto(rep->returned, stats);
+  if (rc == SUBLET_ELEAK && rep != NULL) {
+    leaks_from_reply(rep->error, c->win, leaks, nleaks, nleaks_out);
+    if (stats != NULL && rep->error->stats != NULL)
+      sl_msg_stats_from_proto(rep->error->stats, stats);
+  }
+  if (rc == 0 || (rc == SUBLET_ELEAK && force)) {
+    c->win->map_seconds = 0;
+    end_borrowing(c, rc != 0);
+  }
+  if (stats != NULL)
+    stats->map_seconds = map_seconds;
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_stats *stats,
+                                struct sublet_leak *leaks, size_t nleaks, size_t *nleaks_out) {
+  int rc;
+
+  if (nleaks_out != NULL)
+    *nleaks_out = 0;
+  pthread_mutex_lock(&c->lock);
+  rc = return_locked(c, force, stats, leaks, nleaks, nleaks_out);
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats) {
+  Sublet__Reply *rep;
+  int rc;
+
+  memset(stats, 0, sizeof(*stats));
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_status(c, &rep);
+  if (rc == 0 && rep->status->loan != NULL)
+    sl_msg_stats_from_proto(rep->status->loan->stats, stats);
+  if (c->win != NULL)
+    stats->map_seconds = c->win->map_seconds;
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}

@@ -1,0 +1,262 @@
+/* region.c - libsublet: regions (a tensor's memory, mapped in the owner's process) and
+ * lending them. */
+#include "client.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "msg.h"
+
+/* ------------------------------------------------------------------ regions */
+
+/* Imports pages [first, first+count) of a region into handles[first..]. */
+int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                       sl_handle *handles) {
+  while (count > 0) {
+    uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
+    Sublet__Request req = SUBLET__REQUEST__INIT;
+    Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
+    Sublet__Reply *rep = NULL;
+    struct sl_err err = {0};
+    int fds[SL_WIRE_MAX_FDS];
+    size_t nfds = SL_WIRE_MAX_FDS;
+    int rc;
+
+    pg.region = region;
+    pg.first = first;
+    pg.count = n;
+    req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
+    req.pages_get = &pg;
+    rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
+    if (rep != NULL)
+      sublet__reply__free_unpacked(rep, NULL);
+    if (rc == 0 && nfds != n)
+      rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
+    for (size_t i = 0; i < nfds; i++) {
+      /* Import, then close at once: never hold one fd per page. */
+      if (rc == 0 && sl_device_import(c->dev, fds[i], &handles[first + i], &err) != 0)
+        rc = sl_client_fail_err(&err);
+      close(fds[i]);
+    }
+    if (rc != 0)
+      return rc;
+    first += n;
+    count -= n;
+  }
+  return 0;
+}
+
+void sl_region_release_local(struct sublet_region *r) {
+  struct sl_device *dev = r->client->dev;
+
+  if (r->base != NULL) {
+    sl_device_synchronize(dev, NULL);
+    for (uint64_t i = 0; i < r->npages; i++)
+      if (r->handles[i] != 0)
+        sl_device_unmap_idle(dev, (char *)r->base + i * r->page_size, r->page_size);
+    sl_device_unreserve(dev, r->base, r->npages * r->page_size);
+  }
+  for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)
+    if (r->handles[i] != 0)
+      sl_device_release(dev, r->handles[i]);
+  free(r->handles);
+  free(r);
+}
+
+/* Maps every page of the region at r->base, in order. */
+static int map_region(sublet_client *c, struct sublet_region *r) {
+  struct sl_err err = {0};
+  uint64_t ps = r->page_size;
+  int rc = sl_device_reserve(c->dev, r->npages * ps, &r->base, &err);
+
+  /* On failure sl_region_release_local() unmaps all pages: unmapping one never mapped is a
+   * harmless error. */
+  for (uint64_t i = 0; rc == 0 && i < r->npages; i++)
+    rc = sl_device_map(c->dev, (char *)r->base + i * ps, ps, r->handles[i], &err);
+  if (rc == 0)
+    rc = sl_device_set_access(c->dev, r->base, r->npages * ps, &err);
+  return rc != 0 ? sl_client_fail_err(&err) : 0;
+}
+
+static int region_create_request(sublet_client *c, uint64_t size, struct sublet_region *r) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionCreate rc_msg = SUBLET__REGION_CREATE__INIT;
+  Sublet__Reply *rep = NULL;
+  int rc;
+
+  rc_msg.size = size;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
+  req.region_create = &rc_msg;
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_REGION_CREATED)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered RegionCreate with something else");
+  if (rc == 0) {
+    r->id = rep->region_created->region;
+    r->npages = rep->region_created->pages;
+    r->page_size = rep->region_created->page_size;
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+static int region_release_request(sublet_client *c, uint64_t id) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionRelease m = SUBLET__REGION_RELEASE__INIT;
+
+  m.region = id;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
+  req.region_release = &m;
+  return sl_client_call_simple(c, &req);
+}
+
+SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
+  struct sublet_region *r = calloc(1, sizeof(*r));
+  int rc;
+
+  if (r == NULL)
+    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+  r->client = c;
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_ensure_device(c);
+  if (rc == 0)
+    rc = region_create_request(c, size, r);
+  if (rc == 0 && (r->handles = calloc(r->npages, sizeof(sl_handle))) == NULL)
+    rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+  if (rc == 0)
+    rc = sl_client_fetch_pages(c, r->id, 0, r->npages, r->handles);
+  if (rc == 0)
+    rc = map_region(c, r);
+  if (rc == 0) {
+    r->next = c->regions;
+    c->regions = r;
+    *out = r;
+  } else if (r->id != 0) {
+    struct sl_err saved = *sl_client_last_error(); /* the first failure is the one to report */
+    sl_region_release_local(r);
+    region_release_request(c, r->id);
+    *sl_client_last_error() = saved;
+  } else {
+    free(r);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+SUBLET_EXPORT void *sublet_region_addr(const sublet_region *r) {
+  return r->base;
+}
+
+SUBLET_EXPORT uint64_t sublet_region_size(const sublet_region *r) {
+  return r->npages * r->page_size;
+}
+
+SUBLET_EXPORT uint64_t sublet_region_id(const sublet_region *r) {
+  return r->id;
+}
+
+SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
+  sublet_client *c = r->client;
+  struct sublet_region **link;
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  rc = region_release_request(c, r->id);
+  if (rc == 0) {
+    /* The window borrows this region's handles: it goes first. */
+    if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
+      sl_window_free(c->win);
+      c->win = NULL;
+    }
+    sl_device_synchronize(c->dev, NULL);
+    for (link = &c->regions; *link != r; link = &(*link)->next)
+      ;
+    *link = r->next;
+    sl_region_release_local(r);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+struct sublet_region *sl_client_find_region(sublet_client *c, uint64_t id) {
+  for (struct sublet_region *r = c->regions; r != NULL; r = r->next)
+    if (r->id == id)
+      return r;
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ lending */
+
+SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
+                              int keep_all, const char *name, uint64_t *loan_id,
+                              uint8_t token[16]) {
+  sublet_client *c = r->client;
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend m = SUBLET__LEND__INIT;
+  Sublet__Reply *rep = NULL;
+  int rc;
+
+  m.region = r->id;
+  m.keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
+  m.n_keep = keep_all ? 0 : 2 * n;
+  m.has_keep_all = 1;
+  m.keep_all = keep_all != 0;
+  m.name = (char *)name;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &m;
+  pthread_mutex_lock(&c->lock);
+  /* The owner's last writes must be in memory before anyone saves or overwrites them. */
+  sl_device_synchronize(c->dev, NULL);
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_LENT)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Lend with something else");
+  if (rc == 0) {
+    *loan_id = rep->lent->loan;
+    if (token != NULL)
+      memcpy(token, rep->lent->token.data, 16);
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
+                                 struct sublet_loan_stats *stats) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Reclaim m = SUBLET__RECLAIM__INIT;
+  Sublet__Reply *rep = NULL;
+  int rc;
+
+  m.loan = loan_id;
+  m.has_timeout_ms = 1;
+  m.timeout_ms = timeout_ms;
+  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
+  req.reclaim = &m;
+  pthread_mutex_lock(&c->lock);
+  /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
+  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
+  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RECLAIMED)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Reclaim with something else");
+  if (rc == 0 && stats != NULL)
+    sl_msg_stats_from_proto(rep->reclaimed, stats);
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Withdraw m = SUBLET__WITHDRAW__INIT;
+  int rc;
+
+  m.loan = loan_id;
+  req.body_case = SUBLET__REQUEST__BODY_WITHDRAW;
+  req.withdraw = &m;
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_call_simple(c, &req);
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
