@@ -266,7 +266,8 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
   struct sl_waiter *w, *next;
   struct sl_err err;
 
-  /* Oldest first: waiters are pushed at the head, so walk to find the last match. */
+  /* Oldest first (the list is kept in arrival order). A waiter this offer is not for goes
+   * on waiting; one it refuses (another user's, say) hears why, and the next one gets a try. */
   for (w = d->waiters; w != NULL; w = next) {
     next = w->next;
     if (w->kind != SL_WAIT_BORROW)
@@ -278,7 +279,8 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
     if (rc != 0)
       sl_conn_send_error(w->conn, w->req_id, &err);
     sl_waiter_done(w);
-    return; /* one loan per device: the offer is taken */
+    if (rc == 0)
+      return; /* one loan per device: the offer is taken */
   }
 }
 

@@ -54,8 +54,11 @@ struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, ui
   w->timer.data = w;
   if (timeout_ms >= 0)
     uv_timer_start(&w->timer, on_wait_timeout, (uint64_t)timeout_ms, 0);
-  w->next = c->d->waiters;
-  c->d->waiters = w;
+  /* At the tail: the list stays oldest first, and the oldest waiter is served first. */
+  struct sl_waiter **link = &c->d->waiters;
+  while (*link != NULL)
+    link = &(*link)->next;
+  *link = w;
   c->waiting = 1;
   return w;
 }

@@ -509,6 +509,46 @@ static void test_owner_dies(void) {
   sublet_disconnect(c);
 }
 
+/* A borrower that waits for an offer by name: exits 0 when it got it, 1 when it timed out. */
+static void waiting_borrower(const char *name, int timeout_ms) {
+  sublet_client *c;
+  int rc;
+
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    _exit(2);
+  rc = sublet_borrow(c, 0, NULL, name, timeout_ms);
+  if (rc == 0)
+    sublet_return(c, 0, NULL, NULL, 0, NULL);
+  _exit(rc == 0 ? 0 : rc == SUBLET_ETIMEDOUT ? 1 : 3);
+}
+
+/* Borrowers waiting for the same offer are served in the order they asked. */
+static void test_waiting_borrowers_first_come_first_served(void) {
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[16];
+  uint64_t loan;
+  int first, second;
+  pid_t a, b;
+
+  if ((a = fork()) == 0)
+    waiting_borrower("queue", 3000);
+  usleep(100000);
+  if ((b = fork()) == 0)
+    waiting_borrower("queue", 1000);
+  usleep(100000);
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, "queue", &loan, token), 0);
+  waitpid(a, &first, 0);
+  waitpid(b, &second, 0);
+  CHECK(WIFEXITED(first) && WEXITSTATUS(first) == 0);   /* asked first: got it */
+  CHECK(WIFEXITED(second) && WEXITSTATUS(second) == 1); /* asked second: timed out */
+  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
 /* The owner dies while another process borrows: the borrower hears of it at its next
  * allocation, returns cleanly, and the region is freed then. */
 static void test_owner_killed_mid_loan(void) {
@@ -640,6 +680,7 @@ int main(void) {
   sl_test_run("client that never reads", test_client_that_never_reads);
   sl_test_run("owner dies", test_owner_dies);
   sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
+  sl_test_run("waiting borrowers in order", test_waiting_borrowers_first_come_first_served);
   sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);
