@@ -30,6 +30,21 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   return 0;
 }
 
+/* The daemon lent, but this process cannot take the loan (no window): it goes straight back,
+ * so that the owner is not left waiting for a borrower that holds nothing. */
+static void give_back(sublet_client *c) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Return m = SUBLET__RETURN__INIT;
+  struct sl_err saved = *sl_client_last_error();
+
+  m.has_force = 1;
+  m.force = 1;
+  req.body_case = SUBLET__REQUEST__BODY_RETURN;
+  req.return_ = &m;
+  sl_client_call_simple(c, &req);
+  *sl_client_last_error() = saved;
+}
+
 SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
                                 const char *name, int timeout_ms) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
@@ -56,8 +71,8 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
     rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
   if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_BORROWED)
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Borrow with something else");
-  if (rc == 0)
-    rc = setup_window(c, rep->borrowed);
+  if (rc == 0 && (rc = setup_window(c, rep->borrowed)) != 0)
+    give_back(c);
   if (rc == 0)
     c->loan_id = rep->borrowed->loan;
   pthread_mutex_unlock(&c->lock);

@@ -52,8 +52,17 @@ SUBLET_EXPORT const char *sublet_last_error(void) {
 
 /* Sends req and waits for its reply; an Error reply becomes its code (and the thread's last
  * error), with the reply still returned in *out for callers that read its details. */
+/* The reply did not come, or not as it should: the conversation is out of step (a late reply
+ * would answer the next request). The connection is shut so that every later call fails
+ * clearly; the daemon settles the books as for any client that goes. */
+static int broken(sublet_client *c, int code, const struct sl_err *err) {
+  shutdown(c->sock, SHUT_RDWR);
+  return err != NULL ? sl_client_fail_err(err) : code;
+}
+
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
                    size_t *nfds, int timeout_ms) {
+  size_t capacity = nfds != NULL ? *nfds : 0;
   struct sl_frame_header h;
   const uint8_t *payload;
   struct sl_err err = {0};
@@ -61,25 +70,27 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, 
   Sublet__Reply *rep;
   int rc;
 
+  *out = NULL;
+  if (nfds != NULL)
+    *nfds = 0; /* no fds unless a reply brings them */
   req->id = ++c->next_id;
   rc = sl_msg_send_request(c->sock, req, NULL, 0, &err);
   if (rc == 0)
     rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, timeout_ms, &err);
   if (rc != 0)
-    return sl_client_fail_err(&err);
+    return broken(c, rc, &err);
   if (h.version != SUBLET_PROTOCOL_VERSION) {
     sl_wire_close_fds(rxfds, h.nfds);
-    return sl_client_fail(SUBLET_EVERSION, "subletd speaks protocol %u, this library %d: "
-                          "install matching versions of sublet and subletd", h.version,
-                          SUBLET_PROTOCOL_VERSION);
+    return broken(c, sl_client_fail(SUBLET_EVERSION, "subletd speaks protocol %u, this "
+                                    "library %d: install matching versions of sublet and "
+                                    "subletd", h.version, SUBLET_PROTOCOL_VERSION), NULL);
   }
   rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
-  if (rep == NULL || rep->id != req->id || (nfds == NULL && h.nfds > 0) ||
-      (nfds != NULL && h.nfds > *nfds)) {
+  if (rep == NULL || rep->id != req->id || h.nfds > capacity) {
     sl_wire_close_fds(rxfds, h.nfds);
     if (rep != NULL)
       sublet__reply__free_unpacked(rep, NULL);
-    return sl_client_fail(SUBLET_EPROTO, "subletd sent an unexpected reply");
+    return broken(c, sl_client_fail(SUBLET_EPROTO, "subletd sent an unexpected reply"), NULL);
   }
   if (nfds != NULL) {
     memcpy(fds, rxfds, h.nfds * sizeof(int));
@@ -253,7 +264,11 @@ int sl_client_ensure_device(sublet_client *c) {
     return 0;
   if (sl_device_open(&p, &c->dev, &err) != 0)
     return sl_client_fail_err(&err);
-  if (sl_device_info(c->dev)->page_size != c->info.page_size)
-    return sl_client_fail(SUBLET_EDEVICE, "page size mismatch between subletd and this process");
+  if (sl_device_info(c->dev)->page_size != c->info.page_size) {
+    sl_device_close(c->dev);
+    c->dev = NULL;
+    return sl_client_fail(SUBLET_EDEVICE, "subletd's pages and this process's differ in size: "
+                          "is it the same device and backend? (check $SUBLET_SOCKET)");
+  }
   return 0;
 }

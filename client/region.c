@@ -134,8 +134,9 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
     *out = r;
   } else if (r->id != 0) {
     struct sl_err saved = *sl_client_last_error(); /* the first failure is the one to report */
-    sl_region_release_local(r);
-    region_release_request(c, r->id);
+    uint64_t id = r->id;
+    sl_region_release_local(r); /* frees r */
+    region_release_request(c, id);
     *sl_client_last_error() = saved;
   } else {
     free(r);
@@ -241,6 +242,11 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
     rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Reclaim with something else");
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->reclaimed, stats);
+  /* Everything saved comes back: anything less means the daemon's restore failed. */
+  if (rc == 0 && rep->reclaimed->copied_in_bytes != rep->reclaimed->copied_out_bytes)
+    rc = sl_client_fail(SUBLET_EDEVICE, "subletd could not restore the kept bytes of loan "
+                        "%llu (its log says why): the tensor's kept data is not intact",
+                        (unsigned long long)loan_id);
   pthread_mutex_unlock(&c->lock);
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

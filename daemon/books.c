@@ -308,6 +308,51 @@ int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_
                     "loan first", client_id, region_id, r->owner_client);
 }
 
+/* The window position of region page p in loan l (pages[] holds the unkept pages, then the
+ * kept ones, each ascending). */
+static uint64_t page_position(const struct sl_loan *l, uint64_t p) {
+  const uint64_t *unkept = l->pages, *kept = l->pages + l->unkept;
+  size_t lo = 0, hi = l->unkept;
+
+  while (lo < hi) { /* binary search among the unkept pages */
+    size_t mid = lo + (hi - lo) / 2;
+    if (unkept[mid] < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo < l->unkept && unkept[lo] == p)
+    return lo;
+  lo = 0;
+  hi = l->kept;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (kept[mid] < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return l->unkept + l->fresh + lo;
+}
+
+int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           uint64_t first, uint64_t count, struct sl_err *err) {
+  const struct sl_region *r = find_region(b, region_id);
+  const struct sl_loan *l;
+  int rc = sl_books_region_access(b, client_id, region_id, err);
+
+  if (rc != 0 || r->owner_client == client_id)
+    return rc;
+  l = find_loan(b, r->loan_id);
+  for (uint64_t p = first; p < first + count; p++)
+    if (p >= r->npages || page_position(l, p) >= l->hwm)
+      return sl_err_set(err, SUBLET_EPERM,
+                        "page %" PRIu64 " of region %" PRIu64 " was not granted to this "
+                        "borrower: a borrower may have only the pages of its allocations",
+                        p, region_id);
+  return 0;
+}
+
 static void region_fill_info(const struct sl_region *r, struct sl_region_info *ri) {
   *ri = (struct sl_region_info){.id = r->id, .owner_client = r->owner_client,
                                 .owner = r->owner, .npages = r->npages, .loan_id = r->loan_id};

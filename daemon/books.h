@@ -141,6 +141,11 @@ int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t regi
 /* May client_id hold handles of this region's pages? Its owner, or the borrower of its loan. */
 int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err);
+/* May client_id have fds of pages [first, first+count)? The owner may; the borrower only of
+ * pages it was granted (window positions below hwm): a kept page is saved before it is
+ * granted, and an fd, once sent, cannot be taken back. */
+int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           uint64_t first, uint64_t count, struct sl_err *err);
 int sl_books_region_info(const struct sl_books *b, uint64_t region_id, struct sl_region_info *ri);
 /* Iteration in id order: after = 0 gives the first; returns -ENOENT past the last. */
 int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_region_info *ri);

@@ -22,9 +22,11 @@ void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
   char size[16];
 
   if (end->nrestore > 0 &&
-      sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0)
+      sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0) {
     sl_error("loan %llu: restoring kept bytes failed: %s", (unsigned long long)end->loan_id,
              err.msg);
+    end->stats.copied_in_bytes = 0; /* nothing came back: the owner's client reports it */
+  }
   for (size_t i = 0; i < end->nfresh; i++)
     sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
   if (end->free_region)
@@ -40,15 +42,20 @@ void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
   sl_loan_end_clear(end);
 }
 
+/* Ends loans whose borrower is gone: kept bytes restored, the owner told. */
+static void finish_now(struct sl_daemon *d, const uint64_t *loans, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    struct sl_loan_end end = {0};
+    if (sl_books_loan_finish(d->books, loans[i], &end) == 0)
+      sl_loan_end_apply(d, &end, NULL);
+  }
+}
+
 static void drain_done(struct sl_drain *dr) {
   struct sl_daemon *d = dr->d;
   struct sl_drain **link = &d->drains;
 
-  for (size_t i = 0; i < dr->nloans; i++) {
-    struct sl_loan_end end = {0};
-    if (sl_books_loan_finish(d->books, dr->loans[i], &end) == 0)
-      sl_loan_end_apply(d, &end, NULL);
-  }
+  finish_now(d, dr->loans, dr->nloans);
   while (*link != NULL && *link != dr)
     link = &(*link)->next;
   if (*link != NULL)
@@ -85,17 +92,18 @@ static void on_drain_tick(uv_timer_t *t) {
 }
 
 /* The borrower died: its GPU work may run until its process is gone, so restore only then. */
-static void drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
+static int drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
   struct sl_daemon *d = c->d;
   struct sl_drain *dr = calloc(1, sizeof(*dr));
 
-  if (dr == NULL)
-    return;
+  if (dr == NULL || (dr->loans = malloc(n * sizeof(*loans))) == NULL) {
+    free(dr);
+    return SUBLET_ENOMEM;
+  }
   dr->d = d;
   dr->pid = c->peer.pid;
   dr->pidfd = c->pidfd;
   c->pidfd = -1;
-  dr->loans = malloc(n * sizeof(*loans));
   memcpy(dr->loans, loans, n * sizeof(*loans));
   dr->nloans = n;
   dr->next = d->drains;
@@ -109,6 +117,7 @@ static void drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
     dr->timer.data = dr;
     uv_timer_start(&dr->timer, on_drain_tick, 10, 10);
   }
+  return 0;
 }
 
 void sl_handle_shutdown(struct sl_daemon *d) {
@@ -125,6 +134,27 @@ void sl_handle_shutdown(struct sl_daemon *d) {
   }
 }
 
+/* A borrower left mid-loan: its loans end once its process has exited, or at once when the
+ * daemon is going away, or when there is no process it can watch (a pid from another pid
+ * namespace reads as 0). */
+static void settle_borrower(struct sl_conn *c, uint64_t *loans, size_t n) {
+  if (c->d->stopping) {
+    finish_now(c->d, loans, n);
+    return;
+  }
+  if (c->peer.pid <= 0) {
+    sl_warn("a borrower left mid-loan and its process cannot be watched: restoring now");
+    finish_now(c->d, loans, n);
+    return;
+  }
+  sl_warn("borrower pid %d left mid-loan; its loan ends once the process has exited",
+          (int)c->peer.pid);
+  if (drain_after_exit(c, loans, n) != 0) {
+    sl_error("out of memory watching pid %d: restoring now", (int)c->peer.pid);
+    finish_now(c->d, loans, n);
+  }
+}
+
 void sl_handle_disconnect(struct sl_conn *c) {
   struct sl_daemon *d = c->d;
   struct sl_client_gone gone = {0};
@@ -138,17 +168,8 @@ void sl_handle_disconnect(struct sl_conn *c) {
   if (c->client_id != 0 && sl_books_client_remove(d->books, c->client_id, &gone) == 0) {
     for (size_t i = 0; i < gone.nfree_regions; i++)
       sl_pool_region_destroy(d->pool, gone.free_regions[i]);
-    if (gone.ndraining > 0 && d->stopping) {
-      for (size_t i = 0; i < gone.ndraining; i++) {
-        struct sl_loan_end end = {0};
-        if (sl_books_loan_finish(d->books, gone.draining_loans[i], &end) == 0)
-          sl_loan_end_apply(d, &end, NULL);
-      }
-    } else if (gone.ndraining > 0) {
-      sl_warn("borrower pid %d left mid-loan; its loan ends once the process has exited",
-              (int)c->peer.pid);
-      drain_after_exit(c, gone.draining_loans, gone.ndraining);
-    }
+    if (gone.ndraining > 0)
+      settle_borrower(c, gone.draining_loans, gone.ndraining);
     sl_client_gone_clear(&gone);
   }
   if (c->pidfd >= 0)

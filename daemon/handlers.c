@@ -101,7 +101,8 @@ static int on_pages_get(struct ctx *x, const Sublet__PagesGet *m) {
   if (m->count == 0 || m->count > SL_WIRE_MAX_FDS)
     return sl_err_set(&x->err, SUBLET_E2BIG, "PagesGet asks for %u pages: 1 to %d per request",
                       m->count, SL_WIRE_MAX_FDS);
-  rc = sl_books_region_access(x->d->books, x->c->client_id, m->region, &x->err);
+  rc = sl_books_pages_granted(x->d->books, x->c->client_id, m->region, m->first, m->count,
+                              &x->err);
   if (rc == 0)
     rc = sl_pool_export_pages(x->d->pool, m->region, m->first, m->count, fds, &x->err);
   if (rc != 0)
@@ -437,6 +438,8 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
     sl_debug("pid %d: request %llu failed: %s", (int)c->peer.pid, (unsigned long long)req->id,
              x.err.msg);
     sl_conn_send_error(c, req->id, &x.err);
+    if (rc == SUBLET_EVERSION && !c->closed)
+      sl_conn_close(c); /* PROTOCOL.md: answered, then the connection closes */
   }
   if (c->d->cfg.check_books) {
     char why[256];

@@ -141,12 +141,25 @@ static void close_handle(uv_handle_t *h) {
     uv_close(h, NULL);
 }
 
+/* Borrowers go first: their loans end (kept bytes restored) while the owners are still
+ * there; an owner closed first would leave its loan nobody to restore for. */
+static void close_borrowers(struct sl_daemon *d) {
+  struct sl_conn *c = d->conns, *next;
+
+  for (; c != NULL; c = next) {
+    next = c->next;
+    if (c->client_id != 0 && sl_books_client_loan(d->books, c->client_id) != 0)
+      sl_conn_close(c);
+  }
+}
+
 /* Closes every connection (settling the books: loans end, kept bytes are restored) and the
  * loop's handles, so that uv_run returns. */
 void sl_server_stop(struct sl_daemon *d) {
   if (d->stopping)
     return;
   d->stopping = 1;
+  close_borrowers(d);
   while (d->conns != NULL)
     sl_conn_close(d->conns);
   sl_handle_shutdown(d);

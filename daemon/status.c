@@ -37,23 +37,23 @@ static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__Regio
   return 0;
 }
 
-static void status_loan(struct sl_daemon *d, Sublet__LoanStatus *ls, Sublet__LoanStats *stats) {
-  struct sl_loan_info li;
-
-  sl_books_loan_info(d->books, sl_books_current_loan(d->books), &li);
-  li.stats.copy_out_seconds = d->copy_out_seconds;
-  sl_msg_stats_to_proto(&li.stats, stats);
-  ls->loan = li.id;
-  ls->region = li.region_id;
-  ls->state = (char *)loan_state_name(li.state);
-  ls->name = li.name;
-  ls->has_borrower_pid = ls->has_borrower_uid = li.borrower_client != 0;
-  ls->borrower_pid = (uint32_t)li.borrower.pid;
-  ls->borrower_uid = (uint32_t)li.borrower.uid;
-  ls->unkept_pages = li.unkept_pages;
-  ls->fresh_pages = li.fresh_pages;
-  ls->kept_pages = li.kept_pages;
-  ls->live_bytes = li.live_bytes;
+/* ls points into li (its name): li must live until the reply is sent. */
+static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__LoanStatus *ls,
+                        Sublet__LoanStats *stats) {
+  sl_books_loan_info(d->books, sl_books_current_loan(d->books), li);
+  li->stats.copy_out_seconds = d->copy_out_seconds;
+  sl_msg_stats_to_proto(&li->stats, stats);
+  ls->loan = li->id;
+  ls->region = li->region_id;
+  ls->state = (char *)loan_state_name(li->state);
+  ls->name = li->name;
+  ls->has_borrower_pid = ls->has_borrower_uid = li->borrower_client != 0;
+  ls->borrower_pid = (uint32_t)li->borrower.pid;
+  ls->borrower_uid = (uint32_t)li->borrower.uid;
+  ls->unkept_pages = li->unkept_pages;
+  ls->fresh_pages = li->fresh_pages;
+  ls->kept_pages = li->kept_pages;
+  ls->live_bytes = li->live_bytes;
   ls->stats = stats;
 }
 
@@ -88,6 +88,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   Sublet__Status st = SUBLET__STATUS__INIT;
   Sublet__LoanStatus ls = SUBLET__LOAN_STATUS__INIT;
   Sublet__LoanStats stats;
+  struct sl_loan_info li;
   Sublet__RegionStatus *regions = NULL;
   int rc;
 
@@ -95,7 +96,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   rc = status_regions(c->d, &st, &regions);
   if (rc == 0) {
     if (sl_books_current_loan(c->d->books) != 0) {
-      status_loan(c->d, &ls, &stats);
+      status_loan(c->d, &li, &ls, &stats);
       st.loan = &ls;
     }
     rep.id = id;

@@ -17,6 +17,9 @@ static void free_waiter(uv_handle_t *h) {
 void sl_waiter_done(struct sl_waiter *w) {
   struct sl_waiter **link = &w->d->waiters;
 
+  /* Answering a waiter can close its conn, which ends the conn's waiters: this one too. */
+  if (uv_is_closing((uv_handle_t *)&w->timer))
+    return;
   while (*link != NULL && *link != w)
     link = &(*link)->next;
   if (*link != NULL)

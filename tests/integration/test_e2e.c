@@ -458,6 +458,82 @@ static void test_client_that_never_reads(void) {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+/* A waiting Borrow whose client stopped reading: answering it at its timeout fails, which
+ * closes the connection, which ends its waiters: the waiter must be ended once. */
+static void test_waiter_of_a_client_gone_deaf(void) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+  Sublet__Borrow borrow = SUBLET__BORROW__INIT;
+  struct sublet_info info;
+  sublet_client *c;
+  int fd = raw_connect();
+
+  CHECK(fd >= 0);
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.id = 1;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  CHECK(sl_msg_send_request(fd, &req, NULL, 0, NULL) == 0);
+  borrow.name = "nobody";
+  borrow.has_timeout_ms = 1;
+  borrow.timeout_ms = 100;
+  req.id = 2;
+  req.body_case = SUBLET__REQUEST__BODY_BORROW;
+  req.borrow = &borrow;
+  CHECK(sl_msg_send_request(fd, &req, NULL, 0, NULL) == 0);
+  shutdown(fd, SHUT_RD); /* open, but no longer reading: the timeout's reply fails */
+  usleep(300000);
+  close(fd);
+  CHECK_RC(connect_client(&c), 0); /* still serving */
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  sublet_disconnect(c);
+}
+
+/* The Status reply names the loan in progress (its name lives as long as the reply). */
+static void test_status_names_the_loan(void) {
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t loan;
+  char *json = NULL;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 2 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, "named-loan", &loan, NULL), 0);
+  CHECK_RC(sublet_status_json(c, &json), 0);
+  CHECK(strstr(json, "\"name\": \"named-loan\"") != NULL);
+  CHECK(strstr(json, "\"state\": \"offered\"") != NULL);
+  sublet_string_free(json);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+/* subletd stopped mid-loan restores the kept bytes before it goes, even when the borrower's
+ * connection is older than the owner's (a scheduler waiting for an offer). */
+static void test_shutdown_mid_loan_restores(void) {
+  struct sublet_range keep = {0, 16 * PAGE};
+  struct sl_test_daemon d2;
+  sublet_client *owner, *borrower;
+  sublet_region *r;
+  uint64_t loan;
+  uint8_t token[16];
+  void *p;
+
+  CHECK(sl_test_daemon_start(&d2, PAGE, 32 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d2.socket, &borrower), 0); /* the older connection */
+  CHECK_RC(sublet_connect(d2.socket, &owner), 0);
+  CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
+  fill(sublet_region_addr(r), 16 * PAGE);
+  CHECK_RC(sublet_lend(r, &keep, 1, 0, NULL, &loan, token), 0);
+  CHECK_RC(sublet_borrow(borrower, loan, token, NULL, 0), 0);
+  CHECK_RC(sublet_alloc(borrower, 32 * PAGE, &p), 0); /* everything: all kept pages saved */
+  memset(p, 0xEE, 32 * PAGE);
+  CHECK(sl_test_daemon_stop(&d2) == 0);
+  CHECK(kept_intact(sublet_region_addr(r), &keep, 1)); /* the owner's mapping outlives it */
+  sublet_disconnect(borrower);
+  sublet_disconnect(owner);
+}
+
 static void test_many_connections(void) {
   int fds0, fds1;
   long rss0, rss1;
@@ -678,6 +754,9 @@ int main(void) {
   sl_test_run("errors", test_errors);
   sl_test_run("malformed input", test_malformed_input);
   sl_test_run("client that never reads", test_client_that_never_reads);
+  sl_test_run("waiter of a client gone deaf", test_waiter_of_a_client_gone_deaf);
+  sl_test_run("status names the loan", test_status_names_the_loan);
+  sl_test_run("shutdown mid-loan restores", test_shutdown_mid_loan_restores);
   sl_test_run("owner dies", test_owner_dies);
   sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
   sl_test_run("waiting borrowers in order", test_waiting_borrowers_first_come_first_served);

@@ -1586,8 +1586,37 @@ static void test_large_keep(void) {
   sl_books_free(b);
 }
 
+/* A borrower gets fds only of pages it was granted: a kept page not yet saved stays out of its
+ * reach; the owner may have any. */
+static void test_pages_granted(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), user = client(b, 1000, 1000);
+  struct sublet_range keep[] = {{0, PS}, {3 * PS, PS}}; /* pages 0 and 3 kept */
+  uint64_t r = region(b, owner, 4);
+  uint64_t loan = lend(b, owner, r, keep, 2);
+  struct sl_grant g;
+  struct sl_err err = {0};
+
+  borrow(b, user, loan, 1);
+  CHECK_EQ(sl_books_pages_granted(b, owner, r, 0, 4, &err), 0);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 1, 1, &err), SUBLET_EPERM); /* nothing yet */
+  CHECK_MSG(err, "not granted");
+  alloc(b, user, 2 * PS, &g); /* unkept pages 1 and 2 */
+  sl_grant_clear(&g);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 1, 2, &err), 0);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 0, 1, &err), SUBLET_EPERM); /* kept, unsaved */
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 3, 2, &err), SUBLET_EPERM); /* past the end */
+  alloc(b, user, 2 * PS, &g); /* the fresh page, then kept page 0 (saved first) */
+  sl_grant_clear(&g);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 0, 1, &err), 0);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 3, 1, &err), SUBLET_EPERM);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 int main(void) {
   test_new_and_ids();
+  test_pages_granted();
   test_regions();
   test_lend_errors();
   test_lend_layout();
