@@ -203,8 +203,8 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_synchronize(c->dev, NULL);
   sl_torch_forget(c);
-  /* Closing the socket first: the daemon settles the books (loans end, kept bytes come back)
-   * whatever state this client leaves. */
+  /* Closing the socket first: the daemon settles the books whatever state this client leaves
+   * (regions freed; a loan it borrows ends once this whole process has exited). */
   close(c->sock);
   sl_window_free(c->win);
   for (size_t i = 0; i < c->nforfeit; i++)

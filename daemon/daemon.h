@@ -43,6 +43,7 @@ struct sl_daemon {
   struct sl_pool *pool;
   int listen_fd;
   uv_poll_t listener;
+  uv_timer_t accept_retry;  /* accepting paused while out of fds */
   uv_signal_t sigterm, sigint;
   int parent_pidfd;
   uv_poll_t parent_watch;

@@ -59,14 +59,30 @@ static int bind_socket(const char *path, struct sl_err *err) {
   return fd;
 }
 
+static void on_listener(uv_poll_t *h, int status, int events);
+
+static void on_accept_retry(uv_timer_t *t) {
+  struct sl_daemon *d = t->data;
+
+  if (!d->stopping)
+    uv_poll_start(&d->listener, UV_READABLE, on_listener);
+}
+
 static void on_listener(uv_poll_t *h, int status, int events) {
   struct sl_daemon *d = h->data;
   int fd;
 
   while ((fd = accept4(d->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0)
     sl_conn_accept(d, fd);
-  if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+  if (errno == EMFILE || errno == ENFILE) {
+    /* Out of fds: the pending connection stays pending, and polling again at once would spin.
+     * Pause accepting for a moment; connections that end meanwhile give fds back. */
+    sl_warn("accept: %s: not accepting for 100 ms (raise LimitNOFILE?)", strerror(errno));
+    uv_poll_stop(&d->listener);
+    uv_timer_start(&d->accept_retry, on_accept_retry, 100, 0);
+  } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
     sl_warn("accept: %s", strerror(errno));
+  }
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -124,6 +140,8 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   uv_poll_init(d->loop, &d->listener, d->listen_fd);
   d->listener.data = d;
   uv_poll_start(&d->listener, UV_READABLE, on_listener);
+  uv_timer_init(d->loop, &d->accept_retry);
+  d->accept_retry.data = d;
   uv_signal_init(d->loop, &d->sigterm);
   uv_signal_init(d->loop, &d->sigint);
   d->sigterm.data = d->sigint.data = d;
@@ -164,6 +182,7 @@ void sl_server_stop(struct sl_daemon *d) {
     sl_conn_close(d->conns);
   sl_handle_shutdown(d);
   close_handle((uv_handle_t *)&d->listener);
+  close_handle((uv_handle_t *)&d->accept_retry);
   close_handle((uv_handle_t *)&d->sigterm);
   close_handle((uv_handle_t *)&d->sigint);
   if (d->parent_pidfd >= 0)
