@@ -308,31 +308,28 @@ int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_
                     "loan first", client_id, region_id, r->owner_client);
 }
 
+/* The first index of sorted a[0..n) whose value is not below v. */
+static size_t lower_bound_u64(const uint64_t *a, size_t n, uint64_t v) {
+  size_t lo = 0, hi = n;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (a[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 /* The window position of region page p in loan l (pages[] holds the unkept pages, then the
  * kept ones, each ascending). */
 static uint64_t page_position(const struct sl_loan *l, uint64_t p) {
-  const uint64_t *unkept = l->pages, *kept = l->pages + l->unkept;
-  size_t lo = 0, hi = l->unkept;
+  size_t i = lower_bound_u64(l->pages, l->unkept, p);
 
-  while (lo < hi) { /* binary search among the unkept pages */
-    size_t mid = lo + (hi - lo) / 2;
-    if (unkept[mid] < p)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  if (lo < l->unkept && unkept[lo] == p)
-    return lo;
-  lo = 0;
-  hi = l->kept;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (kept[mid] < p)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return l->unkept + l->fresh + lo;
+  if (i < l->unkept && l->pages[i] == p)
+    return i;
+  return l->unkept + l->fresh + lower_bound_u64(l->pages + l->unkept, l->kept, p);
 }
 
 int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
