@@ -11,7 +11,7 @@
 
 /* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
-  struct sublet_region *own = b->own_region ? sl_client_find_region(c, b->region) : NULL;
+  struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
   struct sl_window *w = c->win;
   struct sl_err err = {0};
 
@@ -41,7 +41,7 @@ static void give_back(sublet_client *c) {
   m.force = 1;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  sl_client_call_simple(c, &req);
+  sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, NULL, NULL, NULL, -1);
   *sl_client_last_error() = saved;
 }
 
@@ -68,9 +68,7 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
     rc = sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
                         (unsigned long long)c->loan_id);
   if (rc == 0)
-    rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_BORROWED)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Borrow with something else");
+    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, NULL, NULL, -1);
   if (rc == 0 && (rc = setup_window(c, rep->borrowed)) != 0)
     give_back(c);
   if (rc == 0)
@@ -97,7 +95,7 @@ static int fetch_run_handles(sublet_client *c, struct sl_window *w, uint64_t pos
            sl_window_page_at(w, p + len) == first + (int64_t)len &&
            w->handles[first + len] == 0)
       len++;
-    int rc = sl_client_fetch_pages(c, w->region_id, (uint64_t)first, len, w->handles);
+    int rc = sl_region_fetch_pages(c, w->region_id, (uint64_t)first, len, w->handles);
     if (rc != 0)
       return rc;
     p += len;
@@ -133,7 +131,7 @@ static int free_request(sublet_client *c, uint64_t alloc_id) {
   m.alloc = alloc_id;
   req.body_case = SUBLET__REQUEST__BODY_FREE;
   req.free = &m;
-  return sl_client_call_simple(c, &req);
+  return sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
 }
 
 static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
@@ -149,9 +147,7 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_ALLOC;
   req.alloc = &m;
-  rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_ALLOCATED)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Alloc with something else");
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_ALLOCATED, &rep, fds, &nfds, -1);
   if (rc == 0) {
     const Sublet__Allocated *a = rep->allocated;
     /* In the owner's process a run of consecutive region pages needs no mapping at all. */
@@ -168,7 +164,7 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
       *sl_client_last_error() = saved;
     }
   }
-  sl_wire_close_fds(fds, rep != NULL ? nfds : 0); /* imported by now: ours to close */
+  sl_wire_close_fds(fds, nfds); /* imported by now: ours to close */
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
@@ -267,9 +263,7 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   m.force = force != 0;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RETURNED)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Return with something else");
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, &rep, NULL, NULL, -1);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->returned, stats);
   if (rc == SUBLET_ELEAK && rep != NULL) {
@@ -298,6 +292,16 @@ SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_
   rc = return_locked(c, force, stats, leaks, nleaks, nleaks_out);
   pthread_mutex_unlock(&c->lock);
   return rc;
+}
+
+void sl_borrow_forget(sublet_client *c) {
+  sl_window_free(c->win);
+  c->win = NULL;
+  for (size_t i = 0; i < c->nforfeit; i++)
+    sl_window_free(c->forfeit[i]);
+  free(c->forfeit);
+  c->forfeit = NULL;
+  c->nforfeit = 0;
 }
 
 SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats) {

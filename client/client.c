@@ -1,5 +1,7 @@
-/* client.c - libsublet: errors, the conversation with subletd (connecting, requests), the
- * device this process maps with. Regions and lending are in region.c, borrowing in borrow.c. */
+/* client.c - libsublet's lowest layer: errors, the conversation with subletd (connecting, the
+ * one request path), the device this process maps with. Above it: region.c (regions and
+ * lending), borrow.c (borrowing), torch.c (PyTorch's pair), and connect.c at the top, which
+ * makes a client and tears it down through every layer. */
 #include "client.h"
 
 #include <errno.h>
@@ -50,8 +52,6 @@ SUBLET_EXPORT const char *sublet_last_error(void) {
 
 /* ------------------------------------------------------------------ requests */
 
-/* Sends req and waits for its reply; an Error reply becomes its code (and the thread's last
- * error), with the reply still returned in *out for callers that read its details. */
 /* The reply did not come, or not as it should: the conversation is out of step (a late reply
  * would answer the next request). The connection is shut so that every later call fails
  * clearly; the daemon settles the books as for any client that goes. */
@@ -60,19 +60,24 @@ static int broken(sublet_client *c, int code, const struct sl_err *err) {
   return err != NULL ? sl_client_fail_err(err) : code;
 }
 
-int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
-                   size_t *nfds, int timeout_ms) {
-  size_t capacity = nfds != NULL ? *nfds : 0;
+/* The request's name in the protocol ("region_create"), for messages. */
+static const char *request_name(const Sublet__Request *req) {
+  const ProtobufCFieldDescriptor *f =
+      protobuf_c_message_descriptor_get_field(&sublet__request__descriptor, req->body_case);
+
+  return f != NULL ? f->name : "a request";
+}
+
+/* Sends req and receives its reply frame: *rep unpacked, its fds in fds[0..*nfds) (no more
+ * than capacity, else the conversation is broken and they are closed). */
+static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep, int *fds,
+                    size_t capacity, size_t *nfds, int timeout_ms) {
   struct sl_frame_header h;
   const uint8_t *payload;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
-  Sublet__Reply *rep;
   int rc;
 
-  *out = NULL;
-  if (nfds != NULL)
-    *nfds = 0; /* no fds unless a reply brings them */
   req->id = ++c->next_id;
   rc = sl_msg_send_request(c->sock, req, NULL, 0, &err);
   if (rc == 0)
@@ -85,30 +90,42 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, 
                                     "library %d: install matching versions of sublet and "
                                     "subletd", h.version, SUBLET_PROTOCOL_VERSION), NULL);
   }
-  rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
-  if (rep == NULL || rep->id != req->id || h.nfds > capacity) {
+  *rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
+  if (*rep == NULL || (*rep)->id != req->id || h.nfds > capacity) {
     sl_wire_close_fds(rxfds, h.nfds);
-    if (rep != NULL)
-      sublet__reply__free_unpacked(rep, NULL);
-    return broken(c, sl_client_fail(SUBLET_EPROTO, "subletd sent an unexpected reply"), NULL);
+    if (*rep != NULL)
+      sublet__reply__free_unpacked(*rep, NULL);
+    *rep = NULL;
+    return broken(c, sl_client_fail(SUBLET_EPROTO, "subletd sent an unexpected reply to %s",
+                                    request_name(req)), NULL);
   }
-  if (nfds != NULL) {
-    memcpy(fds, rxfds, h.nfds * sizeof(int));
-    *nfds = h.nfds;
-  }
-  *out = rep;
-  if (rep->body_case == SUBLET__REPLY__BODY_ERROR)
-    return sl_client_fail(rep->error->code, "%s", rep->error->message);
+  memcpy(fds, rxfds, h.nfds * sizeof(int));
+  *nfds = h.nfds;
   return 0;
 }
 
-/* A call whose reply carries nothing but success. */
-int sl_client_call_simple(sublet_client *c, Sublet__Request *req) {
+int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
+                   Sublet__Reply **out, int *fds, size_t *nfds, int timeout_ms) {
+  size_t capacity = nfds != NULL ? *nfds : 0, got = 0;
+  int none[1], *rxfds = fds != NULL ? fds : none;
   Sublet__Reply *rep = NULL;
-  int rc = sl_client_call(c, req, &rep, NULL, NULL, -1);
+  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, timeout_ms);
 
-  if (rep != NULL)
+  if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
+    rc = sl_client_fail(rep->error->code, "%s", rep->error->message);
+  else if (rc == 0 && rep->body_case != expect)
+    rc = broken(c, sl_client_fail(SUBLET_EPROTO, "subletd answered %s with something else",
+                                  request_name(req)), NULL);
+  if (rc != 0)
+    sl_wire_close_fds(rxfds, got); /* fds come only with a success */
+  if (nfds != NULL)
+    *nfds = rc == 0 ? got : 0;
+  /* The caller gets the reply of a success, and an Error for its details. */
+  keep = out != NULL && rep != NULL && (rc == 0 || rep->body_case == SUBLET__REPLY__BODY_ERROR);
+  if (!keep && rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
+  if (out != NULL)
+    *out = keep ? rep : NULL;
   return rc;
 }
 
@@ -151,7 +168,7 @@ static void welcome_to_info(const Sublet__Welcome *w, struct sublet_info *info) 
 static int hello(sublet_client *c) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Hello h = SUBLET__HELLO__INIT;
-  Sublet__Reply *rep = NULL;
+  Sublet__Reply *rep;
   char name[64];
   int rc;
 
@@ -160,9 +177,7 @@ static int hello(sublet_client *c) {
   h.client_name = name;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &h;
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, 30000);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_WELCOME)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Hello with something else");
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 30000);
   if (rc == 0)
     welcome_to_info(rep->welcome, &c->info);
   if (rep != NULL)
@@ -170,7 +185,7 @@ static int hello(sublet_client *c) {
   return rc;
 }
 
-SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out) {
+int sl_client_open(const char *path, sublet_client **out) {
   const char *env = getenv("SUBLET_SOCKET");
   sublet_client *c;
   int rc;
@@ -190,31 +205,22 @@ SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out) {
   sl_wire_rx_init(&c->rx);
   rc = hello(c);
   if (rc != 0) {
-    sublet_disconnect(c);
+    sl_client_hang_up(c);
+    sl_client_free(c);
     return rc;
   }
   *out = c;
   return 0;
 }
 
-SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
-  if (c == NULL)
-    return;
+void sl_client_hang_up(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_synchronize(c->dev, NULL);
-  sl_torch_forget(c);
-  /* Closing the socket first: the daemon settles the books whatever state this client leaves
-   * (regions freed; a loan it borrows ends once this whole process has exited). */
   close(c->sock);
-  sl_window_free(c->win);
-  for (size_t i = 0; i < c->nforfeit; i++)
-    sl_window_free(c->forfeit[i]);
-  free(c->forfeit);
-  while (c->regions != NULL) {
-    struct sublet_region *r = c->regions;
-    c->regions = r->next;
-    sl_region_release_local(r);
-  }
+  c->sock = -1;
+}
+
+void sl_client_free(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_close(c->dev);
   sl_wire_rx_destroy(&c->rx);
@@ -225,15 +231,10 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
 int sl_client_status(sublet_client *c, Sublet__Reply **rep) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__StatsGet m = SUBLET__STATS_GET__INIT;
-  int rc;
 
-  *rep = NULL;
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &m;
-  rc = sl_client_call(c, &req, rep, NULL, NULL, 10000);
-  if (rc == 0 && (*rep)->body_case != SUBLET__REPLY__BODY_STATUS)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered StatsGet with something else");
-  return rc;
+  return sl_client_call(c, &req, SUBLET__REPLY__BODY_STATUS, rep, NULL, NULL, 10000);
 }
 
 /* Free memory changes: it is asked afresh; the rest is what Welcome said. */

@@ -1,4 +1,6 @@
-/* client.h - libsublet's internals shared by client.c and torch.c. */
+/* client.h - libsublet's internals: the client and region structs and each layer's functions
+ * for the layers above it (client.c at the bottom, then region.c, borrow.c, torch.c; connect.c
+ * on top). */
 #ifndef SL_CLIENT_H
 #define SL_CLIENT_H
 
@@ -34,30 +36,52 @@ struct sublet_client {
   uint64_t loan_id;       /* the loan being borrowed, 0 if none */
 };
 
+/* ------------------------------------------------------------------ client.c */
+
 /* The calling thread's last error (its message is sublet_last_error()). */
 struct sl_err *sl_client_last_error(void);
 /* Records the calling thread's last error; returns code. */
 int sl_client_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 int sl_client_fail_err(const struct sl_err *err);
-/* Sends req and waits for its reply (the caller holds c->lock); an Error reply becomes its
- * code, with the reply still in *out (freed by the caller) for its details. fds/nfds (may be
- * NULL) receive the reply's fds: *nfds is the capacity in and the count out. */
-int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply **out, int *fds,
-                   size_t *nfds, int timeout_ms);
-
-/* A request whose reply carries nothing but success (the caller holds c->lock). */
-int sl_client_call_simple(sublet_client *c, Sublet__Request *req);
+/* Connects (path NULL: $SUBLET_SOCKET, else the system socket) and says Hello. */
+int sl_client_open(const char *path, sublet_client **out);
+/* Waits for this process's device work, then closes the socket: the daemon settles the books
+ * whatever state the client leaves. */
+void sl_client_hang_up(sublet_client *c);
+/* Closes the device and frees c; every layer above has let go of it. */
+void sl_client_free(sublet_client *c);
+/* The one request path (the caller holds c->lock): sends req, waits for its reply (timeout_ms
+ * < 0: as long as it takes) and checks that it is `expect`. An Error reply becomes its code and
+ * the thread's last error; anything else unexpected breaks the connection (EPROTO).
+ * out (may be NULL: freed here): the reply of a success, or an Error for its details (leaks),
+ * NULL otherwise; the caller frees it. fds/nfds (may be NULL): *nfds is the capacity in and
+ * the count of fds out, which the caller owns (a failure closes them and gives none). */
+int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
+                   Sublet__Reply **out, int *fds, size_t *nfds, int timeout_ms);
+/* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
+ * failure when an Error came). */
+int sl_client_status(sublet_client *c, Sublet__Reply **rep);
 /* Opens this process's side of the daemon's device, once. */
 int sl_client_ensure_device(sublet_client *c);
+
+/* ------------------------------------------------------------------ region.c */
+
 /* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
-int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
                           sl_handle *handles);
-struct sublet_region *sl_client_find_region(sublet_client *c, uint64_t id);
-/* Unmaps and releases this process's side of a region (not the daemon's). */
-void sl_region_release_local(struct sublet_region *r);
-/* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
- * failure when a reply came). */
-int sl_client_status(sublet_client *c, Sublet__Reply **rep);
+/* This client's region with that id, or NULL. */
+struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
+/* Unmaps and releases this process's side of every region (the daemon's side goes with the
+ * connection). */
+void sl_region_forget_all(sublet_client *c);
+
+/* ------------------------------------------------------------------ borrow.c */
+
+/* Unmaps and frees every window of c (the connection is closed: its loans are over). */
+void sl_borrow_forget(sublet_client *c);
+
+/* ------------------------------------------------------------------ torch.c */
+
 /* Drops every reference torch.c keeps to c: it is being freed. */
 void sl_torch_forget(sublet_client *c);
 

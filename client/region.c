@@ -11,13 +11,12 @@
 /* ------------------------------------------------------------------ regions */
 
 /* Imports pages [first, first+count) of a region into handles[first..]. */
-int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
-                       sl_handle *handles) {
+int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                          sl_handle *handles) {
   while (count > 0) {
     uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
     Sublet__Request req = SUBLET__REQUEST__INIT;
     Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
-    Sublet__Reply *rep = NULL;
     struct sl_err err = {0};
     int fds[SL_WIRE_MAX_FDS];
     size_t nfds = SL_WIRE_MAX_FDS;
@@ -28,9 +27,7 @@ int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uin
     pg.count = n;
     req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
     req.pages_get = &pg;
-    rc = sl_client_call(c, &req, &rep, fds, &nfds, -1);
-    if (rep != NULL)
-      sublet__reply__free_unpacked(rep, NULL);
+    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, -1);
     if (rc == 0 && nfds != n)
       rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
     for (size_t i = 0; i < nfds; i++) {
@@ -47,7 +44,8 @@ int sl_client_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uin
   return 0;
 }
 
-void sl_region_release_local(struct sublet_region *r) {
+/* Unmaps and releases this process's side of a region (not the daemon's). */
+static void release_local(struct sublet_region *r) {
   struct sl_device *dev = r->client->dev;
 
   if (r->base != NULL) {
@@ -70,7 +68,7 @@ static int map_region(sublet_client *c, struct sublet_region *r) {
   uint64_t ps = r->page_size;
   int rc = sl_device_reserve(c->dev, r->npages * ps, &r->base, &err);
 
-  /* On failure sl_region_release_local() unmaps all pages: unmapping one never mapped is a
+  /* On failure release_local() unmaps all pages: unmapping one never mapped is a
    * harmless error. */
   for (uint64_t i = 0; rc == 0 && i < r->npages; i++)
     rc = sl_device_map(c->dev, (char *)r->base + i * ps, ps, r->handles[i], &err);
@@ -81,16 +79,14 @@ static int map_region(sublet_client *c, struct sublet_region *r) {
 
 static int region_create_request(sublet_client *c, uint64_t size, struct sublet_region *r) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__RegionCreate rc_msg = SUBLET__REGION_CREATE__INIT;
-  Sublet__Reply *rep = NULL;
+  Sublet__RegionCreate m = SUBLET__REGION_CREATE__INIT;
+  Sublet__Reply *rep;
   int rc;
 
-  rc_msg.size = size;
+  m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
-  req.region_create = &rc_msg;
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_REGION_CREATED)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered RegionCreate with something else");
+  req.region_create = &m;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_REGION_CREATED, &rep, NULL, NULL, -1);
   if (rc == 0) {
     r->id = rep->region_created->region;
     r->npages = rep->region_created->pages;
@@ -108,7 +104,7 @@ static int region_release_request(sublet_client *c, uint64_t id) {
   m.region = id;
   req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
   req.region_release = &m;
-  return sl_client_call_simple(c, &req);
+  return sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
 }
 
 SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
@@ -125,7 +121,7 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
   if (rc == 0 && (r->handles = calloc(r->npages, sizeof(sl_handle))) == NULL)
     rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
   if (rc == 0)
-    rc = sl_client_fetch_pages(c, r->id, 0, r->npages, r->handles);
+    rc = sl_region_fetch_pages(c, r->id, 0, r->npages, r->handles);
   if (rc == 0)
     rc = map_region(c, r);
   if (rc == 0) {
@@ -135,7 +131,7 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
   } else if (r->id != 0) {
     struct sl_err saved = *sl_client_last_error(); /* the first failure is the one to report */
     uint64_t id = r->id;
-    sl_region_release_local(r); /* frees r */
+    release_local(r); /* frees r */
     region_release_request(c, id);
     *sl_client_last_error() = saved;
   } else {
@@ -174,17 +170,25 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
     for (link = &c->regions; *link != r; link = &(*link)->next)
       ;
     *link = r->next;
-    sl_region_release_local(r);
+    release_local(r);
   }
   pthread_mutex_unlock(&c->lock);
   return rc;
 }
 
-struct sublet_region *sl_client_find_region(sublet_client *c, uint64_t id) {
+struct sublet_region *sl_region_find(sublet_client *c, uint64_t id) {
   for (struct sublet_region *r = c->regions; r != NULL; r = r->next)
     if (r->id == id)
       return r;
   return NULL;
+}
+
+void sl_region_forget_all(sublet_client *c) {
+  while (c->regions != NULL) {
+    struct sublet_region *r = c->regions;
+    c->regions = r->next;
+    release_local(r);
+  }
 }
 
 /* ------------------------------------------------------------------ lending */
@@ -195,7 +199,7 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
-  Sublet__Reply *rep = NULL;
+  Sublet__Reply *rep;
   int rc;
 
   m.region = r->id;
@@ -209,9 +213,7 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   pthread_mutex_lock(&c->lock);
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_LENT)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Lend with something else");
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, &rep, NULL, NULL, -1);
   if (rc == 0) {
     *loan_id = rep->lent->loan;
     if (token != NULL)
@@ -227,7 +229,7 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
                                  struct sublet_loan_stats *stats) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Reclaim m = SUBLET__RECLAIM__INIT;
-  Sublet__Reply *rep = NULL;
+  Sublet__Reply *rep;
   int rc;
 
   m.loan = loan_id;
@@ -237,9 +239,7 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
   req.reclaim = &m;
   pthread_mutex_lock(&c->lock);
   /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
-  rc = sl_client_call(c, &req, &rep, NULL, NULL, -1);
-  if (rc == 0 && rep->body_case != SUBLET__REPLY__BODY_RECLAIMED)
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered Reclaim with something else");
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, -1);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->reclaimed, stats);
   /* Everything saved comes back: anything less means the daemon's restore failed. */
@@ -262,7 +262,7 @@ SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id) {
   req.body_case = SUBLET__REQUEST__BODY_WITHDRAW;
   req.withdraw = &m;
   pthread_mutex_lock(&c->lock);
-  rc = sl_client_call_simple(c, &req);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
   pthread_mutex_unlock(&c->lock);
   return rc;
 }
