@@ -1,6 +1,6 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), conn.c (one
  * connection's frames), handlers.c (requests), waiters.c (requests answered later), endings.c
- * (how loans end, what a client leaves), status.c (the Status reply).
+ * (how loans end, what a client leaves), status.c (the Status reply), idle.c (--idle-exit).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
@@ -27,6 +27,7 @@ struct sl_daemon_config {
   uint64_t pin_bytes;       /* --pin: host memory pinned ahead of need */
   gid_t allow_gid;          /* --allow-group */
   pid_t parent_pid;         /* --parent-pid: exit when it does (a private daemon) */
+  double idle_exit_seconds; /* --idle-exit: leave after this long serving nobody; 0: never */
   int listen_fd;            /* socket activation: an inherited listening fd, or -1 */
   int notify;               /* tell systemd READY=1 */
   int check_books;          /* --check: verify the books' invariants after every request */
@@ -47,6 +48,8 @@ struct sl_daemon {
   uv_signal_t sigterm, sigint;
   int parent_pidfd;
   uv_poll_t parent_watch;
+  uv_timer_t idle_timer;    /* --idle-exit (idle.c) */
+  double idle_since;
   struct sl_conn *conns;
   struct sl_waiter *waiters;
   struct sl_drain *drains;
@@ -109,6 +112,9 @@ struct sl_drain {
 int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
 double sl_now(void);
+/* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
+void sl_idle_start(struct sl_daemon *d);
+void sl_idle_stop(struct sl_daemon *d);
 
 void sl_conn_accept(struct sl_daemon *d, int fd);
 void sl_conn_close(struct sl_conn *c);

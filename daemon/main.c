@@ -29,6 +29,10 @@ static void usage(FILE *out) {
           "                         so that no loan pays for pinning (default 0: pinned\n"
           "                         as loans need it, then kept)\n"
           "      --parent-pid PID   exit when process PID exits (a private daemon)\n"
+          "      --idle-exit SECONDS\n"
+          "                         exit once no client, region or loan has been there\n"
+          "                         for SECONDS (a user's daemon started on demand: the\n"
+          "                         Python package starts it with 600); default: never\n"
           "  -l, --log-level LEVEL  error, warn, info (default) or debug\n"
           "      --check            verify the books after every request (for tests)\n"
           "  -h, --help             show this help and exit\n"
@@ -86,6 +90,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"backend", required_argument, NULL, 'b'}, {"reserve", required_argument, NULL, 'r'},
       {"allow-group", required_argument, NULL, 'g'}, {"pin", required_argument, NULL, 'p'},
       {"parent-pid", required_argument, NULL, 'P'},
+      {"idle-exit", required_argument, NULL, 'I'},
       {"log-level", required_argument, NULL, 'l'}, {"check", no_argument, NULL, 'C'},
       {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
       {NULL, 0, NULL, 0}};
@@ -119,6 +124,11 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
           return usage_error("--allow-group: no group '%s'", optarg);
         break;
       case 'P': cfg->parent_pid = (pid_t)atoi(optarg); break;
+      case 'I':
+        cfg->idle_exit_seconds = strtod(optarg, &end);
+        if (end == optarg || *end != '\0' || !(cfg->idle_exit_seconds > 0))
+          return usage_error("--idle-exit takes a number of seconds above 0, not '%s'", optarg);
+        break;
       case 'l':
         if ((level = sl_log_parse_level(optarg)) < 0)
           return usage_error("--log-level is error, warn, info or debug, not '%s'", optarg);

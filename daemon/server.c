@@ -149,6 +149,7 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   uv_signal_start(&d->sigint, on_signal, SIGINT);
   if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
     return rc;
+  sl_idle_start(d);
   if (d->cfg.notify)
     notify_ready();
   return 0;
@@ -185,6 +186,7 @@ void sl_server_stop(struct sl_daemon *d) {
   close_handle((uv_handle_t *)&d->accept_retry);
   close_handle((uv_handle_t *)&d->sigterm);
   close_handle((uv_handle_t *)&d->sigint);
+  sl_idle_stop(d);
   if (d->parent_pidfd >= 0)
     close_handle((uv_handle_t *)&d->parent_watch);
   uv_stop(d->loop);
