@@ -10,6 +10,7 @@
 #define SL_DAEMON_H
 
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <uv.h>
 
@@ -43,6 +44,7 @@ struct sl_daemon {
   struct sl_books *books;
   struct sl_pool *pool;
   int listen_fd;
+  struct stat socket_stat;  /* the socket file we bound (st_ino 0: none) */
   uv_poll_t listener;
   uv_timer_t accept_retry;  /* accepting paused while out of fds */
   uv_signal_t sigterm, sigint;
@@ -111,6 +113,8 @@ struct sl_drain {
 
 int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
+/* Removes the socket file at exit, if it is still the one this daemon bound. */
+void sl_server_unlink_socket(struct sl_daemon *d);
 double sl_now(void);
 /* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
 void sl_idle_start(struct sl_daemon *d);

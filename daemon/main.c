@@ -205,8 +205,7 @@ static void cleanup(struct sl_daemon *d) {
   sl_books_free(d->books);
   if (d->dev != NULL)
     sl_device_close(d->dev);
-  if (d->cfg.listen_fd < 0 && d->cfg.socket_path != NULL)
-    unlink(d->cfg.socket_path);
+  sl_server_unlink_socket(d);
 }
 
 int main(int argc, char **argv) {

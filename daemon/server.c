@@ -136,6 +136,8 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   d->listen_fd = d->cfg.listen_fd >= 0 ? d->cfg.listen_fd : bind_socket(d->cfg.socket_path, err);
   if (d->listen_fd < 0)
     return d->listen_fd;
+  if (d->cfg.listen_fd < 0 && stat(d->cfg.socket_path, &d->socket_stat) != 0)
+    memset(&d->socket_stat, 0, sizeof(d->socket_stat));
   fcntl(d->listen_fd, F_SETFL, fcntl(d->listen_fd, F_GETFL) | O_NONBLOCK);
   uv_poll_init(d->loop, &d->listener, d->listen_fd);
   d->listener.data = d;
@@ -153,6 +155,18 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   if (d->cfg.notify)
     notify_ready();
   return 0;
+}
+
+/* Only our own socket file goes: a daemon leaving (--idle-exit) while a new one starts at the
+ * same path must not unlink the newcomer's. */
+void sl_server_unlink_socket(struct sl_daemon *d) {
+  struct stat st;
+
+  if (d->cfg.listen_fd >= 0 || d->cfg.socket_path == NULL || d->socket_stat.st_ino == 0)
+    return;
+  if (stat(d->cfg.socket_path, &st) == 0 && st.st_ino == d->socket_stat.st_ino &&
+      st.st_dev == d->socket_stat.st_dev)
+    unlink(d->cfg.socket_path);
 }
 
 static void close_handle(uv_handle_t *h) {
