@@ -44,8 +44,9 @@ def lend(tensor: torch.Tensor, keep: Keep = None) -> Loan:
     block; returns the Loan.
 
     keep: what the owner gets back: None (default) all of it; [] nothing; a view of the tensor
-    (cache[3], cache[1::2], cache[:, 2:5]) or a list of views. A page is kept when any kept byte
-    lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
+    (cache[3], cache[1::2], cache[:, 2:5]) or a list of views; or rows along dim 0 as an
+    integer tensor of indices or a boolean mask (the fast form for many blocks). A page is
+    kept when any kept byte lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
     raises LeakError, after the kept data is restored.
     """
     return LocalLoan(tensor, keep)

@@ -1,4 +1,9 @@
-"""Turn ``keep`` (views of a lent tensor) into sorted, merged byte ranges of its region.
+"""Turn ``keep`` (views of a lent tensor, or indices / a mask of its rows) into sorted, merged
+byte ranges of its region.
+
+Indices along dim 0 (an integer tensor or array) and boolean masks over dim 0 are the fast
+form: they become ranges with no Python loop at all (mark the rows, find the runs of
+consecutive rows with one diff, and, for contiguous rows, one range per run).
 
 A KV cache may keep hundreds of thousands of scattered blocks, so the work per view is kept to
 reading four attributes in one Python loop; everything else is vectorised with numpy:
@@ -23,7 +28,7 @@ from typing import Union
 import numpy as np
 import torch
 
-Keep = Union[None, torch.Tensor, Iterable[torch.Tensor]]
+Keep = Union[None, torch.Tensor, np.ndarray, Iterable[torch.Tensor]]
 
 # Past this many runs in one layout group, inner dimensions are folded into wider runs that also
 # cover the gaps between them (a superset of the kept bytes: still correct, since restoring bytes
@@ -34,13 +39,18 @@ MAX_RUNS_PER_GROUP = 1 << 22
 _Layout = tuple[tuple[int, ...], tuple[int, ...], int]
 
 
-def keep_ranges(keep: Keep, storage_ptr: int, region_size: int) -> np.ndarray:
+def keep_ranges(keep: Keep, storage_ptr: int, region_size: int,
+                tensor: torch.Tensor | None = None) -> np.ndarray:
     """The kept byte ranges, relative to the region start, sorted and merged.
 
-    keep: one view or an iterable of views of the lent tensor (not None: the caller treats that
-    as "keep everything"). storage_ptr: the data pointer of the lent tensor's untyped storage,
-    which is the region's first byte. Raises TypeError/ValueError naming the fix.
+    keep: one view or an iterable of views of the lent tensor, or (with tensor given) indices
+    along its dim 0 or a boolean mask over its dim 0 (not None: the caller treats that as "keep
+    everything"). storage_ptr: the data pointer of the lent tensor's untyped storage, which is
+    the region's first byte. Raises TypeError/ValueError naming the fix.
     """
+    rows = _as_rows(keep, storage_ptr, tensor)
+    if rows is not None:
+        return _row_ranges(tensor, rows, storage_ptr, region_size)
     views = _as_view_list(keep)
     groups = _group_by_layout(views, storage_ptr, region_size)
     merged = []
@@ -56,6 +66,89 @@ def keep_ranges(keep: Keep, storage_ptr: int, region_size: int) -> np.ndarray:
     if len(ranges) and int(ranges[-1, 0] + ranges[-1, 1]) > region_size:
         raise ValueError("a keep view reaches past the end of the lent tensor's memory")
     return ranges
+
+
+def _as_rows(keep: Keep, storage_ptr: int, tensor: torch.Tensor | None) -> np.ndarray | None:
+    """keep as sorted unique row indices of tensor when it is indices or a mask, else None
+    (views). A tensor over the lent memory is a view, whatever its dtype."""
+    if isinstance(keep, torch.Tensor):
+        if tensor is None or keep.untyped_storage().data_ptr() == storage_ptr:
+            return None
+        if keep.dtype.is_floating_point or keep.dtype.is_complex:
+            return None  # not indices: _group_by_layout names the fix for a foreign view
+        keep = keep.detach().cpu().numpy()
+    elif not isinstance(keep, np.ndarray):
+        return None
+    if tensor is None or tensor.dim() == 0:
+        raise TypeError("keep as indices or a mask needs a tensor with rows (dim 0) to lend")
+    if keep.dtype == np.bool_:
+        return _mask_rows(keep, tensor.shape[0])
+    if not np.issubdtype(keep.dtype, np.integer):
+        raise TypeError(f"keep as an array must hold integer indices of rows or a boolean "
+                        f"mask, not {keep.dtype}")
+    return _index_rows(keep, tensor.shape[0])
+
+
+def _mask_rows(mask: np.ndarray, nrows: int) -> np.ndarray:
+    if mask.ndim != 1 or len(mask) != nrows:
+        raise ValueError(f"a keep mask has one bool per row of the lent tensor ({nrows}), "
+                         f"not shape {mask.shape}")
+    return np.flatnonzero(mask)
+
+
+def _index_rows(index: np.ndarray, nrows: int) -> np.ndarray:
+    index = index.reshape(-1).astype(np.int64, copy=False)
+    if len(index) == 0:
+        return index
+    lo, hi = int(index.min()), int(index.max())
+    if lo < -nrows or hi >= nrows:
+        raise IndexError(f"keep index {lo if lo < -nrows else hi} is out of range for the "
+                         f"{nrows} rows of the lent tensor")
+    if lo < 0:
+        index = np.where(index < 0, index + nrows, index)
+    if len(index) * 16 < nrows:  # few rows of many: sorting beats a mask of every row
+        return np.unique(index)
+    marks = np.zeros(nrows, dtype=bool)
+    marks[index] = True
+    return np.flatnonzero(marks)
+
+
+def _row_ranges(tensor: torch.Tensor, rows: np.ndarray, storage_ptr: int,
+                region_size: int) -> np.ndarray:
+    """Ranges of tensor[rows] (rows sorted, unique), neighbours coalesced."""
+    itemsize = tensor.element_size()
+    row_step = tensor.stride(0) * itemsize
+    base = tensor.data_ptr() - storage_ptr
+    if len(rows) == 0 or tensor.numel() == 0:
+        return np.empty((0, 2), dtype=np.uint64)
+    shape, strides = tuple(tensor.shape[1:]), tuple(tensor.stride()[1:])
+    if row_step > 0 and _is_dense(shape, strides, itemsize, row_step):
+        # Rows tile memory: a run of consecutive rows is one range.
+        first = np.empty(len(rows), dtype=bool)
+        first[0] = True
+        np.not_equal(rows[1:], rows[:-1] + 1, out=first[1:])
+        begin = np.flatnonzero(first)
+        count = np.diff(np.append(begin, len(rows)))
+        out = np.empty((len(begin), 2), dtype=np.uint64)
+        out[:, 0] = base + rows[begin] * row_step
+        out[:, 1] = count * row_step
+    else:
+        starts, run = _runs(shape, strides, itemsize, base + rows * row_step)
+        out = merge_ranges(starts, np.full(len(starts), run, np.int64))
+    if len(out) and (int(out[0, 0]) < 0 or int(out[-1, 0] + out[-1, 1]) > region_size):
+        raise ValueError("keep rows reach outside the lent tensor's memory")
+    return out
+
+
+def _is_dense(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+              row_step: int) -> bool:
+    """Is one row (shape, strides) a contiguous block of exactly row_step bytes?"""
+    expected = itemsize
+    for n, s in reversed(list(zip(shape, strides))):
+        if n != 1 and s * itemsize != expected:
+            return False
+        expected *= n
+    return expected == row_step
 
 
 def _as_view_list(keep: Keep) -> list[torch.Tensor]:

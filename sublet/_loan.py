@@ -242,7 +242,7 @@ def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.nd
     """keep as region byte ranges; None keeps the whole region."""
     if keep is None:
         return None
-    return _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size)
+    return _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size, tensor)
 
 
 def _claim(region: Region) -> None:

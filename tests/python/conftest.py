@@ -61,4 +61,4 @@ def kept_ranges_of(t, keep):
     storage = t.untyped_storage()
     if keep is None:
         return np.array([[0, storage.nbytes()]], dtype=np.uint64)
-    return keep_ranges(keep, storage.data_ptr(), storage.nbytes())
+    return keep_ranges(keep, storage.data_ptr(), storage.nbytes(), t)

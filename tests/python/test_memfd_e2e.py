@@ -95,6 +95,8 @@ KEEPS = {
     "columns": lambda c: c[:, 2:5],
     "scattered 1 KiB": lambda c: [c[i, j * 1024:(j + 1) * 1024]
                                   for i, j in [(0, 3), (2, 60), (2, 61), (9, 0), (15, 63)]],
+    "row indices": lambda c: torch.tensor([9, 0, 5, 6, 15]),
+    "row mask": lambda c: torch.arange(16) % 3 == 0,
 }
 
 
