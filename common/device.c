@@ -160,3 +160,12 @@ int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, vo
                       (int)dir);
   return d->ops->copy(d, dir, dev_base, host_base, copies, n, err);
 }
+
+int sl_device_move(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,
+                   struct sl_err *err) {
+  if (n == 0)
+    return 0;
+  if (base == NULL || moves == NULL)
+    return sl_err_set(err, SUBLET_EINVAL, "move: no device memory or no moves given");
+  return d->ops->move(d, base, moves, n, err);
+}

@@ -50,6 +50,14 @@ struct sl_copy {
   uint64_t len;
 };
 
+/* One piece of a move inside device memory, as offsets from one base: src and dst never
+ * overlap, nor do two pieces of one batch. */
+struct sl_move {
+  uint64_t src_off;
+  uint64_t dst_off;
+  uint64_t len;
+};
+
 struct sl_device;
 
 int sl_device_open(const struct sl_device_params *p, struct sl_device **out, struct sl_err *err);
@@ -91,6 +99,11 @@ void sl_device_host_free(struct sl_device *d, void *p, uint64_t size);
 int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
                    const struct sl_copy *copies, size_t n, struct sl_err *err);
 
+/* Runs n moves inside the device memory mapped at base (src to dst, device to device) in one
+ * batch and waits for them: on cuda at device speed, not over the host link. */
+int sl_device_move(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,
+                   struct sl_err *err);
+
 /* Backend table; device.c dispatches through it. */
 struct sl_device_ops {
   const char *name;
@@ -112,6 +125,8 @@ struct sl_device_ops {
   void (*host_free)(struct sl_device *d, void *p, uint64_t size);
   int (*copy)(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
               const struct sl_copy *copies, size_t n, struct sl_err *err);
+  int (*move)(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,
+              struct sl_err *err);
 };
 
 /* Every backend's struct starts with this. */

@@ -151,6 +151,7 @@ typedef struct CUmemcpyAttributes_st {
   X(cuStreamSynchronize, (CUstream stream))                                                   \
   X(cuMemcpyDtoHAsync, (void *dst, CUdeviceptr src, size_t size, CUstream stream))            \
   X(cuMemcpyHtoDAsync, (CUdeviceptr dst, const void *src, size_t size, CUstream stream))      \
+  X(cuMemcpyDtoDAsync, (CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream stream))      \
   X(cuGetErrorString, (CUresult error, const char **text))                                    \
   X(cuGetErrorName, (CUresult error, const char **name))
 
@@ -809,6 +810,55 @@ cleanup:
   return rc;
 }
 
+/* --- moves inside device memory */
+
+static CUresult enqueue_moves(struct cuda_device *d, char *mem, const struct sl_move *m,
+                              size_t n, struct batch *b) {
+  CUresult r = CUDA_SUCCESS;
+
+  for (size_t i = 0; i < n; i++) {
+    b->dsts[i] = devptr(mem + m[i].dst_off);
+    b->srcs[i] = devptr(mem + m[i].src_off);
+    b->sizes[i] = m[i].len;
+  }
+  if (d->use_batch) {
+    r = call_memcpy_batch(b, n, d->stream);
+    if (r != CUDA_ERROR_NOT_SUPPORTED)
+      return r;
+    d->use_batch = 0;
+  }
+  for (size_t i = 0; i < n && r == CUDA_SUCCESS; i++)
+    r = drv.cuMemcpyDtoDAsync(b->dsts[i], b->srcs[i], b->sizes[i], d->stream);
+  return r;
+}
+
+static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
+                     struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  struct batch *b = malloc(sizeof(*b));
+  CUresult r = CUDA_SUCCESS, synced;
+  int rc;
+
+  if (b == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "move: out of host memory for the batch");
+  rc = cuda_enter(d, err);
+  if (rc != 0)
+    goto cleanup;
+  for (size_t i = 0; i < n && r == CUDA_SUCCESS; i += BATCH_PIECES)
+    r = enqueue_moves(d, base, moves + i, n - i < BATCH_PIECES ? n - i : BATCH_PIECES, b);
+  synced = drv.cuStreamSynchronize(d->stream); /* queued moves run on after a failure */
+  cuda_leave();
+  if (r != CUDA_SUCCESS)
+    rc = cuda_fail(r, err, "cuMemcpyBatchAsync (device to device)",
+                   "every piece must lie in mapped device memory");
+  else
+    rc = cuda_check(synced, err, "cuStreamSynchronize",
+                    "a move faulted: the device range was probably not mapped");
+cleanup:
+  free(b);
+  return rc;
+}
+
 const struct sl_device_ops sl_device_cuda_ops = {
     .name = "cuda",
     .open = cuda_open,
@@ -828,4 +878,5 @@ const struct sl_device_ops sl_device_cuda_ops = {
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .copy = cuda_copy,
+    .move = cuda_move,
 };

@@ -422,6 +422,17 @@ static int memfd_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_bas
   return 0;
 }
 
+static int memfd_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
+                      struct sl_err *err) {
+  char *mem = base;
+
+  (void)dev;
+  (void)err;
+  for (size_t i = 0; i < n; i++)
+    memcpy(mem + moves[i].dst_off, mem + moves[i].src_off, moves[i].len);
+  return 0;
+}
+
 const struct sl_device_ops sl_device_memfd_ops = {
     .name = "memfd",
     .open = memfd_open,
@@ -441,4 +452,5 @@ const struct sl_device_ops sl_device_memfd_ops = {
     .host_alloc = memfd_host_alloc,
     .host_free = memfd_host_free,
     .copy = memfd_copy,
+    .move = memfd_move,
 };

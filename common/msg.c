@@ -70,6 +70,9 @@ void sl_msg_stats_to_proto(const struct sublet_loan_stats *s, Sublet__LoanStats 
   m->has_borrower_died = m->has_owner_gone = 1;
   m->borrower_died = s->borrower_died != 0;
   m->owner_gone = s->owner_gone != 0;
+  m->has_moved_bytes = m->has_move_seconds = 1;
+  m->moved_bytes = s->moved_bytes;
+  m->move_seconds = s->move_seconds;
 }
 
 void sl_msg_stats_from_proto(const Sublet__LoanStats *m, struct sublet_loan_stats *s) {
@@ -85,4 +88,6 @@ void sl_msg_stats_from_proto(const Sublet__LoanStats *m, struct sublet_loan_stat
   s->copy_in_seconds = m->copy_in_seconds;
   s->borrower_died = m->borrower_died;
   s->owner_gone = m->owner_gone;
+  s->moved_bytes = m->moved_bytes;
+  s->move_seconds = m->move_seconds;
 }

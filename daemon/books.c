@@ -13,79 +13,13 @@
  * Byte counts of allocations (live_bytes, peak_bytes, served) are page-granular: they count
  * the window pages handed out, which is the memory the borrower takes from the device.
  */
-#include "books.h"
+#include "books_impl.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-struct sl_client {
-  uint64_t id; /* first member: find_by_id() reads it */
-  struct sl_peer peer;
-  uint64_t loan_id; /* the loan it borrows; 0: none */
-};
-
-struct sl_region {
-  uint64_t id; /* first member: find_by_id() reads it */
-  uint64_t owner_client;
-  struct sl_peer owner;
-  uint64_t npages;
-  uint64_t loan_id;
-};
-
-struct sl_alloc {
-  uint64_t id, pos, npages, size;
-};
-
-struct sl_chunk {
-  uint64_t id, pos, npages;
-};
-
-enum { NAME_SIZE = sizeof(((struct sl_loan_info *)0)->name) };
-
-struct sl_loan {
-  uint64_t id, region_id;
-  enum sl_loan_state state;
-  uint64_t owner_client, borrower_client;
-  struct sl_peer borrower;
-  char name[NAME_SIZE];
-  uint8_t token[16];
-  struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
-  size_t nkeep;
-  uint64_t kept_bytes;
-  uint64_t *pages; /* unkept region pages, then kept ones, each ascending */
-  uint64_t unkept, fresh, kept;
-  uint64_t hwm;
-  struct sl_alloc *allocs; /* ascending pos */
-  size_t nallocs, cap_allocs;
-  uint64_t live_bytes;
-  struct sl_chunk *chunks; /* ascending pos, covering [unkept, min(hwm, unkept + fresh)) */
-  size_t nchunks, cap_chunks;
-  uint64_t fresh_chunk_pages;
-  int owner_gone;
-  struct sublet_loan_stats stats;
-};
-
-struct sl_books {
-  struct sl_books_config cfg;
-  struct sl_client *clients;
-  size_t nclients, cap_clients;
-  struct sl_region *regions;
-  size_t nregions, cap_regions;
-  uint64_t region_pages;
-  struct sl_loan *loan;
-  uint64_t next_client, next_region, next_loan, next_alloc, next_chunk;
-  struct sl_books_totals counters; /* only the counters; the gauges are computed */
-};
-
-/* A growing list of copies; neighbours in both address spaces are merged as they come. */
-struct copy_list {
-  struct sl_copy *v;
-  size_t n, cap;
-  uint64_t bytes;
-};
 
 static const char *const state_names[] = {"", "offered", "active", "draining"};
 
@@ -110,29 +44,6 @@ static void *grow(void *p, size_t *cap, size_t want, size_t elem) {
   return np;
 }
 
-static int cmp_id(const void *key, const void *elem) {
-  uint64_t a = *(const uint64_t *)key, b = *(const uint64_t *)elem;
-  return (a > b) - (a < b);
-}
-
-static void *find_by_id(const void *base, size_t n, size_t size, uint64_t id) {
-  return n ? bsearch(&id, base, n, size, cmp_id) : NULL;
-}
-
-/* Like strchr, these hand a mutable element out of const books: callers that got the books
- * const only read it. */
-static struct sl_client *find_client(const struct sl_books *b, uint64_t id) {
-  return find_by_id(b->clients, b->nclients, sizeof(*b->clients), id);
-}
-
-static struct sl_region *find_region(const struct sl_books *b, uint64_t id) {
-  return find_by_id(b->regions, b->nregions, sizeof(*b->regions), id);
-}
-
-static struct sl_loan *find_loan(const struct sl_books *b, uint64_t id) {
-  return b->loan != NULL && b->loan->id == id ? b->loan : NULL;
-}
-
 static uint64_t min_u64(uint64_t a, uint64_t b) {
   return a < b ? a : b;
 }
@@ -145,18 +56,6 @@ static uint64_t max_u64(uint64_t a, uint64_t b) {
 static uint64_t overlap(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) {
   uint64_t lo = max_u64(a0, b0), hi = min_u64(a1, b1);
   return hi > lo ? hi - lo : 0;
-}
-
-static uint64_t pages_for(const struct sl_books *b, uint64_t size) {
-  return size / b->cfg.page_size + (size % b->cfg.page_size != 0);
-}
-
-static uint64_t window_size(const struct sl_loan *l) {
-  return l->unkept + l->fresh + l->kept;
-}
-
-static uint64_t kept_start(const struct sl_loan *l) {
-  return l->unkept + l->fresh;
 }
 
 static int no_client(struct sl_err *err, uint64_t client_id) {
@@ -195,6 +94,7 @@ int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out) {
 static void loan_free(struct sl_loan *l) {
   if (l == NULL)
     return;
+  sl_plan_release(&l->plan);
   free(l->keep);
   free(l->pages);
   free(l->allocs);
@@ -242,7 +142,7 @@ void sl_client_gone_clear(struct sl_client_gone *gone) {
 
 int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
                         uint64_t *region_id, struct sl_err *err) {
-  struct sl_client *c = find_client(b, client_id);
+  struct sl_client *c = sl_books_find_client(b, client_id);
   struct sl_region *v;
 
   if (c == NULL)
@@ -274,7 +174,7 @@ static void region_delete(struct sl_books *b, struct sl_region *r) {
 
 int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err) {
-  struct sl_region *r = find_region(b, region_id);
+  struct sl_region *r = sl_books_find_region(b, region_id);
 
   if (r == NULL)
     return no_region(err, region_id);
@@ -292,14 +192,14 @@ int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t regi
 
 int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err) {
-  const struct sl_region *r = find_region(b, region_id);
+  const struct sl_region *r = sl_books_find_region(b, region_id);
   const struct sl_loan *l;
 
   if (r == NULL)
     return no_region(err, region_id);
   if (r->owner_client == client_id)
     return 0;
-  l = find_loan(b, r->loan_id);
+  l = sl_books_find_loan(b, r->loan_id);
   if (l != NULL && l->state == SL_LOAN_ACTIVE && l->borrower_client == client_id)
     return 0;
   return sl_err_set(err, SUBLET_EPERM,
@@ -334,13 +234,13 @@ static uint64_t page_position(const struct sl_loan *l, uint64_t p) {
 
 int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            uint64_t first, uint64_t count, struct sl_err *err) {
-  const struct sl_region *r = find_region(b, region_id);
+  const struct sl_region *r = sl_books_find_region(b, region_id);
   const struct sl_loan *l;
   int rc = sl_books_region_access(b, client_id, region_id, err);
 
   if (rc != 0 || r->owner_client == client_id)
     return rc;
-  l = find_loan(b, r->loan_id);
+  l = sl_books_find_loan(b, r->loan_id);
   for (uint64_t p = first; p < first + count; p++)
     if (p >= r->npages || page_position(l, p) >= l->hwm)
       return sl_err_set(err, SUBLET_EPERM,
@@ -357,7 +257,7 @@ static void region_fill_info(const struct sl_region *r, struct sl_region_info *r
 
 int sl_books_region_info(const struct sl_books *b, uint64_t region_id,
                          struct sl_region_info *ri) {
-  const struct sl_region *r = find_region(b, region_id);
+  const struct sl_region *r = sl_books_find_region(b, region_id);
 
   if (r == NULL)
     return SUBLET_ENOENT;
@@ -448,8 +348,8 @@ static int loan_set_keep(struct sl_loan *l, const struct sublet_range *keep, siz
 
 /* flags[p] = 1 for every page holding a kept byte. Ranges are merged, so consecutive ranges
  * share at most one page and the marking is linear in pages + ranges. */
-static void mark_kept_pages(const struct sublet_range *keep, size_t nkeep, uint64_t page_size,
-                            uint8_t *flags) {
+void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
+                              uint64_t page_size, uint8_t *flags) {
   for (size_t i = 0; i < nkeep; i++) {
     uint64_t first = keep[i].offset / page_size;
     uint64_t last = (keep[i].offset + keep[i].length - 1) / page_size;
@@ -468,7 +368,7 @@ static int loan_set_layout(const struct sl_books *b, struct sl_loan *l, uint64_t
     free(flags);
     return out_of_memory(err);
   }
-  mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
+  sl_books_mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
   for (uint64_t p = 0; p < npages; p++)
     u += !flags[p];
   for (uint64_t p = 0; p < npages; p++) {
@@ -497,7 +397,7 @@ static int device_busy(const struct sl_books *b, struct sl_err *err) {
 static int lend_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
                       uint64_t region_id, const char *name, const uint8_t *token,
                       struct sl_err *err) {
-  if (find_client(b, client_id) == NULL)
+  if (sl_books_find_client(b, client_id) == NULL)
     return no_client(err, client_id);
   if (r == NULL)
     return no_region(err, region_id);
@@ -531,6 +431,8 @@ static int loan_build(const struct sl_books *b, const struct sl_region *r,
     loan_free(l);
     return rc;
   }
+  sl_plan_init(&l->plan, b->cfg.page_size, l->keep, l->nkeep, l->pages + l->unkept, l->kept,
+               !b->cfg.no_compact);
   *out = l;
   return 0;
 }
@@ -538,7 +440,7 @@ static int loan_build(const struct sl_books *b, const struct sl_region *r,
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
                   const uint8_t token[16], uint64_t *loan_id, struct sl_err *err) {
-  struct sl_region *r = find_region(b, region_id);
+  struct sl_region *r = sl_books_find_region(b, region_id);
   struct sl_loan *l = NULL;
   int rc = lend_check(b, client_id, r, region_id, name, token, err);
 
@@ -564,8 +466,8 @@ int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
  * owner. */
 static void loan_delete(struct sl_books *b) {
   struct sl_loan *l = b->loan;
-  struct sl_region *r = find_region(b, l->region_id);
-  struct sl_client *c = find_client(b, l->borrower_client);
+  struct sl_region *r = sl_books_find_region(b, l->region_id);
+  struct sl_client *c = sl_books_find_client(b, l->borrower_client);
 
   if (r != NULL && l->owner_gone)
     region_delete(b, r);
@@ -594,7 +496,7 @@ int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
 
 int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                         struct sl_err *err) {
-  const struct sl_loan *l = find_loan(b, loan_id);
+  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   if (l == NULL)
     return no_loan(err, loan_id);
@@ -626,7 +528,7 @@ static int loan_not_offered(const struct sl_loan *l, struct sl_err *err) {
 
 static int pick_by_id(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                       const uint8_t *token, struct sl_loan **out, struct sl_err *err) {
-  struct sl_loan *l = find_loan(b, loan_id);
+  struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   if (l == NULL)
     return no_loan(err, loan_id);
@@ -665,7 +567,7 @@ static int pick_offer(const struct sl_books *b, const char *name, struct sl_loan
 /* The owner's uid, root, or the group the daemon was told to trust. */
 static int borrow_access(const struct sl_books *b, const struct sl_loan *l,
                          const struct sl_client *c, struct sl_err *err) {
-  const struct sl_region *r = find_region(b, l->region_id);
+  const struct sl_region *r = sl_books_find_region(b, l->region_id);
   uid_t owner_uid = r->owner.uid;
 
   if (c->peer.uid == owner_uid || c->peer.uid == 0)
@@ -712,7 +614,7 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
 int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                     const uint8_t *token, const char *name, uint64_t fresh_pages,
                     uint64_t *borrowed_loan, struct sl_err *err) {
-  struct sl_client *c = find_client(b, client_id);
+  struct sl_client *c = sl_books_find_client(b, client_id);
   struct sl_loan *l = NULL;
   int rc;
 
@@ -733,7 +635,7 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
 
 int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint64_t **pages,
                          uint64_t *unkept, uint64_t *fresh, uint64_t *kept) {
-  const struct sl_loan *l = find_loan(b, loan_id);
+  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   if (l == NULL)
     return SUBLET_ENOENT;
@@ -748,76 +650,12 @@ int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint6
   return 0;
 }
 
-/* ---- kept bytes: what to save and restore -------------------------------------------------- */
-
-static int copy_list_add(struct copy_list *cl, uint64_t dev_off, uint64_t host_off,
-                         uint64_t len) {
-  struct sl_copy *last = cl->n ? &cl->v[cl->n - 1] : NULL;
-  struct sl_copy *v;
-
-  cl->bytes += len;
-  if (last && last->dev_off + last->len == dev_off && last->host_off + last->len == host_off) {
-    last->len += len;
-    return 0;
-  }
-  v = grow(cl->v, &cl->cap, cl->n + 1, sizeof(*v));
-  if (v == NULL)
-    return SUBLET_ENOMEM;
-  cl->v = v;
-  v[cl->n++] = (struct sl_copy){dev_off, host_off, len};
-  return 0;
-}
-
-/* The region page at window position q of the kept zone. */
-static uint64_t kept_page(const struct sl_loan *l, uint64_t q) {
-  return l->pages[l->unkept + (q - kept_start(l))];
-}
-
-/* The first merged keep range ending after byte off. */
-static size_t keep_lower_bound(const struct sl_loan *l, uint64_t off) {
-  size_t lo = 0, hi = l->nkeep;
-
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (l->keep[mid].offset + l->keep[mid].length <= off)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
-/* Appends the kept bytes of kept-zone window positions [from, to), laid out one after the
- * other in host memory from host_off. The pages ascend, so one cursor walks the keep list:
- * linear in pages + ranges after a single binary search. */
-static int collect_kept(const struct sl_books *b, const struct sl_loan *l, uint64_t from,
-                        uint64_t to, uint64_t host_off, struct copy_list *cl) {
-  uint64_t ps = b->cfg.page_size;
-  size_t k;
-
-  if (from >= to)
-    return 0;
-  k = keep_lower_bound(l, kept_page(l, from) * ps);
-  for (uint64_t q = from; q < to; q++) {
-    uint64_t start = kept_page(l, q) * ps, end = start + ps;
-    while (k < l->nkeep && l->keep[k].offset + l->keep[k].length <= start)
-      k++;
-    for (size_t i = k; i < l->nkeep && l->keep[i].offset < end; i++) {
-      uint64_t lo = max_u64(start, l->keep[i].offset);
-      uint64_t len = min_u64(end, l->keep[i].offset + l->keep[i].length) - lo;
-      if (copy_list_add(cl, lo, host_off + cl->bytes, len) < 0)
-        return SUBLET_ENOMEM;
-    }
-  }
-  return 0;
-}
-
 /* ---- allocation --------------------------------------------------------------------------- */
 
 /* The ACTIVE loan client_id borrows. */
 static int borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl_loan **out,
                          struct sl_err *err) {
-  const struct sl_client *c = find_client(b, client_id);
+  const struct sl_client *c = sl_books_find_client(b, client_id);
 
   if (c == NULL)
     return no_client(err, client_id);
@@ -828,7 +666,7 @@ static int borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl
   if (c->loan_id == 0)
     return sl_err_set(err, SUBLET_ENOENT,
                       "client %" PRIu64 " borrows no loan; borrow one first", client_id);
-  *out = find_loan(b, c->loan_id);
+  *out = sl_books_find_loan(b, c->loan_id);
   return 0;
 }
 
@@ -842,17 +680,17 @@ static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t s
                     "(window %s, %s in use); free memory first, keep less, or borrow with "
                     "more fresh pages", sl_format_size(asked, size), l->id,
                     sl_format_size(run, largest * ps),
-                    sl_format_size(win, window_size(l) * ps), sl_format_size(used, l->live_bytes));
+                    sl_format_size(win, sl_books_window_size(l) * ps), sl_format_size(used, l->live_bytes));
 }
 
 /* First fit over the gaps between live allocations (sorted by position). */
 static int first_fit(const struct sl_books *b, const struct sl_loan *l, uint64_t size,
                      uint64_t *pos, struct sl_err *err) {
-  uint64_t npages = pages_for(b, size), start = 0, largest = 0;
+  uint64_t npages = sl_books_pages_for(b, size), start = 0, largest = 0;
   size_t i;
 
   for (i = 0; i <= l->nallocs; i++) {
-    uint64_t end = i < l->nallocs ? l->allocs[i].pos : window_size(l);
+    uint64_t end = i < l->nallocs ? l->allocs[i].pos : sl_books_window_size(l);
     if (end - start >= npages) {
       *pos = start;
       return 0;
@@ -868,17 +706,18 @@ static void plan_served(const struct sl_books *b, const struct sl_loan *l, struc
   uint64_t ps = b->cfg.page_size, end = g->pos + g->npages;
 
   g->served[SL_SRC_UNKEPT] = overlap(g->pos, end, 0, l->unkept) * ps;
-  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, kept_start(l)) * ps;
-  g->served[SL_SRC_KEPT] = overlap(g->pos, end, kept_start(l), window_size(l)) * ps;
+  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, sl_books_kept_start(l)) * ps;
+  g->served[SL_SRC_KEPT] = overlap(g->pos, end, sl_books_kept_start(l), sl_books_window_size(l)) * ps;
 }
 
-/* The positions no allocation reached before, [max(pos, hwm), end), may need a fresh chunk
- * and saved kept bytes. */
+/* The positions no allocation reached before, [max(pos, hwm), end), may need a fresh chunk,
+ * and the kept bytes of kept pages among them must leave (moved or saved: plan.h). */
 static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
                               struct sl_grant *g) {
   uint64_t lo = max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
-  uint64_t fresh_lo = max_u64(lo, l->unkept), fresh_hi = min_u64(hi, kept_start(l));
-  struct copy_list cl = {0};
+  uint64_t ks = sl_books_kept_start(l);
+  uint64_t fresh_lo = max_u64(lo, l->unkept), fresh_hi = min_u64(hi, ks);
+  struct sl_plan_step s;
   int rc;
 
   if (fresh_hi > fresh_lo) {
@@ -886,10 +725,19 @@ static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
     g->fresh_pos = fresh_lo;
     g->fresh_npages = fresh_hi - fresh_lo;
   }
-  rc = collect_kept(b, l, max_u64(lo, kept_start(l)), hi, l->stats.copied_out_bytes, &cl);
-  g->save = cl.v;
-  g->nsave = cl.n;
-  g->save_bytes = cl.bytes;
+  if (hi <= max_u64(lo, ks))
+    return 0; /* no kept page is reached for the first time */
+  rc = sl_plan_reach(&l->plan, max_u64(lo, ks) - ks, hi - ks, &s);
+  g->kept_from = s.from;
+  g->kept_to = s.to;
+  g->move = s.moves;
+  g->nmove = s.nmoves;
+  g->move_bytes = s.moved_bytes;
+  g->save = s.saves;
+  g->nsave = s.nsaves;
+  g->save_bytes = s.saved_bytes;
+  g->sink = s.sink;
+  g->sink_off = s.sink_off;
   return rc;
 }
 
@@ -914,7 +762,7 @@ int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t s
   g->loan_id = l->id;
   g->alloc_id = b->next_alloc;
   g->size = size;
-  g->npages = pages_for(b, size);
+  g->npages = sl_books_pages_for(b, size);
   plan_served(b, l, g);
   rc = plan_new_positions(b, l, g);
   if (rc < 0) {
@@ -932,7 +780,7 @@ static int grant_current(const struct sl_books *b, const struct sl_grant *g, siz
 
   if (l == NULL || l->id != g->loan_id || l->state != SL_LOAN_ACTIVE)
     return 0;
-  if (g->alloc_id != b->next_alloc || g->npages == 0 || end > window_size(l) || end < g->pos)
+  if (g->alloc_id != b->next_alloc || g->npages == 0 || end > sl_books_window_size(l) || end < g->pos)
     return 0;
   if (g->fresh_chunk_id != 0 && g->fresh_chunk_id != b->next_chunk)
     return 0;
@@ -953,11 +801,21 @@ static void loan_count_grant(struct sl_books *b, struct sl_loan *l, const struct
   l->stats.allocations++;
   l->stats.copied_out_bytes += g->save_bytes;
   b->counters.copied_out_bytes += g->save_bytes;
+  l->stats.moved_bytes += g->move_bytes;
+  b->counters.moved_bytes += g->move_bytes;
   l->stats.served_unkept_bytes += g->served[SL_SRC_UNKEPT];
   l->stats.served_fresh_bytes += g->served[SL_SRC_FRESH];
   l->stats.served_kept_bytes += g->served[SL_SRC_KEPT];
   for (int s = SL_SRC_UNKEPT; s <= SL_SRC_KEPT; s++)
     b->counters.served_bytes[s] += g->served[s];
+}
+
+/* The grant's moves and saves go into the loan's plan: the last step that can fail. */
+static int grant_commit_plan(struct sl_loan *l, const struct sl_grant *g) {
+  struct sl_plan_step s = {g->kept_from, g->kept_to, g->move, g->nmove, g->move_bytes,
+                           g->save, g->nsave, g->save_bytes, g->sink, g->sink_off};
+
+  return sl_plan_commit(&l->plan, &s);
 }
 
 int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
@@ -976,6 +834,8 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
   if (chunks == NULL)
     return SUBLET_ENOMEM;
   l->chunks = chunks;
+  if (g->kept_to > g->kept_from && grant_commit_plan(l, g) < 0)
+    return SUBLET_ENOMEM;
   memmove(&allocs[i + 1], &allocs[i], (l->nallocs - i) * sizeof(*allocs));
   allocs[i] = (struct sl_alloc){g->alloc_id, g->pos, g->npages, g->size};
   l->nallocs++;
@@ -993,6 +853,7 @@ void sl_grant_clear(struct sl_grant *g) {
   if (g == NULL)
     return;
   free(g->save);
+  free(g->move);
   memset(g, 0, sizeof(*g));
 }
 
@@ -1015,7 +876,7 @@ int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_i
   struct sl_loan *l = b->loan;
   size_t i = l != NULL ? alloc_index(l, alloc_id) : 0;
 
-  if (find_client(b, client_id) == NULL)
+  if (sl_books_find_client(b, client_id) == NULL)
     return no_client(err, client_id);
   if (l == NULL || i == l->nallocs)
     return sl_err_set(err, SUBLET_ENOENT,
@@ -1034,7 +895,7 @@ int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_i
 
 size_t sl_books_leaks(const struct sl_books *b, uint64_t loan_id, struct sublet_leak *out,
                       size_t n) {
-  const struct sl_loan *l = find_loan(b, loan_id);
+  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   if (l == NULL)
     return 0;
@@ -1066,19 +927,25 @@ static int end_fill_chunks(const struct sl_loan *l, struct sl_loan_end *end) {
   return 0;
 }
 
-/* The saved kept pages are the kept-zone positions below hwm, saved in position order, so
- * restoring them recomputes the same pieces. */
-static int end_fill_restore(const struct sl_books *b, const struct sl_loan *l,
-                            struct sl_loan_end *end) {
-  struct copy_list cl = {0};
-  int rc = 0;
+/* The saves come back first (moved bytes return to their holes with them), then the moves
+ * run backwards; nothing when the owner is gone. */
+static int end_fill_restore(const struct sl_loan *l, struct sl_loan_end *end) {
+  const struct sl_plan *p = &l->plan;
 
-  if (!l->owner_gone && l->hwm > kept_start(l))
-    rc = collect_kept(b, l, kept_start(l), l->hwm, 0, &cl);
-  end->restore = cl.v;
-  end->nrestore = cl.n;
-  end->stats.copied_in_bytes = cl.bytes;
-  return rc;
+  if (l->owner_gone)
+    return 0;
+  end->restore = p->nsaves ? malloc(p->nsaves * sizeof(*end->restore)) : NULL;
+  end->unmove = p->nmoves ? malloc(p->nmoves * sizeof(*end->unmove)) : NULL;
+  if ((p->nsaves && end->restore == NULL) || (p->nmoves && end->unmove == NULL))
+    return SUBLET_ENOMEM;
+  if (p->nsaves)
+    memcpy(end->restore, p->saves, p->nsaves * sizeof(*end->restore));
+  for (size_t i = 0; i < p->nmoves; i++)
+    end->unmove[i] = (struct sl_move){p->moves[i].dst_off, p->moves[i].src_off, p->moves[i].len};
+  end->nrestore = p->nsaves;
+  end->nunmove = p->nmoves;
+  end->stats.copied_in_bytes = p->saved_bytes;
+  return 0;
 }
 
 static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
@@ -1091,7 +958,7 @@ static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
   end->free_region = l->owner_gone;
   end->stats = l->stats;
   end->stats.owner_gone = l->owner_gone;
-  if (end_fill_restore(b, l, end) < 0 || end_fill_chunks(l, end) < 0) {
+  if (end_fill_restore(l, end) < 0 || end_fill_chunks(l, end) < 0) {
     sl_loan_end_clear(end);
     return SUBLET_ENOMEM;
   }
@@ -1125,7 +992,7 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
 }
 
 int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_end *end) {
-  struct sl_loan *l = find_loan(b, loan_id);
+  struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   memset(end, 0, sizeof(*end));
   if (l == NULL)
@@ -1142,6 +1009,7 @@ void sl_loan_end_clear(struct sl_loan_end *end) {
   if (end == NULL)
     return;
   free(end->restore);
+  free(end->unmove);
   free(end->fresh_chunks);
   memset(end, 0, sizeof(*end));
 }
@@ -1213,7 +1081,7 @@ static void regions_drop_owner(struct sl_books *b, uint64_t client_id,
 }
 
 int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_client_gone *gone) {
-  struct sl_client *c = find_client(b, client_id);
+  struct sl_client *c = sl_books_find_client(b, client_id);
   struct sl_client_gone g = {0};
   size_t i;
 
@@ -1238,7 +1106,7 @@ int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_cli
 /* ---- observation -------------------------------------------------------------------------- */
 
 int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li) {
-  const struct sl_loan *l = find_loan(b, loan_id);
+  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
   if (l == NULL)
     return SUBLET_ENOENT;
@@ -1259,7 +1127,7 @@ uint64_t sl_books_current_loan(const struct sl_books *b) {
 }
 
 uint64_t sl_books_client_loan(const struct sl_books *b, uint64_t client_id) {
-  const struct sl_client *c = find_client(b, client_id);
+  const struct sl_client *c = sl_books_find_client(b, client_id);
 
   return c != NULL ? c->loan_id : 0;
 }
@@ -1271,236 +1139,4 @@ void sl_books_totals(const struct sl_books *b, struct sl_books_totals *t) {
   t->regions = b->nregions;
   t->region_pages = b->region_pages;
   t->loans = b->loan != NULL;
-}
-
-/* ---- invariants --------------------------------------------------------------------------- */
-
-struct check {
-  char *why;
-  size_t n;
-};
-
-static int broken(struct check *ck, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static int broken(struct check *ck, const char *fmt, ...) {
-  va_list ap;
-
-  if (ck->why != NULL && ck->n > 0) {
-    va_start(ap, fmt);
-    vsnprintf(ck->why, ck->n, fmt, ap);
-    va_end(ap);
-  }
-  return SUBLET_EPROTO;
-}
-
-static int check_clients(const struct sl_books *b, struct check *ck) {
-  const struct sl_loan *l = b->loan;
-
-  for (size_t i = 0; i < b->nclients; i++) {
-    const struct sl_client *c = &b->clients[i];
-    if (c->id == 0 || c->id >= b->next_client || (i > 0 && c->id <= c[-1].id))
-      return broken(ck, "client %" PRIu64 " out of order or never issued", c->id);
-    if (c->loan_id == 0)
-      continue;
-    if (l == NULL || l->id != c->loan_id || l->borrower_client != c->id ||
-        l->state != SL_LOAN_ACTIVE)
-      return broken(ck, "client %" PRIu64 " borrows loan %" PRIu64 " which does not have it "
-                    "as its active borrower", c->id, c->loan_id);
-  }
-  return 0;
-}
-
-static int check_region(const struct sl_books *b, const struct sl_region *r, struct check *ck) {
-  const struct sl_loan *l = find_loan(b, r->loan_id);
-
-  if (r->npages == 0)
-    return broken(ck, "region %" PRIu64 " has no pages", r->id);
-  if (r->loan_id != 0 && (l == NULL || l->region_id != r->id))
-    return broken(ck, "region %" PRIu64 " is lent to loan %" PRIu64 " which does not lend it",
-                  r->id, r->loan_id);
-  if (find_client(b, r->owner_client) != NULL)
-    return 0;
-  if (l == NULL || !l->owner_gone)
-    return broken(ck, "region %" PRIu64 " outlives its owner client %" PRIu64
-                  " without a loan holding it", r->id, r->owner_client);
-  return 0;
-}
-
-static int check_regions(const struct sl_books *b, struct check *ck) {
-  uint64_t pages = 0;
-  int rc;
-
-  for (size_t i = 0; i < b->nregions; i++) {
-    const struct sl_region *r = &b->regions[i];
-    if (r->id == 0 || r->id >= b->next_region || (i > 0 && r->id <= r[-1].id))
-      return broken(ck, "region %" PRIu64 " out of order or never issued", r->id);
-    rc = check_region(b, r, ck);
-    if (rc < 0)
-      return rc;
-    pages += r->npages;
-  }
-  if (pages != b->region_pages)
-    return broken(ck, "region pages %" PRIu64 " counted as %" PRIu64, pages, b->region_pages);
-  return 0;
-}
-
-static int check_parties(const struct sl_books *b, const struct sl_loan *l,
-                         const struct sl_region *r, struct check *ck) {
-  const struct sl_client *borrower = find_client(b, l->borrower_client);
-
-  if (r->owner_client != l->owner_client)
-    return broken(ck, "loan %" PRIu64 " owner %" PRIu64 " is not its region's owner", l->id,
-                  l->owner_client);
-  if (l->owner_gone == (find_client(b, l->owner_client) != NULL))
-    return broken(ck, "loan %" PRIu64 " owner_gone=%d disagrees with the client list", l->id,
-                  l->owner_gone);
-  if (l->state == SL_LOAN_ACTIVE && (borrower == NULL || borrower->loan_id != l->id))
-    return broken(ck, "active loan %" PRIu64 " has no live borrower pointing back", l->id);
-  if (l->state == SL_LOAN_DRAINING && (borrower != NULL || l->nallocs != 0))
-    return broken(ck, "draining loan %" PRIu64 " keeps a borrower or allocations", l->id);
-  if (l->state == SL_LOAN_OFFERED &&
-      (l->borrower_client != 0 || l->hwm != 0 || l->fresh != 0 || l->owner_gone))
-    return broken(ck, "offered loan %" PRIu64 " already has a borrower or an owner gone", l->id);
-  return 0;
-}
-
-static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint64_t npages,
-                        struct check *ck) {
-  uint64_t bytes = 0, limit = npages * b->cfg.page_size;
-  uint8_t *flags;
-  int rc = 0;
-
-  for (size_t i = 0; i < l->nkeep; i++) {
-    const struct sublet_range *k = &l->keep[i];
-    uint64_t prev_end = i > 0 ? k[-1].offset + k[-1].length : 0;
-    if (k->length == 0 || k->offset > limit || k->length > limit - k->offset ||
-        (i > 0 && k->offset <= prev_end))
-      return broken(ck, "loan %" PRIu64 " keep range %zu is not merged or not in the region",
-                    l->id, i);
-    bytes += k->length;
-  }
-  if (bytes != l->kept_bytes || l->unkept + l->kept != npages)
-    return broken(ck, "loan %" PRIu64 " kept bytes or page counts are off", l->id);
-  flags = calloc(npages, 1);
-  if (flags == NULL)
-    return broken(ck, "out of memory while checking");
-  mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
-  for (uint64_t i = 0; i < npages && rc == 0; i++) {
-    uint64_t p = l->pages[i];
-    int want_kept = i >= l->unkept;
-    if (p >= npages || flags[p] != want_kept || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
-      rc = broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
-  }
-  free(flags);
-  return rc;
-}
-
-static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
-  uint64_t bytes = 0, prev_end = 0, ps = b->cfg.page_size;
-
-  if (l->hwm > window_size(l))
-    return broken(ck, "loan %" PRIu64 " hwm %" PRIu64 " is past its window", l->id, l->hwm);
-  for (size_t i = 0; i < l->nallocs; i++) {
-    const struct sl_alloc *a = &l->allocs[i];
-    if (a->npages == 0 || a->pos < prev_end || a->pos + a->npages > l->hwm)
-      return broken(ck, "allocation %" PRIu64 " overlaps another or lies past hwm", a->id);
-    if (a->id == 0 || a->id >= b->next_alloc || a->size == 0 || pages_for(b, a->size) != a->npages)
-      return broken(ck, "allocation %" PRIu64 " has a bad id or size", a->id);
-    for (size_t j = 0; j < i; j++)
-      if (l->allocs[j].id == a->id)
-        return broken(ck, "allocation %" PRIu64 " granted twice", a->id);
-    prev_end = a->pos + a->npages;
-    bytes += a->npages * ps;
-  }
-  if (bytes != l->live_bytes || l->stats.peak_bytes < bytes || l->stats.allocations < l->nallocs)
-    return broken(ck, "loan %" PRIu64 " live bytes %" PRIu64 " counted as %" PRIu64, l->id,
-                  bytes, l->live_bytes);
-  return 0;
-}
-
-static int check_chunks(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
-  uint64_t pos = l->unkept, end = max_u64(l->unkept, min_u64(l->hwm, kept_start(l)));
-
-  for (size_t i = 0; i < l->nchunks; i++) {
-    const struct sl_chunk *c = &l->chunks[i];
-    if (c->pos != pos || c->npages == 0 || c->id == 0 || c->id >= b->next_chunk ||
-        (i > 0 && c->id <= c[-1].id))
-      return broken(ck, "loan %" PRIu64 " fresh chunk %" PRIu64 " is misplaced", l->id, c->id);
-    pos += c->npages;
-  }
-  if (pos != end || l->fresh_chunk_pages != end - l->unkept)
-    return broken(ck, "loan %" PRIu64 " fresh positions up to %" PRIu64 " are not all backed "
-                  "by chunks (%" PRIu64 " are)", l->id, end, pos);
-  return 0;
-}
-
-static int check_saved(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
-  struct copy_list cl = {0};
-  int rc = 0;
-
-  if (l->hwm > kept_start(l) && collect_kept(b, l, kept_start(l), l->hwm, 0, &cl) < 0)
-    rc = broken(ck, "out of memory while checking");
-  else if (cl.bytes != l->stats.copied_out_bytes || l->stats.copied_in_bytes != 0)
-    rc = broken(ck, "loan %" PRIu64 " saved %" PRIu64 " bytes but its kept pages below hwm "
-                "hold %" PRIu64, l->id, l->stats.copied_out_bytes, cl.bytes);
-  free(cl.v);
-  return rc;
-}
-
-static int check_loan(const struct sl_books *b, struct check *ck) {
-  const struct sl_loan *l = b->loan;
-  const struct sl_region *r;
-  int rc;
-
-  if (l == NULL)
-    return 0;
-  r = find_region(b, l->region_id);
-  if (l->id == 0 || l->id >= b->next_loan || l->state < SL_LOAN_OFFERED ||
-      l->state > SL_LOAN_DRAINING)
-    return broken(ck, "loan %" PRIu64 " has a bad id or state", l->id);
-  if (r == NULL || r->loan_id != l->id)
-    return broken(ck, "loan %" PRIu64 " region %" PRIu64 " is missing or does not point back",
-                  l->id, l->region_id);
-  rc = check_parties(b, l, r, ck);
-  if (rc == 0)
-    rc = check_layout(b, l, r->npages, ck);
-  if (rc == 0)
-    rc = check_allocs(b, l, ck);
-  if (rc == 0)
-    rc = check_chunks(b, l, ck);
-  if (rc == 0)
-    rc = check_saved(b, l, ck);
-  return rc;
-}
-
-static int check_totals(const struct sl_books *b, struct check *ck) {
-  const struct sl_loan *l = b->loan;
-  const struct sl_books_totals *t = &b->counters;
-
-  if (t->copied_in_bytes > t->copied_out_bytes)
-    return broken(ck, "more bytes restored (%" PRIu64 ") than saved (%" PRIu64 ")",
-                  t->copied_in_bytes, t->copied_out_bytes);
-  if (l == NULL)
-    return 0;
-  if (t->copied_out_bytes < l->stats.copied_out_bytes ||
-      t->served_bytes[SL_SRC_UNKEPT] < l->stats.served_unkept_bytes ||
-      t->served_bytes[SL_SRC_FRESH] < l->stats.served_fresh_bytes ||
-      t->served_bytes[SL_SRC_KEPT] < l->stats.served_kept_bytes)
-    return broken(ck, "device totals are below loan %" PRIu64 "'s own counts", l->id);
-  return 0;
-}
-
-int sl_books_check(const struct sl_books *b, char *why, size_t n) {
-  struct check ck = {why, n};
-  int rc = check_clients(b, &ck);
-
-  if (rc == 0)
-    rc = check_regions(b, &ck);
-  if (rc == 0)
-    rc = check_loan(b, &ck);
-  if (rc == 0)
-    rc = check_totals(b, &ck);
-  if (rc == 0 && why != NULL && n > 0)
-    why[0] = '\0';
-  return rc;
 }

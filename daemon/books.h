@@ -19,7 +19,7 @@
  *             allocation is granted.
  *
  * Two-phase allocation: sl_books_alloc_plan() computes a grant without changing anything; the
- * daemon does the device work it names (create the chunk, save the kept bytes) and then calls
+ * daemon does the device work it names (create the chunk, move, then save the kept bytes) and then calls
  * sl_books_alloc_commit() if it succeeded; either way it then frees the grant with
  * sl_grant_clear().
  *
@@ -51,6 +51,7 @@ struct sl_peer {
 struct sl_books_config {
   uint64_t page_size;
   gid_t allow_gid;          /* besides the owner's uid (and root), this group may borrow; (gid_t)-1: none */
+  int no_compact;           /* save every kept byte of a lent page to the host, move none */
 };
 
 /* A grant: what one allocation gets, and the device work that must happen before it. */
@@ -61,10 +62,15 @@ struct sl_grant {
   uint64_t pos, npages;       /* window positions [pos, pos+npages) */
   uint64_t fresh_chunk_id;    /* 0: no new chunk */
   uint64_t fresh_pos, fresh_npages; /* the new chunk backs these window positions */
-  struct sl_copy *save;       /* kept bytes to save: dev_off is a region offset, host_off an
-                                 offset into the loan's save area; coalesced, ascending */
+  struct sl_move *move;       /* kept bytes to move first, device to device, into unkept bytes
+                                 of kept pages that stay unlent (region offsets; plan.h) */
+  size_t nmove;
+  uint64_t move_bytes;
+  struct sl_copy *save;       /* then kept bytes to save: dev_off is a region offset, host_off
+                                 an offset into the loan's save area; coalesced */
   size_t nsave;
   uint64_t save_bytes;
+  uint64_t kept_from, kept_to, sink, sink_off; /* the plan step, for commit */
   uint64_t served[3];         /* bytes of this grant from each source, by enum sl_source */
 };
 
@@ -73,8 +79,11 @@ struct sl_loan_end {
   uint64_t loan_id;
   uint64_t region_id;
   uint64_t owner_client, borrower_client;
-  struct sl_copy *restore;    /* saved kept bytes to copy back; empty when the owner is gone */
+  struct sl_copy *restore;    /* saved kept bytes to copy back first; empty when the owner is
+                                 gone */
   size_t nrestore;
+  struct sl_move *unmove;     /* then moved kept bytes to move back (region offsets) */
+  size_t nunmove;
   uint64_t *fresh_chunks;     /* chunk ids to release */
   size_t nfresh;
   int free_region;            /* the owner is gone: release the region's pages too */
@@ -120,7 +129,7 @@ struct sl_loan_info {
 struct sl_books_totals {
   uint64_t clients, regions, region_pages, loans;
   uint64_t loans_ended, borrowers_died;
-  uint64_t copied_out_bytes, copied_in_bytes;
+  uint64_t copied_out_bytes, copied_in_bytes, moved_bytes;
   uint64_t served_bytes[3];
 };
 

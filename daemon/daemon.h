@@ -56,6 +56,7 @@ struct sl_daemon {
   struct sl_waiter *waiters;
   struct sl_drain *drains;
   double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
+  double move_seconds;      /* the same, moving kept bytes on the device */
   double started;           /* CLOCK_MONOTONIC seconds */
   uint64_t conns_total;
   int stopping;

@@ -21,12 +21,17 @@ void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
   double secs = 0;
   char size[16];
 
-  if (end->nrestore > 0 &&
-      sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0) {
+  double move_secs = 0;
+
+  /* Saves first: they bring back the bytes that were moved into pages lent later. */
+  if ((end->nrestore > 0 &&
+       sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0) ||
+      sl_pool_move(d->pool, end->region_id, end->unmove, end->nunmove, &move_secs, &err) != 0) {
     sl_error("loan %llu: restoring kept bytes failed: %s", (unsigned long long)end->loan_id,
              err.msg);
     end->stats.copied_in_bytes = 0; /* nothing came back: the owner's client reports it */
   }
+  end->stats.move_seconds = d->move_seconds + move_secs;
   for (size_t i = 0; i < end->nfresh; i++)
     sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
   if (end->free_region)

@@ -224,6 +224,7 @@ static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan) {
   rep.body_case = SUBLET__REPLY__BODY_BORROWED;
   rep.borrowed = &b;
   d->copy_out_seconds = 0;
+  d->move_seconds = 0;
   sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
           (unsigned long long)loan, (int)c->peer.pid, (unsigned long long)b.unkept_pages,
           (unsigned long long)b.fresh_pages, (unsigned long long)b.kept_pages);
@@ -285,21 +286,35 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
   }
 }
 
+/* The grant's kept pages are emptied: moves first (they fill holes of pages that stay
+ * unlent), then saves (which may read bytes a move just wrote). A failure leaves the kept
+ * bytes where they were: nothing was granted, and moved copies are only copies. */
+static int empty_kept_pages(struct ctx *x, const struct sl_grant *g) {
+  struct sl_loan_info li;
+  double secs = 0;
+  int rc;
+
+  sl_books_loan_info(x->d->books, g->loan_id, &li);
+  rc = sl_pool_move(x->d->pool, li.region_id, g->move, g->nmove, &secs, &x->err);
+  x->d->move_seconds += secs;
+  secs = 0;
+  if (rc == 0 && g->nsave > 0)
+    rc = sl_pool_save(x->d->pool, li.region_id, g->save, g->nsave, &secs, &x->err);
+  x->d->copy_out_seconds += secs;
+  return rc;
+}
+
 static int on_alloc(struct ctx *x, const Sublet__Alloc *m) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Allocated a = SUBLET__ALLOCATED__INIT;
   struct sl_grant g = {0};
-  double secs = 0;
   int fd = -1, rc;
 
   rc = sl_books_alloc_plan(x->d->books, x->c->client_id, m->size, &g, &x->err);
   if (rc == 0 && g.fresh_npages > 0)
     rc = sl_pool_chunk_create(x->d->pool, g.fresh_chunk_id, g.fresh_npages, &fd, &x->err);
-  if (rc == 0 && g.nsave > 0) {
-    struct sl_loan_info li;
-    sl_books_loan_info(x->d->books, g.loan_id, &li);
-    rc = sl_pool_save(x->d->pool, li.region_id, g.save, g.nsave, &secs, &x->err);
-    x->d->copy_out_seconds += secs;
+  if (rc == 0 && (g.nmove > 0 || g.nsave > 0)) {
+    rc = empty_kept_pages(x, &g);
     if (rc != 0 && fd >= 0)
       sl_pool_chunk_release(x->d->pool, g.fresh_chunk_id);
   }

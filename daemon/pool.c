@@ -275,6 +275,21 @@ int sl_pool_restore(struct sl_pool *p, uint64_t region_id, const struct sl_copy 
   return transfer(p, SL_COPY_TO_DEVICE, region_id, c, n, seconds, err);
 }
 
+int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m, size_t n,
+                 double *seconds, struct sl_err *err) {
+  struct pool_region *r = find_region(p, region_id);
+  double t0 = now_seconds();
+  int rc;
+
+  if (r == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
+                      (unsigned long long)region_id);
+  rc = sl_device_move(p->dev, r->base, m, n, err);
+  if (seconds != NULL)
+    *seconds = now_seconds() - t0;
+  return rc;
+}
+
 void sl_pool_free(struct sl_pool *p) {
   if (p == NULL)
     return;

@@ -39,6 +39,9 @@ int sl_pool_save(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c,
                  double *seconds, struct sl_err *err);
 int sl_pool_restore(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c, size_t n,
                     double *seconds, struct sl_err *err);
+/* Moves kept bytes inside a region, device to device (struct sl_move, region offsets). */
+int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m, size_t n,
+                 double *seconds, struct sl_err *err);
 /* Makes sure the save area holds at least bytes (pinning ahead of need). */
 int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err);
 uint64_t sl_pool_host_bytes(const struct sl_pool *p);

@@ -92,6 +92,9 @@ struct sublet_loan_stats {
   double copy_in_seconds;      /* daemon side */
   int borrower_died;           /* set on the owner's side when the borrower died mid-loan */
   int owner_gone;
+  uint64_t moved_bytes;        /* kept bytes moved on the device into unkept bytes of kept
+                                  pages the borrower did not use (and moved back) */
+  double move_seconds;         /* daemon side, both ways */
 };
 
 /* An allocation still alive when the borrower tried to return the loan. */

@@ -42,6 +42,8 @@ class LoanStats:
 
     copied_out_bytes: kept bytes saved to host memory because the borrower used their pages;
     copied_in_bytes: the same bytes restored (equal to copied_out_bytes once the loan ended).
+    moved_bytes: kept bytes moved on the GPU, into unkept bytes of kept pages the borrower did
+    not use, instead of to the host (and moved back at the end).
     map_seconds is the client's (importing and mapping pages), the copy times the daemon's.
     """
     loan_id: int
@@ -57,6 +59,8 @@ class LoanStats:
     copy_in_seconds: float
     borrower_died: bool
     owner_gone: bool
+    moved_bytes: int
+    move_seconds: float
 
     @classmethod
     def from_c(cls, c: CLoanStats) -> "LoanStats":

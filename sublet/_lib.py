@@ -166,6 +166,8 @@ class CLoanStats(Structure):
         ("copy_in_seconds", c_double),
         ("borrower_died", c_int),
         ("owner_gone", c_int),
+        ("moved_bytes", c_uint64),
+        ("move_seconds", c_double),
     ]
 
 

@@ -43,8 +43,9 @@ class Loan:
     """A loan this process borrows; use it as a context manager (sublet.lend / sublet.borrow).
 
     copied_bytes: the owner's kept bytes that were saved to host memory because the borrower
-    used their pages (the same bytes are copied back at the end, so the host link carries twice
-    this). stats: the full LoanStats, live during the loan and final after it.
+    used their pages and no unlent page of the tensor could hold them (the same bytes are
+    copied back at the end, so the host link carries twice this); moved_bytes: those that
+    moved on the GPU instead. stats: the full LoanStats, live during the loan and final after it.
     """
 
     def __init__(self) -> None:
@@ -74,6 +75,11 @@ class Loan:
     def copied_bytes(self) -> int:
         """Kept bytes saved to the host (and restored): see the class docstring."""
         return self.stats.copied_out_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """Kept bytes moved on the GPU instead of to the host (and moved back)."""
+        return self.stats.moved_bytes
 
     @property
     def copied_out_bytes(self) -> int:

@@ -137,8 +137,10 @@ def del_all(tensors: list) -> None:
     tensors.clear()
 
 
-def test_copied_bytes_grow_page_by_page_with_the_kept_pages_used():
-    """Kept pages are handed out last, in ascending order, and only their kept bytes move."""
+def test_kept_bytes_move_on_the_device_until_no_unlent_page_can_hold_them():
+    """Kept pages are handed out last, in ascending order; their kept bytes move into the
+    unkept bytes of the last kept page while it is not lent, and only reaching it copies to
+    the host: then all kept bytes, and only those."""
     cache, before = patterned(32, 65536, seed=5)
     keep = [cache[i, 100:300] for i in range(0, 32, 3)]
     ranges = kept_ranges_of(cache, keep)
@@ -148,10 +150,12 @@ def test_copied_bytes_grow_page_by_page_with_the_kept_pages_used():
         while used_kept < len(pages):
             tensors.append(loan.empty(PAGE, dtype=torch.uint8).fill_(0xEE))
             used_kept = loan.stats.served_kept_bytes // PAGE
-            assert loan.stats.copied_out_bytes == kept_bytes_in_pages(ranges, PAGE,
-                                                                      pages[:used_kept])
+            moved = kept_bytes_in_pages(ranges, PAGE, pages[:min(used_kept, len(pages) - 1)])
+            assert loan.stats.moved_bytes == moved
+            assert loan.stats.copied_out_bytes == (0 if used_kept < len(pages) else 11 * 200)
         del tensors
     assert loan.copied_bytes == kept_bytes_in_pages(ranges, PAGE) == 11 * 200
+    assert loan.stats.moved_bytes == 10 * 200
     assert_kept_intact(cache, before, keep)
 
 

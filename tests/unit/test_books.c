@@ -53,8 +53,11 @@ static void books_ok_at(const struct sl_books *b, const char *file, int line) {
 }
 #define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
 
+/* Books that save every kept byte of a lent page (no moves): the exact saves below are
+ * specified that way; test_compaction and the model cover moves. */
 static struct sl_books *books_new(uint64_t page_size, gid_t allow_gid) {
-  struct sl_books_config cfg = {.page_size = page_size, .allow_gid = allow_gid};
+  struct sl_books_config cfg = {.page_size = page_size, .allow_gid = allow_gid,
+                                .no_compact = 1};
   struct sl_books *b = NULL;
 
   if (sl_books_new(&cfg, &b) != 0)
@@ -848,6 +851,68 @@ static void test_remove_both(int borrower_first) {
   sl_books_free(s.b);
 }
 
+/* ---- compaction: kept bytes move into holes of kept pages that stay unlent ----------------- */
+
+static void check_move(const struct sl_move *m, uint64_t src, uint64_t dst, uint64_t len) {
+  CHECK_EQ(m->src_off, src);
+  CHECK_EQ(m->dst_off, dst);
+  CHECK_EQ(m->len, len);
+}
+
+/* Eight pages of 64 bytes, each keeping its first 8: 64 kept bytes fit in one page. The first
+ * seven pages are freed by moves alone, filling page 7's holes in order; reaching page 7 then
+ * saves it whole, its own bytes and the moved ones in one piece. The loan's end restores the
+ * save and moves everything back. */
+static void test_compaction(void) {
+  struct sl_books_config cfg = {.page_size = 64, .allow_gid = (gid_t)-1};
+  struct sl_books *b = NULL;
+  struct sublet_range keep[8];
+  struct sl_loan_end end;
+  struct sl_grant g;
+  uint64_t owner, loan, a1, a2, a3;
+
+  CHECK_EQ(sl_books_new(&cfg, &b), 0);
+  owner = client(b, 1000, 1000);
+  for (int i = 0; i < 8; i++)
+    keep[i] = (struct sublet_range){64 * (uint64_t)i, 8};
+  loan = lend(b, owner, region(b, owner, 8), keep, 8);
+  borrow(b, owner, loan, 0);
+  a1 = alloc(b, owner, 64, &g); /* page 0 */
+  CHECK_EQ(g.nmove, 1);
+  check_move(&g.move[0], 0, 7 * 64 + 8, 8);
+  CHECK_EQ(g.nsave, 0);
+  sl_grant_clear(&g);
+  a2 = alloc(b, owner, 6 * 64, &g); /* pages 1-6: exactly the rest of page 7's holes */
+  CHECK_EQ(g.nmove, 6);
+  for (uint64_t i = 1; i <= 6; i++)
+    check_move(&g.move[i - 1], 64 * i, 7 * 64 + 8 + 8 * i, 8);
+  CHECK_EQ(g.move_bytes, 48);
+  CHECK_EQ(g.nsave, 0);
+  sl_grant_clear(&g);
+  CHECK_EQ(info(b, loan).stats.copied_out_bytes, 0);
+  BOOKS_OK(b);
+  a3 = alloc(b, owner, 64, &g); /* page 7: what cannot stay on the device */
+  CHECK_EQ(g.nmove, 0);
+  CHECK_EQ(g.nsave, 1);
+  check_copy(&g.save[0], 7 * 64, 0, 64);
+  sl_grant_clear(&g);
+  BOOKS_OK(b);
+  CHECK_EQ(info(b, loan).stats.moved_bytes, 56);
+  CHECK_EQ(sl_books_free_alloc(b, owner, a1, NULL, NULL), 0);
+  CHECK_EQ(sl_books_free_alloc(b, owner, a2, NULL, NULL), 0);
+  CHECK_EQ(sl_books_free_alloc(b, owner, a3, NULL, NULL), 0);
+  CHECK_EQ(sl_books_return(b, owner, 0, &end, NULL), 0);
+  CHECK_EQ(end.nrestore, 1);
+  check_copy(&end.restore[0], 7 * 64, 0, 64);
+  CHECK_EQ(end.nunmove, 7);
+  check_move(&end.unmove[0], 7 * 64 + 8, 0, 8);
+  check_move(&end.unmove[6], 7 * 64 + 56, 6 * 64, 8);
+  CHECK_EQ(end.stats.copied_in_bytes, 64);
+  sl_loan_end_clear(&end);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 /* ---- a long random sequence against a reference model -------------------------------------- */
 
 #define M_MAX 4096 /* clients or regions ever made in one run */
@@ -876,10 +941,15 @@ struct m_loan {
   uint64_t u, f, k, hwm, chunk_pages, copied_out, nallocs;
   uint64_t *owner_of; /* per window position: the alloc id there, 0: free */
   uint64_t *size_of;  /* per alloc id (indexed by id): its size while live */
+  /* Compacting books: the device and the save area, byte by byte. Region byte x holds x + 1
+   * until the borrower writes it (0); moves, saves and restores carry the values along. */
+  uint32_t *dev, *host;
+  uint64_t kept_bytes, moved;
 };
 
 struct model {
   struct sl_books *b;
+  int compact;        /* the books move kept bytes on the device (plan.h) */
   uint64_t ps, next_alloc, next_chunk;
   uint64_t nclients, nregions; /* ids made so far: 1..n */
   struct m_client c[M_MAX + 1];
@@ -924,6 +994,8 @@ static void m_loan_free(struct model *m) {
   if (l == NULL)
     return;
   free(l->kept);
+  free(l->dev);
+  free(l->host);
   free(l->host_of);
   free(l->order);
   free(l->owner_of);
@@ -1007,6 +1079,12 @@ static struct m_loan *m_loan_new(struct model *m, uint64_t rid, const struct sub
     memset(l->kept + keep[i].offset, 1, keep[i].length);
   if (keep_all)
     memset(l->kept, 1, l->bytes);
+  l->dev = calloc(l->bytes, sizeof(uint32_t));
+  l->host = calloc(l->bytes, sizeof(uint32_t));
+  for (uint64_t x = 0; x < l->bytes; x++) {
+    l->dev[x] = (uint32_t)(x + 1);
+    l->kept_bytes += l->kept[x];
+  }
   for (int pass = 0; pass < 2; pass++) {
     for (uint64_t p = 0; p < npages; p++) {
       if ((memchr(l->kept + p * m->ps, 1, m->ps) != NULL) != pass)
@@ -1200,6 +1278,61 @@ static void m_check_saves(const struct model *m, const struct sl_grant *g, uint6
   free(want);
 }
 
+/* Compacting: saves are packed from copied_out; moves take bytes of the pages now reached
+ * into unkept bytes of kept pages (where they lead is proven by the restore at the end). */
+static void m_check_packed(const struct model *m, const struct sl_grant *g) {
+  const struct m_loan *l = m->loan;
+  uint64_t host = l->copied_out, moved = 0, wrong = 0;
+
+  for (size_t i = 0; i < g->nsave; i++) {
+    CHECK_EQ(g->save[i].host_off, host);
+    CHECK(g->save[i].len > 0 && g->save[i].dev_off + g->save[i].len <= l->bytes);
+    host += g->save[i].len;
+  }
+  for (size_t i = 0; i < g->nmove; i++) {
+    const struct sl_move *mv = &g->move[i];
+    CHECK(mv->len > 0 && mv->src_off + mv->len <= l->bytes && mv->dst_off + mv->len <= l->bytes);
+    for (uint64_t x = 0; x < mv->len && mv->dst_off + x < l->bytes; x++)
+      wrong += l->kept[mv->dst_off + x] || !l->kept[mv->src_off + x];
+    moved += mv->len;
+  }
+  CHECK_EQ(wrong, 0);
+  CHECK_EQ(host - l->copied_out, g->save_bytes);
+  CHECK_EQ(moved, g->move_bytes);
+}
+
+/* The grant's device work, as the daemon does it: moves, then saves. A failed grant may have
+ * done any part of it (stop < 1: a random prefix of each list), which must be harmless. */
+static void m_device_work(struct model *m, const struct sl_grant *g, int whole) {
+  struct m_loan *l = m->loan;
+  size_t nmove = whole ? g->nmove : below(m, g->nmove + 1);
+  size_t nsave = whole ? g->nsave : below(m, g->nsave + 1);
+
+  for (size_t i = 0; i < nmove; i++)
+    memmove(&l->dev[g->move[i].dst_off], &l->dev[g->move[i].src_off],
+            g->move[i].len * sizeof(uint32_t));
+  for (size_t i = 0; i < nsave; i++)
+    memcpy(&l->host[g->save[i].host_off], &l->dev[g->save[i].dev_off],
+           g->save[i].len * sizeof(uint32_t));
+}
+
+/* The borrower writes every byte of every region page it holds. */
+static void m_scribble(struct m_loan *l) {
+  for (uint64_t q = 0; q < l->hwm; q++) {
+    uint64_t i = q < l->u ? q : q >= l->u + l->f ? q - l->f : UINT64_MAX;
+    if (i != UINT64_MAX)
+      memset(&l->dev[l->order[i] * l->ps], 0, l->ps * sizeof(uint32_t));
+  }
+}
+
+/* Compacting: the host holds only what the unlent kept pages cannot, max(0, kept - room). */
+static void m_check_host_minimal(const struct m_loan *l) {
+  uint64_t ks = l->u + l->f, reached = l->hwm > ks ? l->hwm - ks : 0;
+  uint64_t room = (l->k - reached) * l->ps;
+
+  CHECK_EQ(l->copied_out, l->kept_bytes > room ? l->kept_bytes - room : 0);
+}
+
 static void m_check_grant(const struct model *m, const struct sl_grant *g, uint64_t pos,
                           uint64_t n) {
   const struct m_loan *l = m->loan;
@@ -1218,7 +1351,10 @@ static void m_check_grant(const struct model *m, const struct sl_grant *g, uint6
     by_zone[q < l->u ? 0 : q < l->u + l->f ? 1 : 2] += m->ps;
   for (int z = 0; z < 3; z++)
     CHECK_EQ(g->served[z], by_zone[z]);
-  m_check_saves(m, g, lo, hi);
+  if (m->compact)
+    m_check_packed(m, g);
+  else
+    m_check_saves(m, g, lo, hi);
 }
 
 static void m_apply_grant(struct model *m, const struct sl_grant *g) {
@@ -1229,14 +1365,19 @@ static void m_apply_grant(struct model *m, const struct sl_grant *g) {
   sizes[g->alloc_id] = g->size;
   for (uint64_t q = g->pos; q < g->pos + g->npages; q++)
     l->owner_of[q] = g->alloc_id;
-  for (size_t i = 0; i < g->nsave; i++)
+  for (size_t i = 0; i < g->nsave && !m->compact; i++)
     for (uint64_t x = 0; x < g->save[i].len; x++)
       l->host_of[g->save[i].dev_off + x] = 1 + g->save[i].host_off + x;
   if (g->pos + g->npages > l->hwm)
     l->hwm = g->pos + g->npages;
+  l->moved += g->move_bytes;
   l->chunk_pages += g->fresh_npages;
   l->copied_out += g->save_bytes;
   m->copied_out += g->save_bytes;
+  if (m->compact) {
+    m_scribble(l);
+    m_check_host_minimal(l);
+  }
   l->nallocs++;
   m->next_alloc++;
   m->next_chunk += g->fresh_chunk_id != 0;
@@ -1257,8 +1398,11 @@ static void op_alloc(struct model *m) {
     return;
   m_check_grant(m, &g, pos, (size + m->ps - 1) / m->ps);
   if (below(m, 10) != 0) { /* otherwise the device work "failed": nothing is committed */
+    m_device_work(m, &g, 1);
     CHECK_EQ(sl_books_alloc_commit(m->b, &g), 0);
     m_apply_grant(m, &g);
+  } else {
+    m_device_work(m, &g, 0); /* stopped midway (an error, a death): must be harmless */
   }
   sl_grant_clear(&g);
 }
@@ -1305,12 +1449,43 @@ static void op_free(struct model *m) {
   l->nallocs--;
 }
 
+/* Compacting: restoring, then moving back, gives every kept byte its value, whatever the
+ * borrower wrote; nothing when the owner is gone. */
+static void m_check_end_compact(struct model *m, const struct sl_loan_end *end) {
+  struct m_loan *l = m->loan;
+  uint64_t wrong = 0, restored = 0;
+
+  CHECK_EQ(end->stats.moved_bytes, l->moved);
+  CHECK_EQ(end->stats.copied_out_bytes, l->copied_out);
+  CHECK_EQ(end->stats.copied_in_bytes, l->owner_gone ? 0 : l->copied_out);
+  if (l->owner_gone) {
+    CHECK_EQ(end->nrestore + end->nunmove, 0);
+    return;
+  }
+  for (size_t i = 0; i < end->nrestore; i++) {
+    memcpy(&l->dev[end->restore[i].dev_off], &l->host[end->restore[i].host_off],
+           end->restore[i].len * sizeof(uint32_t));
+    restored += end->restore[i].len;
+  }
+  for (size_t i = 0; i < end->nunmove; i++)
+    memmove(&l->dev[end->unmove[i].dst_off], &l->dev[end->unmove[i].src_off],
+            end->unmove[i].len * sizeof(uint32_t));
+  for (uint64_t x = 0; x < l->bytes; x++)
+    wrong += l->kept[x] && l->dev[x] != (uint32_t)(x + 1);
+  CHECK_EQ(wrong, 0);
+  CHECK_EQ(restored, l->copied_out);
+}
+
 /* The restore list: every saved byte back to where it came from, coalesced, or nothing when
  * the owner is gone. */
 static void m_check_end(struct model *m, const struct sl_loan_end *end) {
   const struct m_loan *l = m->loan;
   uint64_t restored = 0, saved = 0, wrong = 0;
 
+  if (m->compact) {
+    m_check_end_compact(m, end);
+    return;
+  }
   CHECK_EQ(end->loan_id, l->id);
   CHECK_EQ(end->region_id, l->region);
   CHECK_EQ(end->free_region, l->owner_gone);
@@ -1457,6 +1632,7 @@ static void m_compare_loan(const struct model *m) {
   CHECK_EQ(li.live_allocs, l->nallocs);
   CHECK_EQ(li.fresh_chunk_pages, l->chunk_pages);
   CHECK_EQ(li.stats.copied_out_bytes, l->copied_out);
+  CHECK_EQ(li.stats.moved_bytes, l->moved);
   for (uint64_t q = 0; l->owner_of != NULL && q < m_window(l); q++)
     live += l->owner_of[q] != 0;
   CHECK_EQ(li.live_bytes, live * m->ps);
@@ -1500,7 +1676,7 @@ static void m_compare(const struct model *m) {
     m_compare_loan(m);
 }
 
-static void run_model(uint64_t seed, uint64_t page_size, int steps) {
+static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact) {
   static void (*const ops[])(struct model *) = {
       op_client_add, op_client_remove, op_region_add, op_region_add, op_region_remove,
       op_lend, op_lend, op_lend, op_withdraw, op_borrow, op_borrow, op_borrow, op_borrow,
@@ -1509,7 +1685,12 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps) {
   struct model *m = calloc(1, sizeof(*m));
   int before = failed;
 
-  m->b = books_new(page_size, M_ALLOW_GID);
+  struct sl_books_config cfg = {.page_size = page_size, .allow_gid = M_ALLOW_GID,
+                                .no_compact = !compact};
+
+  if (sl_books_new(&cfg, &m->b) != 0)
+    abort();
+  m->compact = compact;
   m->ps = page_size;
   m->rng = seed;
   m->next_alloc = m->next_chunk = 1;
@@ -1519,8 +1700,8 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps) {
     ops[below(m, sizeof(ops) / sizeof(ops[0]))](m);
     m_compare(m);
     if (failed > before)
-      fprintf(stderr, "    model run seed %" PRIu64 " page size %" PRIu64 ": step %d\n", seed,
-              page_size, step);
+      fprintf(stderr, "    model run seed %" PRIu64 " page size %" PRIu64 "%s: step %d\n",
+              seed, page_size, compact ? " (compacting)" : "", step);
   }
   m_loan_free(m);
   sl_books_free(m->b);
@@ -1530,8 +1711,10 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps) {
 static void test_random_sequences(void) {
   static const uint64_t page_sizes[] = {4096, 64, 3, 1, 512};
 
-  for (uint64_t seed = 1; seed <= 10; seed++)
-    run_model(seed * 0x9e3779b97f4a7c15ull, page_sizes[seed % 5], 10000);
+  for (uint64_t seed = 1; seed <= 10; seed++) {
+    run_model(seed * 0x9e3779b97f4a7c15ull, page_sizes[seed % 5], 10000, 0);
+    run_model(seed * 0x9e3779b97f4a7c15ull + 1, page_sizes[seed % 5], 10000, 1);
+  }
 }
 
 /* ---- scale ---------------------------------------------------------------------------------- */
@@ -1635,6 +1818,7 @@ int main(void) {
   test_remove_self_borrower();
   test_remove_both(1);
   test_remove_both(0);
+  test_compaction();
   test_random_sequences();
   test_large_keep();
   printf("books: %d passed, %d failed\n", passed, failed);

@@ -1,0 +1,111 @@
+/* books_impl.h - the books' data, shared by books.c (the ledger's operations) and check.c
+ * (its invariants). Nothing else includes it: the contract is books.h.
+ */
+#ifndef SL_BOOKS_IMPL_H
+#define SL_BOOKS_IMPL_H
+
+#include <stdlib.h>
+
+#include "books.h"
+#include "plan.h"
+
+struct sl_client {
+  uint64_t id; /* first member: find_by_id() reads it */
+  struct sl_peer peer;
+  uint64_t loan_id; /* the loan it borrows; 0: none */
+};
+
+struct sl_region {
+  uint64_t id; /* first member: find_by_id() reads it */
+  uint64_t owner_client;
+  struct sl_peer owner;
+  uint64_t npages;
+  uint64_t loan_id;
+};
+
+struct sl_alloc {
+  uint64_t id, pos, npages, size;
+};
+
+struct sl_chunk {
+  uint64_t id, pos, npages;
+};
+
+enum { NAME_SIZE = sizeof(((struct sl_loan_info *)0)->name) };
+
+struct sl_loan {
+  uint64_t id, region_id;
+  enum sl_loan_state state;
+  uint64_t owner_client, borrower_client;
+  struct sl_peer borrower;
+  char name[NAME_SIZE];
+  uint8_t token[16];
+  struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
+  size_t nkeep;
+  uint64_t kept_bytes;
+  uint64_t *pages; /* unkept region pages, then kept ones, each ascending */
+  uint64_t unkept, fresh, kept;
+  uint64_t hwm;
+  struct sl_alloc *allocs; /* ascending pos */
+  size_t nallocs, cap_allocs;
+  uint64_t live_bytes;
+  struct sl_chunk *chunks; /* ascending pos, covering [unkept, min(hwm, unkept + fresh)) */
+  size_t nchunks, cap_chunks;
+  uint64_t fresh_chunk_pages;
+  int owner_gone;
+  struct sl_plan plan;       /* where the kept zone's bytes went: moves and saves */
+  struct sublet_loan_stats stats;
+};
+
+struct sl_books {
+  struct sl_books_config cfg;
+  struct sl_client *clients;
+  size_t nclients, cap_clients;
+  struct sl_region *regions;
+  size_t nregions, cap_regions;
+  uint64_t region_pages;
+  struct sl_loan *loan;
+  uint64_t next_client, next_region, next_loan, next_alloc, next_chunk;
+  struct sl_books_totals counters; /* only the counters; the gauges are computed */
+};
+
+static inline int sl_books_cmp_id(const void *key, const void *elem) {
+  uint64_t a = *(const uint64_t *)key, b = *(const uint64_t *)elem;
+  return (a > b) - (a < b);
+}
+
+static inline void *sl_books_find_by_id(const void *base, size_t n, size_t size, uint64_t id) {
+  return n ? bsearch(&id, base, n, size, sl_books_cmp_id) : NULL;
+}
+
+/* Like strchr, these hand a mutable element out of const books: callers that got the books
+ * const only read it. */
+static inline struct sl_client *sl_books_find_client(const struct sl_books *b, uint64_t id) {
+  return sl_books_find_by_id(b->clients, b->nclients, sizeof(*b->clients), id);
+}
+
+static inline struct sl_region *sl_books_find_region(const struct sl_books *b, uint64_t id) {
+  return sl_books_find_by_id(b->regions, b->nregions, sizeof(*b->regions), id);
+}
+
+static inline struct sl_loan *sl_books_find_loan(const struct sl_books *b, uint64_t id) {
+  return b->loan != NULL && b->loan->id == id ? b->loan : NULL;
+}
+
+static inline uint64_t sl_books_window_size(const struct sl_loan *l) {
+  return l->unkept + l->fresh + l->kept;
+}
+
+static inline uint64_t sl_books_kept_start(const struct sl_loan *l) {
+  return l->unkept + l->fresh;
+}
+
+static inline uint64_t sl_books_pages_for(const struct sl_books *b, uint64_t size) {
+  return size / b->cfg.page_size + (size % b->cfg.page_size != 0);
+}
+
+/* flags[p] = 1 for every page holding a kept byte (books.c). */
+void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
+                              uint64_t page_size, uint8_t *flags);
+
+#endif

@@ -1,0 +1,400 @@
+/* check.c - the books' invariants (sl_books_check, declared in books.h): everything the
+ * ledger promises, checked from its data alone. Slow on purpose (linear or n log n in pages,
+ * ranges and moves): the daemon runs it after every request only with --check, for tests.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "books_impl.h"
+
+static uint64_t min_u64(uint64_t a, uint64_t b) {
+  return a < b ? a : b;
+}
+
+static uint64_t max_u64(uint64_t a, uint64_t b) {
+  return a > b ? a : b;
+}
+
+struct check {
+  char *why;
+  size_t n;
+};
+
+static int broken(struct check *ck, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static int broken(struct check *ck, const char *fmt, ...) {
+  va_list ap;
+
+  if (ck->why != NULL && ck->n > 0) {
+    va_start(ap, fmt);
+    vsnprintf(ck->why, ck->n, fmt, ap);
+    va_end(ap);
+  }
+  return SUBLET_EPROTO;
+}
+
+static int check_clients(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+
+  for (size_t i = 0; i < b->nclients; i++) {
+    const struct sl_client *c = &b->clients[i];
+    if (c->id == 0 || c->id >= b->next_client || (i > 0 && c->id <= c[-1].id))
+      return broken(ck, "client %" PRIu64 " out of order or never issued", c->id);
+    if (c->loan_id == 0)
+      continue;
+    if (l == NULL || l->id != c->loan_id || l->borrower_client != c->id ||
+        l->state != SL_LOAN_ACTIVE)
+      return broken(ck, "client %" PRIu64 " borrows loan %" PRIu64 " which does not have it "
+                    "as its active borrower", c->id, c->loan_id);
+  }
+  return 0;
+}
+
+static int check_region(const struct sl_books *b, const struct sl_region *r, struct check *ck) {
+  const struct sl_loan *l = sl_books_find_loan(b, r->loan_id);
+
+  if (r->npages == 0)
+    return broken(ck, "region %" PRIu64 " has no pages", r->id);
+  if (r->loan_id != 0 && (l == NULL || l->region_id != r->id))
+    return broken(ck, "region %" PRIu64 " is lent to loan %" PRIu64 " which does not lend it",
+                  r->id, r->loan_id);
+  if (sl_books_find_client(b, r->owner_client) != NULL)
+    return 0;
+  if (l == NULL || !l->owner_gone)
+    return broken(ck, "region %" PRIu64 " outlives its owner client %" PRIu64
+                  " without a loan holding it", r->id, r->owner_client);
+  return 0;
+}
+
+static int check_regions(const struct sl_books *b, struct check *ck) {
+  uint64_t pages = 0;
+  int rc;
+
+  for (size_t i = 0; i < b->nregions; i++) {
+    const struct sl_region *r = &b->regions[i];
+    if (r->id == 0 || r->id >= b->next_region || (i > 0 && r->id <= r[-1].id))
+      return broken(ck, "region %" PRIu64 " out of order or never issued", r->id);
+    rc = check_region(b, r, ck);
+    if (rc < 0)
+      return rc;
+    pages += r->npages;
+  }
+  if (pages != b->region_pages)
+    return broken(ck, "region pages %" PRIu64 " counted as %" PRIu64, pages, b->region_pages);
+  return 0;
+}
+
+static int check_parties(const struct sl_books *b, const struct sl_loan *l,
+                         const struct sl_region *r, struct check *ck) {
+  const struct sl_client *borrower = sl_books_find_client(b, l->borrower_client);
+
+  if (r->owner_client != l->owner_client)
+    return broken(ck, "loan %" PRIu64 " owner %" PRIu64 " is not its region's owner", l->id,
+                  l->owner_client);
+  if (l->owner_gone == (sl_books_find_client(b, l->owner_client) != NULL))
+    return broken(ck, "loan %" PRIu64 " owner_gone=%d disagrees with the client list", l->id,
+                  l->owner_gone);
+  if (l->state == SL_LOAN_ACTIVE && (borrower == NULL || borrower->loan_id != l->id))
+    return broken(ck, "active loan %" PRIu64 " has no live borrower pointing back", l->id);
+  if (l->state == SL_LOAN_DRAINING && (borrower != NULL || l->nallocs != 0))
+    return broken(ck, "draining loan %" PRIu64 " keeps a borrower or allocations", l->id);
+  if (l->state == SL_LOAN_OFFERED &&
+      (l->borrower_client != 0 || l->hwm != 0 || l->fresh != 0 || l->owner_gone))
+    return broken(ck, "offered loan %" PRIu64 " already has a borrower or an owner gone", l->id);
+  return 0;
+}
+
+static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint64_t npages,
+                        struct check *ck) {
+  uint64_t bytes = 0, limit = npages * b->cfg.page_size;
+  uint8_t *flags;
+  int rc = 0;
+
+  for (size_t i = 0; i < l->nkeep; i++) {
+    const struct sublet_range *k = &l->keep[i];
+    uint64_t prev_end = i > 0 ? k[-1].offset + k[-1].length : 0;
+    if (k->length == 0 || k->offset > limit || k->length > limit - k->offset ||
+        (i > 0 && k->offset <= prev_end))
+      return broken(ck, "loan %" PRIu64 " keep range %zu is not merged or not in the region",
+                    l->id, i);
+    bytes += k->length;
+  }
+  if (bytes != l->kept_bytes || l->unkept + l->kept != npages)
+    return broken(ck, "loan %" PRIu64 " kept bytes or page counts are off", l->id);
+  flags = calloc(npages, 1);
+  if (flags == NULL)
+    return broken(ck, "out of memory while checking");
+  sl_books_mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
+  for (uint64_t i = 0; i < npages && rc == 0; i++) {
+    uint64_t p = l->pages[i];
+    int want_kept = i >= l->unkept;
+    if (p >= npages || flags[p] != want_kept || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
+      rc = broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
+  }
+  free(flags);
+  return rc;
+}
+
+static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  uint64_t bytes = 0, prev_end = 0, ps = b->cfg.page_size;
+
+  if (l->hwm > sl_books_window_size(l))
+    return broken(ck, "loan %" PRIu64 " hwm %" PRIu64 " is past its window", l->id, l->hwm);
+  for (size_t i = 0; i < l->nallocs; i++) {
+    const struct sl_alloc *a = &l->allocs[i];
+    if (a->npages == 0 || a->pos < prev_end || a->pos + a->npages > l->hwm)
+      return broken(ck, "allocation %" PRIu64 " overlaps another or lies past hwm", a->id);
+    if (a->id == 0 || a->id >= b->next_alloc || a->size == 0 || sl_books_pages_for(b, a->size) != a->npages)
+      return broken(ck, "allocation %" PRIu64 " has a bad id or size", a->id);
+    for (size_t j = 0; j < i; j++)
+      if (l->allocs[j].id == a->id)
+        return broken(ck, "allocation %" PRIu64 " granted twice", a->id);
+    prev_end = a->pos + a->npages;
+    bytes += a->npages * ps;
+  }
+  if (bytes != l->live_bytes || l->stats.peak_bytes < bytes || l->stats.allocations < l->nallocs)
+    return broken(ck, "loan %" PRIu64 " live bytes %" PRIu64 " counted as %" PRIu64, l->id,
+                  bytes, l->live_bytes);
+  return 0;
+}
+
+static int check_chunks(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  uint64_t pos = l->unkept, end = max_u64(l->unkept, min_u64(l->hwm, sl_books_kept_start(l)));
+
+  for (size_t i = 0; i < l->nchunks; i++) {
+    const struct sl_chunk *c = &l->chunks[i];
+    if (c->pos != pos || c->npages == 0 || c->id == 0 || c->id >= b->next_chunk ||
+        (i > 0 && c->id <= c[-1].id))
+      return broken(ck, "loan %" PRIu64 " fresh chunk %" PRIu64 " is misplaced", l->id, c->id);
+    pos += c->npages;
+  }
+  if (pos != end || l->fresh_chunk_pages != end - l->unkept)
+    return broken(ck, "loan %" PRIu64 " fresh positions up to %" PRIu64 " are not all backed "
+                  "by chunks (%" PRIu64 " are)", l->id, end, pos);
+  return 0;
+}
+
+/* ---- where the kept bytes of lent pages went ---------------------------------------------- */
+
+struct span {
+  uint64_t lo, hi;
+};
+
+struct spans {
+  struct span *v;
+  size_t n, cap;
+  int failed; /* out of memory */
+};
+
+static void spans_add(struct spans *s, uint64_t lo, uint64_t len) {
+  if (s->n == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 64;
+    struct span *v = realloc(s->v, cap * sizeof(*v));
+    if (v == NULL) {
+      s->failed = 1;
+      return;
+    }
+    s->v = v;
+    s->cap = cap;
+  }
+  s->v[s->n++] = (struct span){lo, lo + len};
+}
+
+static int cmp_span(const void *a, const void *b) {
+  const struct span *x = a, *y = b;
+  return (x->lo > y->lo) - (x->lo < y->lo);
+}
+
+/* Sorts and merges touching spans; returns -1 if two of them overlap. */
+static int spans_normalize(struct spans *s) {
+  size_t m = 0;
+  int overlap = 0;
+
+  qsort(s->v, s->n, sizeof(*s->v), cmp_span);
+  for (size_t i = 0; i < s->n; i++) {
+    if (m > 0 && s->v[m - 1].hi > s->v[i].lo)
+      overlap = 1;
+    if (m > 0 && s->v[m - 1].hi >= s->v[i].lo)
+      s->v[m - 1].hi = max_u64(s->v[m - 1].hi, s->v[i].hi);
+    else
+      s->v[m++] = s->v[i];
+  }
+  s->n = m;
+  return overlap ? -1 : 0;
+}
+
+static int spans_equal(const struct spans *a, const struct spans *b) {
+  if (a->n != b->n)
+    return 0;
+  for (size_t i = 0; i < a->n; i++)
+    if (a->v[i].lo != b->v[i].lo || a->v[i].hi != b->v[i].hi)
+      return 0;
+  return 1;
+}
+
+/* The kept zone index of the page holding region byte off, or npages when not a kept page. */
+static uint64_t zone_index(const struct sl_plan *p, uint64_t off) {
+  uint64_t page = off / p->page_size, lo = 0, hi = p->npages;
+
+  while (lo < hi) {
+    uint64_t mid = lo + (hi - lo) / 2;
+    if (p->pages[mid] < page)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < p->npages && p->pages[lo] == page ? lo : p->npages;
+}
+
+/* The first keep range ending after byte off. */
+static size_t keep_after(const struct sl_plan *p, uint64_t off) {
+  size_t a = 0, b = p->nkeep;
+
+  while (a < b) {
+    size_t mid = a + (b - a) / 2;
+    if (p->keep[mid].offset + p->keep[mid].length <= off)
+      a = mid + 1;
+    else
+      b = mid;
+  }
+  return a;
+}
+
+static int touches_kept(const struct sl_plan *p, uint64_t lo, uint64_t hi) {
+  size_t a = keep_after(p, lo);
+
+  return a < p->nkeep && p->keep[a].offset < hi;
+}
+
+/* A move takes kept bytes out of lent pages into unkept bytes of one kept page. */
+static int move_ok(const struct sl_plan *p, const struct sl_move *m) {
+  uint64_t di = zone_index(p, m->dst_off);
+
+  return m->len > 0 && zone_index(p, m->src_off) < p->reached &&
+         zone_index(p, m->src_off + m->len - 1) < p->reached && di < p->npages &&
+         zone_index(p, m->dst_off + m->len - 1) == di &&
+         !touches_kept(p, m->dst_off, m->dst_off + m->len);
+}
+
+/* What left the lent kept pages (saved, or moved out) is exactly what they held: their kept
+ * bytes and the bytes moved into them before they were lent. */
+static int plan_accounting(const struct sl_plan *p, struct spans *have, struct spans *want,
+                           struct spans *dsts) {
+  uint64_t host = 0, ps = p->page_size;
+
+  for (size_t i = 0; i < p->nsaves; i++) {
+    if (p->saves[i].host_off != host || p->saves[i].len == 0)
+      return -1;
+    host += p->saves[i].len;
+    spans_add(have, p->saves[i].dev_off, p->saves[i].len);
+  }
+  for (size_t i = 0; i < p->nmoves; i++) {
+    const struct sl_move *m = &p->moves[i];
+    if (!move_ok(p, m))
+      return -2;
+    spans_add(have, m->src_off, m->len);
+    spans_add(dsts, m->dst_off, m->len);
+    if (zone_index(p, m->dst_off) < p->reached)
+      spans_add(want, m->dst_off, m->len);
+  }
+  for (uint64_t q = 0; q < p->reached; q++) {
+    uint64_t start = p->pages[q] * ps, end = start + ps;
+    for (size_t k = keep_after(p, start); k < p->nkeep && p->keep[k].offset < end; k++) {
+      uint64_t lo = max_u64(start, p->keep[k].offset);
+      spans_add(want, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
+    }
+  }
+  return host == p->saved_bytes ? 0 : -1;
+}
+
+static int check_plan(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
+  const struct sl_plan *p = &l->plan;
+  uint64_t ks = sl_books_kept_start(l), reached = l->hwm > ks ? l->hwm - ks : 0;
+  struct spans have = {0}, want = {0}, dsts = {0};
+  int rc = 0, how;
+
+  (void)b;
+  if (p->reached != reached || p->npages != l->kept || p->saved_bytes != l->stats.copied_out_bytes ||
+      p->moved_bytes != l->stats.moved_bytes || l->stats.copied_in_bytes != 0)
+    return broken(ck, "loan %" PRIu64 " plan reached %" PRIu64 " of %" PRIu64 " kept pages "
+                  "(hwm says %" PRIu64 ") or its byte counts disagree with the stats", l->id,
+                  p->reached, p->npages, reached);
+  how = plan_accounting(p, &have, &want, &dsts);
+  if (have.failed || want.failed || dsts.failed)
+    rc = broken(ck, "out of memory while checking");
+  else if (how == -1)
+    rc = broken(ck, "loan %" PRIu64 " saves are not packed in host memory", l->id);
+  else if (how == -2)
+    rc = broken(ck, "loan %" PRIu64 " moves a byte that is not kept in a lent page, or into "
+                "kept bytes", l->id);
+  else if (spans_normalize(&have) < 0 || spans_normalize(&dsts) < 0)
+    rc = broken(ck, "loan %" PRIu64 " saves or moves a byte twice", l->id);
+  else if (spans_normalize(&want), !spans_equal(&have, &want))
+    rc = broken(ck, "loan %" PRIu64 " lent kept pages whose bytes were neither saved nor "
+                "moved (or saved bytes that were not theirs)", l->id);
+  free(have.v);
+  free(want.v);
+  free(dsts.v);
+  return rc;
+}
+
+static int check_loan(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+  const struct sl_region *r;
+  int rc;
+
+  if (l == NULL)
+    return 0;
+  r = sl_books_find_region(b, l->region_id);
+  if (l->id == 0 || l->id >= b->next_loan || l->state < SL_LOAN_OFFERED ||
+      l->state > SL_LOAN_DRAINING)
+    return broken(ck, "loan %" PRIu64 " has a bad id or state", l->id);
+  if (r == NULL || r->loan_id != l->id)
+    return broken(ck, "loan %" PRIu64 " region %" PRIu64 " is missing or does not point back",
+                  l->id, l->region_id);
+  rc = check_parties(b, l, r, ck);
+  if (rc == 0)
+    rc = check_layout(b, l, r->npages, ck);
+  if (rc == 0)
+    rc = check_allocs(b, l, ck);
+  if (rc == 0)
+    rc = check_chunks(b, l, ck);
+  if (rc == 0)
+    rc = check_plan(b, l, ck);
+  return rc;
+}
+
+static int check_totals(const struct sl_books *b, struct check *ck) {
+  const struct sl_loan *l = b->loan;
+  const struct sl_books_totals *t = &b->counters;
+
+  if (t->copied_in_bytes > t->copied_out_bytes)
+    return broken(ck, "more bytes restored (%" PRIu64 ") than saved (%" PRIu64 ")",
+                  t->copied_in_bytes, t->copied_out_bytes);
+  if (l == NULL)
+    return 0;
+  if (t->copied_out_bytes < l->stats.copied_out_bytes ||
+      t->served_bytes[SL_SRC_UNKEPT] < l->stats.served_unkept_bytes ||
+      t->served_bytes[SL_SRC_FRESH] < l->stats.served_fresh_bytes ||
+      t->served_bytes[SL_SRC_KEPT] < l->stats.served_kept_bytes)
+    return broken(ck, "device totals are below loan %" PRIu64 "'s own counts", l->id);
+  return 0;
+}
+
+int sl_books_check(const struct sl_books *b, char *why, size_t n) {
+  struct check ck = {why, n};
+  int rc = check_clients(b, &ck);
+
+  if (rc == 0)
+    rc = check_regions(b, &ck);
+  if (rc == 0)
+    rc = check_loan(b, &ck);
+  if (rc == 0)
+    rc = check_totals(b, &ck);
+  if (rc == 0 && why != NULL && n > 0)
+    why[0] = '\0';
+  return rc;
+}
