@@ -213,6 +213,8 @@ static int spans_normalize(struct spans *s) {
   size_t m = 0;
   int overlap = 0;
 
+  if (s->n == 0)
+    return 0;
   qsort(s->v, s->n, sizeof(*s->v), cmp_span);
   for (size_t i = 0; i < s->n; i++) {
     if (m > 0 && s->v[m - 1].hi > s->v[i].lo)

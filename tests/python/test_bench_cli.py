@@ -64,6 +64,7 @@ def synthetic_results() -> dict:
             copied = max(0.0, fraction - 0.7) * size
             if size == 64 * GiB:
                 results.append(_result("copy-all", "any", fraction, size, 42.0, 2.9, size, 2.5))
+                results.append(_result("tms", "any", fraction, size, 9.0, 1.0, 0.3 * size, 0.1))
             for pattern in ("rows", "blocks", "slice"):
                 results.append(_result("sublet", pattern, fraction, size, 0.5, 0.1 + copied / 5e10,
                                        copied, 0.09 + copied / 5.4e10))
@@ -89,7 +90,8 @@ def test_report_prints_the_table_and_the_targets(tmp_path):
     assert "copy-all" in out and "sublet blocks 30%" in out
     assert "failed: exit status 1: boom" in out
     assert "targets:" in out and "met" in out
-    assert ">= 4 x faster than copy-all" in out
+    assert "faster than torch_memory_saver" in out
+    assert "tms (split kept)" in out
 
 
 def test_plot_renders_an_svg(tmp_path):
