@@ -14,6 +14,7 @@
  * the window pages handed out, which is the memory the borrower takes from the device.
  */
 #include "books_impl.h"
+#include "grow.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
@@ -27,21 +28,6 @@ static const char *const state_names[] = {"", "offered", "active", "draining"};
 
 static int out_of_memory(struct sl_err *err) {
   return sl_err_set(err, SUBLET_ENOMEM, "subletd is out of host memory; free some and retry");
-}
-
-/* Returns p grown to hold at least want elements, or NULL (p untouched). */
-static void *grow(void *p, size_t *cap, size_t want, size_t elem) {
-  size_t ncap = *cap ? *cap : 8;
-  void *np;
-
-  if (want <= *cap)
-    return p;
-  while (ncap < want)
-    ncap *= 2;
-  np = realloc(p, ncap * elem);
-  if (np != NULL)
-    *cap = ncap;
-  return np;
 }
 
 static uint64_t min_u64(uint64_t a, uint64_t b) {
@@ -118,7 +104,7 @@ int sl_books_client_add(struct sl_books *b, const struct sl_peer *peer, uint64_t
 
   if (peer == NULL)
     return SUBLET_EINVAL;
-  v = grow(b->clients, &b->cap_clients, b->nclients + 1, sizeof(*v));
+  v = sl_grow(b->clients, &b->cap_clients, b->nclients + 1, sizeof(*v));
   if (v == NULL)
     return SUBLET_ENOMEM;
   b->clients = v;
@@ -151,7 +137,7 @@ int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
     return sl_err_set(err, SUBLET_EINVAL,
                       "a region of %" PRIu64 " pages cannot be made; ask for at least one byte "
                       "and no more than the device holds", npages);
-  v = grow(b->regions, &b->cap_regions, b->nregions + 1, sizeof(*v));
+  v = sl_grow(b->regions, &b->cap_regions, b->nregions + 1, sizeof(*v));
   if (v == NULL)
     return out_of_memory(err);
   b->regions = v;
@@ -826,11 +812,11 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
 
   if (!grant_current(b, g, &i))
     return SUBLET_EINVAL; /* stale or foreign grant: plan again */
-  allocs = grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
+  allocs = sl_grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
   if (allocs == NULL)
     return SUBLET_ENOMEM;
   l->allocs = allocs;
-  chunks = grow(l->chunks, &l->cap_chunks, l->nchunks + 1, sizeof(*chunks));
+  chunks = sl_grow(l->chunks, &l->cap_chunks, l->nchunks + 1, sizeof(*chunks));
   if (chunks == NULL)
     return SUBLET_ENOMEM;
   l->chunks = chunks;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "books_impl.h"
+#include "grow.h"
 
 static uint64_t min_u64(uint64_t a, uint64_t b) {
   return a < b ? a : b;
@@ -190,16 +191,13 @@ struct spans {
 };
 
 static void spans_add(struct spans *s, uint64_t lo, uint64_t len) {
-  if (s->n == s->cap) {
-    size_t cap = s->cap ? 2 * s->cap : 64;
-    struct span *v = realloc(s->v, cap * sizeof(*v));
-    if (v == NULL) {
-      s->failed = 1;
-      return;
-    }
-    s->v = v;
-    s->cap = cap;
+  struct span *v = sl_grow(s->v, &s->cap, s->n + 1, sizeof(*v));
+
+  if (v == NULL) {
+    s->failed = 1;
+    return;
   }
+  s->v = v;
   s->v[s->n++] = (struct span){lo, lo + len};
 }
 
@@ -251,22 +249,8 @@ static uint64_t zone_index(const struct sl_plan *p, uint64_t off) {
   return lo < p->npages && p->pages[lo] == page ? lo : p->npages;
 }
 
-/* The first keep range ending after byte off. */
-static size_t keep_after(const struct sl_plan *p, uint64_t off) {
-  size_t a = 0, b = p->nkeep;
-
-  while (a < b) {
-    size_t mid = a + (b - a) / 2;
-    if (p->keep[mid].offset + p->keep[mid].length <= off)
-      a = mid + 1;
-    else
-      b = mid;
-  }
-  return a;
-}
-
 static int touches_kept(const struct sl_plan *p, uint64_t lo, uint64_t hi) {
-  size_t a = keep_after(p, lo);
+  size_t a = sl_plan_keep_after(p, lo);
 
   return a < p->nkeep && p->keep[a].offset < hi;
 }
@@ -304,7 +288,7 @@ static int plan_accounting(const struct sl_plan *p, struct spans *have, struct s
   }
   for (uint64_t q = 0; q < p->reached; q++) {
     uint64_t start = p->pages[q] * ps, end = start + ps;
-    for (size_t k = keep_after(p, start); k < p->nkeep && p->keep[k].offset < end; k++) {
+    for (size_t k = sl_plan_keep_after(p, start); k < p->nkeep && p->keep[k].offset < end; k++) {
       uint64_t lo = max_u64(start, p->keep[k].offset);
       spans_add(want, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
     }

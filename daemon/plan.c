@@ -5,6 +5,8 @@
  */
 #include "plan.h"
 
+#include "grow.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,20 +32,6 @@ static uint64_t min_u64(uint64_t a, uint64_t b) {
   return a < b ? a : b;
 }
 
-static void *grow(void *p, size_t *cap, size_t want, size_t elem) {
-  size_t ncap = *cap ? *cap : 64;
-  void *np;
-
-  if (want <= *cap)
-    return p;
-  while (ncap < want)
-    ncap *= 2;
-  np = realloc(p, ncap * elem);
-  if (np != NULL)
-    *cap = ncap;
-  return np;
-}
-
 static int move_add(struct move_list *l, uint64_t src, uint64_t dst, uint64_t len) {
   struct sl_move *last = l->n ? &l->v[l->n - 1] : NULL;
   struct sl_move *v;
@@ -53,7 +41,7 @@ static int move_add(struct move_list *l, uint64_t src, uint64_t dst, uint64_t le
     last->len += len;
     return 0;
   }
-  v = grow(l->v, &l->cap, l->n + 1, sizeof(*v));
+  v = sl_grow(l->v, &l->cap, l->n + 1, sizeof(*v));
   if (v == NULL)
     return SUBLET_ENOMEM;
   l->v = v;
@@ -71,7 +59,7 @@ static int save_add(struct save_list *l, uint64_t dev_off, uint64_t len) {
     last->len += len;
     return 0;
   }
-  v = grow(l->v, &l->cap, l->n + 1, sizeof(*v));
+  v = sl_grow(l->v, &l->cap, l->n + 1, sizeof(*v));
   if (v == NULL)
     return SUBLET_ENOMEM;
   l->v = v;
@@ -99,8 +87,7 @@ void sl_plan_release(struct sl_plan *p) {
   p->nmoves = p->nsaves = p->cap_moves = p->cap_saves = 0;
 }
 
-/* The first merged keep range ending after byte off. */
-static size_t keep_after(const struct sl_plan *p, uint64_t off) {
+size_t sl_plan_keep_after(const struct sl_plan *p, uint64_t off) {
   size_t lo = 0, hi = p->nkeep;
 
   while (lo < hi) {
@@ -117,22 +104,12 @@ static uint64_t page_start(const struct sl_plan *p, uint64_t i) {
   return p->pages[i] * p->page_size;
 }
 
-uint64_t sl_plan_page_kept(const struct sl_plan *p, uint64_t i) {
-  uint64_t start = page_start(p, i), end = start + p->page_size, bytes = 0;
-
-  for (size_t k = keep_after(p, start); k < p->nkeep && p->keep[k].offset < end; k++) {
-    uint64_t lo = p->keep[k].offset > start ? p->keep[k].offset : start;
-    bytes += min_u64(end, p->keep[k].offset + p->keep[k].length) - lo;
-  }
-  return bytes;
-}
-
 /* The next free hole at or after the cursor, as [*at, *at + *len); 0 when none is left above
  * the cursor's floor. Exhausted pages are left behind, downwards. */
 static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, uint64_t *len) {
   while (c->sink >= c->floor && c->sink < p->npages) {
     uint64_t start = page_start(p, c->sink), end = start + p->page_size, x = start + c->off;
-    size_t k = keep_after(p, x);
+    size_t k = sl_plan_keep_after(p, x);
     if (k < p->nkeep && p->keep[k].offset <= x) { /* inside a kept range: skip it */
       x = p->keep[k].offset + p->keep[k].length;
       k++;
@@ -185,7 +162,7 @@ static size_t moves_into(const struct sl_plan *p, uint64_t pg) {
  * address order so that a dense page copies in few long pieces. */
 static int save_dense(const struct sl_plan *p, uint64_t i, struct save_list *sl) {
   uint64_t start = page_start(p, i), end = start + p->page_size, pg = p->pages[i];
-  size_t k = keep_after(p, start), m = moves_into(p, pg);
+  size_t k = sl_plan_keep_after(p, start), m = moves_into(p, pg);
   int rc = 0;
 
   while (rc == 0) {
@@ -214,7 +191,7 @@ static int empty_page(const struct sl_plan *p, uint64_t i, struct cursor *c,
 
   if (i >= lowest_filled && p->nmoves > 0)
     return save_dense(p, i, sl);
-  for (size_t k = keep_after(p, start); rc == 0 && k < p->nkeep && p->keep[k].offset < end;
+  for (size_t k = sl_plan_keep_after(p, start); rc == 0 && k < p->nkeep && p->keep[k].offset < end;
        k++) {
     uint64_t lo = p->keep[k].offset > start ? p->keep[k].offset : start;
     rc = place(p, c, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo, ml, sl);
@@ -246,11 +223,11 @@ int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s) {
 
   if (s->from != p->reached)
     return SUBLET_EINVAL;
-  mv = grow(p->moves, &p->cap_moves, p->nmoves + s->nmoves, sizeof(*mv));
+  mv = sl_grow(p->moves, &p->cap_moves, p->nmoves + s->nmoves, sizeof(*mv));
   if (mv == NULL && s->nmoves > 0)
     return SUBLET_ENOMEM;
   p->moves = mv;
-  sv = grow(p->saves, &p->cap_saves, p->nsaves + s->nsaves, sizeof(*sv));
+  sv = sl_grow(p->saves, &p->cap_saves, p->nsaves + s->nsaves, sizeof(*sv));
   if (sv == NULL && s->nsaves > 0)
     return SUBLET_ENOMEM;
   p->saves = sv;

@@ -70,7 +70,7 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
 /* Records the step (it must be the plan's current one); on ENOMEM nothing changes. */
 int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s);
 void sl_plan_step_clear(struct sl_plan_step *s);
-/* Kept bytes in kept zone page i. */
-uint64_t sl_plan_page_kept(const struct sl_plan *p, uint64_t i);
+/* The first merged keep range ending after region byte off (nkeep: none). */
+size_t sl_plan_keep_after(const struct sl_plan *p, uint64_t off);
 
 #endif

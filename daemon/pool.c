@@ -246,6 +246,11 @@ static int copy_batched(struct sl_pool *p, enum sl_copy_dir dir, struct pool_reg
   return rc;
 }
 
+static int no_pages(uint64_t region_id, struct sl_err *err) {
+  return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
+                    (unsigned long long)region_id);
+}
+
 static int transfer(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
                     const struct sl_copy *c, size_t n, double *seconds, struct sl_err *err) {
   struct pool_region *r = find_region(p, region_id);
@@ -253,8 +258,7 @@ static int transfer(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
   int rc;
 
   if (r == NULL)
-    return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
-                      (unsigned long long)region_id);
+    return no_pages(region_id, err);
   if (n == 0)
     return 0;
   rc = sl_pool_host_reserve(p, c[n - 1].host_off + c[n - 1].len, err);
@@ -282,8 +286,7 @@ int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m,
   int rc;
 
   if (r == NULL)
-    return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
-                      (unsigned long long)region_id);
+    return no_pages(region_id, err);
   rc = sl_device_move(p->dev, r->base, m, n, err);
   if (seconds != NULL)
     *seconds = now_seconds() - t0;
