@@ -246,6 +246,39 @@ static void test_batched_copies(struct sl_device *d) {
   unmap_pages(d, &m);
 }
 
+/* Moves inside device memory, as compaction makes them: many pieces, odd lengths and
+ * alignments, from the first half into the second; the rest stays as it was. */
+static void test_batched_moves(struct sl_device *d) {
+  const size_t n = 10000;
+  struct sl_move *mv = NULL;
+  uint8_t *image = NULL, *want = NULL;
+  struct mapped m;
+  uint64_t half, stride;
+
+  CHECK(map_pages(d, 4, &m) == 0);
+  half = m.size / 2;
+  stride = half / n;
+  mv = calloc(n, sizeof(*mv));
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&image, &err) == 0);
+  want = malloc(m.size);
+  for (size_t i = 0; mv != NULL && i < n; i++) /* sources ascend, destinations descend */
+    mv[i] = (struct sl_move){i * stride + i % 5, half + (n - 1 - i) * stride + i % 3,
+                             1 + (i * 37) % (stride - 8)};
+  CHECK(write_device(d, m.addr, m.size, 9) == 0);
+  fill_pattern(want, m.size, 9);
+  for (size_t i = 0; mv != NULL && i < n; i++)
+    memcpy(want + mv[i].dst_off, want + mv[i].src_off, mv[i].len);
+  CHECK(sl_device_move(d, m.addr, mv, n, &err) == 0);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m.addr, image, &(struct sl_copy){0, 0, m.size}, 1,
+                       &err) == 0);
+  CHECK(image != NULL && want != NULL && memcmp(image, want, m.size) == 0);
+  CHECK(sl_device_move(d, m.addr, mv, 0, &err) == 0); /* nothing to do */
+  sl_device_host_free(d, image, m.size);
+  free(want);
+  free(mv);
+  unmap_pages(d, &m);
+}
+
 static void test_bad_arguments(struct sl_device *d) {
   uint64_t page = sl_device_info(d)->page_size;
   sl_handle h = 0;
@@ -361,6 +394,7 @@ static void run_common_checks(struct sl_device *d) {
   test_two_mappings_alias(d);
   test_unmap_keeps_reservation(d);
   test_batched_copies(d);
+  test_batched_moves(d);
   test_bad_arguments(d);
   test_import_in_process(d);
   test_share_with_child(d);
@@ -561,6 +595,31 @@ static void report_bandwidth(struct sl_device *d, struct mapped *m, void *host) 
   free(c);
 }
 
+/* Device-to-device moves of 64 KiB pieces, scattered, from the first half of 2 GiB to the
+ * second: what compaction gets (each byte read once and written once). */
+static void report_move_bandwidth(struct sl_device *d) {
+  const uint64_t piece = 64 * 1024;
+  struct mapped m;
+  size_t n, i;
+  struct sl_move *mv;
+  double start;
+
+  if (map_pages(d, (2ull << 30) / sl_device_info(d)->page_size, &m) != 0)
+    return;
+  n = m.size / 2 / piece;
+  mv = calloc(n, sizeof(*mv));
+  for (i = 0; mv != NULL && i < n; i++)
+    mv[i] = (struct sl_move){i * piece, m.size / 2 + (i * 7919) % n * piece, piece};
+  if (mv != NULL && sl_device_move(d, m.addr, mv, n, &err) == 0) { /* warm up */
+    start = now();
+    CHECK(sl_device_move(d, m.addr, mv, n, &err) == 0);
+    printf("cuda: %zu moves of 64 KiB on the device, scattered: %.0f GB/s moved\n", n,
+           (double)(n * piece) / (now() - start) / 1e9);
+  }
+  free(mv);
+  unmap_pages(d, &m);
+}
+
 static void test_cuda_bandwidth(struct sl_device *d) {
   const struct sl_device_info *info = sl_device_info(d);
   size_t pages = (1ull << 30) / info->page_size;
@@ -596,6 +655,7 @@ static void test_cuda(void) {
   CHECK(strcmp(sl_device_info(d)->backend, "cuda") == 0);
   run_common_checks(d);
   test_cuda_bandwidth(d);
+  report_move_bandwidth(d);
   sl_device_close(d);
 }
 
