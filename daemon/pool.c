@@ -285,6 +285,8 @@ int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m,
   double t0 = now_seconds();
   int rc;
 
+  if (n == 0)
+    return 0;
   if (r == NULL)
     return no_pages(region_id, err);
   rc = sl_device_move(p->dev, r->base, m, n, err);

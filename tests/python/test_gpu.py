@@ -90,9 +90,12 @@ def fill_with_torch(chunk: int) -> list[torch.Tensor]:
 
 
 def expected_copied(loan: sublet.Loan, ranges: np.ndarray, page: int) -> int:
-    """Kept bytes of the kept pages the loan handed out (kept pages go last, ascending)."""
+    """Kept bytes that could not stay on the GPU: with `used` of the K kept pages handed out,
+    the others hold what they can in their unkept bytes (moved there on the GPU), so only
+    max(0, kept - (K - used) x page) go to the host."""
     used = loan.stats.served_kept_bytes // page
-    return kept_bytes_in_pages(ranges, page, kept_pages(ranges, page)[:used].tolist())
+    room = (len(kept_pages(ranges, page)) - used) * page
+    return max(0, kept_bytes_in_pages(ranges, page) - room)
 
 
 # --------------------------------------------------------------------------- the README
