@@ -57,7 +57,9 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   m.has_token = token != NULL;
   m.token.data = (uint8_t *)token;
   m.token.len = token != NULL ? 16 : 0;
-  m.name = (char *)name;
+  m.has_name = name != NULL;
+  m.name.data = (uint8_t *)name;
+  m.name.len = name != NULL ? strlen(name) : 0;
   m.has_timeout_ms = 1;
   m.timeout_ms = timeout_ms;
   req.body_case = SUBLET__REQUEST__BODY_BORROW;

@@ -207,7 +207,9 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   m.n_keep = keep_all ? 0 : 2 * n;
   m.has_keep_all = 1;
   m.keep_all = keep_all != 0;
-  m.name = (char *)name;
+  m.has_name = name != NULL;
+  m.name.data = (uint8_t *)name;
+  m.name.len = name != NULL ? strlen(name) : 0;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   pthread_mutex_lock(&c->lock);

@@ -21,6 +21,53 @@ struct ctx {
   struct sl_err err;
 };
 
+/* ---- loan names: UTF-8 of 1 to 63 bytes, no NUL (LoanName in sublet.proto) */
+
+/* The length of the UTF-8 sequence at s (n bytes left), or 0 when it is not one: a stray
+ * continuation byte, a truncated sequence, an overlong form, a surrogate, above U+10FFFF. */
+static size_t utf8_sequence(const uint8_t *s, size_t n) {
+  static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000}; /* below: overlong */
+  size_t len = s[0] < 0x80 ? 1 : s[0] >= 0xc2 && s[0] < 0xe0 ? 2 : s[0] >= 0xe0 && s[0] < 0xf0
+               ? 3 : s[0] >= 0xf0 && s[0] < 0xf5 ? 4 : 0;
+  uint32_t cp = len == 1 ? s[0] : s[0] & (0x7f >> len);
+
+  if (len == 0 || len > n)
+    return 0;
+  for (size_t i = 1; i < len; i++) {
+    if ((s[i] & 0xc0) != 0x80)
+      return 0;
+    cp = cp << 6 | (s[i] & 0x3f);
+  }
+  if (cp < least[len])
+    return 0;
+  if ((cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
+    return 0;
+  return len;
+}
+
+/* Copies a request's loan name into out[64] ("" when absent), or refuses it. */
+static int loan_name(struct ctx *x, protobuf_c_boolean has, ProtobufCBinaryData name,
+                     char out[64]) {
+  size_t len;
+
+  out[0] = '\0';
+  if (!has || name.len == 0)
+    return 0;
+  if (name.len >= 64)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "a loan name is at most 63 bytes, not %zu: "
+                      "use a shorter name", name.len);
+  for (size_t i = 0; i < name.len; i += len) {
+    len = name.data[i] == 0 ? 0 : utf8_sequence(name.data + i, name.len - i);
+    if (len == 0)
+      return sl_err_set(&x->err, SUBLET_EINVAL, "a loan name is UTF-8 text without NUL; "
+                        "byte %zu of this one (0x%02x) is not: use another name", i,
+                        name.data[i]);
+  }
+  memcpy(out, name.data, name.len);
+  out[name.len] = '\0';
+  return 0;
+}
+
 static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   const struct sl_device_info *info = sl_device_info(x->d->dev);
   Sublet__Reply rep = SUBLET__REPLY__INIT;
@@ -133,16 +180,19 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   Sublet__Lent lent = SUBLET__LENT__INIT;
   struct sl_loan_info li;
   uint8_t token[16];
+  char name[64];
   uint64_t loan;
   int rc;
 
+  if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
+    return rc;
   if (m->n_keep % 2 != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "
                       "an even count, not %zu", m->n_keep);
   if (getrandom(token, sizeof(token), 0) != sizeof(token))
     return sl_err_set(&x->err, SUBLET_EIO, "getrandom: %s", strerror(errno));
   rc = sl_books_lend(x->d->books, x->c->client_id, m->region,
-                     (const struct sublet_range *)m->keep, m->n_keep / 2, m->keep_all, m->name,
+                     (const struct sublet_range *)m->keep, m->n_keep / 2, m->keep_all, name,
                      token, &loan, &x->err);
   if (rc != 0)
     return rc;
@@ -245,12 +295,15 @@ static int try_borrow(struct sl_conn *c, uint64_t id, uint64_t loan, const uint8
 static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
   const uint8_t *token = m->has_token ? m->token.data : NULL;
   struct sl_waiter *w;
+  char name[64];
   int rc;
 
   if (m->has_token && m->token.len != 16)
     return sl_err_set(&x->err, SUBLET_EINVAL, "a loan's token is 16 bytes, not %zu",
                       m->token.len);
-  rc = try_borrow(x->c, x->id, m->loan, token, m->name, &x->err);
+  if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
+    return rc;
+  rc = try_borrow(x->c, x->id, m->loan, token, name, &x->err);
   if (rc != SUBLET_ENOOFFER || m->timeout_ms == 0)
     return rc;
   w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
@@ -260,7 +313,7 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
   w->has_token = token != NULL;
   if (token != NULL)
     memcpy(w->token, token, 16);
-  snprintf(w->name, sizeof(w->name), "%s", m->name ? m->name : "");
+  memcpy(w->name, name, sizeof(w->name));
   return 0;
 }
 

@@ -18,16 +18,19 @@ MemPools nested in the loan. The owner must not use the lent tensor during the l
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from ._client import DaemonInfo, LoanStats
-from ._keep import Keep
-from ._lib import (BorrowerDiedError, BusyError, DaemonUnavailableError, LeakError,
-                   NoOfferError, OwnerGoneError, ProtocolError, SubletError,
-                   SubletOutOfMemoryError, SubletTimeoutError)
-from ._loan import BorrowedLoan, Loan, LocalLoan, Offer
-from ._memory import empty, resolve_device
-from ._torch import LeakedBlock
+from ._lib import (BorrowerDiedError, BusyError, DaemonInfo, DaemonUnavailableError,
+                   LeakError, LoanStats, NoOfferError, OwnerGoneError, ProtocolError,
+                   SubletError, SubletOutOfMemoryError, SubletTimeoutError)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._keep import Keep
+    from ._loan import BorrowedLoan, Loan, LocalLoan, Offer
+    from ._memory import empty
+    from ._torch import LeakedBlock
 
 __version__ = "0.1.0"
 
@@ -37,6 +40,20 @@ __all__ = [
     "BorrowerDiedError", "DaemonUnavailableError", "ProtocolError", "BusyError",
     "SubletTimeoutError", "SubletOutOfMemoryError", "info",
 ]
+
+# What needs torch is imported on first use, so that `sublet status` (and `import sublet`)
+# does not pay for importing torch.
+_LAZY = {"empty": "._memory", "Loan": "._loan", "Offer": "._loan", "LocalLoan": "._loan",
+         "BorrowedLoan": "._loan", "LeakedBlock": "._torch"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'sublet' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
 
 
 def lend(tensor: torch.Tensor, keep: Keep = None) -> Loan:
@@ -49,6 +66,7 @@ def lend(tensor: torch.Tensor, keep: Keep = None) -> Loan:
     kept when any kept byte lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
     raises LeakError, after the kept data is restored.
     """
+    from ._loan import LocalLoan
     return LocalLoan(tensor, keep)
 
 
@@ -56,6 +74,7 @@ def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None) -> O
     """Offers the memory of `tensor` to another process (which calls sublet.borrow(name=...))
     and returns an Offer at once; Offer.wait() blocks until it comes back. In a `with` block,
     leaving it withdraws an untaken offer or waits for the borrower to finish."""
+    from ._loan import Offer
     return Offer(tensor, keep, name)
 
 
@@ -63,13 +82,18 @@ def borrow(name: str | None = None, device: torch.device | str | int | None = No
            timeout: float | None = None, *, loan_id: int = 0,
            token: bytes | None = None) -> Loan:
     """Borrows, in a `with` block, a loan offered by another process on `device` (default:
-    the current CUDA device): the one named `name`, the one given by loan_id and token, or the
-    next offer. Waits up to `timeout` seconds (None: forever) for it, else NoOfferError."""
+    the current CUDA device): the one named `name`, the one given by loan_id and token, or,
+    with neither, the next offer: the oldest one on the device that this user may borrow
+    (the owner's own user, root, or a member of the daemon's --allow-group). Each offer goes
+    to exactly one borrower. Waits up to `timeout` seconds (None: forever) for it, else
+    NoOfferError."""
+    from ._loan import BorrowedLoan
     return BorrowedLoan(name, device, timeout, loan_id, token)
 
 
 def info(device: torch.device | str | int | None = None) -> DaemonInfo:
     """What the daemon serving `device` (default: the current CUDA device) says about itself:
     backend, page size, total and free memory."""
+    from ._memory import resolve_device
     _, client = resolve_device(device)
     return client.get_info()

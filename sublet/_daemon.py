@@ -1,26 +1,32 @@
-"""Finding subletd for a device, or starting a private one for this process.
+"""Finding subletd for a device, or starting the user's own (the tmux model).
 
 Order: $SUBLET_SOCKET when set (used as is); else a system daemon under /run/sublet/ serving
-this GPU (cuda backend only); else a private subletd, started once per device for this process
-and stopped at interpreter exit. The private daemon also watches our pid (--parent-pid), so it
-goes away even when we are killed.
+this GPU (cuda backend); else the user's own daemon for this GPU, in the user's directory:
+
+    $XDG_RUNTIME_DIR/sublet/    or, without XDG_RUNTIME_DIR,    /tmp/sublet-UID/
+
+a directory of the user's with mode 0700 (checked: another owner or wider mode is refused),
+holding per GPU GPU-<uuid>.sock, .lock, .log and .pid. The first sublet process of the user
+starts the daemon there; later ones find it. Two processes starting at once take the .lock
+(flock) in turn, and the second finds the first's daemon. The daemon is started in a session
+of its own, not as our child (it outlives us; Ctrl-C in our terminal does not reach it), with
+its output in the .log, and leaves by itself after $SUBLET_IDLE_EXIT seconds (default 600)
+without a client or a region (subletd --idle-exit).
 
 A system daemon's socket is named by the daemon's device number (gpuN.sock), which is not ours
 when CUDA_VISIBLE_DEVICES differs: the daemon's GPU UUID decides, gpuN.sock being tried first.
+The user's sockets are named by UUID, so they need no such check.
 """
 
 from __future__ import annotations
 
-import atexit
-import ctypes
+import contextlib
+import fcntl
 import os
-import shutil
-import signal
+import stat
 import subprocess
-import tempfile
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import _lib
@@ -28,6 +34,7 @@ from ._lib import DaemonUnavailableError
 
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 START_TIMEOUT_S = float(os.environ.get("SUBLET_DAEMON_START_TIMEOUT", "30"))
+DEFAULT_IDLE_EXIT_S = 600
 
 
 def requested_backend() -> str:
@@ -41,19 +48,19 @@ def requested_backend() -> str:
     return "cuda" if torch.cuda.is_available() else "memfd"
 
 
-def connect(device: int, backend: str) -> ctypes.c_void_p:
-    """A connected sublet_client for the daemon of this device index."""
+def connect(device: int, backend: str) -> _lib.Client:
+    """A connection to the daemon of this device index."""
     explicit = os.environ.get("SUBLET_SOCKET")
     if explicit:
-        return _connect(explicit)
+        return _lib.Client.open(explicit)
     if backend == "cuda":
         client = _system_daemon(device)
         if client is not None:
             return client
-    return _connect(_private_daemon(device, backend).socket)
+    return _user_daemon(device, backend)
 
 
-def _system_daemon(device: int) -> ctypes.c_void_p | None:
+def _system_daemon(device: int) -> _lib.Client | None:
     """A connection to the system daemon serving this process's CUDA device `device`."""
     ours = SYSTEM_SOCKET_DIR / f"gpu{device}.sock"
     uuid = _cuda_uuid(device)
@@ -63,12 +70,12 @@ def _system_daemon(device: int) -> ctypes.c_void_p | None:
         if not path.exists():
             continue
         try:
-            client = _connect(str(path))
+            client = _lib.Client.open(str(path))
         except DaemonUnavailableError:
             continue  # a stale socket
-        if uuid is None or _daemon_uuid(client) == uuid:
+        if uuid is None or client.info.device_uuid == uuid:
             return client
-        _lib.lib().sublet_disconnect(client)
+        client.close()
     return None
 
 
@@ -81,111 +88,142 @@ def _cuda_uuid(device: int) -> bytes | None:
         return None
 
 
-def _daemon_uuid(client: ctypes.c_void_p) -> bytes:
-    info = _lib.Info()
-    _lib.check(_lib.lib().sublet_get_info(client, ctypes.byref(info)))
-    return bytes(info.device_uuid)
+# --------------------------------------------------------------------------- the user's daemon
+
+def format_uuid(uuid: bytes) -> str:
+    """GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi and `sublet status` write it."""
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _connect(path: str) -> ctypes.c_void_p:
-    client = ctypes.c_void_p()
-    _lib.check(_lib.lib().sublet_connect(path.encode(), ctypes.byref(client)))
-    return client
+def device_uuid(device: int, backend: str) -> bytes | None:
+    """The UUID the daemon of this device will report: the GPU's, or the memfd backend's fixed
+    one ("sublet-memfd" and the device number, common/device_memfd.c)."""
+    if backend == "memfd":
+        return b"sublet-memfd" + device.to_bytes(4, "big")
+    return _cuda_uuid(device)
 
 
-# --------------------------------------------------------------------------- private daemons
-
-@dataclass
-class PrivateDaemon:
-    process: subprocess.Popen
-    socket: str
-    workdir: str
-    creator_pid: int
-
-    def stderr_tail(self, limit: int = 4000) -> str:
-        try:
-            return Path(self.workdir, "subletd.log").read_text(errors="replace")[-limit:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not gone within 5 s; removes its directory."""
-        if os.getpid() != self.creator_pid:
-            return  # a forked child: the daemon is its parent's
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+def user_dir_path() -> Path:
+    """Where the user's daemons live (whether the directory exists or not)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime, "sublet") if runtime else Path("/tmp", f"sublet-{os.getuid()}")
 
 
-_private: dict[tuple[str, int], PrivateDaemon] = {}
-_private_lock = threading.Lock()
+def user_sockets() -> list[Path]:
+    """The sockets of the user's daemons, running or stale (for `sublet status`)."""
+    try:
+        return sorted(user_dir().glob("*.sock")) if user_dir_path().is_dir() else []
+    except DaemonUnavailableError:
+        return []
 
 
-def _private_daemon(device: int, backend: str) -> PrivateDaemon:
-    with _private_lock:
-        key = (backend, device)
-        daemon = _private.get(key)
-        if daemon is None or daemon.process.poll() is not None:
-            daemon = _private[key] = _start(device, backend)
-        return daemon
+def user_dir() -> Path:
+    """The user's directory for their daemons, made on first use, checked every time."""
+    path = user_dir_path()
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise DaemonUnavailableError(
+            f"cannot make {path} for your subletd: {e.strerror} (is $XDG_RUNTIME_DIR "
+            f"right? unset it to use /tmp, or set $SUBLET_SOCKET)") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise DaemonUnavailableError(
+            f"{path} must be a directory of uid {os.getuid()} with mode 0700 (it is "
+            f"{'a directory' if stat.S_ISDIR(st.st_mode) else 'not a directory'} of uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): someone else may be able to "
+            f"reach your daemon through it. Remove it, or set $XDG_RUNTIME_DIR or "
+            f"$SUBLET_SOCKET")
+    return path
 
 
-def _start(device: int, backend: str) -> PrivateDaemon:
+def user_socket(device: int, backend: str) -> Path:
+    """Where the user's daemon for this device listens (whether it runs or not)."""
+    uuid = device_uuid(device, backend)
+    name = format_uuid(uuid) if uuid is not None else f"cuda{device}"
+    return user_dir() / f"{name}.sock"
+
+
+def _user_daemon(device: int, backend: str) -> _lib.Client:
+    sock = user_socket(device, backend)
+    with contextlib.suppress(DaemonUnavailableError):
+        return _lib.Client.open(str(sock))
+    with _locked(sock.with_suffix(".lock")):
+        # Whoever held the lock before us may have started it.
+        with contextlib.suppress(DaemonUnavailableError):
+            return _lib.Client.open(str(sock))
+        return _start(device, backend, sock)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes, even if we are killed
+        yield
+    finally:
+        os.close(fd)
+
+
+def idle_exit_seconds() -> float:
+    value = os.environ.get("SUBLET_IDLE_EXIT", str(DEFAULT_IDLE_EXIT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1
+    if not seconds > 0:
+        raise ValueError(f"SUBLET_IDLE_EXIT={value!r}: give the seconds the daemon stays "
+                         f"without a client, such as 600")
+    return seconds
+
+
+def _start(device: int, backend: str, sock: Path) -> _lib.Client:
+    """Starts the user's daemon at sock (the caller holds its lock); returns a connection."""
     binary = _lib.find_native("subletd", "SUBLETD")
-    workdir = tempfile.mkdtemp(prefix="sublet-")
-    socket = os.path.join(workdir, f"gpu{device}.sock")
-    argv = [str(binary), "--device", str(device), "--socket", socket, "--backend", backend,
-            "--parent-pid", str(os.getpid())]
-    with open(os.path.join(workdir, "subletd.log"), "wb") as log:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                   start_new_session=True)  # Ctrl-C is ours, not the daemon's
-    daemon = PrivateDaemon(process, socket, workdir, os.getpid())
-    if not _private:
-        atexit.register(_stop_all)
-    _wait_until_answering(daemon, " ".join(argv))
-    return daemon
+    argv = [str(binary), "--device", str(device), "--backend", backend, "--socket", str(sock),
+            "--idle-exit", f"{idle_exit_seconds():g}"]
+    log = sock.with_suffix(".log")
+    with open(log, "wb") as out:
+        # sh starts it in the background and exits: the daemon is nobody's child but init's.
+        shell = subprocess.run(["/bin/sh", "-c", '"$@" >&2 & echo $!', "sublet", *argv],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out,
+                               start_new_session=True, check=True)
+    pid = int(shell.stdout)
+    sock.with_suffix(".pid").write_text(f"{pid}\n")
+    return _wait_until_answering(sock, pid, log, " ".join(argv))
 
 
-def _wait_until_answering(daemon: PrivateDaemon, command: str) -> None:
-    """Waits for the socket to accept a connection (it exists a moment before it listens)."""
+def _alive(pid: int) -> bool:
+    """Is pid running (not exited, not a zombie that nobody has reaped yet)?"""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _log_tail(log: Path, limit: int = 4000) -> str:
+    try:
+        return log.read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
+
+
+def _wait_until_answering(sock: Path, pid: int, log: Path, command: str) -> _lib.Client:
+    """Waits for the new daemon to answer (its socket exists a moment before it listens)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        if daemon.process.poll() is not None:
-            daemon.stop()
+        with contextlib.suppress(DaemonUnavailableError):
+            return _lib.Client.open(str(sock))
+        if not _alive(pid):
             raise DaemonUnavailableError(
-                f"the private subletd exited with status {daemon.process.returncode} at start "
-                f"({command}). Its output:\n{daemon.stderr_tail()}")
-        if os.path.exists(daemon.socket):
-            try:
-                _lib.lib().sublet_disconnect(_connect(daemon.socket))
-                return
-            except DaemonUnavailableError:
-                pass
+                f"subletd exited at start ({command}). Its log, {log}:\n{_log_tail(log)}")
         if time.monotonic() > deadline:
-            tail = daemon.stderr_tail()
-            daemon.stop()
             raise DaemonUnavailableError(
-                f"the private subletd did not answer on {daemon.socket} within "
-                f"{START_TIMEOUT_S:.0f} s ({command}; $SUBLET_DAEMON_START_TIMEOUT sets the "
-                f"limit). Its output:\n{tail}")
+                f"subletd (pid {pid}) did not answer on {sock} within {START_TIMEOUT_S:.0f} s "
+                f"({command}; $SUBLET_DAEMON_START_TIMEOUT sets the limit). Its log, {log}:\n"
+                f"{_log_tail(log)}")
         time.sleep(0.01)
-
-
-def _stop_all() -> None:
-    with _private_lock:
-        for daemon in _private.values():
-            daemon.stop()
-        _private.clear()
-
-
-def _forget_after_fork() -> None:
-    # The child must neither stop its parent's daemons nor use its parent's connections.
-    _private.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,4 +1,5 @@
-"""ctypes binding of libsublet.so, the C client library, and sublet's exception types.
+"""ctypes binding of libsublet.so, the C client library, and sublet's exception types: the one
+module of the package that touches ctypes.
 
 Why ctypes and not an extension module: PyTorch's ``CUDAPluggableAllocator`` loads the
 allocator's alloc/free pair (``sublet_torch_alloc`` / ``sublet_torch_free``) by dlopen()ing a
@@ -10,17 +11,22 @@ neither. The hooks are plain C and never call back into Python.
 
 Every function of include/sublet.h is declared here with its prototype. ``check()`` turns a
 negative SUBLET_E* code into the matching Python exception carrying sublet_last_error()'s text.
+``Client`` wraps one sublet_client (a connection to one daemon): each method is one C call that
+takes and returns Python values. Nothing here imports torch: `sublet status` uses it alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import threading
+from dataclasses import dataclass, fields
 from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_int, c_size_t,
                     c_ssize_t, c_uint8, c_uint32, c_uint64, c_void_p)
 from pathlib import Path
+from typing import Any
 
 # --------------------------------------------------------------------------- error codes
 
@@ -257,10 +263,14 @@ def lib() -> ctypes.CDLL:
         return _lib
 
 
+def text(value: bytes | None) -> str:
+    """A string from the library or the daemon: whatever its bytes, it prints."""
+    return value.decode(errors="replace") if value else ""
+
+
 def last_error() -> str:
     """The calling thread's last error message from the library."""
-    text = lib().sublet_last_error()
-    return text.decode(errors="replace") if text else ""
+    return text(lib().sublet_last_error())
 
 
 def check(rc: int) -> int:
@@ -268,3 +278,204 @@ def check(rc: int) -> int:
     if rc < 0:
         raise error_for(rc, last_error())
     return rc
+
+
+
+# --------------------------------------------------------------------------- one connection
+
+TOKEN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    """What subletd said about itself and its device (struct sublet_info)."""
+    daemon_version: str
+    backend: str
+    device_name: str
+    device_uuid: bytes
+    device_ordinal: int
+    page_size: int
+    total_bytes: int
+    free_bytes: int
+    client_id: int
+
+
+@dataclass(frozen=True)
+class LoanStats:
+    """Where a loan's memory came from and what crossed the host link. Bytes are exact.
+
+    copied_out_bytes: kept bytes saved to host memory because the borrower used their pages;
+    copied_in_bytes: the same bytes restored (equal to copied_out_bytes once the loan ended).
+    moved_bytes: kept bytes moved on the GPU, into unkept bytes of kept pages the borrower did
+    not use, instead of to the host (and moved back at the end).
+    map_seconds is the client's (importing and mapping pages), the copy times the daemon's.
+    """
+    loan_id: int
+    copied_out_bytes: int
+    copied_in_bytes: int
+    served_unkept_bytes: int
+    served_fresh_bytes: int
+    served_kept_bytes: int
+    peak_bytes: int
+    allocations: int
+    map_seconds: float
+    copy_out_seconds: float
+    copy_in_seconds: float
+    borrower_died: bool
+    owner_gone: bool
+    moved_bytes: int
+    move_seconds: float
+
+    @classmethod
+    def from_c(cls, c: CLoanStats) -> "LoanStats":
+        values = {f.name: getattr(c, f.name) for f in fields(cls)}
+        values["borrower_died"] = bool(values["borrower_died"])
+        values["owner_gone"] = bool(values["owner_gone"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ReturnResult:
+    code: int                  # 0, or a negative SUBLET_E* code (ELEAK, EOWNERGONE...)
+    message: str
+    stats: LoanStats
+    leaks: list[tuple[int, int]]  # (alloc id, size) of allocations alive at the return
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """A sublet_region of this process: the C handle and where it is mapped."""
+    handle: c_void_p
+    addr: int
+    size: int  # whole pages
+    id: int
+
+
+def _name(name: str | None) -> bytes | None:
+    """A loan name for C: a C string cannot hold a NUL, so such a name is refused here as the
+    daemon refuses it (rather than being cut short)."""
+    if not name:
+        return None
+    if "\0" in name:
+        raise error_for(ERROR_CODES["EINVAL"], f"loan name {name!r} holds a NUL character: "
+                        f"use a name without one")
+    return name.encode()
+
+
+class Client:
+    """A sublet_client: one connection to one daemon, at socket `path`. info is what the daemon
+    said at connection."""
+
+    def __init__(self, handle: c_void_p, path: str):
+        self.handle = handle
+        self.path = path
+        self.info = self.get_info()
+
+    @classmethod
+    def open(cls, path: str) -> "Client":
+        """Connects to the daemon at path; DaemonUnavailableError when nobody answers."""
+        handle = c_void_p()
+        check(lib().sublet_connect(path.encode(), ctypes.byref(handle)))
+        try:
+            return cls(handle, path)
+        except BaseException:
+            lib().sublet_disconnect(handle)
+            raise
+
+    def get_info(self) -> DaemonInfo:
+        info = Info()
+        check(lib().sublet_get_info(self.handle, ctypes.byref(info)))
+        return DaemonInfo(
+            text(info.daemon_version), text(info.backend), text(info.device_name),
+            bytes(info.device_uuid), info.device_ordinal, info.page_size, info.total_bytes,
+            info.free_bytes, info.client_id)
+
+    def close(self) -> None:
+        lib().sublet_disconnect(self.handle)
+        self.handle = None
+
+    # ---- regions
+    def region_create(self, size: int) -> RegionHandle:
+        region, l = c_void_p(), lib()
+        check(l.sublet_region_create(self.handle, size, ctypes.byref(region)))
+        return RegionHandle(region, l.sublet_region_addr(region), l.sublet_region_size(region),
+                            l.sublet_region_id(region))
+
+    @staticmethod
+    def region_release(region: RegionHandle) -> None:
+        check(lib().sublet_region_release(region.handle))
+
+    # ---- owner's side
+    def lend(self, region: RegionHandle, ranges: Any, name: str | None) -> tuple[int, bytes]:
+        """Offers a region; ranges (a C-contiguous (n, 2) uint64 numpy array) None keeps all of
+        it. Returns (loan id, token)."""
+        loan_id, token = c_uint64(), TOKEN()
+        keep_all = ranges is None
+        n = 0 if keep_all else len(ranges)
+        check(lib().sublet_lend(region.handle, ranges.ctypes.data if n else None, n,
+                                int(keep_all), _name(name), ctypes.byref(loan_id), token))
+        return loan_id.value, bytes(token)
+
+    def reclaim(self, loan_id: int, timeout_ms: int) -> LoanStats:
+        rc, message, stats = self.reclaim_raw(loan_id, timeout_ms)
+        if rc < 0:
+            raise error_for(rc, message)
+        return stats
+
+    def reclaim_raw(self, loan_id: int, timeout_ms: int) -> tuple[int, str, LoanStats]:
+        """Like reclaim, but returns the code, so that a died borrower's stats are kept."""
+        stats = CLoanStats()
+        rc = lib().sublet_reclaim(self.handle, loan_id, timeout_ms, ctypes.byref(stats))
+        return rc, (last_error() if rc < 0 else ""), LoanStats.from_c(stats)
+
+    def withdraw(self, loan_id: int) -> None:
+        check(lib().sublet_withdraw(self.handle, loan_id))
+
+    # ---- borrower's side
+    def borrow(self, loan_id: int = 0, token: bytes | None = None, name: str | None = None,
+               timeout_ms: int = 0) -> None:
+        if token is not None and len(token) != TOKEN_BYTES:
+            raise ValueError(f"a loan token is {TOKEN_BYTES} bytes, not {len(token)}")
+        ctoken = TOKEN.from_buffer_copy(token) if token is not None else None
+        check(lib().sublet_borrow(self.handle, loan_id, ctoken, _name(name), timeout_ms))
+
+    def alloc(self, size: int) -> int:
+        ptr = c_void_p()
+        check(lib().sublet_alloc(self.handle, size, ctypes.byref(ptr)))
+        return ptr.value or 0
+
+    def free(self, ptr: int) -> None:
+        check(lib().sublet_free(self.handle, c_void_p(ptr)))
+
+    def return_loan(self, force: bool, max_leaks: int = 256) -> ReturnResult:
+        stats, leaks, nleaks = CLoanStats(), (CLeak * max_leaks)(), c_size_t()
+        rc = lib().sublet_return(self.handle, int(force), ctypes.byref(stats), leaks, max_leaks,
+                                 ctypes.byref(nleaks))
+        message = last_error() if rc < 0 else ""
+        alive = [(leaks[i].alloc_id, leaks[i].size) for i in range(min(nleaks.value,
+                                                                        max_leaks))]
+        return ReturnResult(rc, message, LoanStats.from_c(stats), alive)
+
+    def loan_stats(self) -> LoanStats:
+        stats = CLoanStats()
+        check(lib().sublet_loan_stats(self.handle, ctypes.byref(stats)))
+        return LoanStats.from_c(stats)
+
+    def status(self) -> dict:
+        """The daemon's status (device, regions, the loan in progress, totals) as parsed JSON;
+        bytes that are not UTF-8 (a name from an older daemon) are replaced, not fatal."""
+        out = c_void_p()
+        check(lib().sublet_status_json(self.handle, ctypes.byref(out)))
+        try:
+            return json.loads(ctypes.string_at(out.value).decode(errors="replace"))
+        finally:
+            lib().sublet_string_free(out)
+
+    def torch_bind(self, cuda_index: int, bound: bool) -> None:
+        """Routes (or stops routing) the PyTorch hooks of a CUDA device index to this client."""
+        check(lib().sublet_torch_bind(cuda_index, self.handle if bound else None))
+
+
+def host_bytes(addr: int, nbytes: int) -> ctypes.Array:
+    """nbytes of this process's memory at addr as a writable buffer (torch.frombuffer's)."""
+    return (ctypes.c_uint8 * nbytes).from_address(addr)

@@ -248,7 +248,8 @@ def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.nd
     """keep as region byte ranges; None keeps the whole region."""
     if keep is None:
         return None
-    return _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size, tensor)
+    ranges = _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size, tensor)
+    return np.ascontiguousarray(ranges, np.uint64)
 
 
 def _claim(region: Region) -> None:

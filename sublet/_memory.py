@@ -11,7 +11,6 @@ lend() can tell sublet's tensors from others and views of one tensor from views 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import weakref
 from collections.abc import Sequence
@@ -33,10 +32,7 @@ class Region:
         self.client = client
         self.device = device
         self.handle = handle = client.region_create(nbytes)
-        lib = _lib.lib()
-        self.addr: int = lib.sublet_region_addr(handle)
-        self.size: int = lib.sublet_region_size(handle)  # whole pages
-        self.id: int = lib.sublet_region_id(handle)
+        self.addr, self.size, self.id = handle.addr, handle.size, handle.id  # size: whole pages
         self.lent = False  # one loan of a region at a time; set by the lending side
         with _registry_lock:
             _registry[self.addr] = weakref.ref(self)
@@ -44,10 +40,10 @@ class Region:
         weakref.finalize(self, _release, handle, self.addr).atexit = False
 
 
-def _release(handle: ctypes.c_void_p, addr: int) -> None:
+def _release(handle: _lib.RegionHandle, addr: int) -> None:
     with _registry_lock:
         _registry.pop(addr, None)
-    _lib.check(_lib.lib().sublet_region_release(handle))
+    _lib.Client.region_release(handle)
 
 
 def region_of(tensor: torch.Tensor) -> Region:
@@ -82,7 +78,7 @@ def wrap(addr: int, nbytes: int, device: torch.device, owner: object,
     if device.type == "cuda":
         raw = torch.as_tensor(_CudaMemory(addr, nbytes, owner), device=device)
     else:
-        buffer = (ctypes.c_uint8 * nbytes).from_address(addr)
+        buffer = _lib.host_bytes(addr, nbytes)
         buffer.owner = owner  # torch.frombuffer keeps the buffer, the buffer keeps the owner
         raw = torch.frombuffer(buffer, dtype=torch.uint8)
     return raw.view(dtype).view(tuple(size))

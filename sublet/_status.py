@@ -1,7 +1,9 @@
 """`sublet status`: what each device's subletd is doing, for people, scripts and Prometheus.
 
-It asks every daemon it can find (--socket, else $SUBLET_SOCKET, else /run/sublet/gpu*.sock)
-for its status (the daemon's Status message, as JSON from sublet_status_json) and prints it.
+It asks every daemon it can find (--socket, else $SUBLET_SOCKET, else the system daemons at
+/run/sublet/gpu*.sock and the user's own, started on demand, in $XDG_RUNTIME_DIR/sublet/ or
+/tmp/sublet-UID/) for its status (the daemon's Status message, as JSON from
+sublet_status_json) and prints it. It does not import torch: it answers in a blink.
 
 Exit status: 0 when every daemon answered; 1 when some did not (the others are still shown);
 2 on a usage error; 3 when no daemon was found at all.
@@ -10,14 +12,13 @@ Exit status: 0 when every daemon answered; 1 when some did not (the others are s
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from . import _lib
+from . import __version__, _daemon, _lib
 
 EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE = 0, 1, 2, 3
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
@@ -39,27 +40,24 @@ def duration(seconds: float) -> str:
     return f"{days}d {h}h {m:02d}m" if days else f"{h}h {m:02d}m {s:02d}s"
 
 
-def sockets(explicit: list[str]) -> list[str]:
+def sockets(explicit: list[str]) -> tuple[list[str], list[str]]:
+    """The sockets to ask: (those that must answer, the user's own daemons' sockets, which
+    may be left over from a daemon that was killed)."""
     if explicit:
-        return explicit
+        return explicit, []
     if os.environ.get("SUBLET_SOCKET"):
-        return [os.environ["SUBLET_SOCKET"]]
-    return [str(p) for p in sorted(SYSTEM_SOCKET_DIR.glob("gpu*.sock"))]
+        return [os.environ["SUBLET_SOCKET"]], []
+    system = [str(p) for p in sorted(SYSTEM_SOCKET_DIR.glob("gpu*.sock"))]
+    return system, [str(p) for p in _daemon.user_sockets()]
 
 
 def query(path: str) -> dict[str, Any]:
     """The status of the daemon at `path`; raises SubletError when it cannot be reached."""
-    lib = _lib.lib()
-    client, text = ctypes.c_void_p(), ctypes.c_void_p()
-    _lib.check(lib.sublet_connect(path.encode(), ctypes.byref(client)))
+    client = _lib.Client.open(path)
     try:
-        _lib.check(lib.sublet_status_json(client, ctypes.byref(text)))
-        try:
-            status = json.loads(ctypes.string_at(text.value).decode())
-        finally:
-            lib.sublet_string_free(text)
+        status = client.status()
     finally:
-        lib.sublet_disconnect(client)
+        client.close()
     status["socket"] = path
     return status
 
@@ -157,6 +155,8 @@ def prometheus(statuses: list[dict[str, Any]]) -> str:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sublet", description="sublet: lend GPU memory")
+    parser.add_argument("-V", "--version", action="version",
+                        version=f"sublet {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="show what each device's subletd is doing")
     form = status.add_mutually_exclusive_group()
@@ -165,7 +165,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                       help="Prometheus text format (for a node exporter's textfile collector)")
     status.add_argument("--socket", action="append", default=[], metavar="PATH",
                         help="ask the daemon at PATH (repeatable; default: $SUBLET_SOCKET, "
-                             "else /run/sublet/gpu*.sock)")
+                             "else /run/sublet/gpu*.sock and your own daemons' sockets)")
     return parser.parse_args(argv)
 
 
@@ -174,17 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(argv)
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
-    paths = sockets(args.socket)
-    if not paths:
-        print("sublet status: no subletd found: none at /run/sublet/gpu*.sock and "
-              "$SUBLET_SOCKET is not set (start one: systemctl start subletd@0.socket)",
-              file=sys.stderr)
-        return EXIT_NONE
+    paths, leftovers = sockets(args.socket)
     statuses, failed = [], 0
-    for path in paths:
+    for path in paths + leftovers:
         try:
             statuses.append(query(path))
         except _lib.SubletError as e:
+            if path in leftovers and isinstance(e, _lib.DaemonUnavailableError):
+                continue  # left by a daemon of ours that was killed: nothing to show
             print(f"sublet status: {path}: {e}", file=sys.stderr)
             failed += 1
     if args.json:
@@ -193,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(prometheus(statuses))
     else:
         print("\n\n".join(text_status(s) for s in statuses))
+    if not statuses and not failed:
+        print(f"sublet status: no subletd found: none at /run/sublet/gpu*.sock or in "
+              f"{_daemon.user_dir_path()}, and $SUBLET_SOCKET is not set (a sublet program "
+              f"starts your own; or start the service: systemctl start subletd@0.socket)",
+              file=sys.stderr)
     if not statuses:
         return EXIT_NONE
     return EXIT_PARTIAL if failed else EXIT_OK

@@ -128,7 +128,9 @@ static size_t seed_lend(uint8_t *buf) {
   lend.region = 3;
   lend.n_keep = 4;
   lend.keep = keep;
-  lend.name = "kv-cache";
+  lend.has_name = 1;
+  lend.name.data = (uint8_t *)"kv-cache";
+  lend.name.len = 8;
   req.id = 7;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &lend;

@@ -474,7 +474,9 @@ static void test_waiter_of_a_client_gone_deaf(void) {
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
   CHECK(sl_msg_send_request(fd, &req, NULL, 0, NULL) == 0);
-  borrow.name = "nobody";
+  borrow.has_name = 1;
+  borrow.name.data = (uint8_t *)"nobody";
+  borrow.name.len = 6;
   borrow.has_timeout_ms = 1;
   borrow.timeout_ms = 100;
   req.id = 2;
@@ -596,6 +598,88 @@ static void waiting_borrower(const char *name, int timeout_ms) {
   if (rc == 0)
     sublet_return(c, 0, NULL, NULL, 0, NULL);
   _exit(rc == 0 ? 0 : rc == SUBLET_ETIMEDOUT ? 1 : 3);
+}
+
+/* Sends one raw request and returns its reply's Error code (0 for another reply, 1 when no
+ * reply came). */
+static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
+  struct sl_frame_header h;
+  const uint8_t *payload;
+  int fds[SL_WIRE_MAX_FDS], code = 1;
+  Sublet__Reply *rep;
+
+  if (sl_msg_send_request(fd, req, NULL, 0, NULL) != 0 ||
+      sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
+    return 1;
+  sl_wire_close_fds(fds, h.nfds);
+  if ((rep = sl_msg_unpack_reply(payload, h.length, NULL)) != NULL) {
+    code = rep->body_case == SUBLET__REPLY__BODY_ERROR ? rep->error->code : 0;
+    sublet__reply__free_unpacked(rep, NULL);
+  }
+  return code;
+}
+
+/* A NUL cannot pass through the C API: it is sent raw. The name is checked first, so the
+ * region need not exist. */
+static int raw_lend_named(const char *name, size_t len) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  struct sl_wire_rx rx;
+  int fd = raw_connect(), code;
+
+  sl_wire_rx_init(&rx);
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.id = 1;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  code = raw_call(fd, &rx, &req);
+  lend.region = 0; /* no region has id 0 */
+  lend.has_name = 1;
+  lend.name.data = (uint8_t *)name;
+  lend.name.len = len;
+  req.id = 2;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  if (code == 0)
+    code = raw_call(fd, &rx, &req);
+  sl_wire_rx_destroy(&rx);
+  close(fd);
+  return code;
+}
+
+/* A loan's name is UTF-8 of 1 to 63 bytes without NUL: any other is refused with EINVAL (so
+ * that `sublet status` and the daemon's logs can always print it), and the daemon goes on. */
+static void test_loan_names(void) {
+  static const char *const bad[] = {"kv\xff\xfe", "\xc0\xaf" /* overlong '/' */,
+                                    "\xed\xa0\x80" /* a surrogate */, "kv\xe2\x82" /* cut */,
+                                    "\xf4\x90\x80\x80" /* above U+10FFFF */};
+  const char *good = "kv-\xc3\xbc-\xe6\x97\xa5-\xf0\x9f\x99\x82"; /* kv-ü-日-🙂 */
+  char long_name[65], *json;
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[16];
+  uint64_t loan;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    CHECK_RC(sublet_lend(r, NULL, 0, 1, bad[i], &loan, token), SUBLET_EINVAL);
+    CHECK(strstr(sublet_last_error(), "UTF-8") != NULL);
+    CHECK_RC(sublet_borrow(c, 0, NULL, bad[i], 0), SUBLET_EINVAL);
+  }
+  memset(long_name, 'n', 64);
+  long_name[64] = '\0';
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, long_name, &loan, token), SUBLET_EINVAL);
+  CHECK(raw_lend_named("kv\0x", 4) == SUBLET_EINVAL);
+  CHECK(raw_lend_named("kv", 2) == SUBLET_ENOENT); /* the same, without the NUL: no region 0 */
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, good, &loan, token), 0);
+  CHECK_RC(sublet_status_json(c, &json), 0);
+  CHECK(strstr(json, good) != NULL);
+  sublet_string_free(json);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
 }
 
 /* Borrowers waiting for the same offer are served in the order they asked. */
@@ -760,6 +844,7 @@ int main(void) {
   sl_test_run("owner dies", test_owner_dies);
   sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
   sl_test_run("waiting borrowers in order", test_waiting_borrowers_first_come_first_served);
+  sl_test_run("loan names", test_loan_names);
   sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);

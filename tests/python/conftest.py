@@ -4,12 +4,19 @@
 - `gpu` tests skip cleanly without CUDA.
 - `native` finds build/subletd and build/libsublet.so (built by CMake; nothing is built here)
   and skips the tests that need them, with the reason, when they are missing.
+- The session has a runtime directory of its own ($XDG_RUNTIME_DIR): the user's daemons that
+  sublet starts on demand are the session's, shared with no other session nor with the real
+  user's, and they are stopped at its end.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +47,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def stop_user_daemons(directory: Path) -> None:
+    """SIGTERMs the daemons started in a user directory (their .pid files) and waits for them."""
+    from sublet._daemon import _alive
+    pids = []
+    for pidfile in directory.glob("*.pid"):
+        pid = int(pidfile.read_text())
+        try:
+            os.kill(pid, signal.SIGTERM)
+            pids.append(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_runtime_dir():
+    path = Path(tempfile.mkdtemp(prefix="sl-"))  # short: a socket path has 107 bytes at most
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_RUNTIME_DIR", str(path))
+        yield path
+    stop_user_daemons(path / "sublet")
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

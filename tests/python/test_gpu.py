@@ -321,9 +321,8 @@ BORROWER = textwrap.dedent("""
 
 
 def _start_borrower(name: str, mode: str) -> subprocess.Popen:
-    from sublet import _daemon
-    device = torch.cuda.current_device()
-    socket = os.environ.get("SUBLET_SOCKET") or _daemon._private[("cuda", device)].socket
+    from sublet import _client
+    socket = _client.client_for("cuda", torch.cuda.current_device()).path
     env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -48,18 +48,16 @@ BORROWER = textwrap.dedent("""
 
 
 def start_borrower(name: str, big_gib: int, mode: str) -> subprocess.Popen:
-    from sublet import _daemon
-    device = torch.cuda.current_device()
-    socket = os.environ.get("SUBLET_SOCKET") or _daemon._private[("cuda", device)].socket
+    from sublet import _client
+    socket = _client.client_for("cuda", torch.cuda.current_device()).path
     env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, str(big_gib), mode],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def sublet_status(*args: str) -> str:
-    from sublet import _daemon
-    socket = os.environ.get("SUBLET_SOCKET") or \
-        _daemon._private[("cuda", torch.cuda.current_device())].socket
+    from sublet import _client
+    socket = _client.client_for("cuda", torch.cuda.current_device()).path
     return subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", socket, *args],
                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
                           text=True, timeout=60, check=True).stdout

@@ -201,8 +201,8 @@ def test_one_loan_at_a_time():
 
 def free_bytes() -> int:
     """The daemon's free memory now (a new connection's welcome says it)."""
-    from sublet import _client, _daemon
-    client = _client.Client(_daemon.connect(0, "memfd"), "memfd", 0)
+    from sublet import _daemon
+    client = _daemon.connect(0, "memfd")
     try:
         return client.info.free_bytes
     finally:
@@ -266,8 +266,8 @@ BORROWER = textwrap.dedent("""
 
 
 def start_borrower(name: str, mode: str) -> subprocess.Popen:
-    from sublet import _daemon
-    socket = _daemon._private[("memfd", 0)].socket
+    from sublet import _client
+    socket = _client.client_for("memfd", 0).path
     env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -320,20 +320,20 @@ def test_borrow_without_offer():
 def test_system_daemon_is_found_by_gpu_uuid(native, tmp_path, monkeypatch):
     """A daemon whose socket number differs from our device number (CUDA_VISIBLE_DEVICES) is
     still ours when its GPU UUID is; one with another UUID is not."""
-    from sublet import _daemon, _lib
+    from sublet import _daemon
     socket = tmp_path / "gpu3.sock"
     daemon = subprocess.Popen([str(native.subletd), "--device", "3", "--backend", "memfd",
                                "--socket", str(socket), "--parent-pid", str(os.getpid())],
                               stderr=subprocess.PIPE)
     try:
-        probe = _daemon.PrivateDaemon(daemon, str(socket), str(tmp_path), os.getpid())
-        _daemon._wait_until_answering(probe, "subletd")
+        _daemon._wait_until_answering(socket, daemon.pid, tmp_path / "none.log",
+                                      "subletd").close()
         monkeypatch.setattr(_daemon, "SYSTEM_SOCKET_DIR", tmp_path)
         theirs = b"sublet-memfd" + (3).to_bytes(4, "big")
         monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: theirs)
         client = _daemon._system_daemon(0)
-        assert client is not None and _daemon._daemon_uuid(client) == theirs
-        _lib.lib().sublet_disconnect(client)
+        assert client is not None and client.info.device_uuid == theirs
+        client.close()
         monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: bytes(16))
         assert _daemon._system_daemon(0) is None
     finally:
@@ -342,8 +342,8 @@ def test_system_daemon_is_found_by_gpu_uuid(native, tmp_path, monkeypatch):
 
 
 def sublet_status(*args: str) -> subprocess.CompletedProcess:
-    from sublet import _daemon
-    socket = _daemon._private[("memfd", 0)].socket
+    from sublet import _client
+    socket = _client.client_for("memfd", 0).path
     return subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", socket, *args],
                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
                           text=True, timeout=60)
@@ -408,8 +408,8 @@ OWNER = textwrap.dedent("""
 
 
 def test_owner_killed_mid_loan_is_told_to_the_borrower():
-    from sublet import _daemon
-    socket = _daemon._private[("memfd", 0)].socket
+    from sublet import _client
+    socket = _client.client_for("memfd", 0).path
     free_before = sublet.info("cpu").free_bytes
     owner = subprocess.Popen([sys.executable, "-c", OWNER, "orphan"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
