@@ -592,6 +592,10 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
     rc = pick_offer(b, name, out, err);
   if (rc == 0)
     rc = borrow_access(b, *out, c, err);
+  /* The next offer is one this user may borrow: another user's is not on offer to it. */
+  if (rc == SUBLET_EPERM && loan_id == 0 && (name == NULL || name[0] == '\0'))
+    return sl_err_set(err, SUBLET_ENOOFFER, "no loan that uid %u may borrow is on offer on "
+                      "this device; wait for one", (unsigned)c->peer.uid);
   if (rc == 0)
     rc = fresh_fits(b, *out, fresh_pages, err);
   return rc;

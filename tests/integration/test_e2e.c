@@ -600,6 +600,33 @@ static void waiting_borrower(const char *name, int timeout_ms) {
   _exit(rc == 0 ? 0 : rc == SUBLET_ETIMEDOUT ? 1 : 3);
 }
 
+/* The next offer (no name, no id) goes to exactly one of the borrowers waiting for it. */
+static void test_next_offer_taken_once(void) {
+  int got = 0, timed_out = 0, status;
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[16];
+  uint64_t loan;
+  pid_t kids[4];
+
+  for (size_t i = 0; i < 4; i++)
+    if ((kids[i] = fork()) == 0)
+      waiting_borrower(NULL, 1500);
+  usleep(200000);
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, token), 0);
+  for (size_t i = 0; i < 4; i++) {
+    waitpid(kids[i], &status, 0);
+    got += WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    timed_out += WIFEXITED(status) && WEXITSTATUS(status) == 1;
+  }
+  CHECK(got == 1 && timed_out == 3);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
 /* Sends one raw request and returns its reply's Error code (0 for another reply, 1 when no
  * reply came). */
 static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
@@ -772,6 +799,9 @@ static int other_user_child(uint64_t loan, const uint8_t token[16]) {
   rc = sublet_borrow(c, loan, token, NULL, 0);
   if (rc != SUBLET_EPERM || strstr(sublet_last_error(), "allow-group") == NULL)
     return 15;
+  /* The next offer is one this user may borrow: another user's is not on offer to it. */
+  if (sublet_borrow(c, 0, NULL, NULL, 0) != SUBLET_ENOOFFER)
+    return 16;
   sublet_disconnect(c);
   return 0;
 }
@@ -845,6 +875,7 @@ int main(void) {
   sl_test_run("owner killed mid-loan", test_owner_killed_mid_loan);
   sl_test_run("waiting borrowers in order", test_waiting_borrowers_first_come_first_served);
   sl_test_run("loan names", test_loan_names);
+  sl_test_run("the next offer is taken once", test_next_offer_taken_once);
   sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);

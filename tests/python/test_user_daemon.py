@@ -8,7 +8,9 @@ can tell, with no daemon running.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -186,3 +188,43 @@ def test_another_user_gets_their_own_daemon_and_cannot_reach_ours(fresh_user):
     finally:
         stop_user_daemons(theirs_dir / "sublet")
         ours.close()
+
+
+def test_status_finds_the_users_daemon_and_imports_no_torch(fresh_user):
+    from sublet import _daemon
+    client = _daemon.connect(0, "memfd")
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "sublet", "status",
+                          "--json"], env=env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not re.search(r"\|\s+torch(\.|$)", out.stderr, re.MULTILINE), "torch was imported"
+    [status] = json.loads(out.stdout)
+    assert status["socket"] == client.path and status["backend"] == "memfd"
+    version = subprocess.run([sys.executable, "-m", "sublet", "--version"], env=env(),
+                             capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == f"sublet {sublet_version()}"
+    client.close()
+
+
+def sublet_version() -> str:
+    import sublet
+    return sublet.__version__
+
+
+def test_loan_names_any_text_but_no_nul(fresh_user):
+    """A name is UTF-8 text without NUL (the daemon checks every byte: tests/integration's
+    "loan names"); Python refuses a NUL as the daemon would instead of cutting the name."""
+    from sublet import _daemon, _lib
+    client = _daemon.connect(0, "memfd")
+    region = client.region_create(1 << 20)
+    with pytest.raises(_lib.SubletError, match="NUL") as caught:
+        client.lend(region, None, "kv\0x")
+    assert caught.value.code_name == "EINVAL"
+    name = "kv-\u00fc-\u65e5\u672c-\U0001f642"
+    loan, _ = client.lend(region, None, name)
+    out = subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", client.path],
+                         env=env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f'loan {loan} "{name}": offered' in out.stdout
+    client.withdraw(loan)
+    client.region_release(region)
+    client.close()

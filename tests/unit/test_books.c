@@ -308,7 +308,9 @@ static void test_borrow_paths(void) {
   CHECK_EQ(sl_books_borrow(b, same, 0, NULL, "other", 0, &got, &err), SUBLET_ENOOFFER);
   CHECK_EQ(sl_books_borrow(b, stranger, loan, TOKEN, NULL, 0, &got, &err), SUBLET_EPERM);
   CHECK_MSG(err, "--allow-group");
-  CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, NULL, 0, &got, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, "kv", 0, &got, &err), SUBLET_EPERM);
+  /* the next offer is one this user may borrow: to the stranger, nothing is on offer */
+  CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, NULL, 0, &got, &err), SUBLET_ENOOFFER);
   CHECK_EQ(sl_books_borrow(b, same, loan, TOKEN, NULL, UINT64_MAX, &got, &err), SUBLET_EINVAL);
   CHECK_EQ(info(b, loan).state, SL_LOAN_OFFERED);
   BOOKS_OK(b);
@@ -1184,7 +1186,9 @@ static int m_borrow_rc(const struct model *m, uint64_t cid, uint64_t lid, const 
     return SUBLET_ENOOFFER;
   if (l->state != SL_LOAN_OFFERED)
     return SUBLET_EBUSY;
-  return m_may_borrow(m, cid) ? 0 : SUBLET_EPERM;
+  if (m_may_borrow(m, cid))
+    return 0;
+  return lid == 0 && name[0] == '\0' ? SUBLET_ENOOFFER : SUBLET_EPERM; /* not on offer to it */
 }
 
 static void op_borrow(struct model *m) {
