@@ -9,24 +9,32 @@
 
 /* ------------------------------------------------------------------ borrowing */
 
-/* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew. */
+/* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
+ * with the last one's imported handles when they are of the same region. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
-  struct sl_window *w = c->win;
+  struct sl_window *last = c->win;
   struct sl_err err = {0};
+  int rc;
 
   if (b->n_layout != b->unkept_pages + b->kept_pages)
     return sl_client_fail(SUBLET_EPROTO, "subletd sent a layout of the wrong length");
-  if (w != NULL && sl_window_adopt(w, b->region, b->unkept_pages, b->fresh_pages,
-                                   b->kept_pages, b->layout))
+  if (last != NULL && sl_window_adopt(last, b->region, b->unkept_pages, b->fresh_pages,
+                                      b->kept_pages, b->layout)) {
+    last->keep = own != NULL || b->keep_window;
     return 0;
-  sl_window_free(w);
+  }
   c->win = NULL;
-  if (sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
-                    b->fresh_pages, b->kept_pages, b->layout,
-                    own != NULL ? own->handles : NULL, &c->win, &err) != 0)
+  rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
+                     b->fresh_pages, b->kept_pages, b->layout,
+                     own != NULL ? own->handles : NULL, &c->win, &err);
+  if (rc == 0 && last != NULL && b->keep_window)
+    sl_window_take_handles(c->win, last);
+  sl_window_free(last); /* another region's: it may be gone */
+  if (rc != 0)
     return sl_client_fail_err(&err);
   c->win->region_base = own != NULL ? own->base : NULL;
+  c->win->keep = own != NULL || b->keep_window;
   return 0;
 }
 
@@ -226,10 +234,10 @@ static void leaks_from_reply(const Sublet__Error *e, const struct sl_window *w,
     *nleaks_out = e->n_leaks;
 }
 
-/* The loan is over for this client: fresh memory goes back; a window on another process's
- * region goes too (its owner may free the region); one with forfeit allocations is kept
- * until they are freed. */
-static void end_borrowing(sublet_client *c, int forfeit) {
+/* The loan is over for this client: fresh memory goes back; the window stays for the region's
+ * next loan when the daemon said so (keep_window) and the region lives; one with forfeit
+ * allocations is kept until they are freed. */
+static void end_borrowing(sublet_client *c, int forfeit, int region_gone) {
   struct sl_window *w = c->win;
   struct sl_window **fw;
 
@@ -243,7 +251,7 @@ static void end_borrowing(sublet_client *c, int forfeit) {
   }
   w->nallocs = 0;
   sl_window_drop_chunks(w);
-  if (w->owns_handles) {
+  if (w->owns_handles && (!w->keep || region_gone)) {
     sl_window_free(w);
     c->win = NULL;
   }
@@ -274,8 +282,9 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
       sl_msg_stats_from_proto(rep->error->stats, stats);
   }
   if (rc == 0 || (rc == SUBLET_ELEAK && force)) {
+    const Sublet__LoanStats *s = rc == 0 ? rep->returned : rep->error->stats;
     c->win->map_seconds = 0;
-    end_borrowing(c, rc != 0);
+    end_borrowing(c, rc != 0, s == NULL || s->owner_gone);
   }
   if (stats != NULL)
     stats->map_seconds = map_seconds;

@@ -168,6 +168,15 @@ int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_h
   return 0;
 }
 
+void sl_window_take_handles(struct sl_window *w, struct sl_window *from) {
+  if (!w->owns_handles || !from->owns_handles || w->region_id != from->region_id ||
+      w->region_pages != from->region_pages)
+    return;
+  free(w->handles);
+  w->handles = from->handles; /* from's mappings go with from; the handles are w's now */
+  from->handles = NULL;
+}
+
 void sl_window_drop_chunks(struct sl_window *w) {
   if (w->nchunks > 0)
     sl_device_synchronize(w->dev, NULL);

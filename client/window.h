@@ -2,9 +2,11 @@
  *
  * The daemon hands out each allocation as a contiguous run of window positions (books.h), so
  * every allocation is contiguous here with no per-allocation mapping: a position is mapped
- * the first time it is granted and stays mapped. For the owner's own process the window is
- * kept from one loan to the next and only positions whose page changed are remapped, so
- * mapping is paid once. Fresh chunks are mapped when granted and dropped when the loan ends.
+ * the first time it is granted and stays mapped. The window is kept from one loan of a region
+ * to the next (in the owner's process; in another when the daemon says keep_window) and only
+ * positions whose page changed are remapped, so mapping is paid once; in another process the
+ * imported handles stay too, even when the window itself cannot (its zones changed size).
+ * Fresh chunks are mapped when granted and dropped when the loan ends.
  */
 #ifndef SL_WINDOW_H
 #define SL_WINDOW_H
@@ -36,6 +38,7 @@ struct sl_window {
   int64_t *mapped;                /* per position: region page mapped there, or -1 */
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
   int owns_handles;               /* imported for this window (another process's region) */
+  int keep;                       /* kept after the loan for the region's next (Borrowed) */
   struct sl_window_chunk *chunks;
   size_t nchunks, chunkcap;
   struct sl_window_alloc *allocs;
@@ -64,6 +67,9 @@ int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_e
 /* Maps a fresh chunk (imported handle, now owned by w) at its positions. */
 int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,
                         struct sl_err *err);
+/* Moves from's imported region handles to w (same region, both owning their handles): they
+ * need not be imported again. */
+void sl_window_take_handles(struct sl_window *w, struct sl_window *from);
 /* Unmaps and releases every fresh chunk: the loan's free memory goes back to the device. */
 void sl_window_drop_chunks(struct sl_window *w);
 void sl_window_free(struct sl_window *w);

@@ -270,6 +270,8 @@ static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan) {
   b.layout = (uint64_t *)layout;
   b.n_layout = b.unkept_pages + b.kept_pages;
   b.own_region = ri.owner_client == c->client_id;
+  b.has_keep_window = 1;
+  b.keep_window = !b.own_region && c->peer.uid == ri.owner.uid;
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_BORROWED;
   rep.borrowed = &b;

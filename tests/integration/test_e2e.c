@@ -282,6 +282,66 @@ static void test_cross_process(void) {
   cross_process(0);
 }
 
+/* The borrower of test_window_kept: three loans by name, the fds it holds after each. */
+static void kept_window_child(int report_fd) {
+  sublet_client *c;
+  void *p;
+  int fds[4];
+
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    _exit(2);
+  fds[0] = sl_test_count_fds(getpid());
+  for (int i = 1; i <= 3; i++) {
+    if (sublet_borrow(c, 0, NULL, "again", 10000) != 0 ||
+        sublet_alloc(c, (i < 3 ? REGION_PAGES : 2) * PAGE, &p) != 0)
+      _exit(3);
+    memset(p, 0xEE, (i < 3 ? REGION_PAGES : 2) * PAGE);
+    if (sublet_free(c, p) != 0 || sublet_return(c, 0, NULL, NULL, 0, NULL) != 0)
+      _exit(4);
+    fds[i] = sl_test_count_fds(getpid());
+  }
+  _exit(write(report_fd, fds, sizeof(fds)) == sizeof(fds) ? 0 : 5);
+}
+
+/* A borrower in another process (of the owner's uid) keeps its imported pages and its window
+ * from one loan of a region to the next: the second loan imports nothing. A loan of another
+ * region lets the first one's pages go. */
+static void test_window_kept(void) {
+  sublet_client *c;
+  sublet_region *r, *other;
+  uint8_t token[16];
+  uint64_t loan, size = REGION_PAGES * PAGE;
+  int pipefd[2], fds[4], status;
+  pid_t pid;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, size, &r), 0);
+  CHECK(pipe(pipefd) == 0);
+  if ((pid = fork()) == 0)
+    kept_window_child(pipefd[1]);
+  for (int i = 0; i < 2; i++) {
+    fill(sublet_region_addr(r), size);
+    CHECK_RC(sublet_lend(r, NULL, 0, 0, "again", &loan, token), 0);
+    CHECK_RC(sublet_reclaim(c, loan, 10000, NULL), 0);
+  }
+  CHECK_RC(sublet_region_release(r), 0);
+  CHECK_RC(sublet_region_create(c, 2 * PAGE, &other), 0);
+  CHECK_RC(sublet_lend(other, NULL, 0, 0, "again", &loan, token), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 10000, NULL), 0);
+  CHECK(read(pipefd[0], fds, sizeof(fds)) == sizeof(fds));
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  printf("  borrower's fds: %d at start, %d, %d and %d after each loan\n", fds[0], fds[1],
+         fds[2], fds[3]);
+  CHECK(fds[1] >= fds[0] + REGION_PAGES); /* the region's pages, kept after the loan */
+  CHECK(fds[2] == fds[1]);                /* the next loan imported nothing */
+  CHECK(fds[3] <= fds[0] + 2);            /* another region: the first one's pages went */
+  CHECK_RC(sublet_region_release(other), 0);
+  sublet_disconnect(c);
+  close(pipefd[0]);
+  close(pipefd[1]);
+}
+
 static void test_borrower_killed(void) {
   cross_process(1);
 }
@@ -863,6 +923,7 @@ int main(void) {
   sl_test_run("random keep sets", test_random_keeps);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);
+  sl_test_run("another process keeps its window", test_window_kept);
   sl_test_run("free memory back", test_free_memory_back);
   sl_test_run("leak reported", test_leak_reported);
   sl_test_run("errors", test_errors);
