@@ -182,6 +182,7 @@ def test_status_without_any_daemon_exits_3_and_names_the_fix(capsys, monkeypatch
     from sublet import _status
     monkeypatch.delenv("SUBLET_SOCKET", raising=False)
     monkeypatch.setattr(_status, "SYSTEM_SOCKET_DIR", tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no daemon of ours either
     assert _status.main(["status", "--json"]) == 3
     assert "systemctl start subletd@0.socket" in capsys.readouterr().err
 
