@@ -43,7 +43,10 @@ class Region:
 def _release(handle: _lib.RegionHandle, addr: int) -> None:
     with _registry_lock:
         _registry.pop(addr, None)
-    _lib.Client.region_release(handle)
+    try:
+        _lib.Client.region_release(handle)
+    except _lib.DaemonUnavailableError:
+        pass  # the daemon went, and the region with it
 
 
 def region_of(tensor: torch.Tensor) -> Region:
