@@ -152,11 +152,6 @@ class Info(Structure):
     ]
 
 
-class Range(Structure):
-    """struct sublet_range: two uint64s, the same layout as a row of an (n, 2) uint64 array."""
-    _fields_ = [("offset", c_uint64), ("length", c_uint64)]
-
-
 class CLoanStats(Structure):
     _fields_ = [
         ("loan_id", c_uint64),
@@ -407,8 +402,8 @@ class Client:
 
     # ---- owner's side
     def lend(self, region: RegionHandle, ranges: Any, name: str | None) -> tuple[int, bytes]:
-        """Offers a region; ranges (a C-contiguous (n, 2) uint64 numpy array) None keeps all of
-        it. Returns (loan id, token)."""
+        """Offers a region; ranges (a C-contiguous (n, 2) uint64 numpy array: a row has the
+        layout of struct sublet_range) None keeps all of it. Returns (loan id, token)."""
         loan_id, token = c_uint64(), TOKEN()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
