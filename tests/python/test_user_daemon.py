@@ -228,3 +228,37 @@ def test_loan_names_any_text_but_no_nul(fresh_user):
     client.withdraw(loan)
     client.region_release(region)
     client.close()
+
+
+NEXT_OFFER = textwrap.dedent("""
+    import sys, torch, sublet
+    print("waiting", flush=True)
+    try:
+        with sublet.borrow(device="cpu", timeout=15) as loan:   # no name: the next offer
+            loan.empty(65536, dtype=torch.uint8).fill_(1)
+        print("got it", flush=True)
+    except sublet.NoOfferError:
+        print("no offer", flush=True)
+""")
+
+
+def test_the_next_offer_goes_to_exactly_one_waiting_borrower(fresh_user):
+    import torch
+
+    import sublet
+    borrowers = [subprocess.Popen([sys.executable, "-c", NEXT_OFFER], env=env(), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for _ in range(3)]
+    try:
+        for b in borrowers:
+            assert b.stdout.readline().startswith("waiting"), b.stderr.read()
+        time.sleep(1)  # into their Borrow: one that came later would only find none
+        cache = sublet.empty(4, 65536, dtype=torch.uint8, device="cpu").fill_(9)
+        with sublet.offer(cache, keep=cache[:1]) as offer:
+            offer.wait(timeout=30)
+        said = sorted(b.communicate(timeout=60)[0].strip() for b in borrowers)
+    finally:
+        for b in borrowers:
+            b.kill()
+    assert said == ["got it", "no offer", "no offer"]
+    assert int(cache[:1].min()) == int(cache[:1].max()) == 9
