@@ -78,7 +78,8 @@ def test_readme_example_runs_as_written(fresh_user):
 
 
 RACER = textwrap.dedent("""
-    import sys, sublet
+    import sys, torch, sublet, sublet._memory   # everything imported before the race
+    print("ready", flush=True)
     sys.stdin.readline()                  # everyone is ready: go
     print(sublet.info("cpu").client_id, flush=True)
     sys.stdin.readline()                  # hold the connection until told
@@ -90,7 +91,8 @@ def test_processes_starting_at_once_end_with_one_daemon(fresh_user):
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE) for _ in range(6)]
     try:
-        time.sleep(8)  # let each import sublet and torch: then they race on the daemon alone
+        for r in racers:
+            assert r.stdout.readline().startswith("ready"), r.stderr.read()
         for r in racers:
             r.stdin.write("go\n")
             r.stdin.flush()
