@@ -10,9 +10,12 @@
  * device retains the GPU's primary context (the one PyTorch uses) and pushes it around every
  * call, so that any thread may call and the caller's current context is left as it was.
  * Copies run on one non-blocking stream owned by the device, batched with cuMemcpyBatchAsync
- * where the driver has it.
+ * where the driver has it. Moves inside device memory run as one launch of move_kernel.cu's
+ * kernel (embedded PTX, loaded with cuModuleLoadData): SMs copy device to device far faster
+ * than copy engines do.
  */
 #include "device.h"
+#include "move_kernel.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -39,11 +42,14 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 typedef uint64_t cuuint64_t;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 typedef struct CUuuid_st {
   char bytes[16];
 } CUuuid;
 
 typedef enum CUdevice_attribute_enum {
+  CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
   CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
 } CUdevice_attribute;
@@ -152,6 +158,15 @@ typedef struct CUmemcpyAttributes_st {
   X(cuMemcpyDtoHAsync, (void *dst, CUdeviceptr src, size_t size, CUstream stream))            \
   X(cuMemcpyHtoDAsync, (CUdeviceptr dst, const void *src, size_t size, CUstream stream))      \
   X(cuMemcpyDtoDAsync, (CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream stream))      \
+  X(cuMemAlloc, (CUdeviceptr * ptr, size_t size))                                             \
+  X(cuMemFree, (CUdeviceptr ptr))                                                             \
+  X(cuModuleLoadData, (CUmodule * module, const void *image))                                 \
+  X(cuModuleUnload, (CUmodule module))                                                        \
+  X(cuModuleGetFunction, (CUfunction * fn, CUmodule module, const char *name))                \
+  X(cuLaunchKernel, (CUfunction fn, unsigned int grid_x, unsigned int grid_y,                 \
+                     unsigned int grid_z, unsigned int block_x, unsigned int block_y,         \
+                     unsigned int block_z, unsigned int shared_bytes, CUstream stream,        \
+                     void **params, void **extra))                                            \
   X(cuGetErrorString, (CUresult error, const char **text))                                    \
   X(cuGetErrorName, (CUresult error, const char **name))
 
@@ -204,6 +219,10 @@ struct cuda_device {
   CUstream stream;   /* for copies; owned */
   CUmemAllocationProp prop;
   int use_batch;     /* cleared if the driver refuses batches on this device */
+  pthread_mutex_t move_lock; /* guards move_module and move_fn */
+  CUmodule move_module; /* move_kernel.cu, loaded at the first move; owned */
+  CUfunction move_fn;
+  int move_kernel_failed; /* it could not be loaded: moves use batched copies */
 };
 
 static struct cuda_device *to_cuda(struct sl_device *d) {
@@ -465,8 +484,11 @@ static void cuda_close(struct sl_device *dev) {
   if (d->stream != NULL && cuda_enter(d, NULL) == 0) {
     drv.cuStreamSynchronize(d->stream);
     drv.cuStreamDestroy(d->stream);
+    if (d->move_module != NULL)
+      drv.cuModuleUnload(d->move_module);
     cuda_leave();
   }
+  pthread_mutex_destroy(&d->move_lock);
   if (d->ctx != NULL)
     drv.cuDevicePrimaryCtxRelease(d->dev);
   free(d);
@@ -484,6 +506,7 @@ static int cuda_open(const struct sl_device_params *p, struct sl_device **out,
   if (d == NULL)
     return sl_err_set(err, SUBLET_ENOMEM, "cuda backend: out of host memory");
   d->use_batch = drv.batch_version != 0;
+  pthread_mutex_init(&d->move_lock, NULL);
   rc = find_device(p, &d->dev, err);
   if (rc == 0)
     rc = describe_device(d, err);
@@ -832,30 +855,118 @@ static CUresult enqueue_moves(struct cuda_device *d, char *mem, const struct sl_
   return r;
 }
 
-static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
-                     struct sl_err *err) {
-  struct cuda_device *d = to_cuda(dev);
+/* Batched copies: what moves use where the kernel cannot run (the module did not load, or no
+ * GPU memory is left for its arguments). Copy engines are slower than SMs device to device. */
+static int move_by_copies(struct cuda_device *d, void *base, const struct sl_move *moves,
+                          size_t n, struct sl_err *err) {
   struct batch *b = malloc(sizeof(*b));
   CUresult r = CUDA_SUCCESS, synced;
-  int rc;
 
   if (b == NULL)
     return sl_err_set(err, SUBLET_ENOMEM, "move: out of host memory for the batch");
-  rc = cuda_enter(d, err);
-  if (rc != 0)
-    goto cleanup;
   for (size_t i = 0; i < n && r == CUDA_SUCCESS; i += BATCH_PIECES)
     r = enqueue_moves(d, base, moves + i, n - i < BATCH_PIECES ? n - i : BATCH_PIECES, b);
   synced = drv.cuStreamSynchronize(d->stream); /* queued moves run on after a failure */
-  cuda_leave();
-  if (r != CUDA_SUCCESS)
-    rc = cuda_fail(r, err, "cuMemcpyBatchAsync (device to device)",
-                   "every piece must lie in mapped device memory");
-  else
-    rc = cuda_check(synced, err, "cuStreamSynchronize",
-                    "a move faulted: the device range was probably not mapped");
-cleanup:
   free(b);
+  if (r != CUDA_SUCCESS)
+    return cuda_fail(r, err, "cuMemcpyBatchAsync (device to device)",
+                     "every piece must lie in mapped device memory");
+  return cuda_check(synced, err, "cuStreamSynchronize",
+                    "a move faulted: the device range was probably not mapped");
+}
+
+/* move_kernel.cu's module, loaded at the first move (the driver JIT-compiles its PTX for this
+ * GPU then, once). The context is current. 0 when it cannot be had. */
+static CUfunction move_kernel(struct cuda_device *d) {
+  pthread_mutex_lock(&d->move_lock);
+  if (d->move_module == NULL && !d->move_kernel_failed) {
+    if (drv.cuModuleLoadData(&d->move_module, sl_move_kernel_ptx) != CUDA_SUCCESS ||
+        drv.cuModuleGetFunction(&d->move_fn, d->move_module, "sl_move_ranges") !=
+            CUDA_SUCCESS) {
+      if (d->move_module != NULL)
+        drv.cuModuleUnload(d->move_module);
+      d->move_module = NULL;
+      d->move_fn = NULL;
+      d->move_kernel_failed = 1;
+    }
+  }
+  pthread_mutex_unlock(&d->move_lock);
+  return d->move_fn;
+}
+
+#define MOVE_TILE (64ull << 10) /* as in move_kernel.cu */
+#define MOVE_THREADS 256
+#define MOVE_BLOCKS_PER_SM 8
+#define MOVE_PIECES ((size_t)1 << 20) /* per launch: bounds the GPU scratch to 32 MiB */
+
+/* Blocks for a launch that keeps the whole GPU busy, fewer when there is less work. */
+static unsigned int move_blocks(struct cuda_device *d, uint64_t tiles) {
+  int sms = 0;
+  uint64_t full;
+
+  drv.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->dev);
+  full = (uint64_t)(sms > 0 ? sms : 1) * MOVE_BLOCKS_PER_SM;
+  return (unsigned int)(tiles < full ? tiles : full);
+}
+
+/* One launch over up to MOVE_PIECES moves. Its arguments go to the GPU scratch mem: the
+ * (src, dst, len) triples as addresses (24 bytes each), then the running count of their tiles
+ * (8 bytes each). */
+static int move_launch(struct cuda_device *d, CUfunction fn, char *base,
+                       const struct sl_move *m, size_t n, uint64_t *host, CUdeviceptr mem,
+                       struct sl_err *err) {
+  uint64_t *triples = host, *tile_end = host + 3 * n, tiles = 0;
+  CUdeviceptr dev_triples = mem, dev_tile_end = mem + 24 * n;
+  unsigned long long count = n;
+  void *args[] = {&dev_triples, &dev_tile_end, &count};
+  CUresult r;
+
+  for (size_t i = 0; i < n; i++) {
+    triples[3 * i] = devptr(base + m[i].src_off);
+    triples[3 * i + 1] = devptr(base + m[i].dst_off);
+    triples[3 * i + 2] = m[i].len;
+    tile_end[i] = tiles += (m[i].len + MOVE_TILE - 1) / MOVE_TILE;
+  }
+  if (tiles == 0)
+    return 0;
+  r = drv.cuMemcpyHtoDAsync(mem, host, 32 * n, d->stream);
+  if (r == CUDA_SUCCESS)
+    r = drv.cuLaunchKernel(fn, move_blocks(d, tiles), 1, 1, MOVE_THREADS, 1, 1, 0, d->stream,
+                           args, NULL);
+  /* Waits even after a failure: the copy reads host, which the next launch rewrites. */
+  if (drv.cuStreamSynchronize(d->stream) != CUDA_SUCCESS && r == CUDA_SUCCESS)
+    return sl_err_set(err, SUBLET_EIO, "sl_move_ranges faulted: the moves must lie in mapped "
+                      "device memory");
+  return cuda_check(r, err, "sl_move_ranges", "the GPU may be out of resources");
+}
+
+/* Moves run as one kernel launch (per million pieces): device to device at SM speed. */
+static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
+                     struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  size_t chunk = n < MOVE_PIECES ? n : MOVE_PIECES;
+  uint64_t *host = malloc(chunk * 32);
+  CUdeviceptr mem = 0;
+  CUfunction fn;
+  int rc;
+
+  if (host == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "move: out of host memory for %zu pieces", n);
+  rc = cuda_enter(d, err);
+  if (rc != 0)
+    goto cleanup;
+  fn = move_kernel(d);
+  if (fn == NULL || drv.cuMemAlloc(&mem, chunk * 32) != CUDA_SUCCESS) {
+    rc = move_by_copies(d, base, moves, n, err);
+    cuda_leave();
+    goto cleanup;
+  }
+  for (size_t i = 0; rc == 0 && i < n; i += chunk)
+    rc = move_launch(d, fn, base, moves + i, n - i < chunk ? n - i : chunk, host, mem, err);
+  drv.cuMemFree(mem);
+  cuda_leave();
+cleanup:
+  free(host);
   return rc;
 }
 
