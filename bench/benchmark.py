@@ -1,37 +1,46 @@
 #!/usr/bin/env python3
-"""Lending against copying everything out and back, on one CUDA GPU (issue 4).
+"""Lending against copying everything out and back, and against torch_memory_saver, on one
+CUDA GPU (issues 4 and 10).
 
 A tensor of S bytes made with sublet.empty sits on the GPU with only F bytes of free memory
 beside it (a ballast allocated outside sublet takes the rest). A fraction of it (30%) holds
 data the owner keeps, in one of three patterns:
 
   rows    rows of 1 GiB, every third one kept (one strided view)
-  blocks  64 KiB blocks, 30% of them chosen at random with a fixed seed, one view each, the
-          way a paged KV cache holds its live blocks
+  blocks  64 KiB blocks, 30% of them chosen at random with a fixed seed, kept as row indices of
+          the tensor viewed by blocks, the way a paged KV cache holds its live blocks
   slice   one contiguous slice of 30%
 
 A job allocates one tensor of 25%, 75% or 100% of S with torch.empty and fills it with random
-numbers. A cycle makes room for the job, runs it and gets the owner's data back:
+numbers, or (the fourth case) runs one training step of a small transformer. A cycle makes
+room for the job, runs it and gets the owner's data back:
 
   copy-all  copy the whole tensor (a plain torch tensor here, so that it can be freed) to a
             pinned host buffer, free it, run the job, allocate it again and copy it back; the
             first cycle also pins the host buffer
+  tms       torch_memory_saver at its best: the kept 30% in a tensor of its own, paused with a
+            CPU backup kept between cycles, the rest paused without one (scattered blocks
+            cannot be split off like this: the best case for it)
   sublet    with sublet.lend(tensor, keep=...): job()
 
-Every (method, pattern, fraction) runs in a fresh process of this script (--child): its first
-cycle is the "first" figure, its next --cycles cycles the "later" ones. copy-all ignores the
-keep pattern, so it runs once per fraction and stands beside every pattern. Beside every
-figure: the bytes copied each way and the physical limit, which is the job alone (timed on a
-plain tensor) plus the copied bytes at the pinned host-link bandwidth measured in the same run,
-each way; and the ratio figure / limit.
+copy-all and tms run all their jobs in one process each (the host buffer is pinned once);
+every sublet (pattern, job) runs in a fresh process of this script (--child): its first cycle
+is the "first" figure, its next --cycles cycles the "later" ones. Beside every figure: the bytes
+copied each way, the bytes sublet moved on the GPU, and the physical limit: the job alone
+(timed on plain torch memory) plus the kept bytes that cannot stay on the GPU, max(0, kept +
+job - (S + F)), at the pinned link bandwidth each way, plus sublet's moves there and back at the
+device-to-device speed, all measured in the same run; and the ratio figure / limit. The kept
+bytes are digested on the GPU (every bit, position-weighted) after every cycle: a change fails
+the case, and the run exits 1.
 
 With the default --daemon shared, the sublet processes use one subletd started for the run
 (as a system service would be), which pins host memory for the kept bytes ahead of need; the
 client processes are fresh for every first cycle all the same. --daemon private lets each
 process start its own daemon (the package's default with no service set up).
 
-    python3 bench/benchmark.py            # the full run, several minutes on an H200
-    python3 bench/benchmark.py --quick    # a smoke run: S = 8 GiB, F = 2 GiB, 2 later cycles
+    python3 bench/benchmark.py            # the full run
+    python3 bench/benchmark.py --quick    # the whole table at S = 64 GiB, 1 later cycle
+    python3 bench/benchmark.py --quick --phases   # ... with where each case's time goes
     python3 bench/benchmark.py --report   # the table and targets again, from the JSON
     python3 bench/plot.py                 # the chart, from the JSON
 
@@ -1167,11 +1176,12 @@ def _fmt_row(label: str, cycle: str, summary: dict[str, Any] | None, job_s: floa
             f"{job_s:>8.3f} {summary['limit_s']:>9.3f} {summary['ratio']:>8.2f}x{spread}")
 
 
-def _phase_line(summary: dict[str, Any] | None) -> str | None:
+def _phase_line(cycle: str, summary: dict[str, Any] | None) -> str | None:
     phases = (summary or {}).get("phases")
     if not phases:
         return None
-    return "  " + " " * 24 + " phases " + ", ".join(f"{k} {v:.4f}" for k, v in phases.items())
+    return (f"  {'':<24} {cycle} phases (s): "
+            + ", ".join(f"{k} {v:.4f}" for k, v in phases.items()))
 
 
 def _job_label(r: dict[str, Any]) -> str:
@@ -1218,7 +1228,8 @@ def _case_lines(r: dict[str, Any], phases: bool) -> list[str]:
         lines.append(_fmt_row(label, "first", r["first"], r["job_alone_s"]))
         lines.append(_fmt_row("", "later", r["later"], r["job_alone_s"]))
         if phases:
-            lines += [p for p in (_phase_line(r["first"]), _phase_line(r["later"])) if p]
+            lines += [p for p in (_phase_line("first", r["first"]),
+                                  _phase_line("later", r["later"])) if p]
     if r.get("error"):
         lines.append(f"  {'' if r.get('first') else label:<24} failed: {r['error']}")
     if not r.get("kept_intact", True):
@@ -1389,9 +1400,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--child-timeout", type=float, default=None, metavar="S",
                         help="seconds before a case's process is killed (default: from S)")
     parser.add_argument("--quick", action="store_true",
-                        help="the whole table fast (about 6 minutes at S = 64 GiB on an "
-                             "H200): 1 later cycle, a 1 GiB bandwidth buffer, 2 repetitions "
-                             "of the job alone (options given explicitly still win)")
+                        help="the whole table fast (about 6 minutes on an H200): S = 64 "
+                             "GiB, 1 later cycle, a 1 GiB bandwidth buffer, 2 repetitions of "
+                             "the job alone (options given explicitly still win)")
     parser.add_argument("--report", action="store_true",
                         help="print the table and targets of --json and exit (no GPU needed)")
     parser.add_argument("--child", choices=("probe", "case"), help=argparse.SUPPRESS)
@@ -1401,7 +1412,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     quick = args.quick
-    size = args.size
+    size = args.size if args.size is not None else (64.0 if quick else None)
     return Settings(
         size_gib=size, free_gib=args.free if args.free is not None else 8.0,
         kept_fraction=args.kept_fraction, fractions=args.fractions,
