@@ -4,7 +4,7 @@
 
 Rank r borrows the offer named PREFIX + str(r) on its own GPU (LOCAL_RANK), fills G GiB of it,
 and trains a small transformer with DistributedDataParallel: gradients are all-reduced by NCCL
-inside the loan, and the collectives' outputs are served from it. The process group is set up
+inside the loan, and the tensors the steps and collectives allocate are served from it. The process group is set up
 and warmed before borrowing, so that NCCL's own buffers (which PyTorch cannot route) are made
 from free memory outside the loan; their size is printed. Prints one JSON line per rank.
 SUBLET_EXAMPLE_HANG_RANK=r makes rank r print "ready PID" and sleep inside the loan (for kill tests).
@@ -55,11 +55,14 @@ def main() -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
     nccl_bytes = nccl_memory(device)
-    net = model(device)  # built before the loan: the weights are the job's own
+    # The model and its DDP wrapper are the job's own state, built before the loan (DDP's
+    # gradient buckets live as long as the wrapper); inside the loan go the activations, the
+    # gradients, the optimiser's state and the collectives' outputs.
+    net = model(device)
+    ddp = DistributedDataParallel(net, device_ids=[rank])
     hang = os.environ.get("SUBLET_EXAMPLE_HANG_RANK") == str(rank)
 
     with sublet.borrow(name=f"{args.prefix}{rank}", device=device, timeout=120) as loan:
-        ddp = DistributedDataParallel(net, device_ids=[rank])
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         big = torch.empty(args.big_gib * 1024 ** 3, dtype=torch.uint8, device=device).fill_(rank)
         g = torch.Generator(device=device).manual_seed(rank)
@@ -80,8 +83,8 @@ def main() -> None:
         same = all(torch.equal(gathered[0], t) for t in gathered)
         torch.cuda.synchronize(device)
         net.zero_grad(set_to_none=True)  # the gradients were made inside the loan
-        del ddp, opt, big, x, loss, first, gathered
-        gc.collect()  # DDP's reducer sits in reference cycles: free its buckets now
+        del opt, big, x, loss, first, gathered
+        gc.collect()
     print(json.dumps({"rank": rank, "loss": float(net(torch.zeros(1, 1, 512, device=device))
                                                     .float().abs().mean()),
                       "replicas_agree": same, "copied_bytes": loan.copied_bytes,
