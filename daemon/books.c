@@ -601,10 +601,24 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
   return rc;
 }
 
+/* The fresh zone of a region's next loan when `available` pages of free memory could back it.
+ * A borrower keeps its window from one loan of a region to the next only while the zones keep
+ * their sizes (client/window.c), so the zone stays as it was while the free memory is at least
+ * that and has not grown by more than an eighth (at least 1024 pages): a few MiB that the
+ * owner's allocator cached between loans must not cost a remap of the whole window. */
+static uint64_t steady_fresh(uint64_t last, uint64_t available) {
+  uint64_t slack = last / 8 > 1024 ? last / 8 : 1024;
+
+  if (last > 0 && available >= last && available - last <= slack)
+    return last;
+  return available;
+}
+
 int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                     const uint8_t *token, const char *name, uint64_t fresh_pages,
                     uint64_t *borrowed_loan, struct sl_err *err) {
   struct sl_client *c = sl_books_find_client(b, client_id);
+  struct sl_region *region;
   struct sl_loan *l = NULL;
   int rc;
 
@@ -613,10 +627,11 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
   rc = pick_loan(b, c, loan_id, token, name, fresh_pages, &l, err);
   if (rc < 0)
     return rc;
+  region = sl_books_find_region(b, l->region_id);
   l->state = SL_LOAN_ACTIVE;
   l->borrower_client = c->id;
   l->borrower = c->peer;
-  l->fresh = fresh_pages;
+  l->fresh = region->last_fresh = steady_fresh(region->last_fresh, fresh_pages);
   c->loan_id = l->id;
   if (borrowed_loan != NULL)
     *borrowed_loan = l->id;

@@ -21,6 +21,7 @@ struct sl_region {
   struct sl_peer owner;
   uint64_t npages;
   uint64_t loan_id;
+  uint64_t last_fresh; /* the fresh zone of its last loan (books.c: steady_fresh) */
 };
 
 struct sl_alloc {

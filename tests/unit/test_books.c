@@ -574,6 +574,25 @@ static void test_fresh_once(void) {
   sl_books_free(b);
 }
 
+/* A region's next loan keeps the fresh zone of its last while the free memory covers it and
+ * has grown by no more than an eighth (1024 pages at least): a borrower's window is kept from
+ * loan to loan only while the zones keep their sizes (client/window.c). */
+static void test_fresh_zone_steady(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 2);
+  const uint64_t offered[] = {4000, 4100, 5024, 5025, 3000, 3000};
+  const uint64_t zone[] = {4000, 4000, 4000, 5025, 3000, 3000};
+
+  for (size_t i = 0; i < sizeof(zone) / sizeof(zone[0]); i++) {
+    uint64_t loan = lend(b, owner, r, NULL, 0);
+    borrow(b, owner, loan, offered[i]);
+    CHECK_EQ(info(b, loan).fresh_pages, zone[i]);
+    CHECK_EQ(sl_books_return(b, owner, 0, &(struct sl_loan_end){0}, NULL), 0);
+    BOOKS_OK(b);
+  }
+  sl_books_free(b);
+}
+
 static void test_two_phase(void) {
   struct sl_books *b = books_new(PS, (gid_t)-1);
   uint64_t owner = client(b, 1000, 1000);
@@ -927,7 +946,7 @@ struct m_client {
 };
 
 struct m_region {
-  uint64_t owner, npages;
+  uint64_t owner, npages, last_fresh;
   int live;
 };
 
@@ -1193,7 +1212,7 @@ static int m_borrow_rc(const struct model *m, uint64_t cid, uint64_t lid, const 
 
 static void op_borrow(struct model *m) {
   struct m_loan *l = m->loan;
-  uint64_t cid = pick_client(m), lid = 0, fresh = below(m, 5), got = 0;
+  uint64_t cid = pick_client(m), lid = 0, fresh = below(m, 5), got = 0, last;
   const uint8_t *token = NULL;
   const char *name = "";
   int mode = (int)below(m, 6), want;
@@ -1215,7 +1234,12 @@ static void op_borrow(struct model *m) {
   CHECK_EQ(got, l->id);
   l->state = SL_LOAN_ACTIVE;
   l->borrower = cid;
-  l->f = fresh;
+  /* the fresh zone of the region's last loan, unless the free memory fell below it or grew
+   * by more than max(an eighth, 1024 pages) */
+  last = m->r[l->region].last_fresh;
+  l->f = last > 0 && fresh >= last && fresh - last <= (last / 8 > 1024 ? last / 8 : 1024)
+             ? last : fresh;
+  m->r[l->region].last_fresh = l->f;
   l->owner_of = calloc(l->u + l->f + l->k + 1, sizeof(uint64_t));
   l->size_of = calloc(1, sizeof(uint64_t));
 }
@@ -1826,6 +1850,7 @@ int main(void) {
   test_coalescing();
   test_first_fit_and_hwm();
   test_fresh_once();
+  test_fresh_zone_steady();
   test_two_phase();
   test_alloc_errors();
   test_withdraw_and_owned();
