@@ -69,11 +69,12 @@ static void put_stats(struct json *j, const Sublet__LoanStats *s) {
   put(j, "\"copied_out_bytes\": %llu, \"copied_in_bytes\": %llu, "
          "\"served_unkept_bytes\": %llu, \"served_fresh_bytes\": %llu, "
          "\"served_kept_bytes\": %llu, \"peak_bytes\": %llu, \"allocations\": %llu, "
-         "\"copy_out_seconds\": %.6f",
+         "\"copy_out_seconds\": %.6f, \"moved_bytes\": %llu",
       (unsigned long long)s->copied_out_bytes, (unsigned long long)s->copied_in_bytes,
       (unsigned long long)s->served_unkept_bytes, (unsigned long long)s->served_fresh_bytes,
       (unsigned long long)s->served_kept_bytes, (unsigned long long)s->peak_bytes,
-      (unsigned long long)s->allocations, s->copy_out_seconds);
+      (unsigned long long)s->allocations, s->copy_out_seconds,
+      (unsigned long long)s->moved_bytes);
 }
 
 static void put_regions(struct json *j, const Sublet__Status *st) {

@@ -42,6 +42,7 @@ static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__Lo
                         Sublet__LoanStats *stats) {
   sl_books_loan_info(d->books, sl_books_current_loan(d->books), li);
   li->stats.copy_out_seconds = d->copy_out_seconds;
+  li->stats.move_seconds = d->move_seconds;
   sl_msg_stats_to_proto(&li->stats, stats);
   ls->loan = li->id;
   ls->region = li->region_id;

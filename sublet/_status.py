@@ -78,7 +78,8 @@ def text_loan(loan: dict[str, Any]) -> list[str]:
         f"{human(loan['served_fresh_bytes'])} free memory, {human(loan['served_kept_bytes'])} "
         f"kept; {human(loan['live_bytes'])} held now",
         f"    copied   {human(loan['copied_out_bytes'])} to the host "
-        f"in {loan['copy_out_seconds']:.2f} s",
+        f"in {loan['copy_out_seconds']:.2f} s; moved {human(loan.get('moved_bytes', 0))} on "
+        f"the GPU",
     ]
 
 
@@ -123,6 +124,8 @@ METRICS = [  # name, type, help, value from a status
      lambda s: s["loan"]["live_bytes"] if s["loan"] else 0),
     ("sublet_loan_copied_out_bytes", "gauge", "kept bytes saved in the loan in progress",
      lambda s: s["loan"]["copied_out_bytes"] if s["loan"] else 0),
+    ("sublet_loan_moved_bytes", "gauge", "kept bytes moved on the GPU in the loan in progress",
+     lambda s: s["loan"].get("moved_bytes", 0) if s["loan"] else 0),
     ("sublet_loans_ended_total", "counter", "loans ended", lambda s: s["totals"]["loans_ended"]),
     ("sublet_borrowers_died_total", "counter", "borrowers that died mid-loan",
      lambda s: s["totals"]["borrowers_died"]),
