@@ -593,6 +593,9 @@ def run_jobs(spec: dict[str, Any], cycle_for: Callable[[str, int], Callable[[int
     parts = []
     for kind, fraction in spec["jobs"]:
         n_job = job_bytes(spec["size_bytes"], fraction)
+        if kind == "train":  # a trainer is warm: kernels loaded, autograd and Adam set up
+            with step("warming the training step up (batch 1, outside any loan)"):
+                run_train_step(0, release=True)
         log(f"{kind} job of {gib(n_job)} ({pct(fraction)} of S)")
         cycles, error = run_cycles(1 + spec["cycles"], cycle_for(kind, n_job))
         parts.append({"job": kind, "fraction": fraction, "job_bytes": n_job,
@@ -647,6 +650,9 @@ def child_copy_all(spec: dict[str, Any]) -> dict[str, Any]:
             "parts": parts}
 
 
+_NEVER_FREED: list[Any] = []
+
+
 def child_tms(spec: dict[str, Any]) -> dict[str, Any]:
     """torch_memory_saver at its best: the kept bytes in a tensor of their own, paused with a
     CPU backup that is kept between cycles (pinned once), the rest paused without one; the job
@@ -688,7 +694,9 @@ def child_tms(spec: dict[str, Any]) -> dict[str, Any]:
         return cycle
 
     parts = run_jobs(spec, cycle_for)
-    del rest_t
+    # Never freed: torch_memory_saver's torch hook aborts on a free outside a region ("only
+    # support interesting region"), so they live until child_main leaves with os._exit.
+    _NEVER_FREED.extend([kept_t, rest_t, ballast])
     return {"free_bytes_measured": free_measured, "kept_bytes": kept, "keep_views": 1,
             "parts": parts}
 
@@ -769,6 +777,8 @@ def child_main(mode: str, spec: dict[str, Any]) -> int:
         result = child_copy_all(spec)
     elif spec["method"] == "tms":
         result = child_tms(spec)
+        emit_result(result)
+        os._exit(0)  # no teardown: torch_memory_saver's hook aborts on frees outside regions
     else:
         result = child_sublet(spec)
     emit_result(result)
