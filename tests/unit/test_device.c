@@ -246,6 +246,41 @@ static void test_batched_copies(struct sl_device *d) {
   unmap_pages(d, &m);
 }
 
+/* Saves and restores as the daemon makes them: scattered on the device, packed one after the
+ * other in host memory (cuda gathers these through a staging buffer), odd sizes and offsets
+ * included, more than one staging chunk's worth of pieces. */
+static void test_packed_copies(struct sl_device *d) {
+  const size_t n = 5000;
+  struct sl_copy *c = calloc(n, sizeof(*c));
+  uint8_t *host = NULL, *image = NULL;
+  uint64_t host_off = 0, stride;
+  struct mapped m;
+
+  CHECK(map_pages(d, 4, &m) == 0);
+  stride = m.size / n;
+  for (size_t i = 0; c != NULL && i < n; i++) {
+    size_t j = (i * 7919) % n; /* device order shuffled */
+    c[i] = (struct sl_copy){j * stride + (i % 3 ? 0 : i % 16), host_off,
+                            i % 5 ? stride / 2 : 1 + i % 13};
+    host_off += c[i].len;
+  }
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&host, &err) == 0);
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&image, &err) == 0);
+  CHECK(write_device(d, m.addr, m.size, 4) == 0);
+  fill_pattern(image, m.size, 4);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m.addr, host, c, n, &err) == 0);
+  CHECK(pieces_match(image, host, c, n));
+  fill_pattern(host, m.size, 6);
+  CHECK(sl_device_copy(d, SL_COPY_TO_DEVICE, m.addr, host, c, n, &err) == 0);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m.addr, image, &(struct sl_copy){0, 0, m.size}, 1,
+                       &err) == 0);
+  CHECK(pieces_match(image, host, c, n));
+  sl_device_host_free(d, host, m.size);
+  sl_device_host_free(d, image, m.size);
+  free(c);
+  unmap_pages(d, &m);
+}
+
 /* Moves inside device memory, as compaction makes them: many pieces, odd lengths and
  * alignments, from the first half into the second; the rest stays as it was. */
 static void test_batched_moves(struct sl_device *d) {
@@ -394,6 +429,7 @@ static void run_common_checks(struct sl_device *d) {
   test_two_mappings_alias(d);
   test_unmap_keeps_reservation(d);
   test_batched_copies(d);
+  test_packed_copies(d);
   test_batched_moves(d);
   test_bad_arguments(d);
   test_import_in_process(d);
@@ -620,6 +656,28 @@ static void report_move_bandwidth(struct sl_device *d) {
   unmap_pages(d, &m);
 }
 
+/* Packed copies of odd-sized pieces over 1 GiB: pieces straddle the staging chunks. */
+static void test_cuda_staged_chunks(struct sl_device *d, struct mapped *m, uint8_t *host) {
+  const uint64_t len = 100003;
+  size_t n = m->size / 2 / len, i;
+  struct sl_copy *c = calloc(n, sizeof(*c));
+  uint8_t *image = malloc(m->size);
+
+  for (i = 0; c != NULL && i < n; i++)
+    c[i] = (struct sl_copy){(i * 7919) % n * 2 * len + i % 16, i * len, len};
+  CHECK(c != NULL && image != NULL && write_device(d, m->addr, m->size, 7) == 0);
+  fill_pattern(image, m->size, 7);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m->addr, host, c, n, &err) == 0);
+  CHECK(image != NULL && pieces_match(image, host, c, n));
+  fill_pattern(host, m->size, 8);
+  CHECK(sl_device_copy(d, SL_COPY_TO_DEVICE, m->addr, host, c, n, &err) == 0);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m->addr, image, &(struct sl_copy){0, 0, m->size},
+                       1, &err) == 0);
+  CHECK(image != NULL && pieces_match(image, host, c, n));
+  free(image);
+  free(c);
+}
+
 static void test_cuda_bandwidth(struct sl_device *d) {
   const struct sl_device_info *info = sl_device_info(d);
   size_t pages = (1ull << 30) / info->page_size;
@@ -631,8 +689,10 @@ static void test_cuda_bandwidth(struct sl_device *d) {
   start = now();
   CHECK(sl_device_host_alloc(d, m.size, &host, &err) == 0);
   printf("cuda: host_alloc of 1 GiB (touch + pin): %.3f s\n", now() - start);
-  if (host != NULL)
+  if (host != NULL) {
+    test_cuda_staged_chunks(d, &m, host);
     report_bandwidth(d, &m, host);
+  }
   sl_device_host_free(d, host, m.size);
   unmap_pages(d, &m);
 }
