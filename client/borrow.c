@@ -43,14 +43,12 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
 static void give_back(sublet_client *c) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Return m = SUBLET__RETURN__INIT;
-  struct sl_err saved = *sl_client_last_error();
 
   m.has_force = 1;
   m.force = 1;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, NULL, NULL, NULL, -1);
-  *sl_client_last_error() = saved;
+  sl_client_undo(c, &req, SUBLET__REPLY__BODY_RETURNED);
 }
 
 SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
@@ -134,14 +132,16 @@ static int map_grant(sublet_client *c, const Sublet__Allocated *a, const int *fd
   return 0;
 }
 
-static int free_request(sublet_client *c, uint64_t alloc_id) {
+/* Frees an allocation in the daemon's books; undo: after a failed step (sl_client_undo). */
+static int free_request(sublet_client *c, uint64_t alloc_id, int undo) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Free m = SUBLET__FREE__INIT;
 
   m.alloc = alloc_id;
   req.body_case = SUBLET__REQUEST__BODY_FREE;
   req.free = &m;
-  return sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+  return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
+              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
 }
 
 static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
@@ -168,11 +168,8 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
     }
     if (rc == 0 && sl_window_alloc_add(c->win, *ptr, size, rep->allocated->alloc) != 0)
       rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
-    if (rc != 0) {
-      struct sl_err saved = *sl_client_last_error();
-      free_request(c, rep->allocated->alloc);
-      *sl_client_last_error() = saved;
-    }
+    if (rc != 0)
+      free_request(c, rep->allocated->alloc, 1);
   }
   sl_wire_close_fds(fds, nfds); /* imported by now: ours to close */
   if (rep != NULL)
@@ -213,7 +210,7 @@ SUBLET_EXPORT int sublet_free(sublet_client *c, void *ptr) {
 
   pthread_mutex_lock(&c->lock);
   if (c->win != NULL && c->loan_id != 0 && sl_window_alloc_take(c->win, ptr, &a))
-    rc = free_request(c, a.id);
+    rc = free_request(c, a.id, 0);
   else
     rc = free_forfeit(c, ptr);
   pthread_mutex_unlock(&c->lock);

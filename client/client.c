@@ -129,6 +129,14 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
   return rc;
 }
 
+int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect) {
+  struct sl_err saved = *sl_client_last_error();
+
+  sl_client_call(c, req, expect, NULL, NULL, NULL, -1);
+  *sl_client_last_error() = saved;
+  return 0;
+}
+
 /* ------------------------------------------------------------------ connecting */
 
 static int connect_socket(const char *path) {

@@ -58,6 +58,10 @@ void sl_client_free(sublet_client *c);
  * the count of fds out, which the caller owns (a failure closes them and gives none). */
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
                    Sublet__Reply **out, int *fds, size_t *nfds, int timeout_ms);
+/* Undoes a step that failed by the request req (the caller holds c->lock): its own outcome is
+ * not reported (returns 0), the thread's last error stays the one that says why the step
+ * failed. */
+int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect);
 /* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
  * failure when an Error came). */
 int sl_client_status(sublet_client *c, Sublet__Reply **rep);

@@ -97,14 +97,16 @@ static int region_create_request(sublet_client *c, uint64_t size, struct sublet_
   return rc;
 }
 
-static int region_release_request(sublet_client *c, uint64_t id) {
+/* Releases a region in the daemon; undo: after a failed step (sl_client_undo). */
+static int region_release_request(sublet_client *c, uint64_t id, int undo) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__RegionRelease m = SUBLET__REGION_RELEASE__INIT;
 
   m.region = id;
   req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
   req.region_release = &m;
-  return sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+  return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
+              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
 }
 
 SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
@@ -129,11 +131,9 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
     c->regions = r;
     *out = r;
   } else if (r->id != 0) {
-    struct sl_err saved = *sl_client_last_error(); /* the first failure is the one to report */
     uint64_t id = r->id;
     release_local(r); /* frees r */
-    region_release_request(c, id);
-    *sl_client_last_error() = saved;
+    region_release_request(c, id, 1);
   } else {
     free(r);
   }
@@ -159,7 +159,7 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
   int rc;
 
   pthread_mutex_lock(&c->lock);
-  rc = region_release_request(c, r->id);
+  rc = region_release_request(c, r->id, 0);
   if (rc == 0) {
     /* The window borrows this region's handles: it goes first. */
     if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {

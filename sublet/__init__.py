@@ -47,6 +47,10 @@ _LAZY = {"empty": "._memory", "Loan": "._loan", "Offer": "._loan", "LocalLoan": 
          "BorrowedLoan": "._loan", "LeakedBlock": "._torch"}
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'sublet' has no attribute {name!r}")
