@@ -27,8 +27,11 @@ pytestmark = pytest.mark.daemon
 
 @pytest.fixture
 def fresh_user(native, monkeypatch):
-    """A runtime directory with no daemon in it; the daemons started there stop at the end."""
+    """A runtime directory with no daemon in it; the daemons started there stop at the end.
+    This process's connections (one per device) are new ones too, for the test's time."""
+    from sublet import _client
     path = Path(tempfile.mkdtemp(prefix="sl-"))  # short: socket paths are 107 bytes at most
+    monkeypatch.setattr(_client, "_clients", {})
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
     monkeypatch.setenv("SUBLET_BACKEND", "memfd")
     monkeypatch.delenv("SUBLET_SOCKET", raising=False)
