@@ -15,19 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "sublet.h"
-
-static double now(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
 /* A background client: requests as fast as the daemon answers, until killed. */
 static void busy_client(const char *sock) {

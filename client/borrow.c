@@ -56,6 +56,8 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Borrow m = SUBLET__BORROW__INIT;
   Sublet__Reply *rep = NULL;
+  int release_fd = -1;
+  size_t nfds = 1;
   int rc;
 
   m.has_loan = loan_id != 0;
@@ -68,6 +70,7 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   m.name.len = name != NULL ? strlen(name) : 0;
   m.has_timeout_ms = 1;
   m.timeout_ms = timeout_ms;
+  m.has_rescue = m.rescue = 1; /* the release pipe, for the owner if the daemon dies */
   req.body_case = SUBLET__REQUEST__BODY_BORROW;
   req.borrow = &m;
   pthread_mutex_lock(&c->lock);
@@ -76,9 +79,15 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
     rc = sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
                         (unsigned long long)c->loan_id);
   if (rc == 0)
-    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, NULL, NULL, -1);
+    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, &release_fd, &nfds, -1);
+  if (rc == 0 && nfds == 0)
+    release_fd = -1; /* the owner did not ask for one */
   if (rc == 0 && (rc = setup_window(c, rep->borrowed)) != 0)
     give_back(c);
+  if (rc == 0 && (rc = sl_watch_start(c, release_fd)) != 0)
+    give_back(c); /* the watch took release_fd over */
+  else if (rc != 0 && release_fd >= 0)
+    close(release_fd);
   if (rc == 0)
     c->loan_id = rep->borrowed->loan;
   pthread_mutex_unlock(&c->lock);
@@ -152,6 +161,10 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   size_t nfds = 1;
   int rc;
 
+  if (c->lost)
+    return sl_client_fail(SUBLET_EPIPE, "subletd went away during the loan: this process "
+                          "let go of the loan's memory (tensors allocated from it are gone); "
+                          "a restarted subletd serves new loans on a new connection");
   if (c->loan_id == 0)
     return sl_client_fail(SUBLET_ENOENT, "no loan is being borrowed: borrow one first");
   m.size = size;
@@ -262,6 +275,9 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   double map_seconds = c->win != NULL ? c->win->map_seconds : 0;
   int rc;
 
+  if (c->lost)
+    return sl_client_fail(SUBLET_EPIPE, "subletd went away during the loan; this process let "
+                          "go of the loan's memory, and the owner restores its kept bytes");
   if (c->loan_id == 0)
     return sl_client_fail(SUBLET_ENOENT, "no loan is being borrowed");
   /* The borrower's GPU work must be finished before its pages change hands. */
@@ -299,6 +315,8 @@ SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_
   pthread_mutex_lock(&c->lock);
   rc = return_locked(c, force, stats, leaks, nleaks, nleaks_out);
   pthread_mutex_unlock(&c->lock);
+  if (c->loan_id == 0)
+    sl_watch_stop(c); /* unlocked: the watcher may be waiting for the lock */
   return rc;
 }
 

@@ -5,6 +5,7 @@
 #include "client.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -280,4 +281,14 @@ int sl_client_ensure_device(sublet_client *c) {
                           "is it the same device and backend? (check $SUBLET_SOCKET)");
   }
   return 0;
+}
+
+int sl_client_gone(const sublet_client *c) {
+  struct pollfd p = {.fd = c->sock, .events = POLLRDHUP};
+
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+SUBLET_EXPORT int sublet_connected(const sublet_client *c) {
+  return !sl_client_gone(c);
 }

@@ -19,6 +19,7 @@ struct sublet_region {
   uint64_t page_size;
   sl_handle *handles;  /* imported at creation; this process's references to the pages */
   void *base;          /* all pages mapped contiguously: the tensor's memory */
+  struct sl_rescue *rescue; /* of the loan in progress: restoring without subletd (rescue.c) */
   struct sublet_region *next;
 };
 
@@ -34,6 +35,8 @@ struct sublet_client {
   struct sl_window **forfeit; /* windows of loans ended with live allocations */
   size_t nforfeit;
   uint64_t loan_id;       /* the loan being borrowed, 0 if none */
+  struct sl_watch *watch; /* while borrowing: watches for the daemon's end (watch.c) */
+  int lost;               /* the daemon went mid-loan: the loan's pages were let go */
 };
 
 /* ------------------------------------------------------------------ client.c */
@@ -67,6 +70,8 @@ int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
 int sl_client_status(sublet_client *c, Sublet__Reply **rep);
 /* Opens this process's side of the daemon's device, once. */
 int sl_client_ensure_device(sublet_client *c);
+/* Is the connection gone (the daemon died or closed it, or it was shut as broken)? */
+int sl_client_gone(const sublet_client *c);
 
 /* ------------------------------------------------------------------ region.c */
 
@@ -78,6 +83,25 @@ struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
 /* Unmaps and releases this process's side of every region (the daemon's side goes with the
  * connection). */
 void sl_region_forget_all(sublet_client *c);
+
+/* ------------------------------------------------------------------ rescue.c */
+
+/* Takes over fds (journal, save area, release pipe's read end: Lent's) for the loan. */
+int sl_rescue_new(uint64_t loan_id, const int fds[3], struct sl_rescue **out);
+void sl_rescue_free(struct sl_rescue *r);
+uint64_t sl_rescue_loan(const struct sl_rescue *r);
+/* The daemon is gone: waits (timeout_ms; < 0 forever) until the borrower let go, restores
+ * the region's kept bytes from the save area; returns SUBLET_EDAEMONDIED with *stats (may
+ * be NULL) when they are back, else the failure (SUBLET_ETIMEDOUT: call it again). The caller
+ * does not hold the client's lock (the borrower may be this process, letting go). */
+int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_stats *stats);
+
+/* ------------------------------------------------------------------ watch.c */
+
+/* Watches c's connection while it borrows; takes over release_fd (the release pipe's write
+ * end, or -1). stop: the loan ended or the client goes; never with c->lock held. */
+int sl_watch_start(sublet_client *c, int release_fd);
+void sl_watch_stop(sublet_client *c);
 
 /* ------------------------------------------------------------------ borrow.c */
 

@@ -9,6 +9,7 @@ SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out) {
 SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
   if (c == NULL)
     return;
+  sl_watch_stop(c);
   sl_torch_forget(c);
   /* The socket closes before anything is unmapped: the daemon settles the books whatever state
    * this client leaves (regions freed; a loan it borrows ends once this process has exited). */

@@ -58,6 +58,7 @@ static void release_local(struct sublet_region *r) {
   for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)
     if (r->handles[i] != 0)
       sl_device_release(dev, r->handles[i]);
+  sl_rescue_free(r->rescue);
   free(r->handles);
   free(r);
 }
@@ -160,6 +161,8 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
 
   pthread_mutex_lock(&c->lock);
   rc = region_release_request(c, r->id, 0);
+  if (rc != 0 && sl_client_gone(c))
+    rc = 0; /* the daemon is gone, and its side of the region with it: ours goes too */
   if (rc == 0) {
     /* The window borrows this region's handles: it goes first. */
     if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
@@ -200,6 +203,8 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
   Sublet__Reply *rep;
+  int fds[3];
+  size_t nfds = 3;
   int rc;
 
   m.region = r->id;
@@ -210,12 +215,24 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   m.has_name = name != NULL;
   m.name.data = (uint8_t *)name;
   m.name.len = name != NULL ? strlen(name) : 0;
+  m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   pthread_mutex_lock(&c->lock);
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, &rep, fds, &nfds, -1);
+  if (rc == 0 && nfds != 3) {
+    sl_wire_close_fds(fds, nfds);
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds with Lent, not 3: is it older "
+                        "than this library?", nfds);
+  }
+  if (rc == 0) { /* a new loan of the region: an earlier one has ended, reclaimed or not */
+    sl_rescue_free(r->rescue);
+    r->rescue = NULL;
+  }
+  if (rc == 0 && (rc = sl_rescue_new(rep->lent->loan, fds, &r->rescue)) != 0)
+    sl_wire_close_fds(fds, 3);
   if (rc == 0) {
     *loan_id = rep->lent->loan;
     if (token != NULL)
@@ -227,8 +244,26 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   return rc;
 }
 
-SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
-                                 struct sublet_loan_stats *stats) {
+/* The region whose loan this is, if this library can restore it without the daemon. */
+static struct sublet_region *rescuable(sublet_client *c, uint64_t loan_id) {
+  for (struct sublet_region *r = c->regions; r != NULL; r = r->next)
+    if (r->rescue != NULL && sl_rescue_loan(r->rescue) == loan_id)
+      return r;
+  return NULL;
+}
+
+/* The loan is over, one way or the other: its rescue fds go. */
+static void loan_over(sublet_client *c, uint64_t loan_id) {
+  struct sublet_region *r = rescuable(c, loan_id);
+
+  if (r != NULL) {
+    sl_rescue_free(r->rescue);
+    r->rescue = NULL;
+  }
+}
+
+static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
+                           struct sublet_loan_stats *stats) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Reclaim m = SUBLET__RECLAIM__INIT;
   Sublet__Reply *rep;
@@ -239,7 +274,6 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
   m.timeout_ms = timeout_ms;
   req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
   req.reclaim = &m;
-  pthread_mutex_lock(&c->lock);
   /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, -1);
   if (rc == 0 && stats != NULL)
@@ -249,9 +283,33 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
     rc = sl_client_fail(SUBLET_EDEVICE, "subletd could not restore the kept bytes of loan "
                         "%llu (its log says why): the tensor's kept data is not intact",
                         (unsigned long long)loan_id);
-  pthread_mutex_unlock(&c->lock);
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
+                                 struct sublet_loan_stats *stats) {
+  struct sublet_region *r;
+  int rc = SUBLET_EPIPE;
+
+  pthread_mutex_lock(&c->lock);
+  if (!sl_client_gone(c))
+    rc = reclaim_request(c, loan_id, timeout_ms, stats);
+  r = rc != 0 && sl_client_gone(c) ? rescuable(c, loan_id) : NULL;
+  if (rc == 0 || rc == SUBLET_EDEVICE)
+    loan_over(c, loan_id);
+  pthread_mutex_unlock(&c->lock);
+  if (r == NULL)
+    return rc;
+  /* The daemon is gone: this library puts the kept bytes back itself. Unlocked, because the
+   * borrower may be this very client, letting go of the loan's pages (watch.c). */
+  rc = sl_rescue_run(r, timeout_ms, stats);
+  if (rc == SUBLET_EDAEMONDIED) {
+    pthread_mutex_lock(&c->lock);
+    loan_over(c, loan_id);
+    pthread_mutex_unlock(&c->lock);
+  }
   return rc;
 }
 
@@ -265,6 +323,8 @@ SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id) {
   req.withdraw = &m;
   pthread_mutex_lock(&c->lock);
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+  if (rc == 0)
+    loan_over(c, loan_id);
   pthread_mutex_unlock(&c->lock);
   return rc;
 }

@@ -146,6 +146,14 @@ int sl_device_host_alloc(struct sl_device *d, uint64_t size, void **p, struct sl
   return d->ops->host_alloc(d, size, p, err);
 }
 
+int sl_device_host_map(struct sl_device *d, int fd, uint64_t offset, uint64_t size, int writable,
+                       void **p, struct sl_err *err) {
+  *p = NULL;
+  if (size == 0)
+    return sl_err_set(err, SUBLET_EINVAL, "host_map: size 0");
+  return d->ops->host_map(d, fd, offset, size, writable, p, err);
+}
+
 void sl_device_host_free(struct sl_device *d, void *p, uint64_t size) {
   if (p != NULL)
     d->ops->host_free(d, p, size);

@@ -92,6 +92,12 @@ int sl_device_synchronize(struct sl_device *d, struct sl_err *err);
 
 /* Host memory the device copies to and from at full speed (pinned, for cuda). */
 int sl_device_host_alloc(struct sl_device *d, uint64_t size, void **p, struct sl_err *err);
+/* The same over size bytes of a file (a memfd: memory that outlives this process, shared with
+ * another) from offset, a multiple of the system page size; writable 0 maps it read-only
+ * (the fd may be read-only then). fd stays the caller's. */
+int sl_device_host_map(struct sl_device *d, int fd, uint64_t offset, uint64_t size, int writable,
+                       void **p, struct sl_err *err);
+/* Frees what host_alloc or host_map gave. */
 void sl_device_host_free(struct sl_device *d, void *p, uint64_t size);
 
 /* Runs n copies between dev_base and host_base in one batch and waits for them. Neighbouring
@@ -122,6 +128,8 @@ struct sl_device_ops {
   int (*unmap_idle)(struct sl_device *d, void *addr, uint64_t size);
   int (*synchronize)(struct sl_device *d, struct sl_err *err);
   int (*host_alloc)(struct sl_device *d, uint64_t size, void **p, struct sl_err *err);
+  int (*host_map)(struct sl_device *d, int fd, uint64_t offset, uint64_t size, int writable,
+                  void **p, struct sl_err *err);
   void (*host_free)(struct sl_device *d, void *p, uint64_t size);
   int (*copy)(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
               const struct sl_copy *copies, size_t n, struct sl_err *err);

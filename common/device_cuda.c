@@ -113,6 +113,7 @@ typedef struct CUmemcpyAttributes_st {
 } CUmemcpyAttributes;
 
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_MEMHOSTREGISTER_READ_ONLY 0x08
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
 
@@ -705,6 +706,18 @@ static void prefault(void *mem, uint64_t size) {
     ((volatile char *)mem)[off] = 0;
 }
 
+static int host_register(struct cuda_device *d, void *mem, uint64_t size, unsigned flags,
+                         struct sl_err *err) {
+  int rc = cuda_enter(d, err);
+
+  if (rc == 0) {
+    rc = cuda_check(drv.cuMemHostRegister(mem, size, CU_MEMHOSTREGISTER_PORTABLE | flags), err,
+                    "cuMemHostRegister", "raise the locked-memory limit (ulimit -l)");
+    cuda_leave();
+  }
+  return rc;
+}
+
 static int cuda_host_alloc(struct sl_device *dev, uint64_t size, void **p, struct sl_err *err) {
   void *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   int rc;
@@ -713,12 +726,59 @@ static int cuda_host_alloc(struct sl_device *dev, uint64_t size, void **p, struc
     return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of host memory: %s",
                       (unsigned long long)size, strerror(errno));
   prefault(mem, size);
-  rc = cuda_enter(to_cuda(dev), err);
-  if (rc == 0) {
-    rc = cuda_check(drv.cuMemHostRegister(mem, size, CU_MEMHOSTREGISTER_PORTABLE), err,
-                    "cuMemHostRegister", "raise the locked-memory limit (ulimit -l)");
-    cuda_leave();
+  rc = host_register(to_cuda(dev), mem, size, 0, err);
+  if (rc != 0) {
+    munmap(mem, size);
+    return rc;
   }
+  *p = mem;
+  return 0;
+}
+
+/* Read-only: pinned read-only where the GPU allows it, else a private copy-on-write mapping
+ * (its pages are copies, made once). */
+static int host_map_read_only(struct cuda_device *d, int fd, uint64_t offset, uint64_t size,
+                              void **p, struct sl_err *err) {
+  void *mem = mmap(NULL, size, PROT_READ, MAP_SHARED, fd, (off_t)offset);
+  int rc;
+
+  if (mem != MAP_FAILED) {
+#ifdef MADV_POPULATE_READ
+    madvise(mem, size, MADV_POPULATE_READ);
+#endif
+    if (host_register(d, mem, size, CU_MEMHOSTREGISTER_READ_ONLY, NULL) == 0) {
+      *p = mem;
+      return 0;
+    }
+    munmap(mem, size);
+  }
+  mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, (off_t)offset);
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of a host file: %s",
+                      (unsigned long long)size, strerror(errno));
+  prefault(mem, size);
+  rc = host_register(d, mem, size, 0, err);
+  if (rc != 0) {
+    munmap(mem, size);
+    return rc;
+  }
+  *p = mem;
+  return 0;
+}
+
+static int cuda_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
+                         int writable, void **p, struct sl_err *err) {
+  void *mem;
+  int rc;
+
+  if (!writable)
+    return host_map_read_only(to_cuda(dev), fd, offset, size, p, err);
+  mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)offset);
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of a host file: %s",
+                      (unsigned long long)size, strerror(errno));
+  prefault(mem, size); /* the memfd's pages are made here, once */
+  rc = host_register(to_cuda(dev), mem, size, 0, err);
   if (rc != 0) {
     munmap(mem, size);
     return rc;
@@ -1105,6 +1165,7 @@ const struct sl_device_ops sl_device_cuda_ops = {
     .unmap_idle = cuda_unmap_idle,
     .synchronize = cuda_synchronize,
     .host_alloc = cuda_host_alloc,
+    .host_map = cuda_host_map,
     .host_free = cuda_host_free,
     .copy = cuda_copy,
     .move = cuda_move,

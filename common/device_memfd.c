@@ -8,6 +8,10 @@
  * "Device memory" is the bytes of the memfds this device created, counted against a total, so
  * that running out behaves as on a GPU. Imported handles are not counted: their creator counts
  * them.
+ *
+ * Copies are memcpy. $SUBLET_MEMFD_LINK (bytes per second, as "2G") makes them take as long as
+ * they would over a host link of that speed, in steps of a MiB: tests use it to watch the
+ * daemon serve others during a long copy, and to kill it in the middle of one.
  */
 #include "device.h"
 
@@ -20,6 +24,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #define DEFAULT_PAGE_SIZE (2ull << 20)
@@ -35,6 +40,7 @@ struct memfd_device {
   struct sl_device base;
   pthread_mutex_t lock; /* guards the books below: the client calls from many threads */
   uint64_t created_bytes;
+  uint64_t link_bps; /* $SUBLET_MEMFD_LINK: copies paced to it; 0: as fast as memcpy */
   /* owned[fd], indexed by fd because fds are small dense integers (bounded by the open-files
    * limit). It lets release/map/export refuse fds the device does not own. */
   struct owned_fd *owned;
@@ -118,7 +124,7 @@ static void fill_info(struct sl_device_info *info, int ordinal, uint64_t page, u
 static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
                       struct sl_err *err) {
   struct memfd_device *d;
-  uint64_t page, total;
+  uint64_t page, total, link;
   int rc;
 
   rc = size_setting(p->page_size, "SUBLET_MEMFD_PAGE_SIZE", DEFAULT_PAGE_SIZE, &page, err);
@@ -126,11 +132,14 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
     rc = size_setting(p->total_bytes, "SUBLET_MEMFD_TOTAL", DEFAULT_TOTAL, &total, err);
   if (rc == 0)
     rc = check_page_size(page, err);
+  if (rc == 0)
+    rc = size_setting(0, "SUBLET_MEMFD_LINK", UINT64_MAX, &link, err);
   if (rc != 0)
     return rc;
   d = calloc(1, sizeof(*d));
   if (d == NULL)
     return sl_err_set(err, SUBLET_ENOMEM, "memfd backend: out of host memory");
+  d->link_bps = link == UINT64_MAX ? 0 : link;
   pthread_mutex_init(&d->lock, NULL);
   fill_info(&d->base.info, p->ordinal, page, total);
   *out = &d->base;
@@ -402,22 +411,55 @@ static int memfd_host_alloc(struct sl_device *dev, uint64_t size, void **p, stru
   return 0;
 }
 
+static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
+                          int writable, void **p, struct sl_err *err) {
+  void *mem = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+                   (off_t)offset);
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "host_map of %llu bytes: %s",
+                      (unsigned long long)size, strerror(errno));
+  *p = mem;
+  return 0;
+}
+
 static void memfd_host_free(struct sl_device *dev, void *p, uint64_t size) {
   munmap(p, size);
+}
+
+static double now_seconds(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Waits until done bytes would have crossed a link of bps bytes per second since t0. */
+static void pace(uint64_t bps, double t0, uint64_t done) {
+  double late = t0 + (double)done / (double)bps - now_seconds();
+
+  if (late > 0)
+    usleep((useconds_t)(late * 1e6));
 }
 
 static int memfd_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base,
                       void *host_base, const struct sl_copy *copies, size_t n,
                       struct sl_err *err) {
+  const uint64_t step = 1ull << 20, bps = to_memfd(dev)->link_bps;
   char *dev_mem = dev_base, *host_mem = host_base;
-  size_t i;
+  double t0 = now_seconds();
+  uint64_t done = 0;
 
-  for (i = 0; i < n; i++) {
-    char *on_dev = dev_mem + copies[i].dev_off, *on_host = host_mem + copies[i].host_off;
-    if (dir == SL_COPY_TO_HOST)
-      memcpy(on_host, on_dev, copies[i].len);
-    else
-      memcpy(on_dev, on_host, copies[i].len);
+  for (size_t i = 0; i < n; i++) {
+    for (uint64_t off = 0; off < copies[i].len; off += step) {
+      uint64_t len = copies[i].len - off < step ? copies[i].len - off : step;
+      char *on_dev = dev_mem + copies[i].dev_off + off;
+      char *on_host = host_mem + copies[i].host_off + off;
+      memcpy(dir == SL_COPY_TO_HOST ? on_host : on_dev,
+             dir == SL_COPY_TO_HOST ? on_dev : on_host, len);
+      done += len;
+      if (bps != 0)
+        pace(bps, t0, done);
+    }
   }
   return 0;
 }
@@ -450,6 +492,7 @@ const struct sl_device_ops sl_device_memfd_ops = {
     .unmap_idle = memfd_unmap,
     .synchronize = memfd_synchronize,
     .host_alloc = memfd_host_alloc,
+    .host_map = memfd_host_map,
     .host_free = memfd_host_free,
     .copy = memfd_copy,
     .move = memfd_move,

@@ -761,6 +761,9 @@ int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t s
                       "free what you hold and return the loan", l->id);
   if (size == 0)
     return sl_err_set(err, SUBLET_EINVAL, "cannot allocate 0 bytes; ask for at least one");
+  if (l->held_alloc != 0)
+    return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is saving kept bytes for the last "
+                      "allocation: wait for its reply before asking for another", l->id);
   rc = first_fit(b, l, size, &g->pos, err);
   if (rc < 0)
     return rc;
@@ -829,7 +832,7 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
   struct sl_chunk *chunks;
   size_t i;
 
-  if (!grant_current(b, g, &i))
+  if (!grant_current(b, g, &i) || (l->held_alloc != 0 && l->held_alloc != g->alloc_id))
     return SUBLET_EINVAL; /* stale or foreign grant: plan again */
   allocs = sl_grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
   if (allocs == NULL)
@@ -850,8 +853,23 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
     l->fresh_chunk_pages += g->fresh_npages;
     b->next_chunk++;
   }
+  l->held_alloc = 0;
   loan_count_grant(b, l, g);
   return 0;
+}
+
+int sl_books_alloc_hold(struct sl_books *b, const struct sl_grant *g, struct sl_err *err) {
+  size_t i;
+
+  if (!grant_current(b, g, &i) || b->loan->held_alloc != 0)
+    return sl_err_set(err, SUBLET_EINVAL, "internal error: holding a stale allocation plan");
+  b->loan->held_alloc = g->alloc_id;
+  return 0;
+}
+
+void sl_books_alloc_release(struct sl_books *b, const struct sl_grant *g) {
+  if (b->loan != NULL && b->loan->id == g->loan_id && b->loan->held_alloc == g->alloc_id)
+    b->loan->held_alloc = 0;
 }
 
 void sl_grant_clear(struct sl_grant *g) {
@@ -985,6 +1003,9 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
   rc = borrowed_loan(b, client_id, &l, err);
   if (rc < 0)
     return rc;
+  if (l->held_alloc != 0)
+    return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is saving kept bytes for an "
+                      "allocation: wait for its reply before returning", l->id);
   leaked = l->nallocs > 0;
   if (leaked && !force)
     return leak_error(l, err);
@@ -1119,7 +1140,8 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
       .id = l->id, .region_id = l->region_id, .state = l->state,
       .owner_client = l->owner_client, .borrower_client = l->borrower_client,
       .borrower = l->borrower, .unkept_pages = l->unkept, .fresh_pages = l->fresh,
-      .kept_pages = l->kept, .kept_bytes = l->kept_bytes, .hwm = l->hwm,
+      .kept_pages = l->kept, .kept_bytes = l->kept_bytes, .keep_ranges = l->nkeep,
+      .hwm = l->hwm,
       .live_allocs = l->nallocs, .live_bytes = l->live_bytes,
       .fresh_chunk_pages = l->fresh_chunk_pages, .owner_gone = l->owner_gone,
       .stats = l->stats};

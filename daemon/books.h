@@ -19,7 +19,8 @@
  *             allocation is granted.
  *
  * Two-phase allocation: sl_books_alloc_plan() computes a grant without changing anything; the
- * daemon does the device work it names (create the chunk, move, then save the kept bytes) and then calls
+ * daemon does the device work it names (create the chunk, move, then save the kept bytes: off
+ * the event loop, with the grant held by sl_books_alloc_hold() meanwhile) and then calls
  * sl_books_alloc_commit() if it succeeded; either way it then frees the grant with
  * sl_grant_clear().
  *
@@ -119,6 +120,7 @@ struct sl_loan_info {
   char name[64];
   uint64_t unkept_pages, fresh_pages, kept_pages; /* U, F, K */
   uint64_t kept_bytes;        /* all kept bytes of the region */
+  uint64_t keep_ranges;       /* merged keep ranges */
   uint64_t hwm;               /* window positions handed out so far */
   uint64_t live_allocs, live_bytes;
   uint64_t fresh_chunk_pages; /* fresh pages created so far */
@@ -183,6 +185,11 @@ int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint6
 int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t size,
                         struct sl_grant *g, struct sl_err *err);
 int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g);
+/* While the device saves a grant's kept bytes (off the event loop), its positions are neither
+ * lent nor free: hold marks them so, and no other allocation is planned or return accepted
+ * (SUBLET_EBUSY) until commit, or release when the save failed or the loan ended meanwhile. */
+int sl_books_alloc_hold(struct sl_books *b, const struct sl_grant *g, struct sl_err *err);
+void sl_books_alloc_release(struct sl_books *b, const struct sl_grant *g);
 void sl_grant_clear(struct sl_grant *g);
 int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_id,
                         uint64_t *size, struct sl_err *err);

@@ -53,6 +53,7 @@ struct sl_loan {
   struct sl_chunk *chunks; /* ascending pos, covering [unkept, min(hwm, unkept + fresh)) */
   size_t nchunks, cap_chunks;
   uint64_t fresh_chunk_pages;
+  uint64_t held_alloc; /* a grant whose kept bytes are being saved: 0, or its alloc id */
   int owner_gone;
   struct sl_plan plan;       /* where the kept zone's bytes went: moves and saves */
   struct sublet_loan_stats stats;

@@ -350,6 +350,10 @@ static int check_loan(const struct sl_books *b, struct check *ck) {
     rc = check_chunks(b, l, ck);
   if (rc == 0)
     rc = check_plan(b, l, ck);
+  if (rc == 0 && l->held_alloc != 0 &&
+      (l->held_alloc != b->next_alloc || l->state != SL_LOAN_ACTIVE))
+    rc = broken(ck, "loan %" PRIu64 " holds allocation %" PRIu64 " that is not the next one "
+                "or not in an active loan", l->id, l->held_alloc);
   return rc;
 }
 

@@ -70,6 +70,8 @@ void sl_conn_close(struct sl_conn *c) {
     return; /* already closed */
   *link = c->next;
   c->closed = 1;
+  if (c->job != NULL)
+    c->job->conn = NULL; /* the copy goes on; its answer has nobody to go to */
   sl_handle_disconnect(c); /* takes over c->pidfd */
   uv_poll_stop(&c->poll);
   uv_close((uv_handle_t *)&c->poll, free_conn);
@@ -101,6 +103,10 @@ static int drain_frames(struct sl_conn *c) {
     sublet__request__free_unpacked(req, NULL);
     if (c->closed)
       return 1;
+    if (c->job != NULL) { /* answered once its copy is done: read nothing more till then */
+      uv_poll_stop(&c->poll);
+      return 1;
+    }
   }
   if (rc == 1 || rc < 0) {
     sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err.msg);
@@ -130,6 +136,13 @@ static void on_readable(uv_poll_t *h, int status, int events) {
     if (drain_frames(c))
       return;
   }
+}
+
+void sl_conn_resume(struct sl_conn *c) {
+  if (c->closed || c->job != NULL)
+    return;
+  if (drain_frames(c) == 0) /* frames that came with the one that waited */
+    uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, on_readable);
 }
 
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds) {

@@ -1,10 +1,12 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), conn.c (one
  * connection's frames), handlers.c (requests), waiters.c (requests answered later), endings.c
- * (how loans end, what a client leaves), status.c (the Status reply), idle.c (--idle-exit).
+ * (how loans end, what a client leaves), status.c (the Status reply), idle.c (--idle-exit),
+ * jobs.c (copies off the loop).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
- * Everything runs on the loop's thread.
+ * Everything runs on the loop's thread, except the copies of jobs.c, which touch only their
+ * transfer and the device.
  */
 #ifndef SL_DAEMON_H
 #define SL_DAEMON_H
@@ -36,6 +38,8 @@ struct sl_daemon_config {
 
 struct sl_conn;
 struct sl_waiter;
+struct sl_job;
+struct sl_rescue;
 
 struct sl_daemon {
   struct sl_daemon_config cfg;
@@ -55,6 +59,8 @@ struct sl_daemon {
   struct sl_conn *conns;
   struct sl_waiter *waiters;
   struct sl_drain *drains;
+  struct sl_job *jobs, *jobs_tail; /* copies in submission order; the first one runs */
+  struct sl_rescue *rescues;       /* per loan whose owner can restore itself (rescue.c) */
   double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
   double move_seconds;      /* the same, moving kept bytes on the device */
   double started;           /* CLOCK_MONOTONIC seconds */
@@ -74,6 +80,7 @@ struct sl_conn {
   int pidfd;                /* the peer process, to know when it has really exited */
   struct sl_ended *ended;   /* loans of this owner that ended before it asked (Reclaim) */
   int waiting;              /* a Borrow or Reclaim of this conn awaits its reply */
+  struct sl_job *job;       /* its request waits for this copy: reading paused until done */
   int closed;
   struct sl_conn *next;
 };
@@ -89,6 +96,7 @@ struct sl_waiter {
   uint64_t loan_id;
   uint8_t token[16];
   int has_token;
+  int rescue;               /* Borrow.rescue */
   char name[64];
   uv_timer_t timer;
   struct sl_waiter *next;
@@ -112,6 +120,31 @@ struct sl_drain {
   struct sl_drain *next;
 };
 
+/* A copy off the loop (jobs.c). The submitter fills transfer (owned by the job: freed before
+ * done runs; NULL for a job that only keeps its place in the order), done, and conn when a
+ * request of that connection waits for it (then the connection reads nothing more until done;
+ * conn is NULL in done if it closed meanwhile). done runs on the loop with rc and err set, and
+ * owns the job from then on. */
+struct sl_job {
+  uv_work_t work;
+  struct sl_daemon *d;
+  struct sl_pool_transfer *transfer;
+  void (*done)(struct sl_job *j);
+  struct sl_conn *conn;
+  int rc;
+  struct sl_err err;
+  double seconds;       /* copying to or from the host */
+  double move_seconds;  /* moving on the device */
+  int started;
+  struct sl_job *next;
+};
+
+void sl_job_submit(struct sl_daemon *d, struct sl_job *j);
+int sl_jobs_idle(const struct sl_daemon *d);
+/* May a copy of bytes run on the loop now? Nothing queued (it would overtake), and small. */
+#define SL_JOB_INLINE_BYTES (1ull << 20)
+int sl_jobs_inline(const struct sl_daemon *d, uint64_t bytes);
+
 int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
 /* Removes the socket file at exit, if it is still the one this daemon bound. */
@@ -123,6 +156,8 @@ void sl_idle_stop(struct sl_daemon *d);
 
 void sl_conn_accept(struct sl_daemon *d, int fd);
 void sl_conn_close(struct sl_conn *c);
+/* Reads and dispatches again after the copy its request waited for (c->job) is done. */
+void sl_conn_resume(struct sl_conn *c);
 /* Sends a reply; a client that cannot take it is disconnected. fds stay the caller's. */
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds);
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err);
@@ -142,9 +177,36 @@ void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *
 /* Takes an ended loan's stats off the conn's list; returns 1 if it was there. */
 int sl_ended_take(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s);
 
-/* Carries out a loan's end on the device and tells its owner (endings.c). */
-void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
-                       struct sublet_loan_stats *out);
+/* Carries out a loan's end on the device (endings.c): the kept bytes are copied back off the
+ * loop, then fresh memory is released and the owner told; last, answer (may be NULL) gets the
+ * final stats, with c (the connection whose request ended the loan, or NULL; NULL too if it
+ * closed meanwhile), and owns arg. Takes over end's arrays. */
+typedef void (*sl_loan_answer_fn)(struct sl_conn *c, void *arg,
+                                  const struct sublet_loan_stats *s);
+void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
+                       sl_loan_answer_fn answer, void *arg);
+/* Has the books' loan ended, with its kept bytes still on their way back (to this owner;
+ * owner_client 0: to anyone)? */
+int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client);
+
+/* What lets a loan's owner restore its kept bytes itself if the daemon dies (rescue.c). At
+ * Lend: a journal, the owner's save area and a release pipe; fds[3] (journal, save area, the
+ * pipe's read end) are the caller's to send and close. At Borrow: the borrower goes in the
+ * journal, and the pipe's write end is returned (the caller's to send and close; -1 if the
+ * owner did not ask). emptied: entries for the moves, then the saves, of kept pages emptied
+ * for a grant (in the order they ran), before their pages are lent. end:
+ * everything is back (restored) or the loan is gone; prune: drops the loans that ended
+ * without a restore (withdrawn, or the owner left). */
+int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_info *li,
+                   uid_t owner_uid, int fds[3], struct sl_err *err);
+int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer *borrower);
+/* Can this loan's owner restore it without the daemon? */
+int sl_rescue_has(const struct sl_daemon *d, uint64_t loan_id);
+int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_move *m, size_t nm,
+                      const struct sl_copy *c, size_t nc, struct sl_err *err);
+void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);
+void sl_rescue_prune(struct sl_daemon *d);
+void sl_rescue_free_all(struct sl_daemon *d);
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
 
 /* Handles one request; every request gets exactly one reply, now or (Borrow, Reclaim) later. */

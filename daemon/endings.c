@@ -13,46 +13,125 @@
 #include "daemon.h"
 #include "log.h"
 
-/* Carries out a loan's end on the device: the kept bytes back, fresh memory released. The
- * final stats go to the owner and, if out is not NULL, to the caller. */
-void sl_loan_end_apply(struct sl_daemon *d, struct sl_loan_end *end,
-                        struct sublet_loan_stats *out) {
-  struct sl_err err = {0};
-  double secs = 0;
+/* A loan's end on the device: its kept bytes copied back (off the loop), then the rest. */
+struct end_job {
+  struct sl_job job; /* first member */
+  struct sl_loan_end end;
+  sl_loan_answer_fn answer;
+  void *arg;
+};
+
+/* The kept bytes are back (or could not be, rc): fresh memory released, the owner told, the
+ * request that ended the loan answered. */
+static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const char *why,
+                       double seconds, double move_seconds, struct sl_conn *c) {
+  struct sl_loan_end *end = &ej->end;
   char size[16];
 
-  double move_secs = 0;
-
-  /* Saves first: they bring back the bytes that were moved into pages lent later. */
-  if ((end->nrestore > 0 &&
-       sl_pool_restore(d->pool, end->region_id, end->restore, end->nrestore, &secs, &err) != 0) ||
-      sl_pool_move(d->pool, end->region_id, end->unmove, end->nunmove, &move_secs, &err) != 0) {
+  if (rc != 0) {
     sl_error("loan %llu: restoring kept bytes failed: %s", (unsigned long long)end->loan_id,
-             err.msg);
+             why);
     end->stats.copied_in_bytes = 0; /* nothing came back: the owner's client reports it */
   }
-  end->stats.move_seconds = d->move_seconds + move_secs;
+  end->stats.move_seconds = d->move_seconds + move_seconds;
   for (size_t i = 0; i < end->nfresh; i++)
     sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
   if (end->free_region)
     sl_pool_region_destroy(d->pool, end->region_id);
-  end->stats.copy_in_seconds = secs;
+  sl_rescue_end(d, end->loan_id, rc == 0); /* before the owner hears: all is back */
+  end->stats.copy_in_seconds = seconds;
   end->stats.copy_out_seconds = d->copy_out_seconds;
   sl_info("loan %llu ended: %s copied out and back%s", (unsigned long long)end->loan_id,
           sl_format_size(size, end->stats.copied_out_bytes),
           end->stats.borrower_died ? " (the borrower died)" : "");
   sl_waiters_loan_ended(d, &end->stats, end->owner_client);
-  if (out != NULL)
-    *out = end->stats;
+  if (ej->answer != NULL)
+    ej->answer(c, ej->arg, &end->stats);
   sl_loan_end_clear(end);
 }
 
-/* Ends loans whose borrower is gone: kept bytes restored, the owner told. */
+static void end_restored(struct sl_job *j) {
+  struct end_job *ej = (struct end_job *)j;
+  struct sl_conn *c = j->conn;
+
+  end_finish(j->d, ej, j->rc, j->err.msg, j->seconds, j->move_seconds, c);
+  if (c != NULL)
+    sl_conn_resume(c);
+  free(ej);
+}
+
+/* A small restore, on the loop (sl_jobs_inline). */
+static void end_now(struct sl_daemon *d, struct end_job *ej, struct sl_conn *c) {
+  struct sl_pool_transfer *t = NULL;
+  struct sl_err err = {0};
+  double copy = 0, move = 0;
+  int rc = 0;
+
+  if (ej->end.nrestore + ej->end.nunmove > 0) {
+    rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, ej->end.region_id, ej->end.restore,
+                              ej->end.nrestore, ej->end.unmove, ej->end.nunmove, &t, &err);
+    if (rc == 0)
+      rc = sl_pool_transfer_run(t, &copy, &move, &err);
+    sl_pool_transfer_free(t);
+  }
+  end_finish(d, ej, rc, err.msg, copy, move, c);
+  free(ej);
+}
+
+void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
+                       sl_loan_answer_fn answer, void *arg) {
+  struct end_job *ej = calloc(1, sizeof(*ej));
+
+  if (ej == NULL) { /* cannot even queue it: the owner hears that nothing came back */
+    sl_error("loan %llu: out of host memory for its restore", (unsigned long long)end->loan_id);
+    end->stats.copied_in_bytes = 0;
+    sl_waiters_loan_ended(d, &end->stats, end->owner_client);
+    if (answer != NULL)
+      answer(c, arg, &end->stats);
+    sl_loan_end_clear(end);
+    return;
+  }
+  ej->end = *end; /* the job owns the end's arrays now */
+  memset(end, 0, sizeof(*end));
+  ej->answer = answer;
+  ej->arg = arg;
+  if (sl_jobs_inline(d, ej->end.stats.copied_in_bytes + ej->end.stats.moved_bytes)) {
+    end_now(d, ej, c);
+    return;
+  }
+  ej->job.done = end_restored;
+  ej->job.conn = c;
+  if (ej->end.nrestore + ej->end.nunmove > 0)
+    ej->job.rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, ej->end.region_id,
+                                      ej->end.restore, ej->end.nrestore, ej->end.unmove,
+                                      ej->end.nunmove, &ej->job.transfer, &ej->job.err);
+  sl_job_submit(d, &ej->job);
+}
+
+int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client) {
+  for (const struct sl_job *j = d->jobs; j != NULL; j = j->next) {
+    const struct end_job *ej = (const struct end_job *)j;
+    if (j->done == end_restored && ej->end.loan_id == loan_id &&
+        (owner_client == 0 || ej->end.owner_client == owner_client))
+      return 1;
+  }
+  return 0;
+}
+
+/* Ends loans whose borrower is gone: kept bytes restored, the owner told. When the daemon is
+ * going away, a loan whose owner can restore itself is left to it instead: the borrower's
+ * process may still touch the pages (it lets go once it sees the daemon go, or exits), which
+ * the owner's library waits for and the daemon cannot (it would have to outstay it). */
 static void finish_now(struct sl_daemon *d, const uint64_t *loans, size_t n) {
   for (size_t i = 0; i < n; i++) {
     struct sl_loan_end end = {0};
+    if (d->stopping && sl_rescue_has(d, loans[i])) {
+      sl_info("loan %llu is left to its owner's library: it restores the kept bytes from the "
+              "save area once the borrower has let go", (unsigned long long)loans[i]);
+      continue;
+    }
     if (sl_books_loan_finish(d->books, loans[i], &end) == 0)
-      sl_loan_end_apply(d, &end, NULL);
+      sl_loan_end_start(d, &end, NULL, NULL, NULL);
   }
 }
 
@@ -177,6 +256,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
       settle_borrower(c, gone.draining_loans, gone.ndraining);
     sl_client_gone_clear(&gone);
   }
+  sl_rescue_prune(d);
   if (c->pidfd >= 0)
     close(c->pidfd);
   c->pidfd = -1;

@@ -175,6 +175,19 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
   return 0;
 }
 
+/* The save area becomes the owner's user's (an owner's fd never shows another user's bytes);
+ * with Lend.rescue, the fds that let the owner restore itself (rescue.c). */
+static int lend_setup(struct ctx *x, uint64_t loan, const struct sl_loan_info *li, int rescue,
+                      int fds[3]) {
+  int area_fd;
+  int rc = rescue ? sl_rescue_lend(x->d, loan, li, x->c->peer.uid, fds, &x->err)
+                  : sl_pool_host_claim(x->d->pool, x->c->peer.uid, &area_fd, &x->err);
+
+  if (rc != 0)
+    sl_books_withdraw(x->d->books, x->c->client_id, loan, NULL);
+  return rc;
+}
+
 static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Lent lent = SUBLET__LENT__INIT;
@@ -182,7 +195,7 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   uint8_t token[16];
   char name[64];
   uint64_t loan;
-  int rc;
+  int fds[3] = {-1, -1, -1}, rc;
 
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
@@ -197,6 +210,9 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   if (rc != 0)
     return rc;
   sl_books_loan_info(x->d->books, loan, &li);
+  rc = lend_setup(x, loan, &li, m->rescue, fds);
+  if (rc != 0)
+    return rc;
   lent.loan = loan;
   lent.token.data = token;
   lent.token.len = sizeof(token);
@@ -206,7 +222,9 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_LENT;
   rep.lent = &lent;
-  sl_conn_send(x->c, &rep, NULL, 0);
+  sl_conn_send(x->c, &rep, fds, m->rescue ? 3 : 0);
+  if (m->rescue)
+    sl_wire_close_fds(fds, 3); /* sent: the owner has its own */
   sl_handle_offer_posted(x->d);
   return 0;
 }
@@ -221,6 +239,8 @@ static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
     return 0;
   }
   rc = sl_books_loan_owned(x->d->books, x->c->client_id, m->loan, &x->err);
+  if (rc == SUBLET_ENOENT && sl_loan_ending(x->d, m->loan, x->c->client_id))
+    rc = 0; /* ended, its restore still running: the reply comes when it is done */
   if (rc != 0)
     return rc;
   if (m->timeout_ms == 0)
@@ -236,8 +256,10 @@ static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
 static int on_withdraw(struct ctx *x, const Sublet__Withdraw *m) {
   int rc = sl_books_withdraw(x->d->books, x->c->client_id, m->loan, &x->err);
 
-  if (rc == 0)
+  if (rc == 0) {
+    sl_rescue_prune(x->d);
     sl_conn_send_ok(x->c, x->id);
+  }
   return rc;
 }
 
@@ -251,13 +273,14 @@ static uint64_t fresh_pages_available(struct sl_daemon *d) {
 }
 
 /* Answers a Borrow that succeeded with the window's layout. */
-static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan) {
+static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int rescue) {
   struct sl_daemon *d = c->d;
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Borrowed b = SUBLET__BORROWED__INIT;
   struct sl_region_info ri;
   struct sl_loan_info li;
   const uint64_t *layout;
+  int release_w;
 
   sl_books_loan_info(d->books, loan, &li);
   sl_books_region_info(d->books, li.region_id, &ri);
@@ -277,20 +300,23 @@ static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan) {
   rep.borrowed = &b;
   d->copy_out_seconds = 0;
   d->move_seconds = 0;
+  release_w = sl_rescue_borrow(d, loan, &c->peer); /* before the borrower can touch a page */
   sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
           (unsigned long long)loan, (int)c->peer.pid, (unsigned long long)b.unkept_pages,
           (unsigned long long)b.fresh_pages, (unsigned long long)b.kept_pages);
-  sl_conn_send(c, &rep, NULL, 0);
+  sl_conn_send(c, &rep, &release_w, rescue && release_w >= 0 ? 1 : 0);
+  if (release_w >= 0)
+    close(release_w); /* sent, or not asked for: the owner reads end-of-file then */
 }
 
 static int try_borrow(struct sl_conn *c, uint64_t id, uint64_t loan, const uint8_t *token,
-                      const char *name, struct sl_err *err) {
+                      const char *name, int rescue, struct sl_err *err) {
   uint64_t got;
   int rc = sl_books_borrow(c->d->books, c->client_id, loan, token, name,
                            fresh_pages_available(c->d), &got, err);
 
   if (rc == 0)
-    reply_borrowed(c, id, got);
+    reply_borrowed(c, id, got, rescue);
   return rc;
 }
 
@@ -305,7 +331,7 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
                       m->token.len);
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
-  rc = try_borrow(x->c, x->id, m->loan, token, name, &x->err);
+  rc = try_borrow(x->c, x->id, m->loan, token, name, m->rescue, &x->err);
   if (rc != SUBLET_ENOOFFER || m->timeout_ms == 0)
     return rc;
   w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
@@ -313,6 +339,7 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
     return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
   w->loan_id = m->loan;
   w->has_token = token != NULL;
+  w->rescue = m->rescue;
   if (token != NULL)
     memcpy(w->token, token, 16);
   memcpy(w->name, name, sizeof(w->name));
@@ -330,7 +357,7 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
     if (w->kind != SL_WAIT_BORROW)
       continue;
     int rc = try_borrow(w->conn, w->req_id, w->loan_id, w->has_token ? w->token : NULL,
-                        w->name, &err);
+                        w->name, w->rescue, &err);
     if (rc == SUBLET_ENOOFFER)
       continue;
     if (rc != 0)
@@ -341,67 +368,138 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
   }
 }
 
-/* The grant's kept pages are emptied: moves first (they fill holes of pages that stay
- * unlent), then saves (which may read bytes a move just wrote). A failure leaves the kept
- * bytes where they were: nothing was granted, and moved copies are only copies. */
-static int empty_kept_pages(struct ctx *x, const struct sl_grant *g) {
-  struct sl_loan_info li;
-  double secs = 0;
-  int rc;
+/* An allocation that reaches kept pages: answered once their kept bytes are moved or saved. */
+struct alloc_job {
+  struct sl_job job; /* first member: the job is the alloc_job */
+  uint64_t req_id;
+  struct sl_grant g;
+  int fd;            /* the fresh chunk's export, or -1 */
+};
 
-  sl_books_loan_info(x->d->books, g->loan_id, &li);
-  rc = sl_pool_move(x->d->pool, li.region_id, g->move, g->nmove, &secs, &x->err);
-  x->d->move_seconds += secs;
-  secs = 0;
-  if (rc == 0 && g->nsave > 0)
-    rc = sl_pool_save(x->d->pool, li.region_id, g->save, g->nsave, &secs, &x->err);
-  x->d->copy_out_seconds += secs;
+static void reply_allocated(struct sl_conn *c, uint64_t id, const struct sl_grant *g, int fd) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Allocated a = SUBLET__ALLOCATED__INIT;
+
+  a.alloc = g->alloc_id;
+  a.pos = g->pos;
+  a.pages = g->npages;
+  a.has_fresh_pos = a.has_fresh_pages = g->fresh_npages > 0;
+  a.fresh_pos = g->fresh_pos;
+  a.fresh_pages = g->fresh_npages;
+  rep.id = id;
+  rep.body_case = SUBLET__REPLY__BODY_ALLOCATED;
+  rep.allocated = &a;
+  sl_conn_send(c, &rep, &fd, fd >= 0 ? 1 : 0);
+}
+
+/* The device work is done (or failed): commit the grant and answer, or undo it. */
+static int alloc_finish(struct sl_daemon *d, struct sl_conn *c, uint64_t id, struct sl_grant *g,
+                        int fd, int rc, struct sl_err *err) {
+  if (rc == 0 && c == NULL)
+    rc = SUBLET_EPIPE; /* the borrower went while its kept pages were saved */
+  if (rc == 0) /* journaled before the pages are lent: the owner can undo what they lose */
+    rc = sl_rescue_emptied(d, g->loan_id, g->move, g->nmove, g->save, g->nsave, err);
+  if (rc == 0 && (rc = sl_books_alloc_commit(d->books, g)) != 0)
+    rc = sl_err_set(err, rc, "internal error: an allocation's plan went stale");
+  if (rc == 0)
+    reply_allocated(c, id, g, fd);
+  else
+    sl_books_alloc_release(d->books, g);
+  if (rc != 0 && g->fresh_npages > 0)
+    sl_pool_chunk_release(d->pool, g->fresh_chunk_id);
+  if (fd >= 0)
+    close(fd);
+  sl_grant_clear(g);
   return rc;
 }
 
+static void alloc_saved(struct sl_job *j) {
+  struct alloc_job *aj = (struct alloc_job *)j;
+  struct sl_conn *c = j->conn;
+  int rc;
+
+  j->d->copy_out_seconds += j->seconds;
+  j->d->move_seconds += j->move_seconds;
+  rc = alloc_finish(j->d, c, aj->req_id, &aj->g, aj->fd, j->rc, &j->err);
+  if (c != NULL && rc != 0)
+    sl_conn_send_error(c, aj->req_id, &j->err);
+  if (c != NULL)
+    sl_conn_resume(c);
+  free(aj);
+}
+
+/* Holds the grant's positions in the books and saves its kept bytes off the loop. */
+static int alloc_save(struct ctx *x, struct sl_grant *g, int fd) {
+  struct alloc_job *aj = calloc(1, sizeof(*aj));
+  struct sl_loan_info li;
+  int rc;
+
+  if (aj == NULL)
+    return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
+  sl_books_loan_info(x->d->books, g->loan_id, &li);
+  rc = sl_pool_transfer_new(x->d->pool, SL_COPY_TO_HOST, li.region_id, g->save, g->nsave,
+                            g->move, g->nmove, &aj->job.transfer, &x->err);
+  if (rc == 0)
+    rc = sl_books_alloc_hold(x->d->books, g, &x->err);
+  if (rc != 0) {
+    sl_pool_transfer_free(aj->job.transfer);
+    free(aj);
+    return rc;
+  }
+  aj->req_id = x->id;
+  aj->g = *g; /* the job owns the grant's arrays now */
+  aj->fd = fd;
+  aj->job.done = alloc_saved;
+  aj->job.conn = x->c;
+  sl_job_submit(x->d, &aj->job);
+  return 0;
+}
+
+/* A small emptying of kept pages, on the loop (sl_jobs_inline): moves first (they fill holes
+ * of pages that stay unlent), then saves (which may read bytes a move just wrote). A failure
+ * leaves the kept bytes where they were: nothing was granted, and moved copies are copies. */
+static int empty_now(struct ctx *x, const struct sl_grant *g) {
+  struct sl_pool_transfer *t = NULL;
+  struct sl_loan_info li;
+  double copy = 0, move = 0;
+  int rc;
+
+  sl_books_loan_info(x->d->books, g->loan_id, &li);
+  rc = sl_pool_transfer_new(x->d->pool, SL_COPY_TO_HOST, li.region_id, g->save, g->nsave,
+                            g->move, g->nmove, &t, &x->err);
+  if (rc == 0)
+    rc = sl_pool_transfer_run(t, &copy, &move, &x->err);
+  sl_pool_transfer_free(t);
+  x->d->copy_out_seconds += copy;
+  x->d->move_seconds += move;
+  return rc;
+}
+
+/* Plan, do, commit: the books plan the grant, the pool makes the fresh chunk and (off the
+ * loop, unless small) saves the kept bytes, the books commit it. */
 static int on_alloc(struct ctx *x, const Sublet__Alloc *m) {
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__Allocated a = SUBLET__ALLOCATED__INIT;
   struct sl_grant g = {0};
   int fd = -1, rc;
 
   rc = sl_books_alloc_plan(x->d->books, x->c->client_id, m->size, &g, &x->err);
   if (rc == 0 && g.fresh_npages > 0)
     rc = sl_pool_chunk_create(x->d->pool, g.fresh_chunk_id, g.fresh_npages, &fd, &x->err);
-  if (rc == 0 && (g.nmove > 0 || g.nsave > 0)) {
-    rc = empty_kept_pages(x, &g);
-    if (rc != 0 && fd >= 0)
-      sl_pool_chunk_release(x->d->pool, g.fresh_chunk_id);
+  if (rc == 0 && g.nsave + g.nmove > 0 && sl_jobs_inline(x->d, g.save_bytes + g.move_bytes)) {
+    rc = empty_now(x, &g);
+  } else if (rc == 0 && g.nsave + g.nmove > 0) {
+    rc = alloc_save(x, &g, fd);
+    if (rc == 0)
+      return 0; /* answered once the save is done */
   }
   if (rc != 0) {
-    if (fd >= 0)
-      close(fd);
-    sl_grant_clear(&g);
-    return rc;
-  }
-  a.alloc = g.alloc_id;
-  a.pos = g.pos;
-  a.pages = g.npages;
-  a.has_fresh_pos = a.has_fresh_pages = g.fresh_npages > 0;
-  a.fresh_pos = g.fresh_pos;
-  a.fresh_pages = g.fresh_npages;
-  rc = sl_books_alloc_commit(x->d->books, &g);
-  if (rc != 0) { /* cannot happen on one thread: nothing ran between plan and commit */
     if (fd >= 0) {
       close(fd);
       sl_pool_chunk_release(x->d->pool, g.fresh_chunk_id);
     }
     sl_grant_clear(&g);
-    return sl_err_set(&x->err, rc, "internal error: an allocation's plan went stale");
+    return rc;
   }
-  sl_grant_clear(&g);
-  rep.id = x->id;
-  rep.body_case = SUBLET__REPLY__BODY_ALLOCATED;
-  rep.allocated = &a;
-  sl_conn_send(x->c, &rep, &fd, fd >= 0 ? 1 : 0);
-  if (fd >= 0)
-    close(fd);
-  return 0;
+  return alloc_finish(x->d, x->c, x->id, &g, fd, 0, &x->err);
 }
 
 static int on_free(struct ctx *x, const Sublet__Free *m) {
@@ -415,7 +513,8 @@ static int on_free(struct ctx *x, const Sublet__Free *m) {
 
 /* Answers ELEAK with the live allocations (listed before a forced end forgets them) and, when
  * the loan ended all the same, its stats. */
-static void reply_leaks(struct ctx *x, const struct sublet_leak *leaks, size_t n,
+static void reply_leaks(struct sl_conn *c, uint64_t id, const char *msg,
+                        const struct sublet_leak *leaks, size_t n,
                         const struct sublet_loan_stats *ended) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Error e = SUBLET__ERROR__INIT;
@@ -436,35 +535,61 @@ static void reply_leaks(struct ctx *x, const struct sublet_leak *leaks, size_t n
     e.stats = &st;
   }
   e.code = SUBLET_ELEAK;
-  e.message = x->err.msg;
-  rep.id = x->id;
+  e.message = (char *)msg;
+  rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_ERROR;
   rep.error = &e;
-  sl_conn_send(x->c, &rep, NULL, 0);
+  sl_conn_send(c, &rep, NULL, 0);
   free(msgs);
   free(ptrs);
+}
+
+/* A Return's answer, given once the loan's kept bytes are back. */
+struct return_answer {
+  uint64_t id;
+  int leaked;
+  char msg[sizeof(((struct sl_err *)0)->msg)];
+  struct sublet_leak *leaks;
+  size_t nleaks;
+};
+
+static void answer_return(struct sl_conn *c, void *arg, const struct sublet_loan_stats *s) {
+  struct return_answer *ra = arg;
+
+  if (c != NULL && ra->leaked)
+    reply_leaks(c, ra->id, ra->msg, ra->leaks, ra->nleaks, s);
+  else if (c != NULL)
+    sl_conn_send_stats(c, ra->id, 1, s);
+  free(ra->leaks);
+  free(ra);
 }
 
 static int on_return(struct ctx *x, const Sublet__Return *m) {
   uint64_t loan = sl_books_client_loan(x->d->books, x->c->client_id);
   size_t nleaks = loan != 0 ? sl_books_leaks(x->d->books, loan, NULL, 0) : 0;
-  struct sublet_leak *leaks = calloc(nleaks + 1, sizeof(*leaks));
-  struct sublet_loan_stats s = {0};
+  struct return_answer *ra = calloc(1, sizeof(*ra));
   struct sl_loan_end end = {0};
   int rc;
 
-  if (leaks == NULL)
+  if (ra == NULL || (ra->leaks = calloc(nleaks + 1, sizeof(*ra->leaks))) == NULL) {
+    free(ra);
     return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
-  nleaks = sl_books_leaks(x->d->books, loan, leaks, nleaks);
+  }
+  ra->nleaks = sl_books_leaks(x->d->books, loan, ra->leaks, nleaks);
   rc = sl_books_return(x->d->books, x->c->client_id, m->force, &end, &x->err);
-  if (end.loan_id != 0)
-    sl_loan_end_apply(x->d, &end, &s);
-  if (rc == SUBLET_ELEAK)
-    reply_leaks(x, leaks, nleaks, s.loan_id != 0 ? &s : NULL);
-  else if (rc == 0)
-    sl_conn_send_stats(x->c, x->id, 1, &s);
-  free(leaks);
-  return rc == SUBLET_ELEAK ? 0 : rc;
+  if (rc == SUBLET_ELEAK && end.loan_id == 0) { /* not forced: the loan goes on */
+    reply_leaks(x->c, x->id, x->err.msg, ra->leaks, ra->nleaks, NULL);
+    rc = 0;
+  } else if (end.loan_id != 0) { /* answered once the kept bytes are back */
+    ra->id = x->id;
+    ra->leaked = rc == SUBLET_ELEAK;
+    snprintf(ra->msg, sizeof(ra->msg), "%s", x->err.msg);
+    sl_loan_end_start(x->d, &end, x->c, answer_return, ra);
+    return 0;
+  }
+  free(ra->leaks);
+  free(ra);
+  return rc;
 }
 
 static int dispatch(struct ctx *x, const Sublet__Request *r) {

@@ -201,6 +201,7 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
 static void cleanup(struct sl_daemon *d) {
   if (d->loop != NULL)
     uv_run(d->loop, UV_RUN_NOWAIT); /* let the close callbacks run */
+  sl_rescue_free_all(d);
   sl_pool_free(d->pool);
   sl_books_free(d->books);
   if (d->dev != NULL)

@@ -1,5 +1,14 @@
-/* pool.c - region pages, fresh chunks and the host save area on the device. */
+/* pool.c - region pages, fresh chunks and the host save area on the device.
+ *
+ * The save area is a memfd, so that the owner of the kept bytes in it can be given an fd and
+ * read them itself if the daemon dies (daemon/rescue.c). It belongs to one user at a time:
+ * a loan of another user's region gets a new one (the old one goes once no copy uses it), so
+ * that an owner's fd never shows another user's bytes.
+ */
 #include "pool.h"
+
+#include <errno.h>
+#include <sys/mman.h>
 
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +25,41 @@ struct pool_region {
   uint64_t id;
   uint64_t npages;
   sl_handle *pages;
-  void *base; /* the daemon's own mapping of all pages, contiguous */
+  void *base;   /* the daemon's own mapping of all pages, contiguous */
+  int busy;     /* transfers that hold it: destroying waits for the last */
+  int doomed;   /* destroyed while busy: goes when the last transfer is freed */
   struct pool_region *next;
+};
+
+/* One batch of a transfer: copies within one host piece, offsets from its start. */
+struct pool_batch {
+  void *host;
+  struct sl_copy *copies;
+  size_t n;
+};
+
+/* The host save area: a memfd mapped (and pinned) in pieces of SL_HOST_PIECE bytes. */
+struct pool_area {
+  int fd;         /* owned */
+  uid_t uid;      /* whose kept bytes it holds; (uid_t)-1: nobody's yet */
+  void **host;
+  size_t nhost;
+  int busy;       /* transfers that use it */
+  int doomed;     /* replaced while busy: freed when the last transfer is */
+};
+
+struct sl_pool_transfer {
+  struct sl_pool *pool;
+  struct pool_region *region;
+  struct pool_area *area;
+  enum sl_copy_dir dir;
+  struct pool_batch *batches;
+  size_t nbatches;
+  struct sl_copy *copies; /* as given */
+  size_t ncopies;
+  struct sl_move *moves;  /* inside the region */
+  size_t nmoves;
+  struct sl_copy *pieces; /* the storage of every batch's copies, split at host pieces */
 };
 
 struct pool_chunk {
@@ -32,8 +74,7 @@ struct sl_pool {
   uint64_t page_size;
   struct pool_region *regions;
   struct pool_chunk *chunks;
-  void **host;      /* pieces of SL_HOST_PIECE bytes */
-  size_t nhost;
+  struct pool_area *area;  /* the current save area; NULL until first needed */
 };
 
 int sl_pool_new(struct sl_device *dev, struct sl_pool **out) {
@@ -118,6 +159,10 @@ void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id) {
   if (r == NULL)
     return;
   *link = r->next;
+  if (r->busy > 0) {
+    r->doomed = 1; /* a transfer still copies to or from it */
+    return;
+  }
   region_unmap_release(p, r, r->npages, r->npages);
 }
 
@@ -175,35 +220,127 @@ void sl_pool_chunk_release(struct sl_pool *p, uint64_t chunk_id) {
   free(c);
 }
 
-uint64_t sl_pool_chunk_pages(const struct sl_pool *p) {
-  uint64_t n = 0;
-
-  for (const struct pool_chunk *c = p->chunks; c != NULL; c = c->next)
-    n += c->npages;
-  return n;
+static void area_free(struct sl_device *dev, struct pool_area *a) {
+  for (size_t i = 0; i < a->nhost; i++)
+    sl_device_host_free(dev, a->host[i], SL_HOST_PIECE);
+  free(a->host);
+  close(a->fd);
+  free(a);
 }
 
-int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err) {
+static int area_new(uid_t uid, struct pool_area **out, struct sl_err *err) {
+  struct pool_area *a = calloc(1, sizeof(*a));
+
+  if (a == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+  a->fd = memfd_create("sublet-save-area", MFD_CLOEXEC);
+  if (a->fd < 0) {
+    int e = errno;
+    free(a);
+    return sl_err_set(err, SUBLET_ENOMEM, "memfd_create for the save area: %s", strerror(e));
+  }
+  a->uid = uid;
+  *out = a;
+  return 0;
+}
+
+/* Gives up the current area: at once, or when the last copy that uses it is done. */
+static void area_drop(struct sl_pool *p) {
+  struct pool_area *a = p->area;
+
+  p->area = NULL;
+  if (a != NULL && a->busy > 0)
+    a->doomed = 1;
+  else if (a != NULL)
+    area_free(p->dev, a);
+}
+
+int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err) {
+  int rc;
+
+  if (p->area != NULL && p->area->uid != uid && p->area->uid != (uid_t)-1)
+    area_drop(p);
+  if (p->area == NULL && (rc = area_new(uid, &p->area, err)) != 0)
+    return rc;
+  p->area->uid = uid;
+  *fd = p->area->fd;
+  return 0;
+}
+
+/* Grows an area to hold bytes: pieces mapped (and pinned) at their place in the memfd. */
+static int area_reserve(struct sl_device *dev, struct pool_area *a, uint64_t bytes,
+                        struct sl_err *err) {
   size_t want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
   void **host;
   int rc;
 
-  if (want <= p->nhost)
+  if (want <= a->nhost)
     return 0;
-  host = realloc(p->host, want * sizeof(*host));
+  host = realloc(a->host, want * sizeof(*host));
   if (host == NULL)
     return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
-  p->host = host;
-  for (; p->nhost < want; p->nhost++) {
-    rc = sl_device_host_alloc(p->dev, SL_HOST_PIECE, &p->host[p->nhost], err);
+  a->host = host;
+  if (ftruncate(a->fd, (off_t)(want * SL_HOST_PIECE)) != 0)
+    return sl_err_set(err, SUBLET_ENOMEM, "cannot grow the save area to %zu pieces: %s", want,
+                      strerror(errno));
+  for (; a->nhost < want; a->nhost++) {
+    rc = sl_device_host_map(dev, a->fd, a->nhost * SL_HOST_PIECE, SL_HOST_PIECE, 1,
+                            &a->host[a->nhost], err);
     if (rc != 0)
       return rc;
   }
   return 0;
 }
 
+int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err) {
+  int rc;
+
+  if (p->area == NULL && (rc = area_new((uid_t)-1, &p->area, err)) != 0)
+    return rc;
+  return area_reserve(p->dev, p->area, bytes, err);
+}
+
 uint64_t sl_pool_host_bytes(const struct sl_pool *p) {
-  return (uint64_t)p->nhost * SL_HOST_PIECE;
+  return p->area != NULL ? (uint64_t)p->area->nhost * SL_HOST_PIECE : 0;
+}
+
+/* How many pieces the copies make once split where they cross host pieces. */
+static size_t count_pieces(const struct sl_copy *c, size_t n) {
+  size_t total = 0;
+
+  for (size_t i = 0; i < n; i++)
+    if (c[i].len > 0)
+      total += (size_t)((c[i].host_off + c[i].len - 1) / SL_HOST_PIECE -
+                        c[i].host_off / SL_HOST_PIECE + 1);
+  return total;
+}
+
+/* Splits copies where they cross host pieces: one batch per run of pieces in one host piece. */
+static int split_batches(struct sl_pool_transfer *t, const struct sl_copy *c, size_t n,
+                         struct sl_err *err) {
+  size_t cap = count_pieces(c, n), np = 0;
+  uint64_t piece = UINT64_MAX;
+
+  t->pieces = malloc((cap + 1) * sizeof(*t->pieces));
+  t->batches = malloc((cap + 1) * sizeof(*t->batches));
+  if (t->pieces == NULL || t->batches == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a copy's batches");
+  for (size_t i = 0; i < n; i++) {
+    struct sl_copy cur = c[i];
+    while (cur.len > 0) {
+      uint64_t pc = cur.host_off / SL_HOST_PIECE, in = cur.host_off % SL_HOST_PIECE;
+      uint64_t len = cur.len < SL_HOST_PIECE - in ? cur.len : SL_HOST_PIECE - in;
+      if (pc != piece)
+        t->batches[t->nbatches++] = (struct pool_batch){t->area->host[pc], &t->pieces[np], 0};
+      piece = pc;
+      t->pieces[np++] = (struct sl_copy){cur.dev_off, in, len};
+      t->batches[t->nbatches - 1].n++;
+      cur.dev_off += len;
+      cur.host_off += len;
+      cur.len -= len;
+    }
+  }
+  return 0;
 }
 
 static double now_seconds(void) {
@@ -213,86 +350,107 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Runs the copies, split where they cross host pieces: one batch per piece. */
-static int copy_batched(struct sl_pool *p, enum sl_copy_dir dir, struct pool_region *r,
-                        const struct sl_copy *c, size_t n, struct sl_err *err) {
-  /* Each copy adds at most one entry to a piece's batch: n entries always suffice. */
-  struct sl_copy *batch = malloc(n * sizeof(*batch));
-  size_t nb = 0;
-  uint64_t piece = 0;
-  int rc = 0;
-
-  if (batch == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
-  for (size_t i = 0; i < n && rc == 0; i++) {
-    struct sl_copy cur = c[i];
-    while (cur.len > 0 && rc == 0) {
-      uint64_t pc = cur.host_off / SL_HOST_PIECE, in = cur.host_off % SL_HOST_PIECE;
-      uint64_t len = cur.len < SL_HOST_PIECE - in ? cur.len : SL_HOST_PIECE - in;
-      if (pc != piece && nb > 0) {
-        rc = sl_device_copy(p->dev, dir, r->base, p->host[piece], batch, nb, err);
-        nb = 0;
-      }
-      piece = pc;
-      batch[nb++] = (struct sl_copy){cur.dev_off, in, len};
-      cur.dev_off += len;
-      cur.host_off += len;
-      cur.len -= len;
-    }
-  }
-  if (rc == 0 && nb > 0)
-    rc = sl_device_copy(p->dev, dir, r->base, p->host[piece], batch, nb, err);
-  free(batch);
-  return rc;
-}
-
 static int no_pages(uint64_t region_id, struct sl_err *err) {
   return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
                     (unsigned long long)region_id);
 }
 
-static int transfer(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
-                    const struct sl_copy *c, size_t n, double *seconds, struct sl_err *err) {
+static void *dup_array(const void *v, size_t n, size_t size) {
+  void *d = n > 0 ? malloc(n * size) : NULL;
+
+  if (d != NULL)
+    memcpy(d, v, n * size);
+  return d;
+}
+
+int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
+                         const struct sl_copy *c, size_t n, const struct sl_move *m,
+                         size_t nm, struct sl_pool_transfer **out, struct sl_err *err) {
   struct pool_region *r = find_region(p, region_id);
-  double t0 = now_seconds();
+  struct sl_pool_transfer *t;
   int rc;
 
   if (r == NULL)
     return no_pages(region_id, err);
-  if (n == 0)
-    return 0;
-  rc = sl_pool_host_reserve(p, c[n - 1].host_off + c[n - 1].len, err);
+  if (p->area == NULL && (rc = area_new((uid_t)-1, &p->area, err)) != 0)
+    return rc;
+  t = calloc(1, sizeof(*t));
+  if (t == NULL || (t->copies = dup_array(c, n, sizeof(*c))) == NULL) {
+    if (t == NULL || n > 0) {
+      free(t);
+      return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    }
+  }
+  t->moves = dup_array(m, nm, sizeof(*m));
+  if (nm > 0 && t->moves == NULL) {
+    free(t->copies);
+    free(t);
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+  }
+  t->ncopies = n;
+  t->nmoves = nm;
+  t->pool = p;
+  t->region = r;
+  t->area = p->area;
+  t->dir = dir;
+  r->busy++;
+  t->area->busy++;
+  *out = t;
+  return 0;
+}
+
+/* The copies to or from the save area. Off the loop: growing the save area pins host memory
+ * (a fraction of a second per GiB), and only the running transfer touches the area. */
+static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
+  uint64_t host_end = 0;
+  int rc;
+
+  for (size_t i = 0; i < t->ncopies; i++)
+    if (t->copies[i].host_off + t->copies[i].len > host_end)
+      host_end = t->copies[i].host_off + t->copies[i].len;
+  rc = area_reserve(t->pool->dev, t->area, host_end, err);
+  if (rc == 0 && t->ncopies > 0)
+    rc = split_batches(t, t->copies, t->ncopies, err);
+  for (size_t i = 0; i < t->nbatches && rc == 0; i++)
+    rc = sl_device_copy(t->pool->dev, t->dir, t->region->base, t->batches[i].host,
+                        t->batches[i].copies, t->batches[i].n, err);
+  return rc;
+}
+
+static int run_moves(struct sl_pool_transfer *t, struct sl_err *err) {
+  return t->nmoves > 0 ? sl_device_move(t->pool->dev, t->region->base, t->moves, t->nmoves, err)
+                       : 0;
+}
+
+int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
+                         struct sl_err *err) {
+  int save = t->dir == SL_COPY_TO_HOST, rc;
+  double t0 = now_seconds(), t1;
+
+  rc = save ? run_moves(t, err) : run_copies(t, err);
+  t1 = now_seconds();
   if (rc == 0)
-    rc = copy_batched(p, dir, r, c, n, err);
-  if (seconds != NULL)
-    *seconds = now_seconds() - t0;
+    rc = save ? run_copies(t, err) : run_moves(t, err);
+  *copy_seconds = save ? now_seconds() - t1 : t1 - t0;
+  *move_seconds = save ? t1 - t0 : now_seconds() - t1;
   return rc;
 }
 
-int sl_pool_save(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c, size_t n,
-                 double *seconds, struct sl_err *err) {
-  return transfer(p, SL_COPY_TO_HOST, region_id, c, n, seconds, err);
-}
+void sl_pool_transfer_free(struct sl_pool_transfer *t) {
+  struct pool_region *r;
 
-int sl_pool_restore(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c, size_t n,
-                    double *seconds, struct sl_err *err) {
-  return transfer(p, SL_COPY_TO_DEVICE, region_id, c, n, seconds, err);
-}
-
-int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m, size_t n,
-                 double *seconds, struct sl_err *err) {
-  struct pool_region *r = find_region(p, region_id);
-  double t0 = now_seconds();
-  int rc;
-
-  if (n == 0)
-    return 0;
-  if (r == NULL)
-    return no_pages(region_id, err);
-  rc = sl_device_move(p->dev, r->base, m, n, err);
-  if (seconds != NULL)
-    *seconds = now_seconds() - t0;
-  return rc;
+  if (t == NULL)
+    return;
+  r = t->region;
+  if (--r->busy == 0 && r->doomed)
+    region_unmap_release(t->pool, r, r->npages, r->npages);
+  if (--t->area->busy == 0 && t->area->doomed)
+    area_free(t->pool->dev, t->area);
+  free(t->copies);
+  free(t->moves);
+  free(t->pieces);
+  free(t->batches);
+  free(t);
 }
 
 void sl_pool_free(struct sl_pool *p) {
@@ -302,8 +460,6 @@ void sl_pool_free(struct sl_pool *p) {
     sl_pool_chunk_release(p, p->chunks->id);
   while (p->regions != NULL)
     sl_pool_region_destroy(p, p->regions->id);
-  for (size_t i = 0; i < p->nhost; i++)
-    sl_device_host_free(p->dev, p->host[i], SL_HOST_PIECE);
-  free(p->host);
+  area_drop(p);
   free(p);
 }

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "device.h"
 
@@ -30,18 +31,28 @@ int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, 
 int sl_pool_chunk_create(struct sl_pool *p, uint64_t chunk_id, uint64_t npages, int *fd,
                          struct sl_err *err);
 void sl_pool_chunk_release(struct sl_pool *p, uint64_t chunk_id);
-uint64_t sl_pool_chunk_pages(const struct sl_pool *p);
 
-/* Copies kept bytes of a region to the host save area (save) or back (restore). Copies are
- * struct sl_copy with dev_off a region offset and host_off an offset into the save area;
- * *seconds (may be NULL) gets the time spent. */
-int sl_pool_save(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c, size_t n,
-                 double *seconds, struct sl_err *err);
-int sl_pool_restore(struct sl_pool *p, uint64_t region_id, const struct sl_copy *c, size_t n,
-                    double *seconds, struct sl_err *err);
-/* Moves kept bytes inside a region, device to device (struct sl_move, region offsets). */
-int sl_pool_move(struct sl_pool *p, uint64_t region_id, const struct sl_move *m, size_t n,
-                 double *seconds, struct sl_err *err);
+/* The device work of one step of a loan, on one region: moves inside it (struct sl_move, region
+ * offsets) and copies between it and the host save area (struct sl_copy, dev_off a region
+ * offset, host_off a save-area offset; SL_COPY_TO_HOST saves, SL_COPY_TO_DEVICE restores). A
+ * save moves first, then copies; a restore copies first (that brings back the bytes that were
+ * moved into pages lent later), then moves back. Prepared on the event loop, run on any thread.
+ * The transfer holds the region and the save area: destroying (or replacing) them meanwhile
+ * waits until it is freed. Run grows the area as needed and touches nothing but the transfer,
+ * its area and the device, so the loop may go on using the pool; one run at a time. */
+struct sl_pool_transfer;
+
+int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
+                         const struct sl_copy *c, size_t n, const struct sl_move *m,
+                         size_t nm, struct sl_pool_transfer **out, struct sl_err *err);
+/* *copy_seconds and *move_seconds get the time each part took. */
+int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
+                         struct sl_err *err);
+/* On the loop, after the run. */
+void sl_pool_transfer_free(struct sl_pool_transfer *t);
+/* The save area for a loan of uid's region: the current one if it is uid's (or nobody's
+ * yet), else a new one. *fd is its memfd, the pool's: the caller may send it, not close it. */
+int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err);
 /* Makes sure the save area holds at least bytes (pinning ahead of need). */
 int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err);
 uint64_t sl_pool_host_bytes(const struct sl_pool *p);

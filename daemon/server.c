@@ -186,8 +186,11 @@ static void close_borrowers(struct sl_daemon *d) {
   }
 }
 
-/* Closes every connection (settling the books: loans end, kept bytes are restored) and the
- * loop's handles, so that uv_run returns. */
+/* Closes every connection, settling the books: a loan whose borrower is gone or returns is
+ * restored here; one still borrowed is left to its owner's library, which restores it from the
+ * save area once the borrower has let go (endings.c). Then the loop's handles, so that uv_run
+ * returns once the copies under way are done: the bound on a stop is those copies at the host
+ * link's speed (all of a 140 GiB GPU in under 3 s at 55 GB/s). */
 void sl_server_stop(struct sl_daemon *d) {
   if (d->stopping)
     return;
@@ -203,5 +206,6 @@ void sl_server_stop(struct sl_daemon *d) {
   sl_idle_stop(d);
   if (d->parent_pidfd >= 0)
     close_handle((uv_handle_t *)&d->parent_watch);
-  uv_stop(d->loop);
+  if (sl_jobs_idle(d))
+    uv_stop(d->loop); /* else once the restores queued by the closes are done (jobs.c) */
 }

@@ -50,6 +50,7 @@ extern "C" {
   X(EOWNERGONE, -4004, "the owner of the lent region has gone")                                \
   X(EBORROWERDIED, -4005, "the borrower died during the loan")                                 \
   X(ENOOFFER, -4006, "no loan is on offer")                                                    \
+  X(EDAEMONDIED, -4007, "subletd died during the loan")                                        \
   X(ENOTSUP, -95, "not supported")
 
 #define SUBLET_DEFINE_ERR(name, value, text) SUBLET_##name = (value),
@@ -95,6 +96,7 @@ struct sublet_loan_stats {
   uint64_t moved_bytes;        /* kept bytes moved on the device into unkept bytes of kept
                                   pages the borrower did not use (and moved back) */
   double move_seconds;         /* daemon side, both ways */
+  int daemon_died;             /* subletd died: the owner's library restored the kept bytes */
 };
 
 /* An allocation still alive when the borrower tried to return the loan. */
@@ -112,6 +114,9 @@ SUBLET_EXPORT const char *sublet_last_error(void);
 /* Connects to subletd. path NULL: $SUBLET_SOCKET, else /run/sublet/gpu0.sock. */
 SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out);
 SUBLET_EXPORT void sublet_disconnect(sublet_client *c);
+/* 1 while the connection is up; 0 once subletd died or closed it: connect anew for new work
+ * (the old client's regions stay mapped until released; release still works). */
+SUBLET_EXPORT int sublet_connected(const sublet_client *c);
 SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info);
 
 /* Regions: the memory of one tensor, size rounded up to whole pages, mapped contiguously in
@@ -128,7 +133,10 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
                               int keep_all, const char *name, uint64_t *loan_id,
                               uint8_t token[16]);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
- * its kept bytes are back. */
+ * its kept bytes are back. If subletd dies meanwhile, the library restores them itself from the
+ * host save area once the borrower has let go, and returns SUBLET_EDAEMONDIED with stats
+ * (copied_in_bytes: what it restored; daemon_died set); SUBLET_ETIMEDOUT if the borrower has
+ * not let go within timeout_ms (call again). */
 SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
                                  struct sublet_loan_stats *stats);
 /* Withdraws an offer nobody has borrowed yet. */

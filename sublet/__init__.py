@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._lib import (BorrowerDiedError, BusyError, DaemonInfo, DaemonUnavailableError,
-                   LeakError, LoanStats, NoOfferError, OwnerGoneError, ProtocolError,
-                   SubletError, SubletOutOfMemoryError, SubletTimeoutError)
+from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
+                   DaemonUnavailableError, LeakError, LoanStats, NoOfferError, OwnerGoneError,
+                   ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError)
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +37,8 @@ __version__ = "0.1.0"
 __all__ = [
     "empty", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats", "DaemonInfo",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
-    "BorrowerDiedError", "DaemonUnavailableError", "ProtocolError", "BusyError",
+    "BorrowerDiedError", "DaemonUnavailableError", "DaemonDiedError", "ProtocolError",
+    "BusyError",
     "SubletTimeoutError", "SubletOutOfMemoryError", "info",
 ]
 

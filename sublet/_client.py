@@ -20,9 +20,13 @@ _clients_lock = threading.Lock()
 
 
 def client_for(backend: str, device_index: int) -> Client:
-    """The process's connection to the daemon of this device, made on first use."""
+    """The process's connection to the daemon of this device, made on first use, and made
+    anew when the daemon died (or closed it): a restarted daemon serves new work. The dead
+    connection stays with what still uses it (regions, a loan ending) and is never reused."""
     with _clients_lock:
         key = (backend, device_index)
+        if key in _clients and not _clients[key].connected:
+            del _clients[key]
         if key not in _clients:
             _clients[key] = _daemon.connect(device_index, backend)
         return _clients[key]

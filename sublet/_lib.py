@@ -50,6 +50,7 @@ ERROR_CODES: dict[str, int] = {
     "EOWNERGONE": -4004,
     "EBORROWERDIED": -4005,
     "ENOOFFER": -4006,
+    "EDAEMONDIED": -4007,
     "ENOTSUP": -errno.EOPNOTSUPP,
 }
 CODE_NAMES: dict[int, str] = {v: k for k, v in ERROR_CODES.items()}
@@ -98,6 +99,16 @@ class DaemonUnavailableError(SubletError):
     """subletd cannot be reached, or the connection to it was lost."""
 
 
+class DaemonDiedError(DaemonUnavailableError):
+    """subletd died during the loan. The owner's library restored the kept bytes itself from
+    the host save area (the message says how many); ``stats`` has them (copied_in_bytes) when
+    known. A restarted subletd serves new work: the package reconnects for it."""
+
+    def __init__(self, message: str, code: int | None = None, stats: object | None = None):
+        super().__init__(message, code)
+        self.stats = stats
+
+
 class ProtocolError(SubletError):
     """subletd and this library do not understand each other (protocol error or version)."""
 
@@ -121,6 +132,7 @@ _EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
     ERROR_CODES["EBORROWERDIED"]: BorrowerDiedError,
     ERROR_CODES["ECONNREFUSED"]: DaemonUnavailableError,
     ERROR_CODES["EPIPE"]: DaemonUnavailableError,
+    ERROR_CODES["EDAEMONDIED"]: DaemonDiedError,
     ERROR_CODES["EPROTO"]: ProtocolError,
     ERROR_CODES["EVERSION"]: ProtocolError,
     ERROR_CODES["EBUSY"]: BusyError,
@@ -169,6 +181,7 @@ class CLoanStats(Structure):
         ("owner_gone", c_int),
         ("moved_bytes", c_uint64),
         ("move_seconds", c_double),
+        ("daemon_died", c_int),
     ]
 
 
@@ -185,6 +198,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_last_error": (c_char_p, []),
     "sublet_connect": (c_int, [c_char_p, POINTER(c_void_p)]),
     "sublet_disconnect": (None, [c_void_p]),
+    "sublet_connected": (c_int, [c_void_p]),
     "sublet_get_info": (c_int, [c_void_p, POINTER(Info)]),
     "sublet_region_create": (c_int, [c_void_p, c_uint64, POINTER(c_void_p)]),
     "sublet_region_addr": (c_void_p, [c_void_p]),
@@ -320,12 +334,13 @@ class LoanStats:
     owner_gone: bool
     moved_bytes: int
     move_seconds: float
+    daemon_died: bool = False  # the owner's library restored the kept bytes itself
 
     @classmethod
     def from_c(cls, c: CLoanStats) -> "LoanStats":
         values = {f.name: getattr(c, f.name) for f in fields(cls)}
-        values["borrower_died"] = bool(values["borrower_died"])
-        values["owner_gone"] = bool(values["owner_gone"])
+        for flag in ("borrower_died", "owner_gone", "daemon_died"):
+            values[flag] = bool(values[flag])
         return cls(**values)
 
 
@@ -384,6 +399,11 @@ class Client:
             text(info.daemon_version), text(info.backend), text(info.device_name),
             bytes(info.device_uuid), info.device_ordinal, info.page_size, info.total_bytes,
             info.free_bytes, info.client_id)
+
+    @property
+    def connected(self) -> bool:
+        """False once subletd died or closed the connection: new work needs a new Client."""
+        return self.handle is not None and bool(lib().sublet_connected(self.handle))
 
     def close(self) -> None:
         lib().sublet_disconnect(self.handle)

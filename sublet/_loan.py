@@ -22,7 +22,8 @@ import torch
 
 from . import _keep, _lib
 from ._client import Client, LoanStats, ReturnResult
-from ._lib import (BorrowerDiedError, BusyError, DaemonUnavailableError, LeakError,
+from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
+                   LeakError,
                    NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
 from ._memory import Region, nbytes_of, parse_size, region_of, resolve_device, wrap
 from ._torch import LeakedBlock, PoolRouter
@@ -31,6 +32,7 @@ _WAIT_SLICE_MS = 200
 _ELEAK = _lib.ERROR_CODES["ELEAK"]
 _EOWNERGONE = _lib.ERROR_CODES["EOWNERGONE"]
 _EBORROWERDIED = _lib.ERROR_CODES["EBORROWERDIED"]
+_EDAEMONDIED = _lib.ERROR_CODES["EDAEMONDIED"]
 
 # Loans this process borrows, by device: one per device at a time.
 _active: dict[torch.device, "Loan"] = {}
@@ -119,7 +121,12 @@ class Loan:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # queued kernels may still use that memory
         while self._to_free:
-            self._client.free(self._to_free.pop())
+            ptr = self._to_free.pop()
+            try:
+                self._client.free(ptr)
+            except SubletError:
+                if self._client.connected:
+                    raise  # with the daemon gone, the library let go of the loan's memory
 
     # ---------------------------------------------------------------- borrowing mechanics
     def _start(self, client: Client, device: torch.device) -> None:
@@ -229,8 +236,9 @@ class LocalLoan(Loan):
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             returned = self._finish()
-            if returned.code < 0 and returned.code != _ELEAK:
+            if returned.code < 0 and returned.code != _ELEAK and self._client.connected:
                 raise _lib.error_for(returned.code, returned.message)
+            # With the daemon gone, reclaim restores the kept bytes here (DaemonDiedError).
             # The owner's view has the copies; mapping is timed on the borrower's side.
             self._final_stats = dataclasses.replace(
                 self._region.client.reclaim(self._loan_id, -1),
@@ -299,6 +307,8 @@ class Offer:
             f"the loan {self.name or self.loan_id} did not come back within {timeout} s")
         self.stats = stats
         self._region.lent = False
+        if code == _EDAEMONDIED:
+            raise DaemonDiedError(message, code, stats)
         if code == _EBORROWERDIED or stats.borrower_died:
             raise BorrowerDiedError(
                 message or "the borrower died during the loan; the kept data was restored",
@@ -307,7 +317,7 @@ class Offer:
 
     def _reclaim_slice(self, timeout_ms: int) -> tuple[int, str, LoanStats]:
         code, message, stats = self._region.client.reclaim_raw(self.loan_id, timeout_ms)
-        if code < 0 and code != _EBORROWERDIED:
+        if code < 0 and code not in (_EBORROWERDIED, _EDAEMONDIED):
             raise _lib.error_for(code, message)
         return code, message, stats
 
@@ -321,10 +331,8 @@ class Offer:
             return
         try:
             self.withdraw()
-        except DaemonUnavailableError:
-            raise
-        except SubletError:  # borrowed meanwhile: it must come back first
-            self.wait()
+        except SubletError:  # borrowed meanwhile, or the daemon is gone: it must come back
+            self.wait()        # (then from the save area: DaemonDiedError)
 
     def __enter__(self) -> "Offer":
         return self

@@ -5,12 +5,26 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 int sl_test_failed, sl_test_passed;
+
+/* The socket file exists from bind(); connections are accepted only after listen(). */
+static int accepts(const char *path) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), ok;
+
+  snprintf(addr.sun_path, sizeof(addr.sun_path), "%s", path);
+  ok = fd >= 0 && connect(fd, (struct sockaddr *)&addr, sizeof(addr)) == 0;
+  if (fd >= 0)
+    close(fd);
+  return ok;
+}
 
 int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t total) {
   const char *bin = getenv("SUBLETD") ? getenv("SUBLETD") : "./subletd";
@@ -33,8 +47,7 @@ int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t 
     _exit(127);
   }
   for (int i = 0; i < 500; i++) {
-    struct stat st;
-    if (stat(d->socket, &st) == 0)
+    if (accepts(d->socket))
       return 0;
     usleep(10000);
   }

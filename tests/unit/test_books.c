@@ -625,6 +625,46 @@ static void test_two_phase(void) {
   sl_books_free(b);
 }
 
+/* A grant whose kept bytes are being saved (off the event loop) is held: its positions are
+ * neither lent nor free, nothing else is planned, the loan is not returned, until the commit;
+ * a release (the save failed) or the loan's end (the borrower left) undoes the hold. */
+static void test_held_grant(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  struct sublet_range all = {0, 4 * PS};
+  uint64_t owner = client(b, 1000, 1000);
+  uint64_t loan = lend(b, owner, region(b, owner, 4), &all, 1);
+  struct sl_grant g, g2;
+  struct sl_loan_end end;
+  struct sl_err err = {0};
+
+  borrow(b, owner, loan, 0);
+  CHECK_EQ(sl_books_alloc_plan(b, owner, 2 * PS, &g, NULL), 0);
+  CHECK(g.nsave > 0);
+  CHECK_EQ(sl_books_alloc_hold(b, &g, NULL), 0);
+  CHECK_EQ(sl_books_alloc_hold(b, &g, NULL), SUBLET_EINVAL); /* held once */
+  BOOKS_OK(b);
+  CHECK_EQ(info(b, loan).hwm, 0); /* not lent: no fd of those pages goes out */
+  CHECK_EQ(sl_books_alloc_plan(b, owner, PS, &g2, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "saving");
+  CHECK_EQ(sl_books_return(b, owner, 1, &end, &err), SUBLET_EBUSY);
+  sl_books_alloc_release(b, &g); /* the save failed */
+  sl_grant_clear(&g);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_alloc_plan(b, owner, 2 * PS, &g, NULL), 0);
+  CHECK_EQ(sl_books_alloc_hold(b, &g, NULL), 0);
+  CHECK_EQ(sl_books_alloc_commit(b, &g), 0);
+  CHECK_EQ(info(b, loan).hwm, 2);
+  CHECK_EQ(sl_books_alloc_plan(b, owner, PS, &g2, NULL), 0); /* the hold is over */
+  CHECK_EQ(sl_books_alloc_hold(b, &g2, NULL), 0);
+  CHECK_EQ(sl_books_client_remove(b, owner, NULL), 0); /* the borrower (and owner) leaves */
+  sl_books_alloc_release(b, &g2);                      /* harmless: the loan is gone */
+  CHECK_EQ(sl_books_alloc_commit(b, &g2), SUBLET_EINVAL);
+  sl_grant_clear(&g);
+  sl_grant_clear(&g2);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 static void test_alloc_errors(void) {
   struct sl_books *b = books_new(PS, (gid_t)-1);
   uint64_t owner = client(b, 1000, 1000), user = client(b, 1000, 1000);
@@ -1852,6 +1892,7 @@ int main(void) {
   test_fresh_once();
   test_fresh_zone_steady();
   test_two_phase();
+  test_held_grant();
   test_alloc_errors();
   test_withdraw_and_owned();
   test_remove_idle_owner();

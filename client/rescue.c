@@ -1,0 +1,245 @@
+/* rescue.c - libsublet: the owner puts its kept bytes back itself when subletd dies mid-loan.
+ *
+ * At Lend the daemon gives the owner three fds (daemon/rescue.c): the loan's journal and the
+ * host save area (both read-only) and the read end of the loan's release pipe. When the owner
+ * finds its connection gone while it waits for the loan to end, it
+ *   1. waits until the borrower no longer touches the loan's pages: the borrower's library
+ *      writes a byte to the pipe once it has stopped and unmapped (watch.c); end-of-file
+ *      instead means it went without saying (or nobody borrowed): then its process must have
+ *      fully exited (a pidfd), since GPU work may run until then. A byte from a borrower of
+ *      another user is not taken on its word: it must exit;
+ *   2. undoes, last first, every committed entry of the journal that the daemon did not put
+ *      back: saved bytes come from the save area, moved ones move back, through its own
+ *      mapping of the region (it holds handles to all its pages);
+ *   3. reports SUBLET_EDAEMONDIED with what it restored.
+ * The fds are the region's (owned by struct sl_rescue) until the loan ends either way.
+ */
+#include "client.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "journal.h"
+
+struct sl_rescue {
+  uint64_t loan_id;
+  int journal_fd, area_fd, release_fd; /* owned */
+  int released;                        /* the borrower let go: step 1 is done */
+};
+
+int sl_rescue_new(uint64_t loan_id, const int fds[3], struct sl_rescue **out) {
+  struct sl_rescue *r = calloc(1, sizeof(*r));
+
+  if (r == NULL)
+    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+  r->loan_id = loan_id;
+  r->journal_fd = fds[0];
+  r->area_fd = fds[1];
+  r->release_fd = fds[2];
+  *out = r;
+  return 0;
+}
+
+void sl_rescue_free(struct sl_rescue *r) {
+  if (r == NULL)
+    return;
+  close(r->journal_fd);
+  close(r->area_fd);
+  close(r->release_fd);
+  free(r);
+}
+
+uint64_t sl_rescue_loan(const struct sl_rescue *r) {
+  return r->loan_id;
+}
+
+static double now(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Milliseconds left of timeout_ms since t0 (-1: no limit). */
+static int left_ms(int timeout_ms, double t0) {
+  double left;
+
+  if (timeout_ms < 0)
+    return -1;
+  left = timeout_ms - (now() - t0) * 1e3;
+  return left > 0 ? (int)left : 0;
+}
+
+/* Waits for fd to become readable; 1 when it did, 0 at the timeout. */
+static int readable(int fd, int timeout_ms) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  int n;
+
+  while ((n = poll(&p, 1, timeout_ms)) < 0 && errno == EINTR)
+    ;
+  return n > 0;
+}
+
+/* The borrower's process has fully exited (or cannot be watched: it is gone already). */
+static int borrower_exited(pid_t pid, int timeout_ms) {
+  int pidfd = (int)syscall(SYS_pidfd_open, pid, 0), gone;
+
+  if (pidfd < 0)
+    return errno == ESRCH || errno == EINVAL; /* no such process any more */
+  gone = readable(pidfd, timeout_ms);
+  close(pidfd);
+  return gone;
+}
+
+/* Step 1: 0 once the borrower let go, SUBLET_ETIMEDOUT if it has not within timeout_ms. */
+static int wait_released(struct sl_rescue *r, const struct sl_journal_header *h,
+                         int timeout_ms) {
+  pid_t pid = __atomic_load_n(&h->borrower_pid, __ATOMIC_ACQUIRE);
+  double t0 = now();
+  char byte;
+  ssize_t n = 0;
+
+  if (r->released || pid == 0)
+    return 0; /* nobody borrowed: nothing was lent out */
+  if (!readable(r->release_fd, timeout_ms))
+    n = -1;
+  else
+    n = read(r->release_fd, &byte, 1);
+  if (n == 1 && (h->borrower_uid == getuid() || h->borrower_uid == 0))
+    return r->released = 1, 0;
+  if (n >= 0 && pid != getpid() && borrower_exited(pid, left_ms(timeout_ms, t0)))
+    return r->released = 1, 0;
+  return sl_client_fail(SUBLET_ETIMEDOUT, "subletd died during loan %llu and its borrower "
+                        "(pid %d) has not let go of the loan's pages yet; the kept bytes are "
+                        "safe in the save area: reclaim again to wait longer",
+                        (unsigned long long)r->loan_id, (int)pid);
+}
+
+/* An entry points inside the region (src; dst too for a MOVE) and the save area (a SAVE). */
+static int entry_valid(const struct sl_journal_entry *e, uint64_t region, uint64_t area) {
+  uint64_t dst_end = e->kind == SL_JOURNAL_SAVE ? area : region;
+
+  return (e->kind == SL_JOURNAL_SAVE || e->kind == SL_JOURNAL_MOVE) && e->src <= region &&
+         e->len <= region - e->src && e->dst <= dst_end && e->len <= dst_end - e->dst;
+}
+
+/* Undoing the journal, one run of entries of one kind at a time, last entry first. */
+struct undo {
+  struct sl_device *dev;
+  void *region, *area;
+  struct sl_copy *copies;  /* a run of SAVEs: from the save area back into the region */
+  struct sl_move *moves;   /* a run of MOVEs: back from where they went */
+  size_t ncopies, nmoves;
+  struct sl_err err;
+};
+
+static int undo_flush(struct undo *u) {
+  int rc = 0;
+
+  if (u->ncopies > 0)
+    rc = sl_device_copy(u->dev, SL_COPY_TO_DEVICE, u->region, u->area, u->copies, u->ncopies,
+                        &u->err);
+  if (rc == 0 && u->nmoves > 0)
+    rc = sl_device_move(u->dev, u->region, u->moves, u->nmoves, &u->err);
+  u->ncopies = u->nmoves = 0;
+  return rc;
+}
+
+static int undo_entry(struct undo *u, const struct sl_journal_entry *e) {
+  int rc = 0;
+
+  if ((e->kind == SL_JOURNAL_SAVE && u->nmoves > 0) ||
+      (e->kind == SL_JOURNAL_MOVE && u->ncopies > 0))
+    rc = undo_flush(u); /* the kind changes: what came later is undone first */
+  if (e->kind == SL_JOURNAL_SAVE)
+    u->copies[u->ncopies++] = (struct sl_copy){e->src, e->dst, e->len};
+  else
+    u->moves[u->nmoves++] = (struct sl_move){e->dst, e->src, e->len};
+  return rc;
+}
+
+/* Step 2: every committed entry the daemon did not put back, last first. */
+static int undo_all(struct undo *u, const struct sl_journal_view *v, uint64_t region_size,
+                    uint64_t area_size, struct sublet_loan_stats *st) {
+  int rc = 0;
+
+  for (uint64_t i = v->committed; i-- > 0 && rc == 0;) {
+    const struct sl_journal_entry *e = &v->e[i];
+    if (!entry_valid(e, region_size, area_size))
+      return sl_client_fail(SUBLET_EPROTO, "entry %llu of loan %llu's journal is not one this "
+                            "library can undo (kind %u)", (unsigned long long)i,
+                            (unsigned long long)v->h->loan_id, e->kind);
+    if (e->kind == SL_JOURNAL_SAVE)
+      st->copied_out_bytes += e->len;
+    else
+      st->moved_bytes += e->len;
+    if (__atomic_load_n(&e->done, __ATOMIC_ACQUIRE))
+      continue;
+    if (e->kind == SL_JOURNAL_SAVE)
+      st->copied_in_bytes += e->len;
+    rc = undo_entry(u, e);
+  }
+  if (rc == 0)
+    rc = undo_flush(u);
+  if (rc == 0)
+    rc = sl_device_synchronize(u->dev, &u->err);
+  return rc != 0 && u->err.code != 0 ? sl_client_fail_err(&u->err) : rc;
+}
+
+static int restore(struct sublet_region *reg, struct sl_rescue *r,
+                   const struct sl_journal_view *v, struct sublet_loan_stats *st) {
+  struct undo u = {.dev = reg->client->dev, .region = reg->base};
+  uint64_t area_size;
+  struct stat sa;
+  int rc;
+
+  if (fstat(r->area_fd, &sa) != 0)
+    return sl_client_fail(SUBLET_EIO, "the save area of loan %llu: %s",
+                          (unsigned long long)r->loan_id, strerror(errno));
+  area_size = (uint64_t)sa.st_size;
+  u.copies = calloc(v->committed + 1, sizeof(*u.copies));
+  u.moves = calloc(v->committed + 1, sizeof(*u.moves));
+  rc = u.copies == NULL || u.moves == NULL ? sl_client_fail(SUBLET_ENOMEM, "out of host memory")
+                                           : 0;
+  if (rc == 0 && area_size > 0 &&
+      (rc = sl_device_host_map(u.dev, r->area_fd, 0, area_size, 0, &u.area, &u.err)) != 0)
+    rc = sl_client_fail_err(&u.err);
+  if (rc == 0)
+    rc = undo_all(&u, v, reg->npages * reg->page_size, area_size, st);
+  if (u.area != NULL)
+    sl_device_host_free(u.dev, u.area, area_size);
+  free(u.copies);
+  free(u.moves);
+  return rc;
+}
+
+int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_stats *stats) {
+  struct sl_rescue *r = reg->rescue;
+  struct sublet_loan_stats st = {.loan_id = r->loan_id, .daemon_died = 1};
+  struct sl_journal_view v;
+  struct sl_err err = {0};
+  char a[16], b[16];
+  int rc = sl_journal_open(r->journal_fd, r->loan_id, &v, &err);
+
+  if (rc != 0)
+    return sl_client_fail_err(&err);
+  rc = wait_released(r, v.h, timeout_ms);
+  if (rc == 0)
+    rc = restore(reg, r, &v, &st);
+  sl_journal_close(&v);
+  if (rc != 0)
+    return rc;
+  if (stats != NULL)
+    *stats = st;
+  return sl_client_fail(SUBLET_EDAEMONDIED, "subletd died during loan %llu; kept data restored "
+                        "from the save area: %s (of %s saved) copied back by this process. The "
+                        "tensor is intact; a restarted subletd serves new work",
+                        (unsigned long long)r->loan_id, sl_format_size(a, st.copied_in_bytes),
+                        sl_format_size(b, st.copied_out_bytes));
+}

@@ -1,0 +1,167 @@
+/* rescue.c - what lets a loan's owner put its kept bytes back itself if subletd dies.
+ *
+ * Per loan whose owner asked for it (Lend.rescue): the journal (common/journal.h) of what was
+ * saved where, the host save area it points into (the pool's memfd), and a release pipe. The
+ * owner gets the journal's and the save area's fds read-only and the pipe's read end at Lend;
+ * the borrower gets the write end at Borrow, and writes one byte to it once it has stopped
+ * touching the loan's pages after losing the daemon (then closes it; its exit closes it too).
+ * The daemon holds the write end until a borrower has it, so the owner reads end-of-file at
+ * once if the daemon dies before anyone borrowed. Every fd here is the daemon's until sent;
+ * sending does not give it away (the receiver gets its own), so the caller closes what it sent.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "journal.h"
+#include "log.h"
+
+struct sl_rescue {
+  uint64_t loan_id;
+  struct sl_journal *journal;
+  int release_w;  /* the release pipe's write end, until a borrower has it; or -1 */
+  struct sl_rescue *next;
+};
+
+static struct sl_rescue *find(const struct sl_daemon *d, uint64_t loan_id) {
+  for (struct sl_rescue *r = d->rescues; r != NULL; r = r->next)
+    if (r->loan_id == loan_id)
+      return r;
+  return NULL;
+}
+
+static void rescue_free(struct sl_rescue *r) {
+  sl_journal_free(r->journal);
+  if (r->release_w >= 0)
+    close(r->release_w);
+  free(r);
+}
+
+/* A read-only fd of the same file, so that the owner cannot write what it only reads. Where
+ * /proc is not mounted, a copy of the fd itself. */
+static int read_only_fd(int fd) {
+  char path[64];
+  int ro;
+
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  ro = open(path, O_RDONLY | O_CLOEXEC);
+  return ro >= 0 ? ro : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+}
+
+static int pair_fail(int fds[3], struct sl_rescue *r, struct sl_err *err) {
+  int e = errno;
+
+  for (int i = 0; i < 3; i++)
+    if (fds[i] >= 0)
+      close(fds[i]);
+  rescue_free(r);
+  return sl_err_set(err, SUBLET_EIO, "cannot set up a loan's rescue fds: %s", strerror(e));
+}
+
+int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_info *li,
+                   uid_t owner_uid, int fds[3], struct sl_err *err) {
+  struct sl_rescue *r = calloc(1, sizeof(*r));
+  int pipefd[2], area_fd, rc;
+
+  fds[0] = fds[1] = fds[2] = -1;
+  if (r == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+  r->loan_id = loan_id;
+  r->release_w = -1;
+  /* A save entry per kept range per page: room for all of them at first (it grows if moves,
+   * then saves of moved bytes, need more). */
+  rc = sl_journal_create(loan_id, li->region_id, li->keep_ranges + li->kept_pages, &r->journal,
+                         err);
+  if (rc == 0)
+    rc = sl_pool_host_claim(d->pool, owner_uid, &area_fd, err);
+  if (rc != 0) {
+    rescue_free(r);
+    return rc;
+  }
+  if (pipe2(pipefd, O_CLOEXEC) != 0)
+    return pair_fail(fds, r, err);
+  r->release_w = pipefd[1];
+  fds[2] = pipefd[0];
+  fds[0] = read_only_fd(r->journal->fd);
+  fds[1] = read_only_fd(area_fd);
+  if (fds[0] < 0 || fds[1] < 0)
+    return pair_fail(fds, r, err);
+  r->next = d->rescues;
+  d->rescues = r;
+  return 0;
+}
+
+int sl_rescue_has(const struct sl_daemon *d, uint64_t loan_id) {
+  return find(d, loan_id) != NULL;
+}
+
+int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer *borrower) {
+  struct sl_rescue *r = find(d, loan_id);
+  int fd;
+
+  if (r == NULL)
+    return -1;
+  sl_journal_set_borrower(r->journal, borrower->pid, borrower->uid);
+  fd = r->release_w;
+  r->release_w = -1;
+  return fd;
+}
+
+int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_move *m, size_t nm,
+                      const struct sl_copy *c, size_t nc, struct sl_err *err) {
+  struct sl_rescue *r = find(d, loan_id);
+  struct sl_journal_entry *e;
+  size_t n = 0;
+  int rc;
+
+  if (r == NULL || nm + nc == 0)
+    return 0; /* an owner that did not ask */
+  e = malloc((nm + nc) * sizeof(*e));
+  if (e == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+  for (size_t i = 0; i < nm; i++)
+    e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, m[i].src_off, m[i].dst_off, m[i].len};
+  for (size_t i = 0; i < nc; i++)
+    e[n++] = (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, c[i].dev_off, c[i].host_off, c[i].len};
+  rc = sl_journal_append(r->journal, e, n, err);
+  free(e);
+  return rc;
+}
+
+void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored) {
+  struct sl_rescue **link = &d->rescues, *r;
+
+  while ((r = *link) != NULL && r->loan_id != loan_id)
+    link = &r->next;
+  if (r == NULL)
+    return;
+  if (restored)
+    sl_journal_end(r->journal);
+  *link = r->next;
+  rescue_free(r);
+}
+
+void sl_rescue_prune(struct sl_daemon *d) {
+  uint64_t current = sl_books_current_loan(d->books);
+
+  for (struct sl_rescue **link = &d->rescues, *r; (r = *link) != NULL;) {
+    if (r->loan_id == current || sl_loan_ending(d, r->loan_id, 0)) {
+      link = &r->next;
+      continue;
+    }
+    *link = r->next; /* withdrawn, or its owner left before anyone borrowed */
+    rescue_free(r);
+  }
+}
+
+void sl_rescue_free_all(struct sl_daemon *d) {
+  while (d->rescues != NULL) {
+    struct sl_rescue *r = d->rescues;
+    d->rescues = r->next;
+    rescue_free(r);
+  }
+}
