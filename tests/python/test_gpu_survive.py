@@ -44,11 +44,8 @@ def own_daemon(native, tmp_path, monkeypatch):
             time.sleep(0.01)
     monkeypatch.delenv("SUBLET_BACKEND", raising=False)
     monkeypatch.setenv("SUBLET_SOCKET", path)
-    saved = dict(_client._clients)
-    _client._clients.clear()
+    monkeypatch.setattr(_client, "_clients", {})  # other modules' connections: back afterwards
     yield proc
-    _client._clients.clear()
-    _client._clients.update(saved)
     if proc.poll() is None:
         proc.terminate()
         proc.wait()

@@ -64,11 +64,8 @@ def daemon(native, tmp_path, monkeypatch):
     d.start()
     monkeypatch.setenv("SUBLET_BACKEND", "memfd")
     monkeypatch.setenv("SUBLET_SOCKET", d.path)
-    saved = dict(_client._clients)  # other modules' connections: back afterwards
-    _client._clients.clear()
+    monkeypatch.setattr(_client, "_clients", {})  # other modules' connections: back afterwards
     yield d
-    _client._clients.clear()
-    _client._clients.update(saved)
     d.stop()
 
 
