@@ -131,14 +131,18 @@ static const char *const moment_names[] = {"before the first save", "mid-save",
 /* The borrower, in a process of its own: takes everything (every kept page is saved), writes
  * over all of it, returns. It tells the owner's killer where it is through `phase`. */
 static void borrower(const char *sock, uint64_t loan, const uint8_t token[16], int phase,
-                     uint64_t take) {
+                     uint64_t take, int first_wait_ms) {
   sublet_client *c;
   void *p;
 
   if (sublet_connect(sock, &c) != 0 || sublet_borrow(c, loan, token, NULL, 0) != 0)
     _exit(2);
-  if (write(phase, "b", 1) != 1 || sublet_alloc(c, take, &p) != 0)
-    _exit(3); /* "b": about to allocate, i.e. to make the daemon save (and move) */
+  if (write(phase, "b", 1) != 1)
+    _exit(3); /* "b": then it allocates, i.e. makes the daemon save (and move) */
+  for (int ms = 0; ms < first_wait_ms && sublet_connected(c); ms++)
+    usleep(1000); /* before the first save: it waits for the daemon's end (up to 5 s) */
+  if (sublet_alloc(c, take, &p) != 0)
+    _exit(3);
   if (write(phase, "w", 1) != 1)
     _exit(4);
   for (int i = 0; i < 20; i++) /* its pages go (unmapped) once the daemon is gone */
@@ -165,6 +169,8 @@ static void *kill_daemon(void *arg) {
 
   while (got != want && read(k->phase, &got, 1) == 1)
     ;
+  if (k->when == MID_SAVE)
+    usleep(50000); /* the borrower allocates 50 ms after "b" (5 s before the first save) */
   if (k->when != BEFORE_SAVE)
     usleep(k->delay_us);
   kill(k->daemon, SIGKILL);
@@ -223,7 +229,7 @@ static void one_death(enum moment when, unsigned seed, struct outcome *out) {
   child = fork();
   if (child == 0) {
     close(phase[0]);
-    borrower(d.socket, loan, token, phase[1], take);
+    borrower(d.socket, loan, token, phase[1], take, when == BEFORE_SAVE ? 5000 : 50);
   }
   close(phase[1]);
   k.phase = phase[0];
