@@ -106,7 +106,8 @@ static void test_others_served_during_a_save(void) {
   CHECK_RC(a.rc, 0);
   CHECK(a.seconds > 0.4);      /* the link's pace: 64 MiB at 128 MiB/s */
   CHECK(trips > 20);           /* a blocked loop would answer once, after the save */
-  CHECK(worst < a.seconds / 4);
+  CHECK(worst < a.seconds / 2); /* blocked, it would wait all of it; a busy machine's stalls
+                                   (ASan, 2 shared cores: 0.4 s seen) do not come close */
   memset(a.p, 0xEE, 96 * PAGE);
   CHECK_RC(sublet_free(owner, a.p), 0);
   CHECK_RC(sublet_return(owner, 0, &st, NULL, 0, NULL), 0);
@@ -258,7 +259,7 @@ static void test_daemon_killed_mid_loan(void) {
   struct outcome per[MOMENTS] = {{0}};
   int before = sl_test_failed;
 
-  setenv("SUBLET_MEMFD_LINK", "8M", 1); /* a 1 MiB save or restore takes 125 ms */
+  setenv("SUBLET_MEMFD_LINK", "16M", 1); /* a 1 MiB save or restore takes 62 ms */
   for (int i = 0; i < 100 && sl_test_failed == before; i++)
     one_death((enum moment)(i % MOMENTS), (unsigned)i, &per[i % MOMENTS]);
   unsetenv("SUBLET_MEMFD_LINK");
