@@ -23,7 +23,9 @@
 #include "wire.h"
 
 struct sl_daemon_config {
-  int device;               /* --device N */
+  int device;               /* --device N, or the number of the device named by UUID */
+  uint8_t uuid[16];         /* --device GPU-...: the device's UUID, when by_uuid */
+  int by_uuid;
   const char *socket_path;  /* --socket */
   const char *backend;      /* --backend */
   uint64_t reserve_bytes;   /* --reserve: free device memory no loan takes */
@@ -51,7 +53,7 @@ struct sl_daemon {
   struct stat socket_stat;  /* the socket file we bound (st_ino 0: none) */
   uv_poll_t listener;
   uv_timer_t accept_retry;  /* accepting paused while out of fds */
-  uv_signal_t sigterm, sigint;
+  uv_signal_t sigterm, sigint, sighup;
   int parent_pidfd;
   uv_poll_t parent_watch;
   uv_timer_t idle_timer;    /* --idle-exit (idle.c) */

@@ -1,10 +1,12 @@
-/* log.c - log lines on stderr, journald-aware. */
+/* log.c - log lines on stderr, with journald's priority prefixes when stderr is the journal. */
 #include "log.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static enum sl_log_level max_level = SL_LOG_INFO;
 
@@ -38,6 +40,19 @@ static const char *level_name(enum sl_log_level level) {
   }
 }
 
+/* stderr is the journal when $JOURNAL_STREAM ("device:inode", set by systemd) names the file
+ * stderr is: a daemon started by a service whose stderr was redirected to a file inherits the
+ * variable but must not write <N> prefixes there. */
+static int stderr_is_journal(void) {
+  const char *env = getenv("JOURNAL_STREAM");
+  unsigned long long dev, ino;
+  struct stat st;
+
+  if (env == NULL || sscanf(env, "%llu:%llu", &dev, &ino) != 2 || fstat(STDERR_FILENO, &st) != 0)
+    return 0;
+  return (unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
+}
+
 void sl_log(enum sl_log_level level, const char *fmt, ...) {
   static int journald = -1;
   char line[1024];
@@ -46,7 +61,7 @@ void sl_log(enum sl_log_level level, const char *fmt, ...) {
   if (level > max_level)
     return;
   if (journald < 0)
-    journald = getenv("JOURNAL_STREAM") != NULL;
+    journald = stderr_is_journal();
   va_start(ap, fmt);
   vsnprintf(line, sizeof(line), fmt, ap);
   va_end(ap);

@@ -1,7 +1,8 @@
 /* log.h - subletd's log: one line per event on stderr, which journald reads.
  *
- * Under systemd (JOURNAL_STREAM set) each line starts with a <N> syslog priority prefix so
- * that journald files it at the right level; on a terminal lines read "subletd: level: text".
+ * When stderr is the journal ($JOURNAL_STREAM names stderr's device and inode) each line starts
+ * with a <N> syslog priority prefix so that journald files it at the right level; anywhere else
+ * (a terminal, a file) lines read "subletd: level: text".
  */
 #ifndef SL_LOG_H
 #define SL_LOG_H

@@ -17,7 +17,8 @@ static void usage(FILE *out) {
           "Usage: subletd [OPTION]...\n"
           "Lend a GPU's memory between PyTorch processes: the per-device sublet daemon.\n"
           "\n"
-          "  -d, --device N         the GPU to serve (CUDA numbering, default 0)\n"
+          "  -d, --device N|UUID    the GPU to serve: a CUDA device number (default 0)\n"
+          "                         or a UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-...)\n"
           "  -s, --socket PATH      listen on PATH (default $SUBLET_SOCKET, else\n"
           "                         /run/sublet/gpuN.sock); systemd socket activation\n"
           "                         is used when LISTEN_FDS is set\n"
@@ -38,8 +39,10 @@ static void usage(FILE *out) {
           "  -h, --help             show this help and exit\n"
           "  -V, --version          show the version and exit\n"
           "\n"
-          "Exit status: 0 after a clean shutdown (SIGTERM, SIGINT), 1 on a runtime\n"
-          "error, 2 on a usage error.\n");
+          "SIGTERM and SIGINT shut down cleanly (loans end, kept bytes restored); SIGHUP\n"
+          "is logged and ignored.\n"
+          "\n"
+          "Exit status: 0 after a clean shutdown, 1 on a runtime error, 2 on a usage error.\n");
 }
 
 static int parse_size(const char *s, uint64_t *out) {
@@ -62,6 +65,41 @@ static int parse_size(const char *s, uint64_t *out) {
     return -1;
   *out = (uint64_t)v << shift;
   return 0;
+}
+
+static int hex_digit(char c) {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  c = (char)(c | 0x20);
+  return c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+/* A GPU UUID as nvidia-smi -L prints it: "GPU-" then 32 hex digits, dashes anywhere. */
+static int parse_uuid(const char *s, uint8_t uuid[16]) {
+  int n = 0, hi, lo;
+
+  if (strncmp(s, "GPU-", 4) != 0)
+    return -1;
+  for (s += 4; *s != '\0'; s++) {
+    if (*s == '-')
+      continue;
+    if (n == 16 || (hi = hex_digit(s[0])) < 0 || (lo = hex_digit(s[1])) < 0)
+      return -1;
+    uuid[n++] = (uint8_t)(hi << 4 | lo);
+    s++;
+  }
+  return n == 16 ? 0 : -1;
+}
+
+static int parse_device(const char *s, struct sl_daemon_config *cfg) {
+  char *end;
+
+  if (parse_uuid(s, cfg->uuid) == 0) {
+    cfg->by_uuid = 1;
+    return 0;
+  }
+  cfg->device = (int)strtol(s, &end, 10);
+  return end != s && *end == '\0' && cfg->device >= 0 ? 0 : -1;
 }
 
 static int parse_group(const char *name, gid_t *gid) {
@@ -95,14 +133,13 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
       {NULL, 0, NULL, 0}};
   int opt, level;
-  char *end;
 
   while ((opt = getopt_long(argc, argv, "d:s:b:r:g:p:l:hV", opts, NULL)) != -1) {
     switch (opt) {
       case 'd':
-        cfg->device = (int)strtol(optarg, &end, 10);
-        if (*end != '\0' || cfg->device < 0)
-          return usage_error("--device takes a device number, not '%s'", optarg);
+        if (parse_device(optarg, cfg) != 0)
+          return usage_error("--device takes a device number or a GPU UUID (GPU-xxxxxxxx-...), "
+                             "not '%s'", optarg);
         break;
       case 's': cfg->socket_path = optarg; break;
       case 'b':
@@ -170,13 +207,15 @@ static void default_socket(struct sl_daemon_config *cfg, char *buf, size_t n) {
 }
 
 static int open_device(struct sl_daemon *d, struct sl_err *err) {
-  struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device};
+  struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device,
+                               .uuid = d->cfg.by_uuid ? d->cfg.uuid : NULL};
   struct sl_books_config bc = {.allow_gid = d->cfg.allow_gid};
   char a[16], b[16];
   int rc = sl_device_open(&p, &d->dev, err);
 
   if (rc != 0)
     return rc;
+  d->cfg.device = sl_device_info(d->dev)->ordinal; /* the number of a device named by UUID */
   bc.page_size = sl_device_info(d->dev)->page_size;
   rc = sl_books_new(&bc, &d->books);
   if (rc == 0)
@@ -224,9 +263,9 @@ int main(int argc, char **argv) {
     d.cfg.reserve_bytes = 1ull << 30;
   d.cfg.listen_fd = activated_socket();
   d.cfg.notify = getenv("NOTIFY_SOCKET") != NULL;
-  default_socket(&d.cfg, path, sizeof(path));
   d.loop = uv_default_loop();
   rc = open_device(&d, &err);
+  default_socket(&d.cfg, path, sizeof(path));
   if (rc == 0)
     rc = sl_server_start(&d, &err);
   if (rc != 0) {

@@ -85,6 +85,12 @@ static void on_listener(uv_poll_t *h, int status, int events) {
   }
 }
 
+/* SIGHUP (a closed terminal, `systemctl reload`, a log rotator's habit) must not kill the
+ * daemon and lose every loan: there is no configuration to reread, so it is only logged. */
+static void on_sighup(uv_signal_t *h, int signum) {
+  sl_info("SIGHUP received: ignored (there is nothing to reload; SIGTERM stops subletd)");
+}
+
 static void on_signal(uv_signal_t *h, int signum) {
   struct sl_daemon *d = h->data;
 
@@ -146,9 +152,11 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   d->accept_retry.data = d;
   uv_signal_init(d->loop, &d->sigterm);
   uv_signal_init(d->loop, &d->sigint);
-  d->sigterm.data = d->sigint.data = d;
+  uv_signal_init(d->loop, &d->sighup);
+  d->sigterm.data = d->sigint.data = d->sighup.data = d;
   uv_signal_start(&d->sigterm, on_signal, SIGTERM);
   uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
   if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
     return rc;
   sl_idle_start(d);
@@ -203,6 +211,7 @@ void sl_server_stop(struct sl_daemon *d) {
   close_handle((uv_handle_t *)&d->accept_retry);
   close_handle((uv_handle_t *)&d->sigterm);
   close_handle((uv_handle_t *)&d->sigint);
+  close_handle((uv_handle_t *)&d->sighup);
   sl_idle_stop(d);
   if (d->parent_pidfd >= 0)
     close_handle((uv_handle_t *)&d->parent_watch);

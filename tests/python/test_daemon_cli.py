@@ -1,0 +1,108 @@
+"""subletd as a service runs it: SIGHUP is harmless, journald's <N> prefixes are written only
+when stderr is the journal, and --device takes a GPU UUID as nvidia-smi prints it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+pytestmark = pytest.mark.daemon
+
+UUID = "GPU-4b3a1f0e-8c3d-11ee-b962-0242ac120002"
+
+
+def start(native, tmp_path, *args: str, stderr=None, env=None) -> subprocess.Popen:
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen([str(native.subletd), "--backend", "memfd", "--socket", str(sock),
+                             *args], stderr=stderr or subprocess.PIPE, text=True,
+                            env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M", **(env or {})))
+    deadline = time.monotonic() + 10
+    while not sock.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "exited"
+        assert time.monotonic() < deadline, "subletd did not listen within 10 s"
+        time.sleep(0.01)
+    return proc
+
+
+def test_sighup_is_logged_and_ignored(native, tmp_path):
+    proc = start(native, tmp_path)
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(0.3)
+    assert proc.poll() is None, "SIGHUP killed subletd"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert "SIGHUP received: ignored" in err
+
+
+def run_failing(native, tmp_path, stderr_file, journal_stream: str) -> str:
+    """Runs subletd so that it logs an error and exits (its socket's directory is missing)."""
+    with open(stderr_file, "w") as f:
+        rc = subprocess.run([str(native.subletd), "--backend", "memfd", "--socket",
+                             str(tmp_path / "missing" / "d.sock")], stderr=f, timeout=10,
+                            env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M",
+                                     JOURNAL_STREAM=journal_stream)).returncode
+    assert rc == 1
+    return stderr_file.read_text()
+
+
+def test_journald_prefixes_only_when_stderr_is_the_journal(native, tmp_path):
+    log = tmp_path / "stderr.log"
+    log.touch()
+    st = os.stat(log)
+    as_journal = run_failing(native, tmp_path, log, f"{st.st_dev}:{st.st_ino}")
+    assert as_journal.startswith("<6>") and "\n<3>cannot listen on" in as_journal
+    # Inherited from a service whose stderr went to a file: plain lines, no prefixes.
+    elsewhere = run_failing(native, tmp_path, log, f"{st.st_dev}:{st.st_ino + 1}")
+    assert elsewhere.startswith("subletd: info: ") and "subletd: error: cannot listen on" in elsewhere
+    assert "<" not in elsewhere.split(":", 1)[0]
+
+
+def test_device_takes_a_gpu_uuid(native, tmp_path):
+    proc = start(native, tmp_path, "--device", UUID)  # memfd has no UUIDs to match: accepted
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    for bad in ("GPU-4b3a1f0e", "GPU-" + "g" * 32, "4b3a1f0e-8c3d-11ee-b962-0242ac120002", "-1"):
+        r = subprocess.run([str(native.subletd), "--device", bad], capture_output=True, text=True)
+        assert r.returncode == 2, bad
+        assert "a device number or a GPU UUID (GPU-xxxxxxxx-...)" in r.stderr
+
+
+def gpu_uuid_text(raw: bytes) -> str:
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@pytest.mark.gpu
+def test_device_by_uuid_serves_that_gpu(native, tmp_path):
+    import torch
+    from sublet import _daemon, _lib
+    last = torch.cuda.device_count() - 1
+    uuid = bytes(torch.cuda.get_device_properties(last).uuid.bytes)
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen([str(native.subletd), "--device", gpu_uuid_text(uuid), "--socket",
+                             str(sock), "--reserve", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline
+            try:
+                client = _daemon._connect(str(sock))
+                break
+            except _lib.SubletError:
+                time.sleep(0.05)
+        assert _daemon._daemon_uuid(client) == uuid
+        _lib.lib().sublet_disconnect(client)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    wrong = subprocess.run([str(native.subletd), "--device", gpu_uuid_text(bytes(16)),
+                            "--socket", str(tmp_path / "w.sock")], capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 1 and "nvidia-smi -L" in wrong.stderr
