@@ -26,7 +26,6 @@ extern "C" {
 #define SUBLET_EXPORT
 #endif
 
-#define SUBLET_VERSION "0.1.0"
 #define SUBLET_PROTOCOL_VERSION 1
 
 /* Error codes: negative errno where one fits, sublet's own beyond errno's range. They are the

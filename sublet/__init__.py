@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from ._memory import empty
     from ._torch import LeakedBlock
 
-__version__ = "0.1.0"
 
 __all__ = [
     "empty", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats", "DaemonInfo",
@@ -61,7 +60,16 @@ def __getattr__(name: str):
     return value
 
 
-def lend(tensor: torch.Tensor, keep: Keep = None) -> Loan:
+def __getattr__(name: str) -> str:
+    # The version is CMakeLists.txt's, compiled into libsublet (sublet_version()): one source
+    # for the daemon, the C library and this package, installed or run from a checkout.
+    if name == "__version__":
+        from . import _lib
+        return _lib.lib().sublet_version().decode()
+    raise AttributeError(f"module 'sublet' has no attribute {name!r}")
+
+
+def lend(tensor: torch.Tensor, keep: Keep = None) -> LocalLoan:
     """Lends the memory of `tensor` (from sublet.empty) to this process's work in a `with`
     block; returns the Loan.
 
@@ -85,7 +93,7 @@ def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None) -> O
 
 def borrow(name: str | None = None, device: torch.device | str | int | None = None,
            timeout: float | None = None, *, loan_id: int = 0,
-           token: bytes | None = None) -> Loan:
+           token: bytes | None = None) -> BorrowedLoan:
     """Borrows, in a `with` block, a loan offered by another process on `device` (default:
     the current CUDA device): the one named `name`, the one given by loan_id and token, or,
     with neither, the next offer: the oldest one on the device that this user may borrow

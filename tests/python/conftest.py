@@ -1,6 +1,9 @@
 """Shared pytest setup for sublet's Python tests.
 
-- The package is imported from this checkout (no install needed).
+- The package is imported from this checkout (no install needed), or, with
+  SUBLET_TEST_INSTALLED=1, from wherever it is installed (CI's wheel test: run pytest from
+  outside the checkout so that the checkout's sublet/ is not on the path). Child processes get
+  CHILD_ENV, which points them at the same package.
 - `gpu` tests skip cleanly without CUDA.
 - `native` finds build/subletd and build/libsublet.so (built by CMake; nothing is built here)
   and skips the tests that need them, with the reason, when they are missing.
@@ -23,7 +26,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+INSTALLED = os.environ.get("SUBLET_TEST_INSTALLED") == "1"
+CHILD_ENV: dict[str, str] = {} if INSTALLED else {"PYTHONPATH": str(REPO)}
+if not INSTALLED:
+    sys.path.insert(0, str(REPO))
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,12 @@ class Native:
 
 
 def find_native() -> Native | None:
-    """The built daemon and library: $SUBLETD / $SUBLET_LIB, else the repo's build/."""
+    """The built daemon and library: $SUBLETD / $SUBLET_LIB, else the repo's build/ (the
+    installed package's own when testing the installed package)."""
+    if INSTALLED:
+        from sublet import _lib
+        return Native(_lib.find_native("subletd", "SUBLETD"),
+                      _lib.find_native("libsublet.so", "SUBLET_LIB"))
     subletd = Path(os.environ.get("SUBLETD", REPO / "build" / "subletd"))
     lib = Path(os.environ.get("SUBLET_LIB", REPO / "build" / "libsublet.so"))
     return Native(subletd, lib) if subletd.is_file() and lib.exists() else None

@@ -22,7 +22,7 @@ import torch
 import sublet
 from sublet._keep import kept_bytes_in_pages, kept_pages
 
-from conftest import REPO, kept_ranges_of
+from conftest import CHILD_ENV, kept_ranges_of
 
 GiB = 1024 ** 3
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
@@ -323,7 +323,7 @@ BORROWER = textwrap.dedent("""
 def _start_borrower(name: str, mode: str) -> subprocess.Popen:
     from sublet import _client
     socket = _client.client_for("cuda", torch.cuda.current_device()).path
-    env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
+    env = dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV)
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

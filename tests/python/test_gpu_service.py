@@ -15,7 +15,7 @@ import torch
 
 import sublet
 
-from conftest import REPO
+from conftest import CHILD_ENV
 from test_gpu import cuda_daemon, free_memory_left, random_fill  # noqa: F401 (fixture)
 
 GiB = 1024 ** 3
@@ -50,7 +50,7 @@ BORROWER = textwrap.dedent("""
 def start_borrower(name: str, big_gib: int, mode: str) -> subprocess.Popen:
     from sublet import _client
     socket = _client.client_for("cuda", torch.cuda.current_device()).path
-    env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
+    env = dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV)
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, str(big_gib), mode],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -59,7 +59,7 @@ def sublet_status(*args: str) -> str:
     from sublet import _client
     socket = _client.client_for("cuda", torch.cuda.current_device()).path
     return subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", socket, *args],
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                          env=dict(os.environ, **CHILD_ENV), capture_output=True,
                           text=True, timeout=60, check=True).stdout
 
 

@@ -22,7 +22,7 @@ import torch
 import sublet
 from sublet._keep import kept_bytes_in_pages, kept_pages
 
-from conftest import REPO, kept_ranges_of
+from conftest import CHILD_ENV, kept_ranges_of
 
 PAGE = 64 * 1024
 TOTAL = 64 * 1024 * 1024
@@ -268,7 +268,7 @@ BORROWER = textwrap.dedent("""
 def start_borrower(name: str, mode: str) -> subprocess.Popen:
     from sublet import _client
     socket = _client.client_for("memfd", 0).path
-    env = dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO))
+    env = dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV)
     return subprocess.Popen([sys.executable, "-c", BORROWER, name, mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -345,7 +345,7 @@ def sublet_status(*args: str) -> subprocess.CompletedProcess:
     from sublet import _client
     socket = _client.client_for("memfd", 0).path
     return subprocess.run([sys.executable, "-m", "sublet", "status", "--socket", socket, *args],
-                          env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                          env=dict(os.environ, **CHILD_ENV), capture_output=True,
                           text=True, timeout=60)
 
 
@@ -390,10 +390,10 @@ def test_status_during_a_loan_in_every_form():
 def test_status_exit_codes(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "sublet", "status", "--socket",
                               str(tmp_path / "none.sock")], env=dict(os.environ,
-                             PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=60)
+                             **CHILD_ENV), capture_output=True, text=True, timeout=60)
     assert missing.returncode == 3 and "cannot reach subletd" in missing.stderr
     usage = subprocess.run([sys.executable, "-m", "sublet", "status", "--bogus"],
-                           env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                           env=dict(os.environ, **CHILD_ENV), capture_output=True,
                            text=True, timeout=60)
     assert usage.returncode == 2
 
@@ -413,7 +413,7 @@ def test_owner_killed_mid_loan_is_told_to_the_borrower():
     free_before = sublet.info("cpu").free_bytes
     owner = subprocess.Popen([sys.executable, "-c", OWNER, "orphan"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO)))
+                             env=dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV))
     try:
         assert owner.stdout.readline().startswith("offered"), owner.stderr.read()
         # Told at the next allocation, and again when the loan is returned (cleanly).

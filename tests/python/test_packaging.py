@@ -1,0 +1,113 @@
+"""What the published package promises: one version everywhere, the torch range that the run
+time enforces, type information that type-checks `with sublet.lend(...)`, and (when testing the
+installed wheel, SUBLET_TEST_INSTALLED=1) a manylinux wheel that carries its C libraries."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import sublet
+from sublet import _torch
+
+from conftest import INSTALLED, REPO
+
+
+def cmake_version() -> str:
+    text = (REPO / "CMakeLists.txt").read_text()
+    return re.search(r"project\(sublet VERSION ([0-9.]+)", text).group(1)
+
+
+def torch_requirement() -> str:
+    if INSTALLED:
+        reqs = metadata.requires("sublet") or []
+    else:
+        tomllib = pytest.importorskip("tomllib")
+        reqs = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [r for r in reqs if re.match(r"torch\b", r)]
+    return torch_req.replace(" ", "")
+
+
+def test_one_version_from_cmake(native):
+    assert sublet.__version__ == cmake_version()
+    out = subprocess.run([str(native.subletd), "--version"], capture_output=True, text=True)
+    assert out.stdout.startswith(f"subletd {cmake_version()} ")
+    if INSTALLED:
+        assert metadata.version("sublet") == cmake_version()
+
+
+def test_declared_torch_range_is_the_checked_one():
+    (lo_major, lo_minor), (hi_major, hi_minor) = _torch.SUPPORTED_TORCH
+    assert torch_requirement() == f"torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}"
+
+
+def test_py_typed_is_shipped():
+    assert (Path(sublet.__file__).parent / "py.typed").is_file()
+
+
+TYPED_USE = """
+import torch, sublet
+cache = sublet.empty(4, 1024, dtype=torch.uint8)
+with sublet.lend(cache, keep=cache[1::2]) as loan:
+    pass
+n: int = loan.copied_bytes
+with sublet.offer(cache, name="kv") as offer:
+    offer.wait(timeout=1.0)
+with sublet.borrow(name="kv", timeout=1.0) as borrowed:
+    x: torch.Tensor = borrowed.empty(16, dtype=torch.uint8)
+"""
+
+
+def test_the_api_type_checks(tmp_path):
+    if shutil.which("mypy") is None and not _has_module("mypy"):
+        pytest.skip("mypy is not installed (pip install mypy; CI installs it)")
+    (tmp_path / "use.py").write_text(TYPED_USE)
+    # What is checked is the user's code against sublet's signatures: errors inside sublet are
+    # not reported (as for any installed package), and torch is not analysed (slow): Any.
+    (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-sublet.*]\nignore_errors = True\n"
+                                       "[mypy-torch.*]\nfollow_imports = skip\n"
+                                       "follow_imports_for_stubs = True\n")
+    path = [] if INSTALLED else [str(REPO)]
+    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini",
+                        "--no-incremental", "use.py"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600,
+                       env={"PATH": "/usr/bin:/bin", "MYPYPATH": ":".join(path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(not INSTALLED, reason="tests the installed wheel (SUBLET_TEST_INSTALLED=1)")
+def test_installed_wheel_is_manylinux_and_self_contained(native):
+    package = Path(sublet.__file__).resolve().parent
+    assert REPO not in package.parents, f"testing the checkout ({package}), not the install"
+    wheel = metadata.distribution("sublet").read_text("WHEEL") or ""
+    assert re.search(r"^Tag: py3-none-manylinux_2_\d+_x86_64$", wheel, re.M), wheel
+    for binary in (native.subletd, native.libsublet):
+        assert package in binary.resolve().parents
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
+        for lib in ("libuv", "libprotobuf-c"):
+            for line in ldd.splitlines():
+                if lib in line:
+                    assert "sublet.libs" in line, f"{binary.name} takes {lib} from the system"
+
+
+@pytest.mark.skipif(not INSTALLED, reason="tests the installed wheel (SUBLET_TEST_INSTALLED=1)")
+def test_installed_metadata_is_complete():
+    meta = metadata.metadata("sublet")
+    assert meta["Description-Content-Type"] == "text/markdown"
+    assert meta["Description"].startswith("# sublet")  # the README: PyPI's project page
+    assert "Apache-2.0" in (meta.get("License-Expression") or meta.get("License") or "")
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Documentation", "Source", "Issues"} <= urls.keys()
+    classifiers = meta.get_all("Classifier")
+    assert "Typing :: Typed" in classifiers and "Operating System :: POSIX :: Linux" in classifiers
