@@ -52,21 +52,17 @@ def __dir__() -> list[str]:
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        # CMakeLists.txt's, compiled into libsublet (sublet_version()): one source for the
+        # daemon, the C library and this package, installed or run from a checkout.
+        from . import _lib
+        return _lib.lib().sublet_version().decode()
     if name not in _LAZY:
         raise AttributeError(f"module 'sublet' has no attribute {name!r}")
     import importlib
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value
-
-
-def __getattr__(name: str) -> str:
-    # The version is CMakeLists.txt's, compiled into libsublet (sublet_version()): one source
-    # for the daemon, the C library and this package, installed or run from a checkout.
-    if name == "__version__":
-        from . import _lib
-        return _lib.lib().sublet_version().decode()
-    raise AttributeError(f"module 'sublet' has no attribute {name!r}")
 
 
 def lend(tensor: torch.Tensor, keep: Keep = None) -> LocalLoan:

@@ -3,7 +3,8 @@
 It asks every daemon it can find (--socket, else $SUBLET_SOCKET, else the system daemons at
 /run/sublet/gpu*.sock and the user's own, started on demand, in $XDG_RUNTIME_DIR/sublet/ or
 /tmp/sublet-UID/) for its status (the daemon's Status message, as JSON from
-sublet_status_json) and prints it. It does not import torch: it answers in a blink.
+sublet_status_json) and prints it, or writes it to --output FILE atomically (for a node
+exporter's textfile collector). It does not import torch: it answers in a blink.
 
 Exit status: 0 when every daemon answered; 1 when some did not (the others are still shown);
 2 on a usage error; 3 when no daemon was found at all.
@@ -15,10 +16,11 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import __version__, _daemon, _lib
+from . import _daemon, _lib
 
 EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE = 0, 1, 2, 3
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
@@ -106,8 +108,11 @@ def text_status(s: dict[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- Prometheus
 
+# The text exposition format, version 0.0.4 (what a node exporter's textfile collector reads).
+# Per daemon, labelled by device and uuid; sublet_up is labelled by socket, the one thing known
+# of a daemon that did not answer. tests/python/test_status_prometheus.py checks the output with
+# `promtool check metrics` and with the format's rules.
 METRICS = [  # name, type, help, value from a status
-    ("sublet_up", "gauge", "1 when the daemon answered", lambda s: 1),
     ("sublet_uptime_seconds", "gauge", "seconds since the daemon started",
      lambda s: s["uptime_seconds"]),
     ("sublet_memory_total_bytes", "gauge", "device memory", lambda s: s["total_bytes"]),
@@ -136,27 +141,66 @@ METRICS = [  # name, type, help, value from a status
 ]
 
 
-def prometheus(statuses: list[dict[str, Any]]) -> str:
-    out = []
+def label_value(v: object) -> str:
+    """A label value, quoted, with the three characters the format escapes."""
+    text = str(v).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def sample(name: str, labels: dict[str, object], value: object) -> str:
+    inner = ",".join(f"{k}={label_value(v)}" for k, v in labels.items())
+    return f"{name}{{{inner}}} {value}"
+
+
+def family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+def prometheus(statuses: list[dict[str, Any]], unreachable: list[str]) -> str:
+    """The metrics of the daemons that answered, and sublet_up 0 for those that did not."""
+    from . import __version__
+    device = [{"device": s["device_ordinal"], "uuid": s["device_uuid"]} for s in statuses]
+    out = family("sublet_build_info", "gauge", "the sublet package that wrote these metrics",
+                 [sample("sublet_build_info", {"version": __version__}, 1)])
+    out += family("sublet_up", "gauge", "1 when the daemon at the socket answered, else 0",
+                  [sample("sublet_up", {"socket": s["socket"]}, 1) for s in statuses] +
+                  [sample("sublet_up", {"socket": path}, 0) for path in unreachable])
+    out += family("sublet_daemon_info", "gauge", "the daemon serving each device",
+                  [sample("sublet_daemon_info", dict(d, version=s["daemon_version"],
+                                                     backend=s["backend"], socket=s["socket"]), 1)
+                   for d, s in zip(device, statuses)])
     for name, kind, help_text, value in METRICS:
-        out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for s in statuses:
-            labels = f'device="{s["device_ordinal"]}",uuid="{s["device_uuid"]}"'
-            out.append(f"{name}{{{labels}}} {value(s)}")
-    out += ["# HELP sublet_served_bytes_total bytes lent, by where they came from",
-            "# TYPE sublet_served_bytes_total counter"]
-    for s in statuses:
-        for source in ("unkept", "fresh", "kept"):
-            labels = f'device="{s["device_ordinal"]}",uuid="{s["device_uuid"]}",source="{source}"'
-            out.append(f"sublet_served_bytes_total{{{labels}}} "
-                       f"{s['totals'][f'served_{source}_bytes']}")
+        out += family(name, kind, help_text,
+                      [sample(name, d, value(s)) for d, s in zip(device, statuses)])
+    out += family("sublet_served_bytes_total", "counter", "bytes lent, by where they came from",
+                  [sample("sublet_served_bytes_total", dict(d, source=source),
+                          s["totals"][f"served_{source}_bytes"])
+                   for d, s in zip(device, statuses) for source in ("unkept", "fresh", "kept")])
     return "\n".join(out) + "\n"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Writes `text` to `path` so that a reader sees the old file or the new one, never part:
+    a temporary file in the same directory, flushed, then renamed over `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # collectors run as another user; mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 # --------------------------------------------------------------------------- main
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
+    from . import __version__  # libsublet's: loaded only when a command runs
     parser = argparse.ArgumentParser(prog="sublet", description="sublet: lend GPU memory")
     parser.add_argument("-V", "--version", action="version",
                         version=f"sublet {__version__}")
@@ -166,6 +210,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     form.add_argument("--json", action="store_true", help="a JSON list, one object per device")
     form.add_argument("--prometheus", action="store_true",
                       help="Prometheus text format (for a node exporter's textfile collector)")
+    status.add_argument("--output", metavar="FILE",
+                        help="write to FILE atomically (a temporary file renamed over it) "
+                             "instead of standard output")
     status.add_argument("--socket", action="append", default=[], metavar="PATH",
                         help="ask the daemon at PATH (repeatable; default: $SUBLET_SOCKET, "
                              "else /run/sublet/gpu*.sock and your own daemons' sockets)")
@@ -178,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
     paths, leftovers = sockets(args.socket)
-    statuses, failed = [], 0
+    statuses, unreachable = [], []
     for path in paths + leftovers:
         try:
             statuses.append(query(path))
@@ -186,18 +233,22 @@ def main(argv: list[str] | None = None) -> int:
             if path in leftovers and isinstance(e, _lib.DaemonUnavailableError):
                 continue  # left by a daemon of ours that was killed: nothing to show
             print(f"sublet status: {path}: {e}", file=sys.stderr)
-            failed += 1
+            unreachable.append(path)
     if args.json:
-        print(json.dumps(statuses, indent=None))
+        text = json.dumps(statuses, indent=None) + "\n"
     elif args.prometheus:
-        sys.stdout.write(prometheus(statuses))
+        text = prometheus(statuses, unreachable)  # even with no daemon: up 0, build info
     else:
-        print("\n\n".join(text_status(s) for s in statuses))
-    if not statuses and not failed:
+        text = "\n\n".join(text_status(s) for s in statuses) + "\n"
+    if not statuses and not unreachable:
         print(f"sublet status: no subletd found: none at /run/sublet/gpu*.sock or in "
               f"{_daemon.user_dir_path()}, and $SUBLET_SOCKET is not set (a sublet program "
               f"starts your own; or start the service: systemctl start subletd@0.socket)",
               file=sys.stderr)
+    if args.output:
+        write_atomically(args.output, text)
+    else:
+        sys.stdout.write(text)
     if not statuses:
         return EXIT_NONE
-    return EXIT_PARTIAL if failed else EXIT_OK
+    return EXIT_PARTIAL if unreachable else EXIT_OK
