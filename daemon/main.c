@@ -133,6 +133,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
       {NULL, 0, NULL, 0}};
   int opt, level;
+  char *end;
 
   while ((opt = getopt_long(argc, argv, "d:s:b:r:g:p:l:hV", opts, NULL)) != -1) {
     switch (opt) {

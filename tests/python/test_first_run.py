@@ -1,0 +1,40 @@
+"""The first run on a new machine: the README's quickstart runs with or without a GPU (without
+one, on the memfd backend with CPU tensors, and it says so), and when the daemon that sublet
+starts for the process cannot start, its own words reach the exception."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CHILD_ENV, REPO
+
+pytestmark = pytest.mark.daemon
+
+
+def run_python(args: list[str], tmp_path, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("SUBLET_SOCKET", "SUBLET_BACKEND", "SUBLET_MEMFD_TOTAL")}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=dict(environ, **CHILD_ENV, **env))
+
+
+def test_quickstart_runs_on_this_machine(native, tmp_path):
+    import torch
+    r = run_python([str(REPO / "examples" / "quickstart.py"), "0.25"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("data intact: True")
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU here: running on sublet's memfd backend" in r.stdout
+
+
+def test_private_daemon_start_error_reaches_the_exception(native, tmp_path):
+    r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
+                   SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots")
+    assert r.returncode != 0
+    assert "DaemonUnavailableError" in r.stderr
+    # subletd's own message, read before its output was cleaned up.
+    assert 'SUBLET_MEMFD_TOTAL="lots" is not a size: write it as 2M, 512K or 1G' in r.stderr
