@@ -1,10 +1,12 @@
 """The first run on a new machine: the README's quickstart runs with or without a GPU (without
 one, on the memfd backend with CPU tensors, and it says so), and when the daemon that sublet
-starts for the process cannot start, its own words reach the exception."""
+starts for the process cannot start, its own words reach the exception; a build that lacks
+libuv says which package to install."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -38,3 +40,16 @@ def test_private_daemon_start_error_reaches_the_exception(native, tmp_path):
     assert "DaemonUnavailableError" in r.stderr
     # subletd's own message, read before its output was cleaned up.
     assert 'SUBLET_MEMFD_TOTAL="lots" is not a size: write it as 2M, 512K or 1G' in r.stderr
+
+
+def test_a_build_without_libuv_names_the_package(tmp_path):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    empty = tmp_path / "no-pc-files"
+    empty.mkdir()
+    r = subprocess.run(["cmake", "-S", str(REPO), "-B", str(tmp_path / "build")],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PKG_CONFIG_LIBDIR=str(empty), PKG_CONFIG_PATH=""))
+    message = " ".join(r.stderr.split())  # CMake wraps its messages
+    assert r.returncode != 0
+    assert "libuv not found" in message and "apt-get install libuv1-dev" in message

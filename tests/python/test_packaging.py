@@ -92,6 +92,9 @@ def test_installed_wheel_is_manylinux_and_self_contained(native):
     assert REPO not in package.parents, f"testing the checkout ({package}), not the install"
     wheel = metadata.distribution("sublet").read_text("WHEEL") or ""
     assert re.search(r"^Tag: py3-none-manylinux_2_\d+_x86_64$", wheel, re.M), wheel
+    shipped = [str(f) for f in metadata.files("sublet") or []]
+    for name in ("LICENSE", "libuv.copyright", "protobuf-c.copyright"):  # bundled: licensed
+        assert any(f.endswith(f"licenses/{name}") for f in shipped), name
     for binary in (native.subletd, native.libsublet):
         assert package in binary.resolve().parents
         ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True).stdout
