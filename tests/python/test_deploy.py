@@ -177,3 +177,16 @@ def test_node_entry_point_exits_when_a_daemon_dies(native, tmp_path):
     assert proc.wait(timeout=20) == 1  # the pod restarts
     assert "exited" in proc.stderr.read()
     wait_for(lambda: subprocess.run(["kill", "-0", pids[1]], capture_output=True).returncode != 0)
+
+
+def test_dockerfile_copies_what_exists_and_runs_unprivileged():
+    """docker build cannot run here: what can be checked without it is."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert [s[0].split(":")[0] for s in stages] == ["debian", "debian"] and stages[0][1] == "build"
+    for src in re.findall(r"^COPY (?!--from)(\S+) ", text, re.M):
+        assert (REPO / src).exists(), f"COPY {src}: no such file in the checkout"
+    assert "cmake --install" in text and "-DCMAKE_INSTALL_PREFIX=/usr" in text
+    assert re.search(r"SUBLET_LIB=/usr/lib/x86_64-linux-gnu/libsublet\.so\.0\b", text)
+    assert dockerfile_user() != (0, 0)
+    assert re.search(r'^CMD \["/usr/bin/subletd-node"\]$', text, re.M)
