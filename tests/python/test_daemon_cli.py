@@ -81,7 +81,7 @@ def gpu_uuid_text(raw: bytes) -> str:
 @pytest.mark.gpu
 def test_device_by_uuid_serves_that_gpu(native, tmp_path):
     import torch
-    from sublet import _daemon, _lib
+    from sublet import _lib
     last = torch.cuda.device_count() - 1
     uuid = bytes(torch.cuda.get_device_properties(last).uuid.bytes)
     sock = tmp_path / "d.sock"
@@ -93,12 +93,12 @@ def test_device_by_uuid_serves_that_gpu(native, tmp_path):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline
             try:
-                client = _daemon._connect(str(sock))
+                client = _lib.Client.open(str(sock))
                 break
             except _lib.SubletError:
                 time.sleep(0.05)
-        assert _daemon._daemon_uuid(client) == uuid
-        _lib.lib().sublet_disconnect(client)
+        assert client.info.device_uuid == uuid
+        client.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)

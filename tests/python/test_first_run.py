@@ -1,6 +1,6 @@
 """The first run on a new machine: the README's quickstart runs with or without a GPU (without
-one, on the memfd backend with CPU tensors, and it says so), and when the daemon that sublet
-starts for the process cannot start, its own words reach the exception; a build that lacks
+one, on the memfd backend with CPU tensors, and it says so), and when the user's daemon that
+sublet starts on demand cannot start, its own words reach the exception; a build that lacks
 libuv says which package to install."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -33,9 +34,15 @@ def test_quickstart_runs_on_this_machine(native, tmp_path):
         assert "no CUDA GPU here: running on sublet's memfd backend" in r.stdout
 
 
-def test_private_daemon_start_error_reaches_the_exception(native, tmp_path):
-    r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
-                   SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots")
+def test_own_daemon_start_error_reaches_the_exception(native, tmp_path):
+    # A runtime directory of its own: no daemon of this user is running there to connect to.
+    runtime = tempfile.mkdtemp(prefix="sl-")  # short: a socket path has 107 bytes at most
+    try:
+        r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
+                       SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots",
+                       XDG_RUNTIME_DIR=runtime)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
     assert r.returncode != 0
     assert "DaemonUnavailableError" in r.stderr
     # subletd's own message, read before its output was cleaned up.

@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import CHILD_ENV, REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 EXAMPLES = REPO / "examples" / "multi_gpu"
@@ -38,7 +38,7 @@ needs_two = pytest.mark.skipif(gpus() < 2, reason="needs two CUDA GPUs "
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return dict(os.environ, **CHILD_ENV, PYTHONUNBUFFERED="1")
 
 
 def start_owner(name: str, device: int, seed: int) -> subprocess.Popen:

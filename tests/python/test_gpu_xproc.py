@@ -16,7 +16,7 @@ import torch
 
 import sublet
 
-from conftest import REPO
+from conftest import CHILD_ENV, REPO
 from test_gpu import cuda_daemon, free_memory_left, random_fill  # noqa: F401 (fixture)
 
 GiB = 1024 ** 3
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 def env() -> dict[str, str]:
     """The children find the daemon as any process would: no $SUBLET_SOCKET."""
-    e = dict(os.environ, PYTHONPATH=str(REPO))
+    e = dict(os.environ, **CHILD_ENV)
     e.pop("SUBLET_SOCKET", None)
     return e
 

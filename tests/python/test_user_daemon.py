@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, stop_user_daemons
+from conftest import CHILD_ENV, REPO, stop_user_daemons
 
 pytestmark = pytest.mark.daemon
 
@@ -42,7 +42,7 @@ def fresh_user(native, monkeypatch):
 
 
 def env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), **extra)
+    return dict(os.environ, **CHILD_ENV, **extra)
 
 
 def subletd_pids(directory: Path) -> list[int]:
