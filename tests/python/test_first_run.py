@@ -10,10 +10,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
-from conftest import CHILD_ENV, REPO
+from conftest import CHILD_ENV, REPO, stop_user_daemons
 
 pytestmark = pytest.mark.daemon
 
@@ -25,24 +26,29 @@ def run_python(args: list[str], tmp_path, **env: str) -> subprocess.CompletedPro
                           cwd=tmp_path, env=dict(environ, **CHILD_ENV, **env))
 
 
-def test_quickstart_runs_on_this_machine(native, tmp_path):
+@pytest.fixture
+def runtime_dir():
+    """A runtime directory of its own: the user's daemon that the child starts there is not
+    the test session's (which other tests expect as they made it), and is stopped at the end."""
+    path = Path(tempfile.mkdtemp(prefix="sl-"))  # short: a socket path has 107 bytes at most
+    yield str(path)
+    stop_user_daemons(path / "sublet")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_quickstart_runs_on_this_machine(native, tmp_path, runtime_dir):
     import torch
-    r = run_python([str(REPO / "examples" / "quickstart.py"), "0.25"], tmp_path)
+    r = run_python([str(REPO / "examples" / "quickstart.py"), "0.25"], tmp_path,
+                   XDG_RUNTIME_DIR=runtime_dir)
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("data intact: True")
     if not torch.cuda.is_available():
         assert "no CUDA GPU here: running on sublet's memfd backend" in r.stdout
 
 
-def test_own_daemon_start_error_reaches_the_exception(native, tmp_path):
-    # A runtime directory of its own: no daemon of this user is running there to connect to.
-    runtime = tempfile.mkdtemp(prefix="sl-")  # short: a socket path has 107 bytes at most
-    try:
-        r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
-                       SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots",
-                       XDG_RUNTIME_DIR=runtime)
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+def test_own_daemon_start_error_reaches_the_exception(native, tmp_path, runtime_dir):
+    r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
+                   SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots", XDG_RUNTIME_DIR=runtime_dir)
     assert r.returncode != 0
     assert "DaemonUnavailableError" in r.stderr
     # subletd's own message, read before its output was cleaned up.
