@@ -85,7 +85,9 @@ int sl_device_set_access(struct sl_device *d, void *addr, uint64_t size, struct 
  * unmapped address is a GPU fault, not an error. */
 int sl_device_unmap(struct sl_device *d, void *addr, uint64_t size);
 /* The same without waiting: for many unmaps after one sl_device_synchronize() (a wait per
- * page costs more than the unmap itself). */
+ * page costs more than the unmap itself). It may also be tried on a range of adjacent
+ * mappings at once; where that fails, unmap them one by one (unmapping what is no longer
+ * mapped fails harmlessly). */
 int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size);
 /* Waits until all work queued on the device by this process has finished. */
 int sl_device_synchronize(struct sl_device *d, struct sl_err *err);
