@@ -51,6 +51,27 @@ static void give_back(sublet_client *c) {
   sl_client_undo(c, &req, SUBLET__REPLY__BODY_RETURNED);
 }
 
+int sl_borrow_check_idle(sublet_client *c) {
+  if (c->loan_id == 0)
+    return 0;
+  return sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
+                        (unsigned long long)c->loan_id);
+}
+
+int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd) {
+  int rc = setup_window(c, b);
+
+  if (rc != 0)
+    give_back(c);
+  if (rc == 0 && (rc = sl_watch_start(c, release_fd)) != 0)
+    give_back(c); /* the watch took release_fd over */
+  else if (rc != 0 && release_fd >= 0)
+    close(release_fd);
+  if (rc == 0)
+    c->loan_id = b->loan;
+  return rc;
+}
+
 SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
                                 const char *name, int timeout_ms) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
@@ -75,21 +96,14 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   req.borrow = &m;
   pthread_mutex_lock(&c->lock);
   rc = sl_client_ensure_device(c);
-  if (rc == 0 && c->loan_id != 0)
-    rc = sl_client_fail(SUBLET_EBUSY, "this client already borrows loan %llu: return it first",
-                        (unsigned long long)c->loan_id);
+  if (rc == 0)
+    rc = sl_borrow_check_idle(c);
   if (rc == 0)
     rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, &release_fd, &nfds, -1);
   if (rc == 0 && nfds == 0)
     release_fd = -1; /* the owner did not ask for one */
-  if (rc == 0 && (rc = setup_window(c, rep->borrowed)) != 0)
-    give_back(c);
-  if (rc == 0 && (rc = sl_watch_start(c, release_fd)) != 0)
-    give_back(c); /* the watch took release_fd over */
-  else if (rc != 0 && release_fd >= 0)
-    close(release_fd);
   if (rc == 0)
-    c->loan_id = rep->borrowed->loan;
+    rc = sl_borrow_take(c, rep->borrowed, release_fd);
   pthread_mutex_unlock(&c->lock);
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

@@ -107,6 +107,12 @@ void sl_watch_stop(sublet_client *c);
 
 /* Unmaps and frees every window of c (the connection is closed: its loans are over). */
 void sl_borrow_forget(sublet_client *c);
+/* SUBLET_EBUSY when the client borrows a loan already (one at a time). */
+int sl_borrow_check_idle(sublet_client *c);
+/* Starts borrowing the loan the daemon granted (Borrowed, from Borrow or a local Lend): sets up
+ * the window and the watch of release_fd (-1: none; taken over either way), or gives the loan
+ * straight back when it cannot (the caller holds c->lock). */
+int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd);
 
 /* ------------------------------------------------------------------ torch.c */
 

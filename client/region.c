@@ -196,17 +196,19 @@ void sl_region_forget_all(sublet_client *c) {
 
 /* ------------------------------------------------------------------ lending */
 
-SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
-                              int keep_all, const char *name, uint64_t *loan_id,
-                              uint8_t token[16]) {
+/* Sends Lend (local: borrowed by this client in the same step) and takes Lent's fds: the three
+ * of the rescue (kept in r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
+static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t n,
+                       int keep_all, const char *name, int local, Sublet__Reply **rep,
+                       int *release_fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
-  Sublet__Reply *rep;
-  int fds[3];
-  size_t nfds = 3;
+  int fds[4];
+  size_t nfds = 4;
   int rc;
 
+  *release_fd = -1;
   m.region = r->id;
   m.keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
   m.n_keep = keep_all ? 0 : 2 * n;
@@ -216,23 +218,37 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   m.name.data = (uint8_t *)name;
   m.name.len = name != NULL ? strlen(name) : 0;
   m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
+  m.has_local = m.local = local != 0;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
-  pthread_mutex_lock(&c->lock);
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, &rep, fds, &nfds, -1);
-  if (rc == 0 && nfds != 3) {
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds, -1);
+  if (rc == 0 && (nfds < 3 || nfds > 3u + (local != 0) ||
+                  (local && (*rep)->lent->borrowed == NULL))) {
     sl_wire_close_fds(fds, nfds);
-    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds with Lent, not 3: is it older "
-                        "than this library?", nfds);
+    return sl_client_fail(SUBLET_EPROTO, "subletd answered Lend with %zu fds%s: is it older "
+                          "than this library?", nfds, local ? " and no window" : "");
   }
-  if (rc == 0) { /* a new loan of the region: an earlier one has ended, reclaimed or not */
-    sl_rescue_free(r->rescue);
-    r->rescue = NULL;
-  }
-  if (rc == 0 && (rc = sl_rescue_new(rep->lent->loan, fds, &r->rescue)) != 0)
+  if (rc != 0)
+    return rc;
+  *release_fd = nfds == 4 ? fds[3] : -1;
+  sl_rescue_free(r->rescue); /* a new loan of the region: an earlier one has ended */
+  r->rescue = NULL;
+  if ((rc = sl_rescue_new((*rep)->lent->loan, fds, &r->rescue)) != 0)
     sl_wire_close_fds(fds, 3);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
+                              int keep_all, const char *name, uint64_t *loan_id,
+                              uint8_t token[16]) {
+  sublet_client *c = r->client;
+  Sublet__Reply *rep = NULL;
+  int release_fd, rc;
+
+  pthread_mutex_lock(&c->lock);
+  rc = lend_locked(r, keep, n, keep_all, name, 0, &rep, &release_fd);
   if (rc == 0) {
     *loan_id = rep->lent->loan;
     if (token != NULL)
@@ -242,6 +258,66 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
+}
+
+SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
+                                    int keep_all, uint64_t *loan_id) {
+  sublet_client *c = r->client;
+  Sublet__Reply *rep = NULL;
+  uint64_t lent = 0;
+  int release_fd = -1, rc;
+
+  pthread_mutex_lock(&c->lock);
+  rc = sl_borrow_check_idle(c);
+  if (rc == 0)
+    rc = lend_locked(r, keep, n, keep_all, NULL, 1, &rep, &release_fd);
+  if (rc == 0) {
+    lent = rep->lent->loan;
+    rc = sl_borrow_take(c, rep->lent->borrowed, release_fd);
+  } else if (release_fd >= 0) {
+    close(release_fd);
+  }
+  pthread_mutex_unlock(&c->lock);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  if (rc == 0)
+    *loan_id = lent;
+  else if (lent != 0) { /* lent, then given straight back: its end is ours to take */
+    struct sl_err saved = *sl_client_last_error();
+    sublet_reclaim(c, lent, -1, NULL);
+    *sl_client_last_error() = saved;
+  }
+  return rc;
+}
+
+/* A range that does not lie in the region, or -1. */
+static ssize_t range_outside(const struct sublet_region *r, const struct sublet_range *ranges,
+                             size_t n) {
+  uint64_t size = r->npages * r->page_size;
+
+  for (size_t i = 0; i < n; i++)
+    if (ranges[i].offset > size || ranges[i].length > size - ranges[i].offset)
+      return (ssize_t)i;
+  return -1;
+}
+
+SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_range *ranges,
+                                         size_t n, uint64_t *sums) {
+  sublet_client *c = r->client;
+  ssize_t bad = range_outside(r, ranges, n);
+  struct sl_err err = {0};
+  int rc;
+
+  if (bad >= 0)
+    return sl_client_fail(SUBLET_EINVAL, "checksum range %zd (offset %llu, length %llu) reaches "
+                          "past the end of the region (%llu bytes): give ranges of the region",
+                          bad, (unsigned long long)ranges[bad].offset,
+                          (unsigned long long)ranges[bad].length,
+                          (unsigned long long)(r->npages * r->page_size));
+  pthread_mutex_lock(&c->lock);
+  rc = sl_device_hash(c->dev, r->base, ranges, n, sums, &err);
+  pthread_mutex_unlock(&c->lock);
+  return rc != 0 ? sl_client_fail_err(&err) : 0;
 }
 
 /* The region whose loan this is, if this library can restore it without the daemon. */

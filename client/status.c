@@ -98,11 +98,11 @@ static void put_loan(struct json *j, const Sublet__LoanStatus *l, uint64_t page_
   put_string(j, "name", l->name ? l->name : "");
   put(j, ", \"borrower_pid\": %u, \"borrower_uid\": %u, \"unkept_pages\": %llu, "
          "\"fresh_pages\": %llu, \"kept_pages\": %llu, \"page_size\": %llu, "
-         "\"live_bytes\": %llu, ",
+         "\"live_bytes\": %llu, \"local\": %s, ",
       l->has_borrower_pid ? l->borrower_pid : 0, l->has_borrower_uid ? l->borrower_uid : 0,
       (unsigned long long)l->unkept_pages, (unsigned long long)l->fresh_pages,
       (unsigned long long)l->kept_pages, (unsigned long long)page_size,
-      (unsigned long long)l->live_bytes);
+      (unsigned long long)l->live_bytes, l->local ? "true" : "false");
   put_stats(j, l->stats);
   put(j, "}");
 }

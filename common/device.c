@@ -177,3 +177,13 @@ int sl_device_move(struct sl_device *d, void *base, const struct sl_move *moves,
     return sl_err_set(err, SUBLET_EINVAL, "move: no device memory or no moves given");
   return d->ops->move(d, base, moves, n, err);
 }
+
+int sl_device_hash(struct sl_device *d, const void *base, const struct sublet_range *ranges,
+                   size_t n, uint64_t *out, struct sl_err *err) {
+  if (n == 0)
+    return 0;
+  if (base == NULL || ((uintptr_t)base & 15) != 0)
+    return sl_err_set(err, SUBLET_EINVAL, "hash: base %p is not a 16-byte aligned mapping",
+                      base);
+  return d->ops->hash(d, base, ranges, n, out, err);
+}

@@ -111,6 +111,12 @@ int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, vo
  * batch and waits for them: on cuda at device speed, not over the host link. */
 int sl_device_move(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,
                    struct sl_err *err);
+/* verify's checksums: out[i] is the hash.h sum of bytes [offset, offset + length) of
+ * ranges[i] in the memory mapped at base (a mapping of this device, its first byte aligned to
+ * 16), all ranges at once. Waits for the device's queued work first; returns when out is
+ * filled. */
+int sl_device_hash(struct sl_device *d, const void *base, const struct sublet_range *ranges,
+                   size_t n, uint64_t *out, struct sl_err *err);
 
 /* Backend table; device.c dispatches through it. */
 struct sl_device_ops {
@@ -137,6 +143,8 @@ struct sl_device_ops {
               const struct sl_copy *copies, size_t n, struct sl_err *err);
   int (*move)(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,
               struct sl_err *err);
+  int (*hash)(struct sl_device *d, const void *base, const struct sublet_range *ranges,
+              size_t n, uint64_t *out, struct sl_err *err);
 };
 
 /* Every backend's struct starts with this. */

@@ -10,12 +10,13 @@
  * device retains the GPU's primary context (the one PyTorch uses) and pushes it around every
  * call, so that any thread may call and the caller's current context is left as it was.
  * Copies run on one non-blocking stream owned by the device, batched with cuMemcpyBatchAsync
- * where the driver has it. Moves inside device memory run as one launch of move_kernel.cu's
- * kernel (embedded PTX, loaded with cuModuleLoadData): SMs copy device to device far faster
- * than copy engines do.
+ * where the driver has it. The kernels of kernels.cu (embedded PTX, one module loaded with
+ * cuModuleLoadData) run moves inside device memory (SMs copy device to device far faster than
+ * copy engines do) and verify's checksums, each as one launch over all its pieces.
  */
 #include "device.h"
-#include "move_kernel.h"
+#include "hash.h"
+#include "kernels.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -161,6 +162,7 @@ typedef struct CUmemcpyAttributes_st {
   X(cuMemcpyDtoDAsync, (CUdeviceptr dst, CUdeviceptr src, size_t size, CUstream stream))      \
   X(cuMemAlloc, (CUdeviceptr * ptr, size_t size))                                             \
   X(cuMemFree, (CUdeviceptr ptr))                                                             \
+  X(cuMemsetD8Async, (CUdeviceptr dst, unsigned char value, size_t n, CUstream stream))       \
   X(cuModuleLoadData, (CUmodule * module, const void *image))                                 \
   X(cuModuleUnload, (CUmodule module))                                                        \
   X(cuModuleGetFunction, (CUfunction * fn, CUmodule module, const char *name))                \
@@ -213,6 +215,10 @@ static pthread_once_t load_once = PTHREAD_ONCE_INIT;
 /* How many pieces go into one cuMemcpyBatchAsync call: bounds the scratch arrays (96 KiB). */
 #define BATCH_PIECES 4096
 
+/* The kernels of kernels.cu, by the names they have in its module. */
+enum cuda_kernel { KERNEL_MOVE_RANGES, KERNEL_HASH_RANGES, N_KERNELS };
+static const char *const kernel_names[N_KERNELS] = {"sl_move_ranges", "sl_hash_ranges"};
+
 struct cuda_device {
   struct sl_device base;
   CUdevice dev;
@@ -220,10 +226,10 @@ struct cuda_device {
   CUstream stream;   /* for copies; owned */
   CUmemAllocationProp prop;
   int use_batch;     /* cleared if the driver refuses batches on this device */
-  pthread_mutex_t move_lock; /* guards move_module and move_fn */
-  CUmodule move_module; /* move_kernel.cu, loaded at the first move; owned */
-  CUfunction move_fn;
-  int move_kernel_failed; /* it could not be loaded: moves use batched copies */
+  pthread_mutex_t kernels_lock; /* guards module, kernels and kernels_failed */
+  CUmodule module;   /* kernels.cu, loaded at the first launch; owned */
+  CUfunction kernels[N_KERNELS];
+  int kernels_failed; /* the module could not be loaded (moves then use batched copies) */
 };
 
 static struct cuda_device *to_cuda(struct sl_device *d) {
@@ -485,11 +491,11 @@ static void cuda_close(struct sl_device *dev) {
   if (d->stream != NULL && cuda_enter(d, NULL) == 0) {
     drv.cuStreamSynchronize(d->stream);
     drv.cuStreamDestroy(d->stream);
-    if (d->move_module != NULL)
-      drv.cuModuleUnload(d->move_module);
+    if (d->module != NULL)
+      drv.cuModuleUnload(d->module);
     cuda_leave();
   }
-  pthread_mutex_destroy(&d->move_lock);
+  pthread_mutex_destroy(&d->kernels_lock);
   if (d->ctx != NULL)
     drv.cuDevicePrimaryCtxRelease(d->dev);
   free(d);
@@ -507,7 +513,7 @@ static int cuda_open(const struct sl_device_params *p, struct sl_device **out,
   if (d == NULL)
     return sl_err_set(err, SUBLET_ENOMEM, "cuda backend: out of host memory");
   d->use_batch = drv.batch_version != 0;
-  pthread_mutex_init(&d->move_lock, NULL);
+  pthread_mutex_init(&d->kernels_lock, NULL);
   rc = find_device(p, &d->dev, err);
   if (rc == 0)
     rc = describe_device(d, err);
@@ -934,39 +940,51 @@ static int move_by_copies(struct cuda_device *d, void *base, const struct sl_mov
                     "a move faulted: the device range was probably not mapped");
 }
 
-/* move_kernel.cu's module, loaded at the first move (the driver JIT-compiles its PTX for this
- * GPU then, once). The context is current. 0 when it cannot be had. */
-static CUfunction move_kernel(struct cuda_device *d) {
-  pthread_mutex_lock(&d->move_lock);
-  if (d->move_module == NULL && !d->move_kernel_failed) {
-    if (drv.cuModuleLoadData(&d->move_module, sl_move_kernel_ptx) != CUDA_SUCCESS ||
-        drv.cuModuleGetFunction(&d->move_fn, d->move_module, "sl_move_ranges") !=
-            CUDA_SUCCESS) {
-      if (d->move_module != NULL)
-        drv.cuModuleUnload(d->move_module);
-      d->move_module = NULL;
-      d->move_fn = NULL;
-      d->move_kernel_failed = 1;
-    }
+/* --- kernels.cu's module */
+
+/* Loads the module at the first launch (the driver JIT-compiles its PTX for this GPU then,
+ * once; a failure is remembered). The context is current. */
+static void load_kernels(struct cuda_device *d) {
+  CUresult r = drv.cuModuleLoadData(&d->module, sl_kernels_ptx);
+
+  for (int i = 0; r == CUDA_SUCCESS && i < N_KERNELS; i++)
+    r = drv.cuModuleGetFunction(&d->kernels[i], d->module, kernel_names[i]);
+  if (r != CUDA_SUCCESS) {
+    if (d->module != NULL)
+      drv.cuModuleUnload(d->module);
+    d->module = NULL;
+    d->kernels_failed = 1;
   }
-  pthread_mutex_unlock(&d->move_lock);
-  return d->move_fn;
 }
 
-#define MOVE_TILE (64ull << 10) /* as in move_kernel.cu */
-#define MOVE_THREADS 256
-#define MOVE_BLOCKS_PER_SM 8
-#define MOVE_PIECES ((size_t)1 << 20) /* per launch: bounds the GPU scratch to 32 MiB */
+/* Kernel k of the module, or NULL when the module cannot be had. */
+static CUfunction kernel(struct cuda_device *d, enum cuda_kernel k) {
+  CUfunction fn;
 
-/* Blocks for a launch that keeps the whole GPU busy, fewer when there is less work. */
-static unsigned int move_blocks(struct cuda_device *d, uint64_t tiles) {
+  pthread_mutex_lock(&d->kernels_lock);
+  if (d->module == NULL && !d->kernels_failed)
+    load_kernels(d);
+  fn = d->module != NULL ? d->kernels[k] : NULL;
+  pthread_mutex_unlock(&d->kernels_lock);
+  return fn;
+}
+
+/* Blocks for a launch that keeps the whole GPU busy (per_sm blocks on each multiprocessor),
+ * fewer when there is less work. */
+static unsigned int grid_blocks(struct cuda_device *d, uint64_t work, unsigned int per_sm) {
   int sms = 0;
   uint64_t full;
 
   drv.cuDeviceGetAttribute(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d->dev);
-  full = (uint64_t)(sms > 0 ? sms : 1) * MOVE_BLOCKS_PER_SM;
-  return (unsigned int)(tiles < full ? tiles : full);
+  full = (uint64_t)(sms > 0 ? sms : 1) * per_sm;
+  return (unsigned int)(work < full ? (work > 0 ? work : 1) : full);
 }
+
+/* --- moves inside device memory: kernels.cu's sl_move_ranges */
+
+#define MOVE_THREADS 256
+#define MOVE_BLOCKS_PER_SM 8
+#define MOVE_PIECES ((size_t)1 << 20) /* per launch: bounds the GPU scratch to 32 MiB */
 
 /* One launch over up to MOVE_PIECES moves. Its arguments go to the GPU scratch mem: the
  * (src, dst, len) triples as addresses (24 bytes each), then the running count of their tiles
@@ -984,14 +1002,14 @@ static int move_launch(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
     triples[3 * i] = base + m[i].src_off;
     triples[3 * i + 1] = base + m[i].dst_off;
     triples[3 * i + 2] = m[i].len;
-    tile_end[i] = tiles += (m[i].len + MOVE_TILE - 1) / MOVE_TILE;
+    tile_end[i] = tiles += (m[i].len + SL_MOVE_TILE - 1) / SL_MOVE_TILE;
   }
   if (tiles == 0)
     return 0;
   r = drv.cuMemcpyHtoDAsync(mem, host, 32 * n, d->stream);
   if (r == CUDA_SUCCESS)
-    r = drv.cuLaunchKernel(fn, move_blocks(d, tiles), 1, 1, MOVE_THREADS, 1, 1, 0, d->stream,
-                           args, NULL);
+    r = drv.cuLaunchKernel(fn, grid_blocks(d, tiles, MOVE_BLOCKS_PER_SM), 1, 1, MOVE_THREADS,
+                           1, 1, 0, d->stream, args, NULL);
   /* Waits even after a failure: the copy reads host, which the next launch rewrites. */
   if (drv.cuStreamSynchronize(d->stream) != CUDA_SUCCESS && r == CUDA_SUCCESS)
     return sl_err_set(err, SUBLET_EIO, "sl_move_ranges faulted: the moves must lie in mapped "
@@ -1014,7 +1032,7 @@ static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *mo
   rc = cuda_enter(d, err);
   if (rc != 0)
     goto cleanup;
-  fn = move_kernel(d);
+  fn = kernel(d, KERNEL_MOVE_RANGES);
   if (fn == NULL || drv.cuMemAlloc(&mem, chunk * 32) != CUDA_SUCCESS) {
     rc = move_by_copies(d, base, moves, n, err);
     cuda_leave();
@@ -1119,7 +1137,7 @@ static int copy_staged(struct cuda_device *d, enum sl_copy_dir dir, void *dev_ba
 
   if (mv == NULL || scratch == NULL || cuda_enter(d, NULL) != 0)
     goto cleanup;
-  fn = move_kernel(d);
+  fn = kernel(d, KERNEL_MOVE_RANGES);
   if (fn != NULL && drv.cuMemAlloc(&stage, STAGE_BYTES) == CUDA_SUCCESS &&
       drv.cuMemAlloc(&mem, cap * 32) == CUDA_SUCCESS)
     rc = copy_staged_chunks(d, fn, dir, dev_base, host_base, c, n, cap, mv, scratch, mem,
@@ -1145,6 +1163,77 @@ static int cuda_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base
     rc = copy_staged(d, dir, dev_base, host_base, copies, n, err);
   if (rc == STAGE_UNAVAILABLE)
     rc = copy_by_batches(d, dir, dev_base, host_base, copies, n, err);
+/* --- verify's checksums: kernels.cu's sl_hash_ranges over all ranges in one launch */
+
+#define HASH_THREADS 256 /* 8 warps a block */
+#define HASH_BLOCKS_PER_SM 4
+
+static uint64_t hash_tiles(const struct sublet_range *r) {
+  if (r->length == 0)
+    return 0;
+  return (r->offset + r->length - 1) / SL_HASH_TILE - r->offset / SL_HASH_TILE + 1;
+}
+
+/* Device scratch of one launch, in one allocation: ranges (16 bytes each), the running count
+ * of their tiles (8), the sums (8). */
+static int hash_on_stream(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
+                          const struct sublet_range *ranges, const uint64_t *tile_end, size_t n,
+                          CUdeviceptr mem, uint64_t *out, struct sl_err *err) {
+  CUdeviceptr dev_ranges = mem, dev_tile_end = mem + 16 * n, dev_out = mem + 24 * n;
+  unsigned long long count = n;
+  void *args[] = {&base, &dev_ranges, &dev_tile_end, &count, &dev_out};
+  unsigned int blocks = grid_blocks(d, (tile_end[n - 1] + 7) / 8, HASH_BLOCKS_PER_SM);
+  CUresult r = drv.cuMemcpyHtoDAsync(dev_ranges, ranges, 16 * n, d->stream);
+  int rc;
+
+  if (r == CUDA_SUCCESS)
+    r = drv.cuMemcpyHtoDAsync(dev_tile_end, tile_end, 8 * n, d->stream);
+  if (r == CUDA_SUCCESS)
+    r = drv.cuMemsetD8Async(dev_out, 0, 8 * n, d->stream);
+  rc = cuda_check(r, err, "copying verify's ranges to the GPU", "check nvidia-smi");
+  if (rc == 0 && tile_end[n - 1] > 0)
+    rc = cuda_check(drv.cuLaunchKernel(fn, blocks, 1, 1, HASH_THREADS, 1, 1, 0, d->stream,
+                                       args, NULL),
+                    err, "sl_hash_ranges", "the GPU may be out of resources");
+  if (rc == 0)
+    rc = cuda_check(drv.cuMemcpyDtoHAsync(out, dev_out, 8 * n, d->stream), err,
+                    "cuMemcpyDtoHAsync", "check nvidia-smi");
+  r = drv.cuStreamSynchronize(d->stream); /* even after a failure: the copies read our arrays */
+  return rc != 0 ? rc : cuda_check(r, err, "sl_hash_ranges",
+                                   "the ranges must lie in mapped device memory");
+}
+
+static int cuda_hash(struct sl_device *dev, const void *base, const struct sublet_range *ranges,
+                     size_t n, uint64_t *out, struct sl_err *err) {
+  struct cuda_device *d = to_cuda(dev);
+  uint64_t *tile_end = malloc(n * sizeof(*tile_end)), tiles = 0;
+  CUdeviceptr mem = 0;
+  CUfunction fn;
+  int rc;
+
+  if (tile_end == NULL)
+    return sl_err_set(err, SUBLET_ENOMEM, "verify: out of host memory for %zu ranges", n);
+  for (size_t i = 0; i < n; i++)
+    tile_end[i] = tiles += hash_tiles(&ranges[i]);
+  rc = cuda_enter(d, err);
+  if (rc != 0)
+    goto cleanup;
+  /* The kernel runs on the device's stream: the owner's writes on its own streams go first. */
+  rc = cuda_check(drv.cuCtxSynchronize(), err, "cuCtxSynchronize",
+                  "a kernel failed earlier; the context is lost: restart the process");
+  if (rc == 0 && (fn = kernel(d, KERNEL_HASH_RANGES)) == NULL)
+    rc = sl_err_set(err, SUBLET_EDEVICE, "the driver could not load sublet's kernels (PTX for "
+                    "compute_80, ISA 8.0): update the NVIDIA driver");
+  if (rc == 0)
+    rc = cuda_check(drv.cuMemAlloc(&mem, 32 * n), err, "cuMemAlloc",
+                    "verify needs 32 bytes of GPU memory per kept range: free some");
+  if (rc == 0)
+    rc = hash_on_stream(d, fn, devptr(base), ranges, tile_end, n, mem, out, err);
+  if (mem != 0)
+    drv.cuMemFree(mem);
+  cuda_leave();
+cleanup:
+  free(tile_end);
   return rc;
 }
 
@@ -1169,4 +1258,5 @@ const struct sl_device_ops sl_device_cuda_ops = {
     .host_free = cuda_host_free,
     .copy = cuda_copy,
     .move = cuda_move,
+    .hash = cuda_hash,
 };

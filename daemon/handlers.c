@@ -175,6 +175,20 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
   return 0;
 }
 
+static uint64_t fresh_pages_available(struct sl_daemon *d);
+
+/* Lend.local: the caller borrows its own loan in the same step, so that it is never on
+ * offer (a Borrow waiting for the next offer must not take it). Undone if it cannot. */
+static int borrow_own(struct ctx *x, uint64_t loan) {
+  uint64_t got;
+  int rc = sl_books_borrow(x->d->books, x->c->client_id, loan, NULL, NULL,
+                           fresh_pages_available(x->d), &got, &x->err);
+
+  if (rc != 0)
+    sl_books_withdraw(x->d->books, x->c->client_id, loan, NULL);
+  return rc;
+}
+
 /* The save area becomes the owner's user's (an owner's fd never shows another user's bytes);
  * with Lend.rescue, the fds that let the owner restore itself (rescue.c). */
 static int lend_setup(struct ctx *x, uint64_t loan, const struct sl_loan_info *li, int rescue,
@@ -195,7 +209,8 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   uint8_t token[16];
   char name[64];
   uint64_t loan;
-  int fds[3] = {-1, -1, -1}, rc;
+  Sublet__Borrowed b = SUBLET__BORROWED__INIT;
+  int fds[4] = {-1, -1, -1, -1}, rc;
 
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
@@ -211,6 +226,8 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
     return rc;
   sl_books_loan_info(x->d->books, loan, &li);
   rc = lend_setup(x, loan, &li, m->rescue, fds);
+  if (rc == 0 && m->local && (rc = borrow_own(x, loan)) != 0 && m->rescue)
+    sl_wire_close_fds(fds, 3);
   if (rc != 0)
     return rc;
   lent.loan = loan;
@@ -219,13 +236,19 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   lent.unkept_pages = li.unkept_pages;
   lent.kept_pages = li.kept_pages;
   lent.kept_bytes = li.kept_bytes;
+  if (m->local) { /* its release pipe goes with the rescue fds, as Borrowed's would */
+    fds[3] = fill_borrowed(x->c, loan, &b);
+    lent.borrowed = &b;
+  }
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_LENT;
   rep.lent = &lent;
-  sl_conn_send(x->c, &rep, fds, m->rescue ? 3 : 0);
-  if (m->rescue)
-    sl_wire_close_fds(fds, 3); /* sent: the owner has its own */
-  sl_handle_offer_posted(x->d);
+  sl_conn_send(x->c, &rep, fds, m->rescue ? (fds[3] >= 0 ? 4 : 3) : 0);
+  sl_wire_close_fds(fds, m->rescue ? 3 : 0); /* sent: the owner has its own */
+  if (fds[3] >= 0)
+    close(fds[3]);
+  if (!m->local)
+    sl_handle_offer_posted(x->d);
   return 0;
 }
 
@@ -272,38 +295,44 @@ static uint64_t fresh_pages_available(struct sl_daemon *d) {
   return (free_bytes - d->cfg.reserve_bytes) / ps;
 }
 
-/* Answers a Borrow that succeeded with the window's layout. */
-static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int rescue) {
+/* The window's layout of a borrowed loan, for Borrowed (b points into the books: send it
+ * before the books change); returns the release pipe's write end for the borrower (rescue). */
+static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) {
   struct sl_daemon *d = c->d;
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__Borrowed b = SUBLET__BORROWED__INIT;
   struct sl_region_info ri;
   struct sl_loan_info li;
   const uint64_t *layout;
-  int release_w;
 
   sl_books_loan_info(d->books, loan, &li);
   sl_books_region_info(d->books, li.region_id, &ri);
-  sl_books_loan_layout(d->books, loan, &layout, &b.unkept_pages, &b.fresh_pages,
-                       &b.kept_pages);
-  b.loan = loan;
-  b.region = li.region_id;
-  b.region_pages = ri.npages;
-  b.page_size = sl_device_info(d->dev)->page_size;
-  b.layout = (uint64_t *)layout;
-  b.n_layout = b.unkept_pages + b.kept_pages;
-  b.own_region = ri.owner_client == c->client_id;
-  b.has_keep_window = 1;
-  b.keep_window = !b.own_region && c->peer.uid == ri.owner.uid;
+  sl_books_loan_layout(d->books, loan, &layout, &b->unkept_pages, &b->fresh_pages,
+                       &b->kept_pages);
+  b->loan = loan;
+  b->region = li.region_id;
+  b->region_pages = ri.npages;
+  b->page_size = sl_device_info(d->dev)->page_size;
+  b->layout = (uint64_t *)layout;
+  b->n_layout = b->unkept_pages + b->kept_pages;
+  b->own_region = ri.owner_client == c->client_id;
+  b->has_keep_window = 1;
+  b->keep_window = !b->own_region && c->peer.uid == ri.owner.uid;
+  d->copy_out_seconds = 0;
+  d->move_seconds = 0;
+  sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
+          (unsigned long long)loan, (int)c->peer.pid, (unsigned long long)b->unkept_pages,
+          (unsigned long long)b->fresh_pages, (unsigned long long)b->kept_pages);
+  return sl_rescue_borrow(d, loan, &c->peer); /* before the borrower can touch a page */
+}
+
+/* Answers a Borrow that succeeded with the window's layout. */
+static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int rescue) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Borrowed b = SUBLET__BORROWED__INIT;
+  int release_w = fill_borrowed(c, loan, &b);
+
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_BORROWED;
   rep.borrowed = &b;
-  d->copy_out_seconds = 0;
-  d->move_seconds = 0;
-  release_w = sl_rescue_borrow(d, loan, &c->peer); /* before the borrower can touch a page */
-  sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
-          (unsigned long long)loan, (int)c->peer.pid, (unsigned long long)b.unkept_pages,
-          (unsigned long long)b.fresh_pages, (unsigned long long)b.kept_pages);
   sl_conn_send(c, &rep, &release_w, rescue && release_w >= 0 ? 1 : 0);
   if (release_w >= 0)
     close(release_w); /* sent, or not asked for: the owner reads end-of-file then */

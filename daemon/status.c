@@ -56,6 +56,8 @@ static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__Lo
   ls->kept_pages = li->kept_pages;
   ls->live_bytes = li->live_bytes;
   ls->stats = stats;
+  ls->has_local = 1;
+  ls->local = li->borrower_client != 0 && li->borrower_client == li->owner_client;
 }
 
 static void status_device(struct sl_daemon *d, Sublet__Status *st) {

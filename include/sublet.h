@@ -126,11 +126,25 @@ SUBLET_EXPORT uint64_t sublet_region_size(const sublet_region *r);
 SUBLET_EXPORT uint64_t sublet_region_id(const sublet_region *r);
 SUBLET_EXPORT int sublet_region_release(sublet_region *r);
 
+/* A 64-bit checksum of each range of the region into sums[i], computed on the device (one GPU
+ * kernel for all ranges: milliseconds for tens of GiB). It depends on every bit of the range
+ * and on where each byte lies in the region, not on the values as numbers: two calls give the
+ * same sums exactly when the bytes are the same (but for a chance of 2^-64). verify takes them
+ * before a loan and compares them after it. Ranges must lie in the region. */
+SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_range *ranges,
+                                         size_t n, uint64_t *sums);
+
 /* Lending, owner's side. keep: sorted or not, overlapping or not; n == 0 with keep_all == 0
  * keeps nothing. Offers the loan; on success *loan_id and token[16] identify it. */
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
                               int keep_all, const char *name, uint64_t *loan_id,
                               uint8_t token[16]);
+/* Lends the region to its own client in one step: the client borrows the loan at once (as
+ * sublet_borrow() would: sublet_alloc() serves from it), and it is never on offer, so no other
+ * process can take it or sees it but in the daemon's status. End it with sublet_return(), then
+ * sublet_reclaim(). SUBLET_EBUSY while the client borrows another loan. */
+SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
+                                    int keep_all, uint64_t *loan_id);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
  * its kept bytes are back. If subletd dies meanwhile, the library restores them itself from the
  * host save area once the borrower has let go, and returns SUBLET_EDAEMONDIED with stats

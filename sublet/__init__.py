@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
                    DaemonUnavailableError, LeakError, LoanStats, NoOfferError, OwnerGoneError,
-                   ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError)
+                   ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError,
+                   VerifyError)
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +39,7 @@ __all__ = [
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonDiedError", "ProtocolError",
     "BusyError",
-    "SubletTimeoutError", "SubletOutOfMemoryError", "info",
+    "SubletTimeoutError", "SubletOutOfMemoryError", "VerifyError", "info",
 ]
 
 # What needs torch is imported on first use, so that `sublet status` (and `import sublet`)
@@ -65,7 +66,7 @@ def __getattr__(name: str):
     return value
 
 
-def lend(tensor: torch.Tensor, keep: Keep = None) -> LocalLoan:
+def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None) -> LocalLoan:
     """Lends the memory of `tensor` (from sublet.empty) to this process's work in a `with`
     block; returns the Loan.
 
@@ -74,17 +75,22 @@ def lend(tensor: torch.Tensor, keep: Keep = None) -> LocalLoan:
     integer tensor of indices or a boolean mask (the fast form for many blocks). A page is
     kept when any kept byte lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
     raises LeakError, after the kept data is restored.
+
+    verify: checksum the kept bytes on the device before the loan and after it, and raise
+    VerifyError naming the ranges that changed (bits, not values). None: $SUBLET_VERIFY=1.
     """
     from ._loan import LocalLoan
-    return LocalLoan(tensor, keep)
+    return LocalLoan(tensor, keep, verify)
 
 
-def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None) -> Offer:
+def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None,
+          verify: bool | None = None) -> Offer:
     """Offers the memory of `tensor` to another process (which calls sublet.borrow(name=...))
     and returns an Offer at once; Offer.wait() blocks until it comes back. In a `with` block,
-    leaving it withdraws an untaken offer or waits for the borrower to finish."""
+    leaving it withdraws an untaken offer or waits for the borrower to finish. verify: as for
+    lend(), checked when wait() sees the loan back."""
     from ._loan import Offer
-    return Offer(tensor, keep, name)
+    return Offer(tensor, keep, name, verify)
 
 
 def borrow(name: str | None = None, device: torch.device | str | int | None = None,

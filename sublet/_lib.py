@@ -117,6 +117,19 @@ class BusyError(SubletError):
     """The device or region is busy: one loan per device runs at a time."""
 
 
+class VerifyError(SubletError):
+    """verify found kept bytes that did not come back as they were before the loan.
+
+    ``changed``: the (offset, length) byte ranges, relative to the start of the tensor's
+    storage, whose checksum differs; ``described``: the same in the tensor's terms."""
+
+    def __init__(self, message: str, changed: list[tuple[int, int]],
+                 described: list[str] | None = None):
+        super().__init__(message, None)
+        self.changed = changed
+        self.described = described or []
+
+
 class SubletOutOfMemoryError(SubletError, MemoryError):
     """The loan (or the device) has no room for the allocation; also a builtin MemoryError."""
 
@@ -207,6 +220,8 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_region_release": (c_int, [c_void_p]),
     "sublet_lend": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_char_p,
                             POINTER(c_uint64), TOKEN]),
+    "sublet_region_checksum": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
+    "sublet_lend_local": (c_int, [c_void_p, c_void_p, c_size_t, c_int, POINTER(c_uint64)]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
     "sublet_borrow": (c_int, [c_void_p, c_uint64, c_void_p, c_char_p, c_int]),

@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from . import _keep, _lib
+from . import _keep, _lib, _verify
 from ._client import Client, LoanStats, ReturnResult
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
                    LeakError,
@@ -203,24 +203,25 @@ def _add_note(exc: BaseException, note: str) -> None:
 class LocalLoan(Loan):
     """sublet.lend(): the process lends its own tensor's memory to its own work."""
 
-    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None):
+    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None,
+                 verify: bool | None = None):
         super().__init__()
         self.tensor = tensor
         self._region = region_of(tensor)
         self._ranges = _ranges_for(self._region, tensor, keep)
         self._loan_id = 0
+        self._verify = _verify.enabled(verify)
+        self._snapshot: _verify.Snapshot | None = None
 
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
         _check_device_free(region.device)
         _claim(region)
         try:
-            self._loan_id, _ = client.lend(region.handle, self._ranges, None)
-            try:
-                client.borrow(self._loan_id)  # no token: only our own client may borrow it
-            except BaseException:
-                client.withdraw(self._loan_id)
-                raise
+            if self._verify:
+                self._snapshot = _verify.Snapshot(region, self.tensor, self._ranges)
+            # One request: the loan is never on offer, so no borrow() elsewhere can take it.
+            self._loan_id = client.lend_local(region.handle, self._ranges)
         except BaseException:
             region.lent = False
             raise
@@ -245,11 +246,18 @@ class LocalLoan(Loan):
                 map_seconds=returned.stats.map_seconds)
         finally:
             self._region.lent = False
-        if self.leaks:
-            error = self._leak_error(self._final_stats)
+        leak = self._leak_error(self._final_stats) if self.leaks else None
+        if self._snapshot is not None:
+            try:
+                self._snapshot.check()
+            except _lib.VerifyError as error:
+                if leak is not None:
+                    _add_note(error, str(leak))
+                raise  # the block's own exception, if any, is its __context__
+        if leak is not None:
             if exc is None:
-                raise error
-            _add_note(exc, str(error))
+                raise leak
+            _add_note(exc, str(leak))
 
 
 def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.ndarray | None:
@@ -276,13 +284,16 @@ class Offer:
     offer nobody took, or waits for the borrower to return it.
     """
 
-    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None, name: str | None = None):
+    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None, name: str | None = None,
+                 verify: bool | None = None):
         self.tensor = tensor
         self.name = name
         self._region = region_of(tensor)
         ranges = _ranges_for(self._region, tensor, keep)
         _claim(self._region)
         try:
+            self._snapshot = (_verify.Snapshot(self._region, tensor, ranges)
+                              if _verify.enabled(verify) else None)
             self.loan_id, self.token = self._region.client.lend(self._region.handle, ranges,
                                                                  name)
         except BaseException:
@@ -297,7 +308,8 @@ class Offer:
     def wait(self, timeout: float | None = None) -> LoanStats:
         """Blocks until the loan has ended and the kept bytes are back; returns its stats.
         Raises SubletTimeoutError after `timeout` seconds (the offer stands: wait again),
-        BorrowerDiedError when the borrower died (the kept data is back all the same)."""
+        BorrowerDiedError when the borrower died (the kept data is back all the same), and
+        with verify, VerifyError when kept bytes did not come back as they were."""
         if self.done:
             if self.stats is None:
                 raise RuntimeError("the offer was withdrawn: there is nothing to wait for")
@@ -307,6 +319,8 @@ class Offer:
             f"the loan {self.name or self.loan_id} did not come back within {timeout} s")
         self.stats = stats
         self._region.lent = False
+        if self._snapshot is not None:
+            self._snapshot.check()  # the kept data is back, the borrower died or not
         if code == _EDAEMONDIED:
             raise DaemonDiedError(message, code, stats)
         if code == _EBORROWERDIED or stats.borrower_died:

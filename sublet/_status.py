@@ -72,6 +72,8 @@ def text_loan(loan: dict[str, Any]) -> list[str]:
     ps = loan["page_size"]
     who = (f"borrowed by pid {loan['borrower_pid']} (uid {loan['borrower_uid']})"
            if loan["borrower_pid"] else "waiting for a borrower")
+    if loan.get("local"):
+        who = f"a local lend of pid {loan['borrower_pid']} (sublet.lend)"
     return [
         f"  loan {loan['id']}{name}: {loan['state']}, region {loan['region']}, {who}",
         f"    pages    {human(loan['unkept_pages'] * ps)} unkept, "

@@ -801,6 +801,69 @@ static void test_waiting_borrowers_first_come_first_served(void) {
   sublet_disconnect(c);
 }
 
+/* Waits for the next offer (any), writes the id of the loan it got to fd, returns it. */
+static void next_offer_taker(int fd) {
+  struct sublet_loan_stats st = {0};
+  sublet_client *c;
+
+  if (sublet_connect(daemon_.socket, &c) != 0 || sublet_borrow(c, 0, NULL, NULL, 30000) != 0)
+    _exit(2);
+  sublet_loan_stats(c, &st);
+  if (write(fd, &st.loan_id, sizeof(st.loan_id)) != sizeof(st.loan_id))
+    _exit(3);
+  _exit(sublet_return(c, 0, NULL, NULL, 0, NULL) == 0 ? 0 : 4);
+}
+
+/* One local lend: borrowed at once by its own client, used, returned, reclaimed intact. */
+static void lend_locally_once(sublet_client *c, sublet_region *r, uint64_t i, uint64_t *loan) {
+  struct sublet_range keep = {(i % (REGION_PAGES - 1)) * PAGE + 100, PAGE};
+  struct sublet_loan_stats st;
+  void *p;
+
+  fill(sublet_region_addr(r), REGION_PAGES * PAGE); /* the last loan wrote over its unkept */
+  CHECK_RC(sublet_lend_local(r, &keep, 1, 0, loan), 0);
+  CHECK_RC(sublet_lend_local(r, &keep, 1, 0, loan), SUBLET_EBUSY); /* one loan at a time */
+  CHECK_RC(sublet_alloc(c, 3 * PAGE, &p), 0);
+  memset(p, (int)i, 3 * PAGE);
+  CHECK_RC(sublet_free(c, p), 0);
+  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, *loan, 1000, &st), 0);
+  CHECK(kept_intact(sublet_region_addr(r), &keep, 1));
+}
+
+/* A process waiting for the next offer never gets a local lend: 100 of them go by, and it
+ * takes the one real offer that follows. */
+static void test_local_lends_are_never_offers(void) {
+  struct sublet_range all = {0, REGION_PAGES * PAGE};
+  uint64_t loan = 0, taken = 0, offered;
+  sublet_client *c;
+  sublet_region *r;
+  int fds[2], status;
+  pid_t pid;
+
+  CHECK(pipe(fds) == 0);
+  if ((pid = fork()) == 0)
+    next_offer_taker(fds[1]);
+  close(fds[1]);
+  usleep(200000); /* its Borrow is parked by now */
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &r), 0);
+  for (uint64_t i = 0; i < 100 && sl_test_failed == 0; i++)
+    lend_locally_once(c, r, i, &loan);
+  CHECK(waitpid(pid, &status, WNOHANG) == 0); /* still waiting */
+  fill(sublet_region_addr(r), REGION_PAGES * PAGE);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &offered, NULL), 0);
+  CHECK(read(fds[0], &taken, sizeof(taken)) == sizeof(taken));
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(taken == offered && offered > loan);
+  CHECK_RC(sublet_reclaim(c, offered, 5000, NULL), 0);
+  CHECK(kept_intact(sublet_region_addr(r), &all, 1));
+  close(fds[0]);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
 /* The owner dies while another process borrows: the borrower hears of it at its next
  * allocation, returns cleanly, and the region is freed then. */
 static void test_owner_killed_mid_loan(void) {
@@ -942,6 +1005,7 @@ int main(void) {
   sl_test_run("waiting borrowers in order", test_waiting_borrowers_first_come_first_served);
   sl_test_run("loan names", test_loan_names);
   sl_test_run("the next offer is taken once", test_next_offer_taken_once);
+  sl_test_run("local lends are never offers", test_local_lends_are_never_offers);
   sl_test_run("other user refused", test_other_user_refused);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);

@@ -432,3 +432,121 @@ def test_owner_killed_mid_loan_is_told_to_the_borrower():
     finally:
         owner.kill()
         owner.wait()
+
+
+# --------------------------------------------------------------------------- local lends
+
+WAITER = textwrap.dedent("""
+    import sys, torch, sublet
+    print("waiting", flush=True)
+    with sublet.borrow(device="cpu", timeout=120) as loan:  # the next offer, whatever it is
+        taken = loan.stats.loan_id
+    print("took", taken, flush=True)
+""")
+
+
+def test_local_lends_are_never_offers():
+    """A same-user process waits in sublet.borrow() for the next offer while the owner lends
+    locally 100 times: it takes none of them, none fails, and it takes the one real offer."""
+    from sublet import _daemon
+    socket = _daemon._private[("memfd", 0)].socket
+    cache, _ = patterned(16, 65536, seed=31)
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO)))
+    try:
+        assert waiter.stdout.readline().startswith("waiting"), waiter.stderr.read()
+        time.sleep(0.5)  # its Borrow is parked in the daemon by now
+        local_ids = set()
+        for i in range(100):
+            keep, before = cache[i % 16], cache.clone()
+            with sublet.lend(cache, keep=keep) as loan:
+                loan.empty(3 * PAGE, dtype=torch.uint8).fill_(i)
+                if i == 0:
+                    (status,) = json.loads(sublet_status("--json").stdout)
+                    assert status["loan"]["local"] and status["loan"]["state"] == "active"
+                    assert "a local lend of pid" in sublet_status().stdout
+            local_ids.add(loan.stats.loan_id)
+            assert_kept_intact(cache, before, keep)
+        assert waiter.poll() is None, waiter.communicate()
+        with sublet.offer(cache, keep=cache[:2]) as offer:
+            offer.wait(timeout=60)
+        out, err = waiter.communicate(timeout=60)
+    finally:
+        waiter.kill()
+        waiter.wait()
+    assert waiter.returncode == 0, err
+    assert out.split() == ["took", str(offer.loan_id)] and offer.loan_id not in local_ids
+    assert len(local_ids) == 100
+
+
+# --------------------------------------------------------------------------- verify
+
+def test_verify_passes_when_the_kept_bytes_come_back():
+    cache, before = patterned(16, 65536, dtype=torch.uint8, seed=41)
+    keep = [cache[1], cache[4, 100:9000], cache[9:12]]
+    for _ in range(3):  # the borrower takes everything: every kept page is saved and restored
+        with sublet.lend(cache, keep=keep, verify=True) as loan:
+            del_all(fill_loan(loan))
+        assert loan.copied_bytes > 0
+    assert_kept_intact(cache, before, keep)
+
+
+def test_verify_names_the_range_that_changed():
+    """The owner writes to a kept page nobody borrowed (the one thing sublet cannot undo):
+    verify catches it and says where, in bytes and in the tensor's terms."""
+    cache, _ = patterned(16, 65536, dtype=torch.uint8, seed=42)
+    with pytest.raises(sublet.VerifyError) as caught:
+        with sublet.lend(cache, keep=[cache[2], cache[7]], verify=True) as loan:
+            loan.empty(PAGE, dtype=torch.uint8).fill_(1)  # an unkept page: kept ones untouched
+            cache[7, 300] ^= 0x40  # one bit of a kept byte
+    assert caught.value.changed == [(7 * 65536, 65536)]
+    assert "index [7, 0]" in str(caught.value) and "1 of 2 kept ranges" in str(caught.value)
+
+
+def test_sublet_verify_env_turns_it_on(monkeypatch):
+    cache, _ = patterned(4, 65536, dtype=torch.uint8, seed=43)
+    with sublet.lend(cache, keep=cache[1]):
+        cache[1, 0] ^= 1  # not verified: nothing said
+    monkeypatch.setenv("SUBLET_VERIFY", "1")
+    with pytest.raises(sublet.VerifyError):
+        with sublet.lend(cache, keep=cache[1]):
+            cache[1, 0] ^= 1
+    with sublet.lend(cache, keep=cache[1], verify=False):
+        cache[1, 0] ^= 1  # an explicit False wins over the environment
+
+
+def test_verify_compares_bits_not_values():
+    """bf16 NaNs kept through loans whose keep sets change: bits came back, so verify is quiet
+    (a value comparison would call NaN != NaN a change)."""
+    cache = sublet.empty(16, 32768, dtype=torch.bfloat16, device="cpu")
+    cache.view(torch.int16).fill_(0x7FC1)  # a NaN pattern
+    for i in range(4):
+        with sublet.lend(cache, keep=cache[i::4], verify=True) as loan:
+            del_all(fill_loan(loan, seed=i))
+
+
+def test_verify_an_offer_across_processes():
+    cache, before = patterned(16, 65536, seed=44)
+    keep = cache[::3]
+    with sublet.offer(cache, keep=keep, name="checked", verify=True) as offer:
+        child = start_borrower("checked", "normal")
+        offer.wait(timeout=120)
+    assert child.wait(timeout=120) == 0
+    assert_kept_intact(cache, before, keep)
+    offer = sublet.offer(cache, keep=cache[:2], name="spoilt", verify=True)
+    cache[1, 10] ^= 1  # the owner writes during its own offer
+    child = start_borrower("spoilt", "normal")
+    with pytest.raises(sublet.VerifyError) as caught:
+        offer.wait(timeout=120)
+    assert caught.value.changed == [(0, 2 * 65536)]
+    assert child.wait(timeout=120) == 0
+
+
+def test_checksum_refuses_ranges_outside_the_region():
+    from sublet._memory import region_of
+    cache, _ = patterned(2, 65536)
+    region = region_of(cache)
+    with pytest.raises(sublet.SubletError, match="past the end of the region"):
+        region.client.checksum(region.handle, np.array([[region.size - 8, 9]], np.uint64),
+                               np.empty(1, np.uint64))

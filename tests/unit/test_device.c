@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "device.h"
+#include "hash.h"
 
 static int passed, failed;
 static struct sl_err err;
@@ -423,6 +424,124 @@ static void test_import_in_process(struct sl_device *d) {
   CHECK(sl_device_release(d, imported) == 0);
 }
 
+/* --- verify's checksums */
+
+/* The definition of hash.h, written out plainly: the sum of the range's mixed words. */
+static uint64_t reference_hash(const uint8_t *p, uint64_t begin, uint64_t end) {
+  uint64_t sum = 0;
+
+  for (uint64_t q = begin / 8; q * 8 < end; q++) {
+    uint64_t w = 0;
+    for (int b = 0; b < 8; b++)
+      if (q * 8 + b >= begin && q * 8 + b < end)
+        w |= (uint64_t)p[q * 8 + b] << (8 * b);
+    sum += sl_hash_mix(w, sl_hash_key(q));
+  }
+  return end > begin ? sum : 0;
+}
+
+static uint64_t lcg(uint64_t *state) {
+  *state = *state * 6364136223846793005ull + 1442695040888963407ull;
+  return *state >> 17;
+}
+
+/* Ranges of every shape: unaligned, tiny, empty, across tiles, and the whole mapping. */
+static struct sublet_range *hash_ranges(uint64_t size, size_t n) {
+  struct sublet_range *r = calloc(n, sizeof(*r));
+  uint64_t s = 7;
+
+  for (size_t i = 0; r != NULL && i < n; i++) {
+    uint64_t len = i % 5 == 0 ? lcg(&s) % 17 : lcg(&s) % (3 * SL_HASH_TILE + 41);
+    len = len < size ? len : size;
+    r[i].offset = lcg(&s) % (size - len + 1);
+    r[i].length = len;
+  }
+  if (r != NULL && n >= 3) {
+    r[0] = (struct sublet_range){0, size};
+    r[1] = (struct sublet_range){SL_HASH_TILE - 3, 6}; /* a tile boundary inside a word */
+    r[2] = (struct sublet_range){size / 2, 0};
+  }
+  return r;
+}
+
+static int hashes_match(struct sl_device *d, void *addr, const uint8_t *image,
+                        const struct sublet_range *r, size_t n) {
+  uint64_t *got = calloc(n, sizeof(*got));
+  int ok = got != NULL && sl_device_hash(d, addr, r, n, got, &err) == 0;
+
+  for (size_t i = 0; ok && i < n; i++) {
+    ok = got[i] == reference_hash(image, r[i].offset, r[i].offset + r[i].length);
+    if (!ok)
+      fprintf(stderr, "range %zu (offset %llu, length %llu): %016llx, expected %016llx\n", i,
+              (unsigned long long)r[i].offset, (unsigned long long)r[i].length,
+              (unsigned long long)got[i],
+              (unsigned long long)reference_hash(image, r[i].offset, r[i].offset + r[i].length));
+  }
+  free(got);
+  return ok;
+}
+
+/* The device computes the definition; one flipped bit or two swapped words change it. */
+static void test_hash(struct sl_device *d) {
+  const size_t n = 3000;
+  struct mapped m;
+  uint8_t *image = NULL;
+  struct sublet_range *r = NULL;
+  struct sl_copy one = {0, 0, 16};
+  uint64_t whole = 0, now_ = 0;
+
+  CHECK(map_pages(d, 4, &m) == 0);
+  CHECK((image = malloc(m.size)) != NULL && (r = hash_ranges(m.size, n)) != NULL);
+  if (image == NULL || r == NULL)
+    goto out;
+  fill_pattern(image, m.size, 21);
+  CHECK(write_device(d, m.addr, m.size, 21) == 0);
+  CHECK(hashes_match(d, m.addr, image, r, n));
+  CHECK(sl_device_hash(d, m.addr, r, 1, &whole, &err) == 0);
+  one.dev_off = one.host_off = m.size / 3 & ~15ull;
+  image[one.dev_off + 5] ^= 0x10; /* one bit */
+  CHECK(sl_device_copy(d, SL_COPY_TO_DEVICE, m.addr, image, &one, 1, &err) == 0);
+  CHECK(hashes_match(d, m.addr, image, r, n));
+  CHECK(sl_device_hash(d, m.addr, r, 1, &now_, &err) == 0 && now_ != whole);
+  for (int b = 0; b < 8; b++) { /* two words swap places */
+    uint8_t t = image[one.dev_off + b];
+    image[one.dev_off + b] = image[one.dev_off + 8 + b];
+    image[one.dev_off + 8 + b] = t;
+  }
+  CHECK(sl_device_copy(d, SL_COPY_TO_DEVICE, m.addr, image, &one, 1, &err) == 0);
+  CHECK(hashes_match(d, m.addr, image, r, n));
+out:
+  free(image);
+  free(r);
+  unmap_pages(d, &m);
+}
+
+/* What the kernel relies on: the sum splits at any 8-aligned point; a flipped bit or swapped
+ * words always show; bytes beside the range do not count. */
+static void test_hash_definition(void) {
+  uint8_t p[256];
+  uint64_t whole, other;
+
+  fill_pattern(p, sizeof(p), 5);
+  whole = reference_hash(p, 3, 250);
+  CHECK(whole == reference_hash(p, 3, 128) + reference_hash(p, 128, 250));
+  p[2] ^= 1;
+  p[251] ^= 1;
+  CHECK(reference_hash(p, 3, 250) == whole);
+  for (int bit = 0; bit < 8; bit++) {
+    p[100] ^= (uint8_t)(1 << bit);
+    other = reference_hash(p, 3, 250);
+    p[100] ^= (uint8_t)(1 << bit);
+    CHECK(other != whole);
+  }
+  for (int b = 0; b < 8; b++) {
+    uint8_t t = p[64 + b];
+    p[64 + b] = p[72 + b];
+    p[72 + b] = t;
+  }
+  CHECK(reference_hash(p, 3, 250) != whole);
+}
+
 static void run_common_checks(struct sl_device *d) {
   test_create_release(d);
   test_out_of_memory(d);
@@ -434,6 +553,7 @@ static void run_common_checks(struct sl_device *d) {
   test_bad_arguments(d);
   test_import_in_process(d);
   test_share_with_child(d);
+  test_hash(d);
 }
 
 /* --- memfd only */
@@ -722,6 +842,7 @@ static void test_cuda(void) {
 int main(int argc, char **argv) {
   if (argc == 7 && strcmp(argv[1], "--child") == 0)
     return run_child(argv);
+  test_hash_definition();
   test_memfd();
   test_cuda();
   printf("device: %d passed, %d failed\n", passed, failed);
