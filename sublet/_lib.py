@@ -446,6 +446,24 @@ class Client:
                                 int(keep_all), _name(name), ctypes.byref(loan_id), token))
         return loan_id.value, bytes(token)
 
+    def lend_local(self, region: RegionHandle, ranges: Any) -> int:
+        """Lends a region to this client itself in one step (never on offer) and borrows it;
+        ranges as for lend. Returns the loan id."""
+        loan_id = c_uint64()
+        keep_all = ranges is None
+        n = 0 if keep_all else len(ranges)
+        check(lib().sublet_lend_local(region.handle, ranges.ctypes.data if n else None, n,
+                                      int(keep_all), ctypes.byref(loan_id)))
+        return loan_id.value
+
+    @staticmethod
+    def checksum(region: RegionHandle, ranges: Any, sums: Any) -> None:
+        """Fills sums (a uint64 numpy array, one per row of ranges, as for lend) with the
+        checksums of the ranges, computed on the device."""
+        if len(ranges):
+            check(lib().sublet_region_checksum(region.handle, ranges.ctypes.data, len(ranges),
+                                               sums.ctypes.data))
+
     def reclaim(self, loan_id: int, timeout_ms: int) -> LoanStats:
         rc, message, stats = self.reclaim_raw(loan_id, timeout_ms)
         if rc < 0:
