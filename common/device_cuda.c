@@ -1163,6 +1163,9 @@ static int cuda_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base
     rc = copy_staged(d, dir, dev_base, host_base, copies, n, err);
   if (rc == STAGE_UNAVAILABLE)
     rc = copy_by_batches(d, dir, dev_base, host_base, copies, n, err);
+  return rc;
+}
+
 /* --- verify's checksums: kernels.cu's sl_hash_ranges over all ranges in one launch */
 
 #define HASH_THREADS 256 /* 8 warps a block */

@@ -36,6 +36,7 @@ import sublet
 
 import soak_workloads as work
 from conftest import kept_ranges_of
+from test_gpu import cuda_daemon  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
@@ -79,16 +80,6 @@ for line in sys.stdin:
     print(json.dumps({"outcome": outcome, "rss": rss(),
                       "fds": len(os.listdir("/proc/self/fd"))}), flush=True)
 """
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_daemon(native):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("SUBLET_BACKEND", raising=False)
-        assert sublet.info().backend == "cuda"
-        yield
 
 
 def _rss() -> int:
@@ -191,7 +182,7 @@ def lend_here(cache, keep, kind: str, seed: int, spill: int) -> str:
         outcome = "exception"
     except sublet.LeakError:
         outcome = "leak"
-    leaked = None  # noqa: F841 - dropped unread: its memory is the owner's again
+    del leaked  # dropped unread: its memory is the owner's again
     return outcome
 
 
@@ -199,9 +190,12 @@ class OtherProcess:
     """The borrower process: takes one offer named "soak" per line it reads."""
 
     def __init__(self):
+        from sublet import _client
+        socket = _client.client_for("cuda", torch.cuda.current_device()).path
         self.proc = subprocess.Popen([sys.executable, "-c", BORROWER, str(HERE)], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=dict(os.environ, PYTHONPATH=str(HERE.parents[1])))
+                                     env=dict(os.environ, SUBLET_SOCKET=socket,
+                                              PYTHONPATH=str(HERE.parents[1])))
         assert self.proc.stdout.readline().strip() == "ready"
         self.last: dict = {}
 

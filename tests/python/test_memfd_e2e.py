@@ -448,8 +448,8 @@ WAITER = textwrap.dedent("""
 def test_local_lends_are_never_offers():
     """A same-user process waits in sublet.borrow() for the next offer while the owner lends
     locally 100 times: it takes none of them, none fails, and it takes the one real offer."""
-    from sublet import _daemon
-    socket = _daemon._private[("memfd", 0)].socket
+    from sublet import _client
+    socket = _client.client_for("memfd", 0).path
     cache, _ = patterned(16, 65536, seed=31)
     waiter = subprocess.Popen([sys.executable, "-c", WAITER], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
