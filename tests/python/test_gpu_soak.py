@@ -251,10 +251,10 @@ def test_soak():
             assert outcome == expected_outcome(kind), f"loan {i} ({kind}): {outcome}"
             if i == len(plan) - 1:
                 baseline = (_gpu_free(), _rss(), _fds(), dict(other.last))
+        gpu, rss, fds = _gpu_free(), _rss(), _fds()  # beside the hog, as the baseline was
     finally:
         del hog
         other.close()
-    gpu, rss, fds = _gpu_free(), _rss(), _fds()
     grew = (baseline[0] - gpu, rss - baseline[1], fds - baseline[2],
             other.last["rss"] - baseline[3]["rss"], other.last["fds"] - baseline[3]["fds"])
     print(f"\nsoak: {LOANS} loans ({local} in the owner's process, {LOANS - local} in another "
