@@ -491,7 +491,8 @@ static void test_hash(struct sl_device *d) {
   uint64_t whole = 0, now_ = 0;
 
   CHECK(map_pages(d, 4, &m) == 0);
-  CHECK((image = malloc(m.size)) != NULL && (r = hash_ranges(m.size, n)) != NULL);
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&image, &err) == 0); /* copies need it */
+  CHECK((r = hash_ranges(m.size, n)) != NULL);
   if (image == NULL || r == NULL)
     goto out;
   fill_pattern(image, m.size, 21);
@@ -511,7 +512,7 @@ static void test_hash(struct sl_device *d) {
   CHECK(sl_device_copy(d, SL_COPY_TO_DEVICE, m.addr, image, &one, 1, &err) == 0);
   CHECK(hashes_match(d, m.addr, image, r, n));
 out:
-  free(image);
+  sl_device_host_free(d, image, m.size);
   free(r);
   unmap_pages(d, &m);
 }
