@@ -127,10 +127,11 @@ SUBLET_EXPORT uint64_t sublet_region_id(const sublet_region *r);
 SUBLET_EXPORT int sublet_region_release(sublet_region *r);
 
 /* A 64-bit checksum of each range of the region into sums[i], computed on the device (one GPU
- * kernel for all ranges: milliseconds for tens of GiB). It depends on every bit of the range
- * and on where each byte lies in the region, not on the values as numbers: two calls give the
- * same sums exactly when the bytes are the same (but for a chance of 2^-64). verify takes them
- * before a loan and compares them after it. Ranges must lie in the region. */
+ * kernel for all ranges, at memory bandwidth). It depends on every bit of the range and on
+ * where each byte lies in the region, not on the values as numbers: a change of one 8-byte
+ * word always changes it, and more changes leave it the same only by a 64-bit coincidence.
+ * verify takes them before a loan and compares them after it. Ranges must lie in the region;
+ * the device's queued work is waited for first. */
 SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_range *ranges,
                                          size_t n, uint64_t *sums);
 
