@@ -176,6 +176,7 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
 }
 
 static uint64_t fresh_pages_available(struct sl_daemon *d);
+static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b);
 
 /* Lend.local: the caller borrows its own loan in the same step, so that it is never on
  * offer (a Borrow waiting for the next offer must not take it). Undone if it cannot. */
