@@ -35,7 +35,7 @@ import torch
 import sublet
 
 import soak_workloads as work
-from conftest import kept_ranges_of
+from conftest import CHILD_ENV, kept_ranges_of
 from test_gpu import cuda_daemon  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
@@ -194,8 +194,7 @@ class OtherProcess:
         socket = _client.client_for("cuda", torch.cuda.current_device()).path
         self.proc = subprocess.Popen([sys.executable, "-c", BORROWER, str(HERE)], text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=dict(os.environ, SUBLET_SOCKET=socket,
-                                              PYTHONPATH=str(HERE.parents[1])))
+                                     env=dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV))
         assert self.proc.stdout.readline().strip() == "ready"
         self.last: dict = {}
 

@@ -453,7 +453,7 @@ def test_local_lends_are_never_offers():
     cache, _ = patterned(16, 65536, seed=31)
     waiter = subprocess.Popen([sys.executable, "-c", WAITER], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=dict(os.environ, SUBLET_SOCKET=socket, PYTHONPATH=str(REPO)))
+                              env=dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV))
     try:
         assert waiter.stdout.readline().startswith("waiting"), waiter.stderr.read()
         time.sleep(0.5)  # its Borrow is parked in the daemon by now
