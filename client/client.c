@@ -80,7 +80,7 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
   int rc;
 
   req->id = ++c->next_id;
-  rc = sl_msg_send_request(c->sock, req, NULL, 0, &err);
+  rc = sl_msg_send_request(c->sock, req, timeout_ms, &err);
   if (rc == 0)
     rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, timeout_ms, &err);
   if (rc != 0)
@@ -92,6 +92,14 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
                                     "subletd", h.version, SUBLET_PROTOCOL_VERSION), NULL);
   }
   *rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
+  if (*rep != NULL && (*rep)->id == 0 && (*rep)->body_case == SUBLET__REPLY__BODY_ERROR) {
+    /* Not an answer: why subletd closes the connection (a protocol error, a cap reached) */
+    sl_wire_close_fds(rxfds, h.nfds);
+    rc = sl_client_fail((*rep)->error->code, "%s", (*rep)->error->message);
+    sublet__reply__free_unpacked(*rep, NULL);
+    *rep = NULL;
+    return broken(c, rc, NULL);
+  }
   if (*rep == NULL || (*rep)->id != req->id || h.nfds > capacity) {
     sl_wire_close_fds(rxfds, h.nfds);
     if (*rep != NULL)

@@ -3,17 +3,11 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
+
+#include "clock.h"
 
 #define POS_UNMAPPED (-1)
 #define POS_FRESH (-2)
-
-static double now_seconds(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t window_pages(const struct sl_window *w) {
   return w->unkept + w->fresh + w->kept;
@@ -108,7 +102,7 @@ static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct 
 
 int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_err *err) {
   uint64_t first = UINT64_MAX, last = 0;
-  double t0 = now_seconds();
+  double t0 = sl_clock_now();
   int rc = 0;
 
   if (pos > window_pages(w) || n > window_pages(w) - pos)
@@ -131,13 +125,13 @@ int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_e
   if (rc == 0 && first != UINT64_MAX)
     rc = sl_device_set_access(w->dev, pos_addr(w, first), (last - first + 1) * w->page_size,
                               err);
-  w->map_seconds += now_seconds() - t0;
+  w->map_seconds += sl_clock_now() - t0;
   return rc;
 }
 
 int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,
                         struct sl_err *err) {
-  double t0 = now_seconds();
+  double t0 = sl_clock_now();
   int rc;
 
   if (pos < w->unkept || pos + npages > w->unkept + w->fresh || npages == 0) {
@@ -164,7 +158,7 @@ int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_h
   w->chunks[w->nchunks++] = (struct sl_window_chunk){pos, npages, h};
   for (uint64_t p = pos; p < pos + npages; p++)
     w->mapped[p] = POS_FRESH;
-  w->map_seconds += now_seconds() - t0;
+  w->map_seconds += sl_clock_now() - t0;
   return 0;
 }
 

@@ -5,36 +5,32 @@
 
 #include "wire.h"
 
-static int send_packed(int sock, uint16_t kind, const ProtobufCMessage *m, const int *fds,
-                       size_t nfds, struct sl_err *err) {
-  size_t len = protobuf_c_message_get_packed_size(m);
-  uint8_t *buf;
-  int rc;
-
-  if (len > SL_WIRE_MAX_PAYLOAD)
+int sl_msg_pack(const ProtobufCMessage *m, uint8_t **buf, size_t *len, struct sl_err *err) {
+  *len = protobuf_c_message_get_packed_size(m);
+  *buf = NULL;
+  if (*len > SL_WIRE_MAX_PAYLOAD)
     return sl_err_set(err, SUBLET_E2BIG,
                       "message of %zu bytes exceeds the protocol's %u-byte limit; "
                       "split the request (e.g. fewer kept ranges: merge neighbouring views)",
-                      len, SL_WIRE_MAX_PAYLOAD);
-  buf = malloc(len ? len : 1);
-  if (buf == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory packing a message");
-  protobuf_c_message_pack(m, buf);
-  rc = sl_wire_send(sock, kind, buf, len, fds, nfds, err);
+                      *len, SL_WIRE_MAX_PAYLOAD);
+  *buf = malloc(*len ? *len : 1);
+  if (*buf == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory packing a message");
+  protobuf_c_message_pack(m, *buf);
+  return 0;
+}
+
+int sl_msg_send_request(int sock, const Sublet__Request *req, int timeout_ms,
+                        struct sl_err *err) {
+  uint8_t *buf;
+  size_t len;
+  int rc = sl_msg_pack(&req->base, &buf, &len, err);
+
+  if (rc == 0)
+    rc = sl_wire_send(sock, SL_WIRE_REQUEST, buf, len, NULL, 0, timeout_ms, err);
   free(buf);
   return rc;
 }
-
-int sl_msg_send_request(int sock, const Sublet__Request *req, const int *fds, size_t nfds,
-                        struct sl_err *err) {
-  return send_packed(sock, SL_WIRE_REQUEST, &req->base, fds, nfds, err);
-}
-
-int sl_msg_send_reply(int sock, const Sublet__Reply *rep, const int *fds, size_t nfds,
-                      struct sl_err *err) {
-  return send_packed(sock, SL_WIRE_REPLY, &rep->base, fds, nfds, err);
-}
-
 Sublet__Request *sl_msg_unpack_request(const uint8_t *payload, size_t len, struct sl_err *err) {
   Sublet__Request *m = sublet__request__unpack(NULL, len, payload);
 

@@ -12,11 +12,12 @@
 #include "error.h"
 #include "sublet.pb-c.h"
 
-/* Packs and sends one message; fds (may be NULL) ride with it and stay the caller's. */
-int sl_msg_send_request(int sock, const Sublet__Request *req, const int *fds, size_t nfds,
+/* Packs a message into a new buffer (*buf, freed by the caller), within the frame limit. */
+int sl_msg_pack(const ProtobufCMessage *m, uint8_t **buf, size_t *len, struct sl_err *err);
+/* Packs and sends a request (no fds: requests carry none), blocking for at most timeout_ms
+ * (< 0: no limit). */
+int sl_msg_send_request(int sock, const Sublet__Request *req, int timeout_ms,
                         struct sl_err *err);
-int sl_msg_send_reply(int sock, const Sublet__Reply *rep, const int *fds, size_t nfds,
-                      struct sl_err *err);
 
 /* Unpacked messages are freed with sublet__request__free_unpacked(m, NULL) (resp. reply). */
 Sublet__Request *sl_msg_unpack_request(const uint8_t *payload, size_t len, struct sl_err *err);

@@ -16,8 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
+
+#include "clock.h"
 
 /* The buffer never holds more than one frame of the largest size. */
 #define RX_LIMIT ((size_t)SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD)
@@ -94,12 +95,6 @@ void sl_wire_close_fds(int *fds, size_t n) {
 
 /* ------------------------------------------------------------------ waiting */
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Waits until sock is ready for events; deadline_ms < 0: no limit. Readiness includes hangup
  * and errors: the next read or write reports those. */
 static int wait_ready(int sock, short events, int64_t deadline_ms) {
@@ -109,7 +104,7 @@ static int wait_ready(int sock, short events, int64_t deadline_ms) {
   for (;;) {
     timeout = -1;
     if (deadline_ms >= 0) {
-      int64_t left = deadline_ms - now_ms();
+      int64_t left = deadline_ms - sl_clock_ms();
       timeout = left > 0 ? (int)left : 0;
     }
     n = poll(&pfd, 1, timeout);
@@ -157,61 +152,80 @@ static ssize_t send_some(int sock, struct iovec *iov, int iovcnt, const int *fds
     cmsg->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
     memcpy(CMSG_DATA(cmsg), fds, sizeof(int) * nfds);
   }
-  return sendmsg(sock, &msg, MSG_NOSIGNAL);
+  return sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-static void iov_advance(struct iovec **iov, int *iovcnt, size_t n) {
-  while (*iovcnt > 0 && n >= (*iov)->iov_len) {
-    n -= (*iov)->iov_len;
-    (*iov)++;
-    (*iovcnt)--;
-  }
-  if (*iovcnt > 0) {
-    (*iov)->iov_base = (uint8_t *)(*iov)->iov_base + n;
-    (*iov)->iov_len -= n;
-  }
-}
-
-/* After a failed sendmsg: 0 to try again, or the error. */
-static int send_failed(int sock, int errnum, struct sl_err *err) {
-  if (errnum == EINTR)
-    return 0;
-  if (errnum == EAGAIN || errnum == EWOULDBLOCK) {
-    int rc = wait_ready(sock, POLLOUT, now_ms() + SL_WIRE_SEND_TIMEOUT_MS);
-    if (rc == SUBLET_ETIMEDOUT)
-      return sl_err_set(err, rc, "the peer has not read for %d ms: giving up on it",
-                        SL_WIRE_SEND_TIMEOUT_MS);
-    return rc == 0 ? 0 : sl_err_set(err, SUBLET_EIO, "poll failed");
-  }
-  if (errnum == EPIPE || errnum == ECONNRESET)
-    return sl_err_set(err, SUBLET_EPIPE, "the peer closed the connection");
-  return sl_err_set(err, SUBLET_EIO, "cannot send a frame: %s", strerror(errnum));
-}
-
-int sl_wire_send(int sock, uint16_t kind, const void *payload, size_t len, const int *fds,
-                 size_t nfds, struct sl_err *err) {
-  uint8_t head[SL_WIRE_HEADER];
-  struct iovec iovs[2], *iov = iovs;
-  int iovcnt = len > 0 ? 2 : 1;
+int sl_wire_out_init(struct sl_wire_out *o, uint16_t kind, const void *payload, size_t len,
+                     const int *fds, size_t nfds, struct sl_err *err) {
   int rc = send_check(kind, len, nfds, err);
 
   if (rc < 0)
     return rc;
   sl_wire_header_encode(&(struct sl_frame_header){SL_WIRE_MAGIC, SUBLET_PROTOCOL_VERSION, kind,
                                                   (uint32_t)len, (uint32_t)nfds},
-                        head);
-  iovs[0] = (struct iovec){.iov_base = head, .iov_len = sizeof(head)};
-  iovs[1] = (struct iovec){.iov_base = (void *)payload, .iov_len = len};
-  while (iovcnt > 0) {
-    ssize_t n = send_some(sock, iov, iovcnt, fds, nfds);
-    if (n < 0 && (rc = send_failed(sock, errno, err)) < 0)
-      return rc;
-    if (n > 0) {
-      nfds = 0; /* they went with the first byte; the kernel holds its own references */
-      iov_advance(&iov, &iovcnt, (size_t)n);
-    }
-  }
+                        o->head);
+  o->payload = payload;
+  o->len = len;
+  o->done = 0;
+  o->fds = fds;
+  o->nfds = nfds;
   return 0;
+}
+
+/* The iovecs of what is left to write. */
+static int out_iov(const struct sl_wire_out *o, struct iovec iov[2]) {
+  int n = 0;
+
+  if (o->done < SL_WIRE_HEADER)
+    iov[n++] = (struct iovec){.iov_base = (uint8_t *)o->head + o->done,
+                              .iov_len = SL_WIRE_HEADER - o->done};
+  if (o->len > 0 && o->done < SL_WIRE_HEADER + o->len) {
+    size_t skip = o->done > SL_WIRE_HEADER ? o->done - SL_WIRE_HEADER : 0;
+    iov[n++] = (struct iovec){.iov_base = (uint8_t *)o->payload + skip, .iov_len = o->len - skip};
+  }
+  return n;
+}
+
+int sl_wire_out_write(struct sl_wire_out *o, int sock, struct sl_err *err) {
+  struct iovec iov[2];
+  ssize_t n;
+
+  do {
+    int iovcnt = out_iov(o, iov);
+    if (iovcnt == 0)
+      return SL_WIRE_OUT_DONE;
+    n = send_some(sock, iov, iovcnt, o->done == 0 ? o->fds : NULL, o->done == 0 ? o->nfds : 0);
+    if (n > 0)
+      o->done += (size_t)n; /* the fds went with the first byte: the kernel holds its own */
+  } while (n > 0 || (n < 0 && errno == EINTR));
+  if (errno == EAGAIN || errno == EWOULDBLOCK)
+    return SL_WIRE_OUT_AGAIN;
+  if (errno == ETOOMANYREFS)
+    return SL_WIRE_OUT_REFS;
+  if (errno == EPIPE || errno == ECONNRESET)
+    return sl_err_set(err, SUBLET_EPIPE, "the peer closed the connection");
+  return sl_err_set(err, SUBLET_EIO, "cannot send a frame: %s", strerror(errno));
+}
+
+int sl_wire_send(int sock, uint16_t kind, const void *payload, size_t len, const int *fds,
+                 size_t nfds, int timeout_ms, struct sl_err *err) {
+  int64_t deadline = timeout_ms < 0 ? -1 : sl_clock_ms() + timeout_ms;
+  struct sl_wire_out o;
+  int rc = sl_wire_out_init(&o, kind, payload, len, fds, nfds, err);
+
+  if (rc < 0)
+    return rc;
+  while ((rc = sl_wire_out_write(&o, sock, err)) == SL_WIRE_OUT_AGAIN) {
+    rc = wait_ready(sock, POLLOUT, deadline);
+    if (rc == SUBLET_ETIMEDOUT)
+      return sl_err_set(err, rc, "the peer took no frame within %d ms: it is not reading "
+                        "(stopped or overloaded?)", timeout_ms);
+    if (rc < 0)
+      return sl_err_set(err, rc, "poll: %s", strerror(errno));
+  }
+  if (rc == SL_WIRE_OUT_REFS)
+    return sl_err_set(err, SUBLET_EIO, "cannot send fds: too many in flight (ETOOMANYREFS)");
+  return rc == SL_WIRE_OUT_DONE ? 0 : rc;
 }
 
 /* ------------------------------------------------------------------ receiving */
@@ -406,7 +420,7 @@ static int recv_eof(const struct sl_wire_rx *rx, struct sl_err *err) {
 
 int sl_wire_recv(struct sl_wire_rx *rx, int sock, struct sl_frame_header *h,
                  const uint8_t **payload, int *fds, int timeout_ms, struct sl_err *err) {
-  int64_t deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms;
+  int64_t deadline = timeout_ms < 0 ? -1 : sl_clock_ms() + timeout_ms;
   int rc;
 
   for (;;) {

@@ -43,15 +43,35 @@ void sl_wire_header_encode(const struct sl_frame_header *h, uint8_t out[SL_WIRE_
 int sl_wire_header_decode(const uint8_t in[SL_WIRE_HEADER], struct sl_frame_header *h,
                           struct sl_err *err);
 
-/* A peer that takes no bytes of a frame for this long is given up on (SUBLET_ETIMEDOUT): a
- * client that stops reading must not stall the daemon and everyone it serves. */
-#define SL_WIRE_SEND_TIMEOUT_MS 2000
+/* A frame on its way out, written by as many sendmsg calls as the socket needs; its fds ride
+ * the call that writes its first byte. Payload and fds stay the caller's until it is done. */
+struct sl_wire_out {
+  uint8_t head[SL_WIRE_HEADER];
+  const uint8_t *payload;
+  size_t len;
+  size_t done;               /* bytes of header + payload written */
+  const int *fds;
+  size_t nfds;
+};
 
-/* One frame, sent whole: header + payload, with fds on the first byte. Blocks (retrying on
- * EINTR/EAGAIN with poll) until all is written, the peer is gone, or it took nothing for
- * SL_WIRE_SEND_TIMEOUT_MS. The fds stay the caller's. */
+/* sl_wire_out_write's results besides errors. */
+#define SL_WIRE_OUT_DONE 1   /* the whole frame is written */
+#define SL_WIRE_OUT_AGAIN 0  /* the socket is full: wait until it is writable */
+#define SL_WIRE_OUT_REFS 2   /* the kernel's limit on fds in flight (ETOOMANYREFS) is reached:
+                                nothing was written; try again once peers have taken theirs */
+
+/* Checks the bounds (E2BIG, EINVAL) and prepares the header. */
+int sl_wire_out_init(struct sl_wire_out *o, uint16_t kind, const void *payload, size_t len,
+                     const int *fds, size_t nfds, struct sl_err *err);
+/* One non-blocking step: writes what the socket takes. Returns SL_WIRE_OUT_*, or SUBLET_EPIPE
+ * (the peer is gone) / SUBLET_EIO. Never waits. */
+int sl_wire_out_write(struct sl_wire_out *o, int sock, struct sl_err *err);
+
+/* One frame, sent whole, blocking: waits (poll) while the socket is full, for at most
+ * timeout_ms in all (< 0: no limit), then SUBLET_ETIMEDOUT. The fds stay the caller's. For
+ * clients; the daemon never blocks (daemon/transport.c queues). */
 int sl_wire_send(int sock, uint16_t kind, const void *payload, size_t len, const int *fds,
-                 size_t nfds, struct sl_err *err);
+                 size_t nfds, int timeout_ms, struct sl_err *err);
 
 /* Incremental receiver, for non-blocking sockets (the daemon) and blocking ones (clients). */
 struct sl_wire_rx {

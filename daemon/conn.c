@@ -1,13 +1,14 @@
-/* conn.c - one client connection: reading frames, sending replies, closing.
+/* conn.c - one client's conversation, on top of its transport (transport.c): frames become
+ * requests for the request layer, replies become frames.
  *
- * libuv cannot pass arbitrary fds over its pipes, so each client socket is watched with a
- * uv_poll_t and read with recvmsg (wire.c) here. A malformed frame, a wrong fd count or a
- * client that cannot take its reply ends that connection only; the daemon goes on.
+ * The request layer (handlers.c) is reached only through d->conn_ops, which server.c sets:
+ * this file calls nothing above it. Sending only queues and closing is deferred to the loop,
+ * so no handler ever runs inside another connection's handler or close.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -15,145 +16,139 @@
 #include "log.h"
 #include "msg.h"
 
-static void on_readable(uv_poll_t *h, int status, int events);
+static uint8_t *pack_error(int code, const char *msg, size_t *len) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Error e = SUBLET__ERROR__INIT;
+  uint8_t *buf = NULL;
 
-static int read_peer(int fd, struct sl_peer *peer) {
-  struct ucred cred;
-  socklen_t len = sizeof(cred);
-
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
-    return -errno;
-  peer->pid = cred.pid;
-  peer->uid = cred.uid;
-  peer->gid = cred.gid;
-  return 0;
+  e.code = code != 0 ? code : SUBLET_EIO;
+  e.message = (char *)msg;
+  rep.body_case = SUBLET__REPLY__BODY_ERROR;
+  rep.error = &e;
+  return sl_msg_pack(&rep.base, &buf, len, NULL) == 0 ? buf : NULL;
 }
 
-void sl_conn_accept(struct sl_daemon *d, int fd) {
-  struct sl_conn *c = calloc(1, sizeof(*c));
+/* A whole frame: a request of this protocol version goes to the request layer. */
+static void on_frame(struct sl_transport *t, const struct sl_frame_header *h,
+                     const uint8_t *payload, int *fds) {
+  struct sl_conn *c = sl_transport_data(t);
+  struct sl_err err = {0};
+  Sublet__Request *req = NULL;
 
-  if (c == NULL || read_peer(fd, &c->peer) != 0) {
-    sl_warn("refusing a connection: %s", c == NULL ? "out of memory" : strerror(errno));
-    free(c);
-    close(fd);
+  if (h->version != SUBLET_PROTOCOL_VERSION)
+    sl_err_set(&err, SUBLET_EVERSION,
+               "this subletd speaks protocol %d and the client %d: install matching "
+               "versions of sublet and subletd", SUBLET_PROTOCOL_VERSION, h->version);
+  else if (h->kind == SL_WIRE_REQUEST)
+    req = sl_msg_unpack_request(payload, h->length, &err);
+  else
+    sl_err_set(&err, SUBLET_EPROTO, "a client sent a reply frame");
+  if (req == NULL) {
+    sl_wire_close_fds(fds, h->nfds);
+    sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err.msg);
+    sl_conn_send_error(c, 0, &err);
+    sl_conn_close(c);
     return;
   }
-  c->d = d;
-  c->fd = fd;
-  /* Held from the start: once the peer has exited, its pid may be reused. */
-  c->pidfd = (int)syscall(SYS_pidfd_open, c->peer.pid, 0);
-  sl_wire_rx_init(&c->rx);
-  uv_poll_init(d->loop, &c->poll, fd);
-  c->poll.data = c;
-  uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, on_readable);
-  c->next = d->conns;
-  d->conns = c;
-  d->conns_total++;
-  sl_debug("connection from pid %d uid %d", (int)c->peer.pid, (int)c->peer.uid);
+  c->d->conn_ops->request(c, req, fds, h->nfds);
+  sublet__request__free_unpacked(req, NULL);
+  if (c->job != NULL) /* answered once its copy is done: read nothing more till then */
+    sl_transport_pause(c->t, 1);
 }
 
-static void free_conn(uv_handle_t *h) {
-  struct sl_conn *c = h->data;
-
-  sl_wire_rx_destroy(&c->rx);
-  close(c->fd);
-  free(c);
+void sl_conn_resume(struct sl_conn *c) {
+  if (!c->closed && c->job == NULL)
+    sl_transport_pause(c->t, 0);
 }
 
-void sl_conn_close(struct sl_conn *c) {
-  struct sl_daemon *d = c->d;
-  struct sl_conn **link = &d->conns;
+static void on_closed(struct sl_transport *t, const char *why) {
+  struct sl_conn *c = sl_transport_data(t);
+  struct sl_conn **link;
 
-  while (*link != NULL && *link != c)
+  if (c == NULL)
+    return; /* refused before it had a conversation */
+  link = &c->d->conns;
+  sl_info("client pid %d: %s", (int)c->peer.pid, why);
+  while (*link != c)
     link = &(*link)->next;
-  if (*link == NULL)
-    return; /* already closed */
   *link = c->next;
   c->closed = 1;
   if (c->job != NULL)
     c->job->conn = NULL; /* the copy goes on; its answer has nobody to go to */
-  sl_handle_disconnect(c); /* takes over c->pidfd */
-  uv_poll_stop(&c->poll);
-  uv_close((uv_handle_t *)&c->poll, free_conn);
+  c->d->conn_ops->gone(c); /* takes over c->pidfd */
+  free(c);
 }
 
-/* Dispatches every whole frame buffered; returns nonzero once the conn is closed. */
-static int drain_frames(struct sl_conn *c) {
-  struct sl_frame_header h;
-  const uint8_t *payload;
-  int fds[SL_WIRE_MAX_FDS];
+const struct sl_transport_ops sl_conn_transport_ops = {
+    .frame = on_frame, .closed = on_closed, .pack_error = pack_error};
+
+static int conn_new(struct sl_daemon *d, struct sl_transport *t) {
+  const struct ucred *peer = sl_transport_peer(t);
+  struct sl_conn *c = calloc(1, sizeof(*c));
+
+  if (c == NULL)
+    return SUBLET_ENOHOSTMEM;
+  c->d = d;
+  c->t = t;
+  c->peer = (struct sl_peer){.pid = peer->pid, .uid = peer->uid, .gid = peer->gid};
+  /* Held from the start: once the peer has exited, its pid may be reused. */
+  c->pidfd = (int)syscall(SYS_pidfd_open, c->peer.pid, 0);
+  sl_transport_set_data(t, c);
+  c->next = d->conns;
+  d->conns = c;
+  d->conns_total++;
+  sl_debug("connection from pid %d uid %d", (int)c->peer.pid, (int)c->peer.uid);
+  return 0;
+}
+
+int sl_conn_accept(struct sl_daemon *d) {
+  struct sl_transport *t;
   struct sl_err err = {0};
   int rc;
 
-  while ((rc = sl_wire_rx_next(&c->rx, &h, &payload, fds, &err)) == 1) {
-    Sublet__Request *req = NULL;
-    if (h.version != SUBLET_PROTOCOL_VERSION)
-      sl_err_set(&err, SUBLET_EVERSION,
-                 "this subletd speaks protocol %d and the client %d: install matching "
-                 "versions of sublet and subletd", SUBLET_PROTOCOL_VERSION, h.version);
-    else if (h.kind == SL_WIRE_REQUEST)
-      req = sl_msg_unpack_request(payload, h.length, &err);
-    else
-      sl_err_set(&err, SUBLET_EPROTO, "a client sent a reply frame");
-    if (req == NULL) {
-      sl_wire_close_fds(fds, h.nfds);
-      break;
+  while ((rc = sl_transports_accept(&d->transports, d->listen_fd, &t, &err)) != -EAGAIN) {
+    if (rc == SUBLET_EIO)
+      return rc;
+    if (rc != 0) {
+      sl_warn("refused a connection: %s", err.msg);
+      continue;
     }
-    sl_handle_request(c, req, fds, h.nfds);
-    sublet__request__free_unpacked(req, NULL);
-    if (c->closed)
-      return 1;
-    if (c->job != NULL) { /* answered once its copy is done: read nothing more till then */
-      uv_poll_stop(&c->poll);
-      return 1;
+    if (conn_new(d, t) != 0) {
+      sl_transport_set_data(t, NULL);
+      sl_warn("refused a connection: out of host memory");
+      sl_transport_close_now(t, "out of host memory");
     }
-  }
-  if (rc == 1 || rc < 0) {
-    sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err.msg);
-    sl_conn_send_error(c, 0, &err);
-    sl_conn_close(c);
-    return 1;
   }
   return 0;
 }
 
-static void on_readable(uv_poll_t *h, int status, int events) {
-  struct sl_conn *c = h->data;
-  struct sl_err err = {0};
-  int n;
-
-  /* Bounded per wakeup so that one busy client cannot starve the others. */
-  for (int i = 0; i < 16; i++) {
-    n = sl_wire_rx_read(&c->rx, c->fd, &err);
-    if (n == -EAGAIN)
-      return;
-    if (n <= 0) {
-      if (n < 0) /* a client that dies resets its connection: routine, not a warning */
-        sl_info("client pid %d: %s", (int)c->peer.pid, err.msg);
-      sl_conn_close(c);
-      return;
-    }
-    if (drain_frames(c))
-      return;
-  }
+void sl_conn_close(struct sl_conn *c) {
+  c->closed = 1;
+  sl_transport_close(c->t, "closed by subletd");
 }
 
-void sl_conn_resume(struct sl_conn *c) {
-  if (c->closed || c->job != NULL)
-    return;
-  if (drain_frames(c) == 0) /* frames that came with the one that waited */
-    uv_poll_start(&c->poll, UV_READABLE | UV_DISCONNECT, on_readable);
+void sl_conn_close_now(struct sl_conn *c) {
+  c->closed = 1;
+  sl_transport_close_now(c->t, "subletd is shutting down");
 }
 
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds) {
   struct sl_err err = {0};
-  int rc = sl_msg_send_reply(c->fd, rep, fds, nfds, &err);
+  int copies[SL_WIRE_MAX_FDS];
+  uint8_t *buf;
+  size_t len, n = 0;
+  int rc = nfds <= SL_WIRE_MAX_FDS ? sl_msg_pack(&rep->base, &buf, &len, &err) : SUBLET_E2BIG;
 
-  if (rc != 0) {
-    sl_info("client pid %d: cannot send a reply (%s); disconnecting it", (int)c->peer.pid,
-            err.msg);
-    sl_conn_close(c);
-  }
+  for (; rc == 0 && n < nfds; n++) /* the queue's own: the caller keeps and closes its fds */
+    if ((copies[n] = fcntl(fds[n], F_DUPFD_CLOEXEC, 0)) < 0)
+      rc = sl_err_set(&err, SUBLET_ENOHOSTMEM, "cannot duplicate an fd: %s", strerror(errno));
+  if (rc == 0)
+    return sl_transport_send(c->t, SL_WIRE_REPLY, buf, len, copies, nfds);
+  sl_wire_close_fds(copies, n);
+  free(buf);
+  sl_warn("client pid %d: cannot send a reply (%s); disconnecting it", (int)c->peer.pid,
+          err.msg);
+  sl_conn_close(c);
   return rc;
 }
 

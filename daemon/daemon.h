@@ -1,7 +1,12 @@
-/* daemon.h - subletd's state shared by its modules: server.c (socket, signals), conn.c (one
- * connection's frames), handlers.c (requests), waiters.c (requests answered later), endings.c
- * (how loans end, what a client leaves), status.c (the Status reply), idle.c (--idle-exit),
- * jobs.c (copies off the loop).
+/* daemon.h - subletd's state shared by its modules: server.c (socket, signals), transport.c
+ * (connections below the protocol: frames, output queues, bounds), conn.c (one client's
+ * conversation on its transport), handlers.c (requests), waiters.c (requests answered later),
+ * endings.c (how loans end, what a client leaves), status.c (the Status reply), idle.c
+ * (--idle-exit), jobs.c (copies off the loop).
+ *
+ * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, status.c ->
+ * conn.c -> transport.c. The lower ones reach the upper ones only through the callbacks they
+ * were given (struct sl_conn_ops, struct sl_transport_ops).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
@@ -20,6 +25,7 @@
 #include "device.h"
 #include "pool.h"
 #include "sublet.pb-c.h"
+#include "transport.h"
 #include "wire.h"
 
 struct sl_daemon_config {
@@ -36,12 +42,22 @@ struct sl_daemon_config {
   int listen_fd;            /* socket activation: an inherited listening fd, or -1 */
   int notify;               /* tell systemd READY=1 */
   int check_books;          /* --check: verify the books' invariants after every request */
+  struct sl_transport_limits limits; /* --max-connections, --max-user-connections */
 };
 
 struct sl_conn;
 struct sl_waiter;
 struct sl_job;
 struct sl_rescue;
+
+/* What the request layer does with a connection's requests and its end (handlers.c gives
+ * them, through server.c, to conn.c). */
+struct sl_conn_ops {
+  /* One request; every request gets exactly one reply, now or (Borrow, Reclaim) later. */
+  void (*request)(struct sl_conn *c, const Sublet__Request *req, const int *fds, size_t nfds);
+  /* The connection is gone: cancel its waits and settle its part in the books. */
+  void (*gone)(struct sl_conn *c);
+};
 
 struct sl_daemon {
   struct sl_daemon_config cfg;
@@ -52,6 +68,8 @@ struct sl_daemon {
   int listen_fd;
   struct stat socket_stat;  /* the socket file we bound (st_ino 0: none) */
   uv_poll_t listener;
+  struct sl_transports transports;
+  const struct sl_conn_ops *conn_ops;
   uv_timer_t accept_retry;  /* accepting paused while out of fds */
   uv_signal_t sigterm, sigint, sighup;
   int parent_pidfd;
@@ -70,12 +88,10 @@ struct sl_daemon {
   int stopping;
 };
 
-/* A client connection. The conn owns fd and every fd queued in rx. */
+/* A client's conversation. Its transport is its own; freed when the transport closes. */
 struct sl_conn {
   struct sl_daemon *d;
-  int fd;
-  uv_poll_t poll;
-  struct sl_wire_rx rx;
+  struct sl_transport *t;
   struct sl_peer peer;
   uint64_t client_id;       /* 0 until Hello */
   char name[64];
@@ -83,7 +99,7 @@ struct sl_conn {
   struct sl_ended *ended;   /* loans of this owner that ended before it asked (Reclaim) */
   int waiting;              /* a Borrow or Reclaim of this conn awaits its reply */
   struct sl_job *job;       /* its request waits for this copy: reading paused until done */
-  int closed;
+  int closed;               /* closing: what is sent now is dropped */
   struct sl_conn *next;
 };
 
@@ -151,16 +167,20 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
 /* Removes the socket file at exit, if it is still the one this daemon bound. */
 void sl_server_unlink_socket(struct sl_daemon *d);
-double sl_now(void);
 /* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
 void sl_idle_start(struct sl_daemon *d);
 void sl_idle_stop(struct sl_daemon *d);
 
-void sl_conn_accept(struct sl_daemon *d, int fd);
+extern const struct sl_transport_ops sl_conn_transport_ops;
+/* Accepts the pending connections; SUBLET_EIO when accepting must pause (err logged). */
+int sl_conn_accept(struct sl_daemon *d);
+/* Closes the connection from the loop, later (never inside the caller). */
 void sl_conn_close(struct sl_conn *c);
 /* Reads and dispatches again after the copy its request waited for (c->job) is done. */
 void sl_conn_resume(struct sl_conn *c);
-/* Sends a reply; a client that cannot take it is disconnected. fds stay the caller's. */
+/* At once: for shutdown only, outside every connection's callbacks. */
+void sl_conn_close_now(struct sl_conn *c);
+/* Queues a reply (never blocks); fds stay the caller's (the queue holds copies). */
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds);
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err);
 void sl_conn_send_ok(struct sl_conn *c, uint64_t id);
@@ -211,10 +231,11 @@ void sl_rescue_prune(struct sl_daemon *d);
 void sl_rescue_free_all(struct sl_daemon *d);
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
 
-/* Handles one request; every request gets exactly one reply, now or (Borrow, Reclaim) later. */
+/* The request layer's side of a connection (handlers.c): requests and the connection's end. */
+extern const struct sl_conn_ops sl_handlers;
 void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
                        size_t nfds);
-/* A connection went away: cancel its waits and settle its part in the books. */
+/* A connection went away: cancel its waits and settle its part in the books (endings.c). */
 void sl_handle_disconnect(struct sl_conn *c);
 /* Ends what still waits for a dead borrower's exit: the daemon is going away. */
 void sl_handle_shutdown(struct sl_daemon *d);

@@ -659,11 +659,11 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
   } else {
     rc = dispatch(&x, req);
   }
-  if (rc != 0 && !c->closed) {
+  if (rc != 0) {
     sl_debug("pid %d: request %llu failed: %s", (int)c->peer.pid, (unsigned long long)req->id,
              x.err.msg);
     sl_conn_send_error(c, req->id, &x.err);
-    if (rc == SUBLET_EVERSION && !c->closed)
+    if (rc == SUBLET_EVERSION)
       sl_conn_close(c); /* PROTOCOL.md: answered, then the connection closes */
   }
   if (c->d->cfg.check_books) {
@@ -674,3 +674,6 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
     }
   }
 }
+
+const struct sl_conn_ops sl_handlers = {.request = sl_handle_request,
+                                        .gone = sl_handle_disconnect};

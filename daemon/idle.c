@@ -2,6 +2,7 @@
  * by itself once it has served nobody for that long: no connection, no region, no loan, no
  * dead borrower's loan still to finish. A tick checks, rather than every place that could
  * make the daemon idle: leaving a few hundred milliseconds late costs nothing. */
+#include "clock.h"
 #include "daemon.h"
 #include "log.h"
 
@@ -16,7 +17,7 @@ static int idle_now(struct sl_daemon *d) {
 
 static void on_idle_tick(uv_timer_t *t) {
   struct sl_daemon *d = t->data;
-  double now = sl_now();
+  double now = sl_clock_now();
 
   if (!idle_now(d)) {
     d->idle_since = now;
@@ -35,7 +36,7 @@ void sl_idle_start(struct sl_daemon *d) {
   if (d->cfg.idle_exit_seconds <= 0)
     return;
   tick = tick < 0.05 ? 0.05 : tick > 5 ? 5 : tick;
-  d->idle_since = sl_now();
+  d->idle_since = sl_clock_now();
   uv_timer_init(d->loop, &d->idle_timer);
   d->idle_timer.data = d;
   uv_timer_start(&d->idle_timer, on_idle_tick, (uint64_t)(tick * 1000), (uint64_t)(tick * 1000));

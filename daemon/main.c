@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "daemon.h"
 #include "log.h"
 
@@ -29,6 +30,8 @@ static void usage(FILE *out) {
           "  -p, --pin SIZE         pin SIZE of host memory for saved kept bytes at start,\n"
           "                         so that no loan pays for pinning (default 0: pinned\n"
           "                         as loans need it, then kept)\n"
+          "      --max-connections N       clients connected at once (default 1024)\n"
+          "      --max-user-connections N  of them from one user (default 128)\n"
           "      --parent-pid PID   exit when process PID exits (a private daemon)\n"
           "      --idle-exit SECONDS\n"
           "                         exit once no client, region or loan has been there\n"
@@ -114,6 +117,18 @@ static int parse_group(const char *name, gid_t *gid) {
   return end != name && *end == '\0' ? 0 : -1;
 }
 
+static int parse_count(const char *s, unsigned *out) {
+  char *end;
+  unsigned long v;
+
+  errno = 0;
+  v = strtoul(s, &end, 10);
+  if (end == s || *end != '\0' || s[0] == '-' || errno != 0 || v == 0 || v > 1u << 20)
+    return -1;
+  *out = (unsigned)v;
+  return 0;
+}
+
 static int usage_error(const char *fmt, const char *arg) {
   fprintf(stderr, "subletd: ");
   fprintf(stderr, fmt, arg);
@@ -129,6 +144,8 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"allow-group", required_argument, NULL, 'g'}, {"pin", required_argument, NULL, 'p'},
       {"parent-pid", required_argument, NULL, 'P'},
       {"idle-exit", required_argument, NULL, 'I'},
+      {"max-connections", required_argument, NULL, 'M'},
+      {"max-user-connections", required_argument, NULL, 'N'},
       {"log-level", required_argument, NULL, 'l'}, {"check", no_argument, NULL, 'C'},
       {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
       {NULL, 0, NULL, 0}};
@@ -166,6 +183,14 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
         cfg->idle_exit_seconds = strtod(optarg, &end);
         if (end == optarg || *end != '\0' || !(cfg->idle_exit_seconds > 0))
           return usage_error("--idle-exit takes a number of seconds above 0, not '%s'", optarg);
+        break;
+      case 'M':
+        if (parse_count(optarg, &cfg->limits.conns) != 0)
+          return usage_error("--max-connections takes a count from 1, not '%s'", optarg);
+        break;
+      case 'N':
+        if (parse_count(optarg, &cfg->limits.conns_per_user) != 0)
+          return usage_error("--max-user-connections takes a count from 1, not '%s'", optarg);
         break;
       case 'l':
         if ((level = sl_log_parse_level(optarg)) < 0)
@@ -224,12 +249,12 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
   if (rc != 0)
     return sl_err_set(err, rc, "out of host memory");
   if (d->cfg.pin_bytes > 0) {
-    double t0 = sl_now();
+    double t0 = sl_clock_now();
     rc = sl_pool_host_reserve(d->pool, d->cfg.pin_bytes, err);
     if (rc != 0)
       return rc;
     sl_info("pinned %s of host memory in %.1f s", sl_format_size(a, d->cfg.pin_bytes),
-            sl_now() - t0);
+            sl_clock_now() - t0);
   }
   sl_info("device %d: %s (%s backend), %s, pages of %s", d->cfg.device,
           sl_device_info(d->dev)->name, d->cfg.backend,
@@ -257,6 +282,7 @@ int main(int argc, char **argv) {
 
   d.cfg.backend = "cuda";
   d.cfg.allow_gid = (gid_t)-1;
+  d.cfg.limits = (struct sl_transport_limits)SL_TRANSPORT_LIMITS_DEFAULT;
   rc = parse_args(argc, argv, &d.cfg, &reserve_set);
   if (rc >= 0)
     return rc;

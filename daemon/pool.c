@@ -12,9 +12,9 @@
 
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 
 /* The save area grows in pieces of this size, so that it never has to move (saved bytes stay
@@ -347,12 +347,6 @@ static int split_batches(struct sl_pool_transfer *t, const struct sl_copy *c, si
   return 0;
 }
 
-static double now_seconds(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static int no_pages(uint64_t region_id, struct sl_err *err) {
   return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
@@ -429,14 +423,14 @@ static int run_moves(struct sl_pool_transfer *t, struct sl_err *err) {
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err) {
   int save = t->dir == SL_COPY_TO_HOST, rc;
-  double t0 = now_seconds(), t1;
+  double t0 = sl_clock_now(), t1;
 
   rc = save ? run_moves(t, err) : run_copies(t, err);
-  t1 = now_seconds();
+  t1 = sl_clock_now();
   if (rc == 0)
     rc = save ? run_copies(t, err) : run_moves(t, err);
-  *copy_seconds = save ? now_seconds() - t1 : t1 - t0;
-  *move_seconds = save ? t1 - t0 : now_seconds() - t1;
+  *copy_seconds = save ? sl_clock_now() - t1 : t1 - t0;
+  *move_seconds = save ? t1 - t0 : sl_clock_now() - t1;
   return rc;
 }
 

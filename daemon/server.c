@@ -8,18 +8,11 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "daemon.h"
 #include "log.h"
-
-double sl_now(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* A socket file whose daemon is gone is stale; one that answers belongs to a live daemon. */
 static int socket_in_use(const struct sockaddr_un *addr) {
@@ -70,18 +63,13 @@ static void on_accept_retry(uv_timer_t *t) {
 
 static void on_listener(uv_poll_t *h, int status, int events) {
   struct sl_daemon *d = h->data;
-  int fd;
 
-  while ((fd = accept4(d->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0)
-    sl_conn_accept(d, fd);
-  if (errno == EMFILE || errno == ENFILE) {
-    /* Out of fds: the pending connection stays pending, and polling again at once would spin.
-     * Pause accepting for a moment; connections that end meanwhile give fds back. */
-    sl_warn("accept: %s: not accepting for 100 ms (raise LimitNOFILE?)", strerror(errno));
+  if (sl_conn_accept(d) != 0) {
+    /* Accepting fails (out of fds with no spare left, say) and polling again at once would
+     * spin: pause for a moment; connections that end meanwhile give fds back. */
+    sl_warn("not accepting for 100 ms");
     uv_poll_stop(&d->listener);
     uv_timer_start(&d->accept_retry, on_accept_retry, 100, 0);
-  } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-    sl_warn("accept: %s", strerror(errno));
   }
 }
 
@@ -137,7 +125,7 @@ static void notify_ready(void) {
 int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   int rc;
 
-  d->started = sl_now();
+  d->started = sl_clock_now();
   d->parent_pidfd = -1;
   d->listen_fd = d->cfg.listen_fd >= 0 ? d->cfg.listen_fd : bind_socket(d->cfg.socket_path, err);
   if (d->listen_fd < 0)
@@ -145,6 +133,10 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   if (d->cfg.listen_fd < 0 && stat(d->cfg.socket_path, &d->socket_stat) != 0)
     memset(&d->socket_stat, 0, sizeof(d->socket_stat));
   fcntl(d->listen_fd, F_SETFL, fcntl(d->listen_fd, F_GETFL) | O_NONBLOCK);
+  rc = sl_transports_init(&d->transports, d->loop, &d->cfg.limits, &sl_conn_transport_ops);
+  if (rc != 0)
+    return sl_err_set(err, rc, "out of host memory");
+  d->conn_ops = &sl_handlers;
   uv_poll_init(d->loop, &d->listener, d->listen_fd);
   d->listener.data = d;
   uv_poll_start(&d->listener, UV_READABLE, on_listener);
@@ -190,7 +182,7 @@ static void close_borrowers(struct sl_daemon *d) {
   for (; c != NULL; c = next) {
     next = c->next;
     if (c->client_id != 0 && sl_books_client_loan(d->books, c->client_id) != 0)
-      sl_conn_close(c);
+      sl_conn_close_now(c);
   }
 }
 
@@ -205,8 +197,9 @@ void sl_server_stop(struct sl_daemon *d) {
   d->stopping = 1;
   close_borrowers(d);
   while (d->conns != NULL)
-    sl_conn_close(d->conns);
+    sl_conn_close_now(d->conns);
   sl_handle_shutdown(d);
+  sl_transports_destroy(&d->transports);
   close_handle((uv_handle_t *)&d->listener);
   close_handle((uv_handle_t *)&d->accept_retry);
   close_handle((uv_handle_t *)&d->sigterm);

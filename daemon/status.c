@@ -2,6 +2,7 @@
  * the totals since start (`sublet status` shows it). */
 #include <stdlib.h>
 
+#include "clock.h"
 #include "daemon.h"
 #include "msg.h"
 
@@ -67,7 +68,7 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   sl_books_totals(d->books, &t);
   sl_device_free_bytes(d->dev, &st->free_bytes, NULL);
   st->daemon_version = (char *)SUBLET_VERSION_STRING;
-  st->uptime_seconds = sl_now() - d->started;
+  st->uptime_seconds = sl_clock_now() - d->started;
   st->backend = (char *)info->backend;
   st->device_uuid.data = (uint8_t *)info->uuid;
   st->device_uuid.len = sizeof(info->uuid);

@@ -50,6 +50,7 @@ extern "C" {
   X(EBORROWERDIED, -4005, "the borrower died during the loan")                                 \
   X(ENOOFFER, -4006, "no loan is on offer")                                                    \
   X(EDAEMONDIED, -4007, "subletd died during the loan")                                        \
+  X(ENOHOSTMEM, -4008, "out of host memory")                                                   \
   X(ENOTSUP, -95, "not supported")
 
 #define SUBLET_DEFINE_ERR(name, value, text) SUBLET_##name = (value),

@@ -51,6 +51,7 @@ ERROR_CODES: dict[str, int] = {
     "EBORROWERDIED": -4005,
     "ENOOFFER": -4006,
     "EDAEMONDIED": -4007,
+    "ENOHOSTMEM": -4008,
     "ENOTSUP": -errno.EOPNOTSUPP,
 }
 CODE_NAMES: dict[int, str] = {v: k for k, v in ERROR_CODES.items()}
@@ -131,7 +132,8 @@ class VerifyError(SubletError):
 
 
 class SubletOutOfMemoryError(SubletError, MemoryError):
-    """The loan (or the device) has no room for the allocation; also a builtin MemoryError."""
+    """The loan (or the device) has no room for the allocation (code ENOMEM), or host memory
+    ran out in subletd or this process (ENOHOSTMEM); also a builtin MemoryError."""
 
 
 class SubletTimeoutError(SubletError, TimeoutError):
@@ -151,6 +153,7 @@ _EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
     ERROR_CODES["EBUSY"]: BusyError,
     ERROR_CODES["ETIMEDOUT"]: SubletTimeoutError,
     ERROR_CODES["ENOMEM"]: SubletOutOfMemoryError,
+    ERROR_CODES["ENOHOSTMEM"]: SubletOutOfMemoryError,
 }
 
 

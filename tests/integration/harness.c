@@ -2,9 +2,12 @@
 #include "harness.h"
 
 #include <dirent.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -14,8 +17,7 @@
 
 int sl_test_failed, sl_test_passed;
 
-/* The socket file exists from bind(); connections are accepted only after listen(). */
-static int accepts(const char *path) {
+static int socket_accepts(const char *path) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0), ok;
 
@@ -26,8 +28,35 @@ static int accepts(const char *path) {
   return ok;
 }
 
-int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t total) {
+/* In the child: becomes what o asks for, then runs subletd. */
+static void exec_daemon(const struct sl_test_daemon *d, const struct sl_test_daemon_opts *o) {
   const char *bin = getenv("SUBLETD") ? getenv("SUBLETD") : "./subletd";
+  const char *argv[32] = {"subletd", "--backend", "memfd", "--socket", d->socket, "--check",
+                          "--log-level",
+                          getenv("SUBLET_TEST_LOG") ? getenv("SUBLET_TEST_LOG") : "warn"};
+  size_t n = 8;
+
+  for (size_t i = 0; o->args != NULL && o->args[i] != NULL && n < 31; i++)
+    argv[n++] = o->args[i];
+  argv[n] = NULL;
+  if (o->nofile > 0)
+    setrlimit(RLIMIT_NOFILE, &(struct rlimit){o->nofile, o->nofile});
+  if (o->uid != 0 && (setgroups(0, NULL) != 0 || setgid(o->uid) != 0 || setuid(o->uid) != 0)) {
+    perror("setuid for subletd");
+    _exit(127);
+  }
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* a test that fails early leaves no daemon behind */
+  execv(bin, (char *const *)argv);
+  perror("exec subletd");
+  _exit(127);
+}
+
+int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t total) {
+  return sl_test_daemon_start_ex(d, page_size, total, &(struct sl_test_daemon_opts){0});
+}
+
+int sl_test_daemon_start_ex(struct sl_test_daemon *d, uint64_t page_size, uint64_t total,
+                            const struct sl_test_daemon_opts *o) {
   char ps[32], tot[32];
 
   snprintf(d->dir, sizeof(d->dir), "/tmp/sublet-test-XXXXXX");
@@ -36,18 +65,16 @@ int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t 
   snprintf(d->socket, sizeof(d->socket), "%s/gpu0.sock", d->dir);
   snprintf(ps, sizeof(ps), "%llu", (unsigned long long)page_size);
   snprintf(tot, sizeof(tot), "%llu", (unsigned long long)total);
+  if (o->uid != 0 && chown(d->dir, o->uid, o->uid) != 0)
+    return -1;
   d->pid = fork();
   if (d->pid == 0) {
     setenv("SUBLET_MEMFD_PAGE_SIZE", ps, 1);
     setenv("SUBLET_MEMFD_TOTAL", tot, 1);
-    execl(bin, "subletd", "--backend", "memfd", "--socket", d->socket, "--check",
-          "--log-level", getenv("SUBLET_TEST_LOG") ? getenv("SUBLET_TEST_LOG") : "warn",
-          (char *)NULL);
-    perror("exec subletd");
-    _exit(127);
+    exec_daemon(d, o);
   }
-  for (int i = 0; i < 500; i++) {
-    if (accepts(d->socket))
+  for (int i = 0; i < 500; i++) { /* until it accepts: the file exists a moment earlier */
+    if (socket_accepts(d->socket))
       return 0;
     usleep(10000);
   }

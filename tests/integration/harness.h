@@ -37,6 +37,15 @@ struct sl_test_daemon {
 /* Starts subletd ($SUBLETD, else ./subletd) on the memfd backend with pages of page_size and
  * total bytes of "device" memory, --check on; waits for its socket. */
 int sl_test_daemon_start(struct sl_test_daemon *d, uint64_t page_size, uint64_t total);
+/* The same with more: extra options (NULL-terminated, may be NULL), run as uid (0: as the
+ * caller; the socket's directory is given to it), with an open-files limit (0: unchanged). */
+struct sl_test_daemon_opts {
+  const char *const *args;
+  uid_t uid;
+  unsigned nofile;
+};
+int sl_test_daemon_start_ex(struct sl_test_daemon *d, uint64_t page_size, uint64_t total,
+                            const struct sl_test_daemon_opts *o);
 /* SIGTERM, then waits; returns its exit status (0 after a clean shutdown). */
 int sl_test_daemon_stop(struct sl_test_daemon *d);
 int sl_test_count_fds(pid_t pid);

@@ -491,13 +491,13 @@ static void flood_without_reading(void) {
   hello.protocol = SUBLET_PROTOCOL_VERSION;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  if (fd < 0 || sl_msg_send_request(fd, &req, NULL, 0, NULL) != 0)
+  if (fd < 0 || sl_msg_send_request(fd, &req, -1, NULL) != 0)
     _exit(2);
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &stats;
   for (uint64_t id = 2;; id++) {
     req.id = id;
-    if (sl_msg_send_request(fd, &req, NULL, 0, NULL) != 0)
+    if (sl_msg_send_request(fd, &req, -1, NULL) != 0)
       _exit(0); /* the daemon hung up on us: what it should do */
   }
 }
@@ -533,7 +533,7 @@ static void test_waiter_of_a_client_gone_deaf(void) {
   req.id = 1;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  CHECK(sl_msg_send_request(fd, &req, NULL, 0, NULL) == 0);
+  CHECK(sl_msg_send_request(fd, &req, -1, NULL) == 0);
   borrow.has_name = 1;
   borrow.name.data = (uint8_t *)"nobody";
   borrow.name.len = 6;
@@ -542,7 +542,7 @@ static void test_waiter_of_a_client_gone_deaf(void) {
   req.id = 2;
   req.body_case = SUBLET__REQUEST__BODY_BORROW;
   req.borrow = &borrow;
-  CHECK(sl_msg_send_request(fd, &req, NULL, 0, NULL) == 0);
+  CHECK(sl_msg_send_request(fd, &req, -1, NULL) == 0);
   shutdown(fd, SHUT_RD); /* open, but no longer reading: the timeout's reply fails */
   usleep(300000);
   close(fd);
@@ -700,7 +700,7 @@ static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
   int fds[SL_WIRE_MAX_FDS], code = 1;
   Sublet__Reply *rep;
 
-  if (sl_msg_send_request(fd, req, NULL, 0, NULL) != 0 ||
+  if (sl_msg_send_request(fd, req, -1, NULL) != 0 ||
       sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
     return 1;
   sl_wire_close_fds(fds, h.nfds);

@@ -1,0 +1,297 @@
+/* test_transport.c - what a hostile or careless client can take from subletd: nothing that
+ * others need. Real daemons (memfd backend), real sockets, client processes.
+ *
+ * Deaf clients (flooding requests, reading nothing) and an fd hoarder (1,229 PagesGet over 4
+ * connections, reading none) run beside a well-behaved client cycling loans: its worst cycle
+ * stays under 100 ms and it is never disconnected. The daemon runs as an unprivileged user
+ * with a small open-files limit, so that the kernel's limit on fds in flight (ETOOMANYREFS:
+ * charged to the daemon's user, shared by all its connections) is within the hoarder's reach.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "msg.h"
+#include "sublet.h"
+#include "wire.h"
+
+#define PAGE (64u << 10)
+#define NOBODY 65534
+#ifdef __SANITIZE_ADDRESS__
+#define WORST_CYCLE_S 0.250 /* ASan's daemon runs a few times slower */
+#else
+#define WORST_CYCLE_S 0.100
+#endif
+
+static double now_s(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint8_t pattern(uint64_t i) {
+  return (uint8_t)((i * 2654435761u) >> 13);
+}
+
+static int raw_connect(const char *path) {
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+  strcpy(addr.sun_path, path);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
+    if (fd >= 0)
+      close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+static int send_hello(int fd) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.id = 1;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  return sl_msg_send_request(fd, &req, 2000, NULL);
+}
+
+/* Reads one reply and closes its fds; returns the reply (freed by the caller) or NULL. */
+static Sublet__Reply *read_reply(int fd, struct sl_wire_rx *rx) {
+  struct sl_frame_header h;
+  const uint8_t *payload;
+  int fds[SL_WIRE_MAX_FDS];
+  Sublet__Reply *rep;
+
+  if (sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
+    return NULL;
+  sl_wire_close_fds(fds, h.nfds);
+  rep = sl_msg_unpack_reply(payload, h.length, NULL);
+  return rep;
+}
+
+/* A child that dies with this process, whatever check fails first: a hoarder left behind
+ * would hold the daemon user's fds in flight (the kernel counts them per user). */
+static pid_t child(void) {
+  pid_t pid = fork();
+
+  if (pid == 0)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+  return pid;
+}
+
+/* Floods StatsGet and never reads; exits 0 once the daemon has hung up on it. */
+static void deaf_flooder(const char *path) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__StatsGet stats = SUBLET__STATS_GET__INIT;
+  int fd = raw_connect(path);
+
+  if (fd < 0 || send_hello(fd) != 0)
+    _exit(2);
+  req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
+  req.stats_get = &stats;
+  for (uint64_t id = 2;; id++) {
+    req.id = id;
+    if (sl_msg_send_request(fd, &req, 20000, NULL) != 0)
+      _exit(0); /* hung up on: what it should do */
+  }
+}
+
+/* 4 connections, each with a region of 16 pages, send 1,229 PagesGet of 16 pages in all and
+ * read no reply; they hold their sockets open until killed. */
+static void fd_hoarder(const char *path, int ready_fd) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionCreate rc = SUBLET__REGION_CREATE__INIT;
+  Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
+  struct sl_wire_rx rx[4];
+  int fds[4];
+
+  for (int i = 0; i < 4; i++) {
+    Sublet__Reply *rep;
+    sl_wire_rx_init(&rx[i]);
+    fds[i] = raw_connect(path);
+    if (fds[i] < 0 || send_hello(fds[i]) != 0 || (rep = read_reply(fds[i], &rx[i])) == NULL)
+      _exit(2);
+    sublet__reply__free_unpacked(rep, NULL);
+    rc.size = 16 * PAGE;
+    req.id = 2;
+    req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
+    req.region_create = &rc;
+    if (sl_msg_send_request(fds[i], &req, 2000, NULL) != 0 ||
+        (rep = read_reply(fds[i], &rx[i])) == NULL || rep->region_created == NULL)
+      _exit(3);
+    pg.region = rep->region_created->region;
+    sublet__reply__free_unpacked(rep, NULL);
+    pg.first = 0;
+    pg.count = 16;
+    req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
+    req.pages_get = &pg;
+    for (int k = 0; k < 1229 / 4 + (i < 1229 % 4); k++) {
+      req.id = 3 + (uint64_t)k;
+      if (sl_msg_send_request(fds[i], &req, 2000, NULL) != 0)
+        break; /* hung up on already */
+    }
+  }
+  if (write(ready_fd, "x", 1) != 1)
+    _exit(4);
+  pause();
+  _exit(0);
+}
+
+/* One loan between two connections of this process: lend with a kept range (pages 1 to 3 of
+ * 8), borrow with the token, take the whole window (5 unkept pages, 4 of free memory, 3 kept:
+ * fds of each kind), write over it, give it back, reclaim; the kept bytes must be back.
+ * Returns 0 or the failing call's code. */
+#define WINDOW (12 * PAGE)
+static int loan_cycle(sublet_client *owner, sublet_client *borrower, sublet_region *r) {
+  struct sublet_range keep = {PAGE + 100, 2 * PAGE};
+  const uint8_t *base = sublet_region_addr(r);
+  uint64_t loan;
+  uint8_t token[16];
+  void *p;
+  int rc;
+
+  if ((rc = sublet_lend(r, &keep, 1, 0, NULL, &loan, token)) != 0 ||
+      (rc = sublet_borrow(borrower, loan, token, NULL, 0)) != 0 ||
+      (rc = sublet_alloc(borrower, WINDOW, &p)) != 0)
+    return rc;
+  memset(p, 0xEE, WINDOW);
+  if ((rc = sublet_free(borrower, p)) != 0 ||
+      (rc = sublet_return(borrower, 0, NULL, NULL, 0, NULL)) != 0 ||
+      (rc = sublet_reclaim(owner, loan, 5000, NULL)) != 0)
+    return rc;
+  for (uint64_t i = keep.offset; i < keep.offset + keep.length; i++)
+    if (base[i] != pattern(i))
+      return SUBLET_EIO;
+  return 0;
+}
+
+static void test_hostile_clients_beside_a_good_one(void) {
+  /* 256 pages: 64 for the hoarder's regions, 8 for the owner's, 4 free for the loan */
+  static const char *const args[] = {"--reserve", "11796480", NULL};
+  struct sl_test_daemon d;
+  sublet_client *owner, *borrower;
+  sublet_region *r;
+  uint64_t size = 8 * PAGE;
+  pid_t deaf[4], hoarder;
+  double worst = 0, start, end;
+  int pipefd[2], status, cycles = 0, rc = 0;
+  char x;
+
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, 256 * PAGE,
+                                &(struct sl_test_daemon_opts){args, NOBODY, 2048}) == 0);
+  CHECK_RC(sublet_connect(d.socket, &owner), 0);
+  CHECK_RC(sublet_connect(d.socket, &borrower), 0);
+  CHECK_RC(sublet_region_create(owner, size, &r), 0);
+  for (uint64_t i = 0; i < size; i++)
+    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  CHECK(pipe(pipefd) == 0);
+  if ((hoarder = child()) == 0)
+    fd_hoarder(d.socket, pipefd[1]);
+  CHECK(read(pipefd[0], &x, 1) == 1);
+  for (int i = 0; i < 4; i++)
+    if ((deaf[i] = child()) == 0)
+      deaf_flooder(d.socket);
+  start = now_s();
+  /* Past the daemon's 2 s patience with the deaf ones, and more. */
+  for (end = start + 3.5; now_s() < end && rc == 0; cycles++) {
+    double t0 = now_s(), took;
+    rc = loan_cycle(owner, borrower, r);
+    took = now_s() - t0;
+    worst = took > worst ? took : worst;
+    if (getenv("SUBLET_TEST_SLOW") && took > 0.02)
+      printf("  slow cycle at %.3f s: %.1f ms\n", t0 - start, took * 1e3);
+  }
+  printf("  %d loan cycles beside 4 deaf clients and an fd hoarder: worst %.1f ms (%s)\n",
+         cycles, worst * 1e3, rc == 0 ? "all served" : sublet_last_error());
+  CHECK_RC(rc, 0);
+  CHECK(worst < WORST_CYCLE_S);
+  for (int i = 0; i < 4; i++) { /* each was hung up on */
+    CHECK(waitpid(deaf[i], &status, 0) == deaf[i]);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  kill(hoarder, SIGKILL);
+  waitpid(hoarder, &status, 0);
+  CHECK_RC(loan_cycle(owner, borrower, r), 0);
+  sublet_disconnect(borrower);
+  sublet_disconnect(owner);
+  close(pipefd[0]);
+  close(pipefd[1]);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* A frame begun and never finished costs its connection after the deadline (2 s), not the
+ * daemon's memory for ever; others are served meanwhile. */
+static void test_partial_frame_deadline(void) {
+  struct sl_test_daemon d;
+  uint8_t head[SL_WIRE_HEADER];
+  struct sl_frame_header h = {SL_WIRE_MAGIC, SUBLET_PROTOCOL_VERSION, SL_WIRE_REQUEST,
+                              SL_WIRE_MAX_PAYLOAD, 0};
+  static uint8_t part[1u << 20];
+  struct sublet_info info;
+  sublet_client *c;
+  double t0, took;
+  char buf[256];
+  ssize_t n;
+  int fd;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  fd = raw_connect(d.socket);
+  CHECK(fd >= 0);
+  sl_wire_header_encode(&h, head);
+  CHECK(write(fd, head, sizeof(head)) == sizeof(head));
+  CHECK(write(fd, part, sizeof(part)) == sizeof(part)); /* 1 MiB of 32 */
+  t0 = now_s();
+  CHECK_RC(sublet_connect(d.socket, &c), 0);
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  while ((n = read(fd, buf, sizeof(buf))) > 0) /* the Error that says why, then EOF */
+    ;
+  took = now_s() - t0;
+  printf("  a partial frame was cut off after %.2f s\n", took);
+  CHECK(n == 0);
+  CHECK(took > 1.5 && took < 5.0);
+  CHECK_RC(sublet_get_info(c, &info), 0); /* the other client was never disturbed */
+  close(fd);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* Connections are capped per user: the one over the cap is told why, the others go on. */
+static void test_connection_cap(void) {
+  static const char *const args[] = {"--max-user-connections", "4", NULL};
+  struct sl_test_daemon d;
+  sublet_client *c[5];
+  struct sublet_info info;
+
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, 64 * PAGE, &(struct sl_test_daemon_opts){.args = args}) == 0);
+  for (int i = 0; i < 4; i++)
+    CHECK_RC(sublet_connect(d.socket, &c[i]), 0);
+  CHECK_RC(sublet_connect(d.socket, &c[4]), SUBLET_EBUSY);
+  CHECK(strstr(sublet_last_error(), "limit per user") != NULL);
+  for (int i = 0; i < 4; i++)
+    CHECK_RC(sublet_get_info(c[i], &info), 0);
+  sublet_disconnect(c[3]);
+  usleep(50000); /* the daemon counts the close */
+  CHECK_RC(sublet_connect(d.socket, &c[3]), 0);
+  for (int i = 0; i < 4; i++)
+    sublet_disconnect(c[i]);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  sl_test_run("hostile clients beside a good one", test_hostile_clients_beside_a_good_one);
+  sl_test_run("partial frame deadline", test_partial_frame_deadline);
+  sl_test_run("connection cap", test_connection_cap);
+  return sl_test_summary("transport");
+}
