@@ -99,7 +99,8 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   if (rc == 0)
     rc = sl_borrow_check_idle(c);
   if (rc == 0)
-    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, &release_fd, &nfds, -1);
+    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_BORROWED, &rep, &release_fd, &nfds,
+                        timeout_ms);
   if (rc == 0 && nfds == 0)
     release_fd = -1; /* the owner did not ask for one */
   if (rc == 0)
@@ -164,7 +165,7 @@ static int free_request(sublet_client *c, uint64_t alloc_id, int undo) {
   req.body_case = SUBLET__REQUEST__BODY_FREE;
   req.free = &m;
   return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
-              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
 }
 
 static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
@@ -184,7 +185,7 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_ALLOC;
   req.alloc = &m;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_ALLOCATED, &rep, fds, &nfds, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_ALLOCATED, &rep, fds, &nfds, 0);
   if (rc == 0) {
     const Sublet__Allocated *a = rep->allocated;
     /* In the owner's process a run of consecutive region pages needs no mapping at all. */
@@ -300,7 +301,7 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   m.force = force != 0;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, &rep, NULL, NULL, 0);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->returned, stats);
   if (rc == SUBLET_ELEAK && rep != NULL) {

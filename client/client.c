@@ -6,6 +6,8 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,6 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "msg.h"
 
 static __thread struct sl_err last_error;
@@ -69,20 +72,34 @@ static const char *request_name(const Sublet__Request *req) {
   return f != NULL ? f->name : "a request";
 }
 
+/* Past its deadline subletd is not answering: it is stopped, overloaded or hung. */
+static int not_answering(sublet_client *c, const Sublet__Request *req, int deadline_ms) {
+  return broken(c, sl_client_fail(SUBLET_ETIMEDOUT, "subletd at %s did not answer %s within "
+                                  "%.1f s; is it stopped (SIGSTOP) or overloaded? (the "
+                                  "deadline: $SUBLET_TIMEOUT, sublet_set_timeout)", c->path,
+                                  request_name(req), deadline_ms / 1000.0), NULL);
+}
+
 /* Sends req and receives its reply frame: *rep unpacked, its fds in fds[0..*nfds) (no more
  * than capacity, else the conversation is broken and they are closed). */
 static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep, int *fds,
-                    size_t capacity, size_t *nfds, int timeout_ms) {
+                    size_t capacity, size_t *nfds, int deadline_ms) {
   struct sl_frame_header h;
   const uint8_t *payload;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
+  int64_t start = sl_clock_ms();
   int rc;
 
   req->id = ++c->next_id;
-  rc = sl_msg_send_request(c->sock, req, timeout_ms, &err);
-  if (rc == 0)
-    rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, timeout_ms, &err);
+  rc = sl_msg_send_request(c->sock, req, deadline_ms, &err);
+  if (rc == 0) {
+    int64_t left = deadline_ms - (sl_clock_ms() - start);
+    rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds,
+                      deadline_ms < 0 ? -1 : left > 0 ? (int)left : 0, &err);
+  }
+  if (rc == SUBLET_ETIMEDOUT)
+    return not_answering(c, req, deadline_ms);
   if (rc != 0)
     return broken(c, rc, &err);
   if (h.version != SUBLET_PROTOCOL_VERSION) {
@@ -113,12 +130,19 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
   return 0;
 }
 
+/* What the daemon may take on purpose, plus what it may take to do the work. */
+static int deadline_of(const sublet_client *c, int wait_ms) {
+  if (wait_ms < 0 || c->timeout_ms < 0)
+    return -1;
+  return wait_ms > INT_MAX - c->timeout_ms ? INT_MAX : wait_ms + c->timeout_ms;
+}
+
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
-                   Sublet__Reply **out, int *fds, size_t *nfds, int timeout_ms) {
+                   Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms) {
   size_t capacity = nfds != NULL ? *nfds : 0, got = 0;
   int none[1], *rxfds = fds != NULL ? fds : none;
   Sublet__Reply *rep = NULL;
-  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, timeout_ms);
+  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, deadline_of(c, wait_ms));
 
   if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
     rc = sl_client_fail(rep->error->code, "%s", rep->error->message);
@@ -141,32 +165,68 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
 int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect) {
   struct sl_err saved = *sl_client_last_error();
 
-  sl_client_call(c, req, expect, NULL, NULL, NULL, -1);
+  sl_client_call(c, req, expect, NULL, NULL, NULL, 0);
   *sl_client_last_error() = saved;
   return 0;
 }
 
 /* ------------------------------------------------------------------ connecting */
 
+/* A Unix socket's connect fails with EAGAIN while the daemon's backlog is full (a daemon
+ * that does not accept: stopped, or flooded): try again until the deadline. */
+static int connect_until(int fd, const struct sockaddr_un *addr, int64_t deadline) {
+  while (connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) != 0) {
+    if (errno != EAGAIN && errno != EINTR)
+      return -errno;
+    if (sl_clock_ms() >= deadline)
+      return SUBLET_ETIMEDOUT;
+    usleep(10000);
+  }
+  return 0;
+}
+
 static int connect_socket(const char *path) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int fd;
+  int fd, rc;
 
   if (strlen(path) >= sizeof(addr.sun_path))
     return sl_client_fail(SUBLET_EINVAL, "socket path %s is too long", path);
   strcpy(addr.sun_path, path);
-  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
-    return sl_client_fail(-errno, "socket: %s", strerror(errno));
-  if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
-    int e = errno;
-    close(fd);
-    return sl_client_fail(SUBLET_ECONNREFUSED,
-                          "cannot reach subletd at %s (%s): start it (subletd --device N, or "
-                          "systemctl start subletd@N.socket) or set $SUBLET_SOCKET",
-                          path, strerror(e));
-  }
-  return fd;
+    return sl_client_fail(SUBLET_EIO, "socket: %s", strerror(errno));
+  rc = connect_until(fd, &addr, sl_clock_ms() + SL_CLIENT_CONNECT_MS);
+  if (rc == 0 && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0)
+    return fd;
+  close(fd);
+  if (rc == SUBLET_ETIMEDOUT)
+    return sl_client_fail(rc, "subletd at %s did not accept the connection within %d s; is it "
+                          "stopped (SIGSTOP) or overloaded?", path, SL_CLIENT_CONNECT_MS / 1000);
+  return sl_client_fail(SUBLET_ECONNREFUSED,
+                        "cannot reach subletd at %s (%s): start it (subletd --device N, or "
+                        "systemctl start subletd@N.socket) or set $SUBLET_SOCKET",
+                        path, strerror(rc < 0 ? -rc : errno));
+}
+
+/* $SUBLET_TIMEOUT: seconds subletd may take to answer (default SL_CLIENT_TIMEOUT_MS). */
+static int timeout_from_env(void) {
+  const char *s = getenv("SUBLET_TIMEOUT");
+  char *end;
+  double v = s != NULL ? strtod(s, &end) : 0;
+
+  if (s == NULL || end == s || *end != '\0' || !(v > 0) || v > INT_MAX / 1000.0)
+    return SL_CLIENT_TIMEOUT_MS;
+  return (int)(v * 1000);
+}
+
+SUBLET_EXPORT int sublet_set_timeout(sublet_client *c, int timeout_ms) {
+  if (timeout_ms == 0 || timeout_ms < -1)
+    return sl_client_fail(SUBLET_EINVAL, "a timeout is a number of milliseconds above 0, or -1 "
+                          "(no deadline), not %d", timeout_ms);
+  pthread_mutex_lock(&c->lock);
+  c->timeout_ms = timeout_ms;
+  pthread_mutex_unlock(&c->lock);
+  return 0;
 }
 
 static void welcome_to_info(const Sublet__Welcome *w, struct sublet_info *info) {
@@ -194,7 +254,7 @@ static int hello(sublet_client *c) {
   h.client_name = name;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &h;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 30000);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 0);
   if (rc == 0)
     welcome_to_info(rep->welcome, &c->info);
   if (rep != NULL)
@@ -220,6 +280,8 @@ int sl_client_open(const char *path, sublet_client **out) {
   }
   pthread_mutex_init(&c->lock, NULL);
   sl_wire_rx_init(&c->rx);
+  snprintf(c->path, sizeof(c->path), "%s", path);
+  c->timeout_ms = timeout_from_env();
   rc = hello(c);
   if (rc != 0) {
     sl_client_hang_up(c);
@@ -251,7 +313,7 @@ int sl_client_status(sublet_client *c, Sublet__Reply **rep) {
 
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &m;
-  return sl_client_call(c, &req, SUBLET__REPLY__BODY_STATUS, rep, NULL, NULL, 10000);
+  return sl_client_call(c, &req, SUBLET__REPLY__BODY_STATUS, rep, NULL, NULL, 0);
 }
 
 /* Free memory changes: it is asked afresh; the rest is what Welcome said. */

@@ -37,7 +37,16 @@ struct sublet_client {
   uint64_t loan_id;       /* the loan being borrowed, 0 if none */
   struct sl_watch *watch; /* while borrowing: watches for the daemon's end (watch.c) */
   int lost;               /* the daemon went mid-loan: the loan's pages were let go */
+  int timeout_ms;         /* how long subletd may take to answer (sublet_set_timeout) */
+  char path[108];         /* the socket, for messages */
 };
+
+/* A call's deadline by default: subletd answers within microseconds, or the time of the copies
+ * a request needs (a save of kept bytes: 0.3 s for 16 GiB on an H200); past this it is not
+ * answering. $SUBLET_TIMEOUT (seconds) or sublet_set_timeout() change it. */
+#define SL_CLIENT_TIMEOUT_MS 30000
+/* Connecting gives up after this (a daemon that does not accept: stopped, or its backlog full). */
+#define SL_CLIENT_CONNECT_MS 10000
 
 /* ------------------------------------------------------------------ client.c */
 
@@ -53,14 +62,17 @@ int sl_client_open(const char *path, sublet_client **out);
 void sl_client_hang_up(sublet_client *c);
 /* Closes the device and frees c; every layer above has let go of it. */
 void sl_client_free(sublet_client *c);
-/* The one request path (the caller holds c->lock): sends req, waits for its reply (timeout_ms
- * < 0: as long as it takes) and checks that it is `expect`. An Error reply becomes its code and
+/* The one request path (the caller holds c->lock): sends req, waits for its reply and checks
+ * that it is `expect`. wait_ms is how long the daemon itself waits before it answers (Reclaim's
+ * and Borrow's timeouts; 0 for every other request; < 0: as long as it takes): the call's
+ * deadline is that plus c->timeout_ms, and past it the call fails with ETIMEDOUT ("subletd did
+ * not answer"), the connection broken (a late reply would answer the next request). An Error reply becomes its code and
  * the thread's last error; anything else unexpected breaks the connection (EPROTO).
  * out (may be NULL: freed here): the reply of a success, or an Error for its details (leaks),
  * NULL otherwise; the caller frees it. fds/nfds (may be NULL): *nfds is the capacity in and
  * the count of fds out, which the caller owns (a failure closes them and gives none). */
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
-                   Sublet__Reply **out, int *fds, size_t *nfds, int timeout_ms);
+                   Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms);
 /* Undoes a step that failed by the request req (the caller holds c->lock): its own outcome is
  * not reported (returns 0), the thread's last error stays the one that says why the step
  * failed. */

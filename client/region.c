@@ -27,7 +27,7 @@ int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uin
     pg.count = n;
     req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
     req.pages_get = &pg;
-    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, -1);
+    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, 0);
     if (rc == 0 && nfds != n)
       rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
     for (size_t i = 0; i < nfds; i++) {
@@ -87,7 +87,7 @@ static int region_create_request(sublet_client *c, uint64_t size, struct sublet_
   m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &m;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_REGION_CREATED, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_REGION_CREATED, &rep, NULL, NULL, 0);
   if (rc == 0) {
     r->id = rep->region_created->region;
     r->npages = rep->region_created->pages;
@@ -107,7 +107,7 @@ static int region_release_request(sublet_client *c, uint64_t id, int undo) {
   req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
   req.region_release = &m;
   return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
-              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
 }
 
 SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
@@ -223,7 +223,7 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   req.lend = &m;
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds, 0);
   if (rc == 0 && (nfds < 3 || nfds > 3u + (local != 0) ||
                   (local && (*rep)->lent->borrowed == NULL))) {
     sl_wire_close_fds(fds, nfds);
@@ -351,7 +351,7 @@ static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
   req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
   req.reclaim = &m;
   /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, timeout_ms);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->reclaimed, stats);
   /* Everything saved comes back: anything less means the daemon's restore failed. */
@@ -398,7 +398,7 @@ SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id) {
   req.body_case = SUBLET__REQUEST__BODY_WITHDRAW;
   req.withdraw = &m;
   pthread_mutex_lock(&c->lock);
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, -1);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
   if (rc == 0)
     loan_over(c, loan_id);
   pthread_mutex_unlock(&c->lock);

@@ -118,6 +118,11 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c);
  * (the old client's regions stay mapped until released; release still works). */
 SUBLET_EXPORT int sublet_connected(const sublet_client *c);
 SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info);
+/* How long subletd may take to answer a call (past the wait that sublet_reclaim and
+ * sublet_borrow ask for): default 30 s, or $SUBLET_TIMEOUT seconds; -1: no deadline. A call
+ * past it fails with SUBLET_ETIMEDOUT ("subletd did not answer") and the connection is lost
+ * (a late reply would answer the next call): connect again. Connecting gives up after 10 s. */
+SUBLET_EXPORT int sublet_set_timeout(sublet_client *c, int timeout_ms);
 
 /* Regions: the memory of one tensor, size rounded up to whole pages, mapped contiguously in
  * this process at sublet_region_addr(). */

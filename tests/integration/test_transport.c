@@ -288,10 +288,53 @@ static void test_connection_cap(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* A call to a daemon that does not answer (SIGSTOP) fails with ETIMEDOUT at its deadline, and
+ * says so; Reclaim's deadline is its own wait plus the same. */
+static void test_stopped_daemon(void) {
+  struct sl_test_daemon d;
+  struct sublet_info info;
+  sublet_client *a, *b, *c;
+  double t0, took[3];
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &a), 0);
+  CHECK_RC(sublet_connect(d.socket, &b), 0);
+  CHECK_RC(sublet_set_timeout(a, 300), 0);
+  CHECK_RC(sublet_set_timeout(b, 300), 0);
+  kill(d.pid, SIGSTOP);
+  t0 = now_s();
+  CHECK_RC(sublet_get_info(a, &info), SUBLET_ETIMEDOUT);
+  took[0] = now_s() - t0;
+  CHECK(strstr(sublet_last_error(), "did not answer") != NULL);
+  CHECK(strstr(sublet_last_error(), d.socket) != NULL);
+  t0 = now_s();
+  CHECK_RC(sublet_reclaim(b, 1, 200, NULL), SUBLET_ETIMEDOUT);
+  took[1] = now_s() - t0;
+  setenv("SUBLET_TIMEOUT", "0.3", 1);
+  t0 = now_s();
+  CHECK_RC(sublet_connect(d.socket, &c), SUBLET_ETIMEDOUT); /* accepted by the kernel, no Hello */
+  took[2] = now_s() - t0;
+  unsetenv("SUBLET_TIMEOUT");
+  kill(d.pid, SIGCONT);
+  printf("  stopped daemon: info after %.2f s, reclaim(200 ms) after %.2f s, connect after "
+         "%.2f s\n", took[0], took[1], took[2]);
+  CHECK(took[0] >= 0.29 && took[0] < 1.0);
+  CHECK(took[1] >= 0.49 && took[1] < 1.2);
+  CHECK(took[2] >= 0.29 && took[2] < 1.0);
+  CHECK_RC(sublet_get_info(a, &info), SUBLET_EPIPE); /* the conversation was given up */
+  sublet_disconnect(a);
+  sublet_disconnect(b);
+  CHECK_RC(sublet_connect(d.socket, &c), 0); /* it answers again */
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   sl_test_run("hostile clients beside a good one", test_hostile_clients_beside_a_good_one);
   sl_test_run("partial frame deadline", test_partial_frame_deadline);
   sl_test_run("connection cap", test_connection_cap);
+  sl_test_run("stopped daemon", test_stopped_daemon);
   return sl_test_summary("transport");
 }
