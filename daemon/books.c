@@ -556,9 +556,7 @@ static int borrow_access(const struct sl_books *b, const struct sl_loan *l,
   const struct sl_region *r = sl_books_find_region(b, l->region_id);
   uid_t owner_uid = r->owner.uid;
 
-  if (c->peer.uid == owner_uid || c->peer.uid == 0)
-    return 0;
-  if (b->cfg.allow_gid != (gid_t)-1 && c->peer.gid == b->cfg.allow_gid)
+  if (c->peer.uid == owner_uid || c->peer.trusted)
     return 0;
   return sl_err_set(err, SUBLET_EPERM,
                     "uid %u may not borrow loan %" PRIu64 " of uid %u; run both as the same "

@@ -47,11 +47,13 @@ struct sl_peer {
   pid_t pid;
   uid_t uid;
   gid_t gid;
+  int trusted;              /* root, or in the group of --allow-group (as its primary or a
+                               supplementary group: the daemon looks when it accepts): may
+                               borrow any user's loan and see every user's regions */
 };
 
 struct sl_books_config {
   uint64_t page_size;
-  gid_t allow_gid;          /* besides the owner's uid (and root), this group may borrow; (gid_t)-1: none */
   int no_compact;           /* save every kept byte of a lent page to the host, move none */
 };
 

@@ -91,6 +91,8 @@ static int conn_new(struct sl_daemon *d, struct sl_transport *t) {
   c->d = d;
   c->t = t;
   c->peer = (struct sl_peer){.pid = peer->pid, .uid = peer->uid, .gid = peer->gid};
+  c->peer.trusted = peer->uid == 0 || (d->cfg.allow_gid != (gid_t)-1 &&
+                                       sl_transport_peer_in_group(t, d->cfg.allow_gid));
   /* Held from the start: once the peer has exited, its pid may be reused. */
   c->pidfd = (int)syscall(SYS_pidfd_open, c->peer.pid, 0);
   sl_transport_set_data(t, c);

@@ -1,5 +1,9 @@
 /* status.c - the daemon's Status reply: the device, its regions, the loan in progress and
- * the totals since start (`sublet status` shows it). */
+ * the totals since start (`sublet status` shows it).
+ *
+ * A client sees only what it may: the regions of its own user and the loan of one of them (or
+ * that it borrows); root and the --allow-group group see every user's. The device and the
+ * totals are everyone's. */
 #include <stdlib.h>
 
 #include "clock.h"
@@ -10,8 +14,13 @@ static const char *loan_state_name(enum sl_loan_state s) {
   return s == SL_LOAN_OFFERED ? "offered" : s == SL_LOAN_ACTIVE ? "active" : "draining";
 }
 
+static int may_see(const struct sl_conn *c, uid_t uid) {
+  return c->peer.trusted || c->peer.uid == uid;
+}
+
 /* Fills the Status message's regions; the arrays are freed by the caller. */
-static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__RegionStatus **msgs) {
+static int status_regions(struct sl_conn *c, Sublet__Status *st, Sublet__RegionStatus **msgs) {
+  struct sl_daemon *d = c->d;
   struct sl_books_totals t;
   struct sl_region_info ri;
   uint64_t after = 0;
@@ -22,8 +31,10 @@ static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__Regio
   st->regions = calloc(t.regions + 1, sizeof(*st->regions));
   if (*msgs == NULL || st->regions == NULL)
     return SUBLET_ENOMEM;
-  while (n < t.regions && sl_books_region_next(d->books, after, &ri) == 0) {
+  for (; n < t.regions && sl_books_region_next(d->books, after, &ri) == 0; after = ri.id) {
     Sublet__RegionStatus *r = &(*msgs)[n];
+    if (!may_see(c, ri.owner.uid))
+      continue;
     sublet__region_status__init(r);
     r->region = ri.id;
     r->owner_pid = (uint32_t)ri.owner.pid;
@@ -32,7 +43,6 @@ static int status_regions(struct sl_daemon *d, Sublet__Status *st, Sublet__Regio
     r->has_loan = ri.loan_id != 0;
     r->loan = ri.loan_id;
     st->regions[n++] = r;
-    after = ri.id;
   }
   st->n_regions = n;
   return 0;
@@ -59,6 +69,18 @@ static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__Lo
   ls->stats = stats;
   ls->has_local = 1;
   ls->local = li->borrower_client != 0 && li->borrower_client == li->owner_client;
+}
+
+/* The loan of a region the client may see, or that it borrows. */
+static int loan_visible(const struct sl_conn *c, uint64_t loan) {
+  struct sl_loan_info li;
+  struct sl_region_info ri;
+
+  if (loan == 0 || sl_books_loan_info(c->d->books, loan, &li) != 0)
+    return 0;
+  if (li.borrower_client == c->client_id)
+    return 1;
+  return sl_books_region_info(c->d->books, li.region_id, &ri) == 0 && may_see(c, ri.owner.uid);
 }
 
 static void status_device(struct sl_daemon *d, Sublet__Status *st) {
@@ -97,9 +119,9 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   int rc;
 
   status_device(c->d, &st);
-  rc = status_regions(c->d, &st, &regions);
+  rc = status_regions(c, &st, &regions);
   if (rc == 0) {
-    if (sl_books_current_loan(c->d->books) != 0) {
+    if (loan_visible(c, sl_books_current_loan(c->d->books))) {
       status_loan(c->d, &li, &ls, &stats);
       st.loan = &ls;
     }

@@ -13,7 +13,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/sockios.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +31,9 @@
  * in its buffer for the next turn (the timer at 0 ms). */
 #define READS_PER_WAKEUP 16
 #define FRAMES_PER_TURN 32
+/* Supplementary groups read for --allow-group; a peer in more (the kernel allows 65536) is
+ * judged by its first ones. */
+#define NGROUPS_MAX_READ 1024
 
 struct sl_transport_user {
   struct sl_transport_user *next;
@@ -238,6 +243,33 @@ void sl_transport_pause(struct sl_transport *t, int on) {
   if (!on)
     t->backlog = 1; /* pumped from the loop, at the timer's next turn */
   update(t);
+}
+
+/* The peer's supplementary groups; returns their count (0 when none can be read). */
+static size_t peer_groups(const struct sl_transport *t, gid_t *groups, size_t max) {
+  socklen_t len = (socklen_t)(max * sizeof(gid_t));
+  struct passwd *pw;
+  int n = (int)max;
+
+  if (getsockopt(t->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
+    return len / sizeof(gid_t);
+  if (errno != ENOPROTOOPT || (pw = getpwuid(t->peer.uid)) == NULL ||
+      getgrouplist(pw->pw_name, t->peer.gid, groups, &n) < 0)
+    return 0;
+  return (size_t)n;
+}
+
+int sl_transport_peer_in_group(const struct sl_transport *t, gid_t gid) {
+  gid_t groups[NGROUPS_MAX_READ];
+  size_t n;
+
+  if (t->peer.gid == gid)
+    return 1;
+  n = peer_groups(t, groups, NGROUPS_MAX_READ);
+  for (size_t i = 0; i < n; i++)
+    if (groups[i] == gid)
+      return 1;
+  return 0;
 }
 
 int sl_transport_closing(const struct sl_transport *t) {

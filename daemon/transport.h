@@ -87,6 +87,9 @@ void *sl_transport_data(const struct sl_transport *t);
 void sl_transport_set_data(struct sl_transport *t, void *data);
 /* The peer's pid, uid and gid from SO_PEERCRED, read when the connection was accepted. */
 const struct ucred *sl_transport_peer(const struct sl_transport *t);
+/* Whether the peer was in group gid when it connected: its primary group, or one of its
+ * supplementary groups (SO_PEERGROUPS; getgrouplist of its uid where that is missing). */
+int sl_transport_peer_in_group(const struct sl_transport *t, gid_t gid);
 
 /* Queues a frame. payload (malloc'ed) and fds become the transport's, whatever the result:
  * freed and closed once written, or when the connection goes. SUBLET_EPIPE on a closing

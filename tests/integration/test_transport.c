@@ -8,11 +8,13 @@
  * charged to the daemon's user, shared by all its connections) is within the hoarder's reach.
  */
 #include <errno.h>
+#include <grp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -330,11 +332,84 @@ static void test_stopped_daemon(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* In a child: becomes uid (primary group uid) with the supplementary groups given, connects,
+ * looks at the status and tries to borrow the loan. Exits 0 when what it sees and may do
+ * matches `trusted`, else the step that differed. */
+static int stranger(const char *path, uid_t uid, const gid_t *groups, size_t ngroups,
+                    uint64_t loan, const uint8_t *token, int trusted) {
+  sublet_client *c;
+  char *json = NULL;
+  void *p;
+  int rc, sees;
+
+  if (setgroups(ngroups, groups) != 0 || setgid(uid) != 0 || setuid(uid) != 0)
+    return 10;
+  if (sublet_connect(path, &c) != 0 || sublet_status_json(c, &json) != 0)
+    return 11;
+  sees = strstr(json, "\"owner_uid\": 0") != NULL && strstr(json, "\"grp\"") != NULL;
+  sublet_string_free(json);
+  if (sees != trusted)
+    return 12; /* a stranger sees nothing of root's regions and loan; the group sees all */
+  rc = sublet_borrow(c, loan, token, NULL, 0);
+  if (rc != (trusted ? 0 : SUBLET_EPERM))
+    return 13;
+  if (trusted && (sublet_alloc(c, PAGE, &p) != 0 || sublet_free(c, p) != 0 ||
+                  sublet_return(c, 0, NULL, NULL, 0, NULL) != 0))
+    return 14;
+  sublet_disconnect(c);
+  return 0;
+}
+
+/* --allow-group counts supplementary groups: a member whose primary group is another one may
+ * borrow another user's loan and see its regions; a stranger may do neither. */
+static void test_allowed_group_by_supplementary_membership(void) {
+  static const char *const args[] = {"--allow-group", "4242", NULL};
+  static const gid_t member[] = {4243, 4242}, other[] = {4243};
+  struct sl_test_daemon d;
+  sublet_client *owner;
+  sublet_region *r;
+  uint64_t loan;
+  uint8_t token[16];
+  int status;
+  pid_t pid;
+
+  if (geteuid() != 0) {
+    printf("  skipped: needs root to become other users in a child\n");
+    return;
+  }
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, 64 * PAGE, &(struct sl_test_daemon_opts){.args = args}) == 0);
+  chmod(d.dir, 0755);
+  chmod(d.socket, 0666);
+  CHECK_RC(sublet_connect(d.socket, &owner), 0);
+  CHECK_RC(sublet_region_create(owner, 4 * PAGE, &r), 0);
+  for (int round = 0; round < 2; round++) {
+    int trusted = round == 1;
+    CHECK_RC(sublet_lend(r, NULL, 0, 1, "grp", &loan, token), 0);
+    if ((pid = child()) == 0)
+      _exit(stranger(d.socket, trusted ? 2000 : 3000, trusted ? member : other,
+                     trusted ? 2 : 1, loan, token, trusted));
+    CHECK(waitpid(pid, &status, 0) == pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      fprintf(stderr, "  the %s child failed at step %d\n", trusted ? "member" : "stranger",
+              WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (trusted)
+      CHECK_RC(sublet_reclaim(owner, loan, 5000, NULL), 0);
+    else
+      CHECK_RC(sublet_withdraw(owner, loan), 0);
+  }
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(owner);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   sl_test_run("hostile clients beside a good one", test_hostile_clients_beside_a_good_one);
   sl_test_run("partial frame deadline", test_partial_frame_deadline);
   sl_test_run("connection cap", test_connection_cap);
   sl_test_run("stopped daemon", test_stopped_daemon);
+  sl_test_run("allowed group by supplementary membership",
+              test_allowed_group_by_supplementary_membership);
   return sl_test_summary("transport");
 }

@@ -53,20 +53,24 @@ static void books_ok_at(const struct sl_books *b, const char *file, int line) {
 }
 #define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
 
+/* The daemon's --allow-group: the daemon marks the peers in it (and root) as trusted. */
+static gid_t allow_gid = (gid_t)-1;
+
 /* Books that save every kept byte of a lent page (no moves): the exact saves below are
  * specified that way; test_compaction and the model cover moves. */
-static struct sl_books *books_new(uint64_t page_size, gid_t allow_gid) {
-  struct sl_books_config cfg = {.page_size = page_size, .allow_gid = allow_gid,
-                                .no_compact = 1};
+static struct sl_books *books_new(uint64_t page_size, gid_t allow) {
+  struct sl_books_config cfg = {.page_size = page_size, .no_compact = 1};
   struct sl_books *b = NULL;
 
+  allow_gid = allow;
   if (sl_books_new(&cfg, &b) != 0)
     abort();
   return b;
 }
 
 static uint64_t client(struct sl_books *b, uid_t uid, gid_t gid) {
-  struct sl_peer peer = {.pid = 100 + (pid_t)uid, .uid = uid, .gid = gid};
+  struct sl_peer peer = {.pid = 100 + (pid_t)uid, .uid = uid, .gid = gid,
+                         .trusted = uid == 0 || (allow_gid != (gid_t)-1 && gid == allow_gid)};
   uint64_t id = 0;
 
   CHECK_EQ(sl_books_client_add(b, &peer, &id), 0);
@@ -123,7 +127,7 @@ static struct sl_loan_info info(const struct sl_books *b, uint64_t loan) {
 /* ---- ids and clients ---------------------------------------------------------------------- */
 
 static void test_new_and_ids(void) {
-  struct sl_books_config bad = {.page_size = 0, .allow_gid = (gid_t)-1};
+  struct sl_books_config bad = {.page_size = 0};
   struct sl_books *b = NULL;
   struct sl_books_totals t;
   uint64_t a, c, d;
@@ -925,7 +929,7 @@ static void check_move(const struct sl_move *m, uint64_t src, uint64_t dst, uint
  * saves it whole, its own bytes and the moved ones in one piece. The loan's end restores the
  * save and moves everything back. */
 static void test_compaction(void) {
-  struct sl_books_config cfg = {.page_size = 64, .allow_gid = (gid_t)-1};
+  struct sl_books_config cfg = {.page_size = 64};
   struct sl_books *b = NULL;
   struct sublet_range keep[8];
   struct sl_loan_end end;
@@ -1753,9 +1757,9 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
   struct model *m = calloc(1, sizeof(*m));
   int before = failed;
 
-  struct sl_books_config cfg = {.page_size = page_size, .allow_gid = M_ALLOW_GID,
-                                .no_compact = !compact};
+  struct sl_books_config cfg = {.page_size = page_size, .no_compact = !compact};
 
+  allow_gid = M_ALLOW_GID; /* client() marks its peers trusted as the daemon would */
   if (sl_books_new(&cfg, &m->b) != 0)
     abort();
   m->compact = compact;
@@ -1802,7 +1806,7 @@ static double now(void) {
  * reaching those saves them: the host gets every kept byte exactly once either way). */
 static void test_large_keep(int compact) {
   const uint64_t ps = 2 * MiB, npages = 51200, block = 64 * 1024, n = 200000;
-  struct sl_books_config cfg = {.page_size = ps, .allow_gid = (gid_t)-1,
+  struct sl_books_config cfg = {.page_size = ps,
                                 .no_compact = !compact};
   struct sl_books *b = NULL;
   uint64_t owner, r, loan = 0, saved = 0, moved = 0, nmoves = 0;
