@@ -224,11 +224,19 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
   const struct sl_loan *l;
   int rc = sl_books_region_access(b, client_id, region_id, err);
 
-  if (rc != 0 || r->owner_client == client_id)
+  if (rc != 0)
     return rc;
+  /* Written so that first + count cannot wrap around */
+  if (count == 0 || first >= r->npages || count > r->npages - first)
+    return sl_err_set(err, SUBLET_EINVAL,
+                      "pages %" PRIu64 " to %" PRIu64 " (+%" PRIu64 ") are not all pages of "
+                      "region %" PRIu64 " (%" PRIu64 " pages)", first, first + count - 1, count,
+                      region_id, r->npages);
+  if (r->owner_client == client_id)
+    return 0;
   l = sl_books_find_loan(b, r->loan_id);
-  for (uint64_t p = first; p < first + count; p++)
-    if (p >= r->npages || page_position(l, p) >= l->hwm)
+  for (uint64_t p = first; p - first < count; p++)
+    if (page_position(l, p) >= l->hwm)
       return sl_err_set(err, SUBLET_EPERM,
                         "page %" PRIu64 " of region %" PRIu64 " was not granted to this "
                         "borrower: a borrower may have only the pages of its allocations",
@@ -349,7 +357,7 @@ static int loan_set_layout(const struct sl_books *b, struct sl_loan *l, uint64_t
   uint8_t *flags = calloc(npages, 1);
   uint64_t u = 0, k = 0;
 
-  l->pages = malloc(npages * sizeof(*l->pages));
+  l->pages = npages <= SIZE_MAX / sizeof(*l->pages) ? malloc(npages * sizeof(*l->pages)) : NULL;
   if (flags == NULL || l->pages == NULL) {
     free(flags);
     return out_of_memory(err);

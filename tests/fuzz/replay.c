@@ -5,6 +5,8 @@
  * deletions and splices. A crash is the failure the sanitizers report.
  *
  * `TARGET --write-seeds DIR` writes the target's valid inputs to DIR: the corpus's seeds.
+ * $SUBLET_FUZZ_INPUTS sets how many inputs are made (longer runs when asked; for real fuzzing,
+ * build with -DSUBLET_FUZZ=ON and clang: libFuzzer).
  */
 #include <dirent.h>
 #include <stdio.h>
@@ -184,6 +186,8 @@ int main(int argc, char **argv) {
   uint8_t *buf = malloc(INPUT_CAP);
   struct bases b = {.n = 0};
   struct tally t = {0, 0};
+  const char *env = getenv("SUBLET_FUZZ_INPUTS");
+  long inputs = env != NULL && atol(env) > 0 ? atol(env) : RANDOM_INPUTS;
   size_t len;
 
   if (argc == 3 && strcmp(argv[1], "--write-seeds") == 0) {
@@ -195,7 +199,7 @@ int main(int argc, char **argv) {
     run_corpus(argv[1], buf, &b, &t);
   for (unsigned i = 0; (len = sl_fuzz_seed(i, buf, INPUT_CAP)) > 0; i++)
     bases_add(&b, buf, len);
-  for (int i = 0; i < RANDOM_INPUTS; i++) {
+  for (long i = 0; i < inputs; i++) {
     len = make_input(buf, &b);
     run_one(buf, len, &t);
   }

@@ -1874,7 +1874,12 @@ static void test_pages_granted(void) {
   sl_grant_clear(&g);
   CHECK_EQ(sl_books_pages_granted(b, user, r, 1, 2, &err), 0);
   CHECK_EQ(sl_books_pages_granted(b, user, r, 0, 1, &err), SUBLET_EPERM); /* kept, unsaved */
-  CHECK_EQ(sl_books_pages_granted(b, user, r, 3, 2, &err), SUBLET_EPERM); /* past the end */
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 3, 2, &err), SUBLET_EINVAL); /* past the end */
+  /* first + count wraps around to a granted page: refused, the owner's asking too */
+  CHECK_EQ(sl_books_pages_granted(b, user, r, UINT64_MAX, 3, &err), SUBLET_EINVAL);
+  CHECK_EQ(sl_books_pages_granted(b, user, r, 1, UINT64_MAX, &err), SUBLET_EINVAL);
+  CHECK_EQ(sl_books_pages_granted(b, owner, r, UINT64_MAX - 1, 4, &err), SUBLET_EINVAL);
+  CHECK_EQ(sl_books_pages_granted(b, owner, r, 0, 0, &err), SUBLET_EINVAL);
   alloc(b, user, 2 * PS, &g); /* the fresh page, then kept page 0 (saved first) */
   sl_grant_clear(&g);
   CHECK_EQ(sl_books_pages_granted(b, user, r, 0, 1, &err), 0);
