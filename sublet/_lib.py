@@ -216,6 +216,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_disconnect": (None, [c_void_p]),
     "sublet_connected": (c_int, [c_void_p]),
     "sublet_get_info": (c_int, [c_void_p, POINTER(Info)]),
+    "sublet_set_timeout": (c_int, [c_void_p, c_int]),
     "sublet_region_create": (c_int, [c_void_p, c_uint64, POINTER(c_void_p)]),
     "sublet_region_addr": (c_void_p, [c_void_p]),
     "sublet_region_size": (c_uint64, [c_void_p]),
