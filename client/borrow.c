@@ -85,7 +85,7 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   m.loan = loan_id;
   m.has_token = token != NULL;
   m.token.data = (uint8_t *)token;
-  m.token.len = token != NULL ? 16 : 0;
+  m.token.len = token != NULL ? SUBLET_TOKEN_SIZE : 0;
   m.has_name = name != NULL;
   m.name.data = (uint8_t *)name;
   m.name.len = name != NULL ? strlen(name) : 0;
@@ -195,7 +195,7 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
       *ptr = (char *)c->win->base + a->pos * c->win->page_size;
     }
     if (rc == 0 && sl_window_alloc_add(c->win, *ptr, size, rep->allocated->alloc) != 0)
-      rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+      rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
     if (rc != 0)
       free_request(c, rep->allocated->alloc, 1);
   }

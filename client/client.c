@@ -97,6 +97,13 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
     int64_t left = deadline_ms - (sl_clock_ms() - start);
     rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds,
                       deadline_ms < 0 ? -1 : left > 0 ? (int)left : 0, &err);
+  } else if (rc == SUBLET_EPIPE) {
+    /* Closed on us: subletd may have said why first (a cap reached), in a frame still here */
+    struct sl_err sent = err;
+    if ((rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, 0, &err)) != 0) {
+      err = sent;
+      rc = SUBLET_EPIPE;
+    }
   }
   if (rc == SUBLET_ETIMEDOUT)
     return not_answering(c, req, deadline_ms);
@@ -271,7 +278,7 @@ int sl_client_open(const char *path, sublet_client **out) {
     path = env != NULL && env[0] != '\0' ? env : "/run/sublet/gpu0.sock";
   c = calloc(1, sizeof(*c));
   if (c == NULL)
-    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   c->sock = connect_socket(path);
   if (c->sock < 0) {
     rc = c->sock;

@@ -115,14 +115,14 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
   int rc;
 
   if (r == NULL)
-    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   r->client = c;
   pthread_mutex_lock(&c->lock);
   rc = sl_client_ensure_device(c);
   if (rc == 0)
     rc = region_create_request(c, size, r);
   if (rc == 0 && (r->handles = calloc(r->npages, sizeof(sl_handle))) == NULL)
-    rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   if (rc == 0)
     rc = sl_region_fetch_pages(c, r->id, 0, r->npages, r->handles);
   if (rc == 0)
@@ -252,7 +252,7 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
   if (rc == 0) {
     *loan_id = rep->lent->loan;
     if (token != NULL)
-      memcpy(token, rep->lent->token.data, 16);
+      memcpy(token, rep->lent->token.data, SUBLET_TOKEN_SIZE);
   }
   pthread_mutex_unlock(&c->lock);
   if (rep != NULL)

@@ -37,7 +37,7 @@ int sl_rescue_new(uint64_t loan_id, const int fds[3], struct sl_rescue **out) {
   struct sl_rescue *r = calloc(1, sizeof(*r));
 
   if (r == NULL)
-    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   r->loan_id = loan_id;
   r->journal_fd = fds[0];
   r->area_fd = fds[1];
@@ -205,7 +205,7 @@ static int restore(struct sublet_region *reg, struct sl_rescue *r,
   area_size = (uint64_t)sa.st_size;
   u.copies = calloc(v->committed + 1, sizeof(*u.copies));
   u.moves = calloc(v->committed + 1, sizeof(*u.moves));
-  rc = u.copies == NULL || u.moves == NULL ? sl_client_fail(SUBLET_ENOMEM, "out of host memory")
+  rc = u.copies == NULL || u.moves == NULL ? sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory")
                                            : 0;
   if (rc == 0 && area_size > 0 &&
       (rc = sl_device_host_map(u.dev, r->area_fd, 0, area_size, 0, &u.area, &u.err)) != 0)

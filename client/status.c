@@ -143,14 +143,14 @@ SUBLET_EXPORT int sublet_status_json(sublet_client *c, char **json) {
   int rc;
 
   if (j.buf == NULL)
-    return sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   pthread_mutex_lock(&c->lock);
   rc = sl_client_status(c, &rep);
   pthread_mutex_unlock(&c->lock);
   if (rc == 0)
     put_status(&j, rep->status);
   if (rc == 0 && j.failed)
-    rc = sl_client_fail(SUBLET_ENOMEM, "out of host memory");
+    rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   if (rc != 0) {

@@ -22,7 +22,7 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   int rc;
 
   if (w == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->dev = dev;
   w->page_size = page_size;
   w->region_id = region_id;
@@ -36,7 +36,7 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   w->handles = handles != NULL ? handles : calloc(region_pages + 1, sizeof(*w->handles));
   if (w->layout == NULL || w->mapped == NULL || w->handles == NULL) {
     sl_window_free(w);
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a window of %llu pages",
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a window of %llu pages",
                       (unsigned long long)total);
   }
   memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
@@ -143,7 +143,7 @@ int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_h
     struct sl_window_chunk *c = realloc(w->chunks, cap * sizeof(*c));
     if (c == NULL) {
       sl_device_release(w->dev, h);
-      return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+      return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
     }
     w->chunks = c;
     w->chunkcap = cap;
@@ -213,7 +213,7 @@ int sl_window_alloc_add(struct sl_window *w, void *ptr, uint64_t size, uint64_t 
     size_t cap = w->alloccap ? 2 * w->alloccap : 16;
     struct sl_window_alloc *a = realloc(w->allocs, cap * sizeof(*a));
     if (a == NULL)
-      return SUBLET_ENOMEM;
+      return SUBLET_ENOHOSTMEM;
     w->allocs = a;
     w->alloccap = cap;
   }

@@ -511,7 +511,7 @@ static int cuda_open(const struct sl_device_params *p, struct sl_device **out,
     return sl_err_set(err, load_error.code, "%s", load_error.msg);
   d = calloc(1, sizeof(*d));
   if (d == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "cuda backend: out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "cuda backend: out of host memory");
   d->use_batch = drv.batch_version != 0;
   pthread_mutex_init(&d->kernels_lock, NULL);
   rc = find_device(p, &d->dev, err);
@@ -729,7 +729,7 @@ static int cuda_host_alloc(struct sl_device *dev, uint64_t size, void **p, struc
   int rc;
 
   if (mem == MAP_FAILED)
-    return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of host memory: %s",
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot map %llu bytes of host memory: %s",
                       (unsigned long long)size, strerror(errno));
   prefault(mem, size);
   rc = host_register(to_cuda(dev), mem, size, 0, err);
@@ -787,7 +787,9 @@ static int cuda_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_
   rc = host_register(to_cuda(dev), mem, size, 0, err);
   if (rc != 0) {
     munmap(mem, size);
-    return rc;
+    if (rc == SUBLET_ENOMEM && err != NULL)
+      err->code = SUBLET_ENOHOSTMEM; /* pinning failed: host memory, not the device's */
+    return rc == SUBLET_ENOMEM ? SUBLET_ENOHOSTMEM : rc;
   }
   *p = mem;
   return 0;
@@ -877,7 +879,7 @@ static int copy_by_batches(struct cuda_device *d, enum sl_copy_dir dir, void *de
   int rc;
 
   if (b == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "copy: out of host memory for the batch");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "copy: out of host memory for the batch");
   rc = cuda_enter(d, err);
   if (rc != 0)
     goto cleanup;
@@ -928,7 +930,7 @@ static int move_by_copies(struct cuda_device *d, void *base, const struct sl_mov
   CUresult r = CUDA_SUCCESS, synced;
 
   if (b == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "move: out of host memory for the batch");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for the batch");
   for (size_t i = 0; i < n && r == CUDA_SUCCESS; i += BATCH_PIECES)
     r = enqueue_moves(d, base, moves + i, n - i < BATCH_PIECES ? n - i : BATCH_PIECES, b);
   synced = drv.cuStreamSynchronize(d->stream); /* queued moves run on after a failure */
@@ -1028,7 +1030,7 @@ static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *mo
   int rc;
 
   if (host == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "move: out of host memory for %zu pieces", n);
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for %zu pieces", n);
   rc = cuda_enter(d, err);
   if (rc != 0)
     goto cleanup;

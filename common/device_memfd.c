@@ -58,28 +58,6 @@ static int handle_fd(sl_handle h) {
 
 /* --- sizes from the environment: "2M", "512K", "4G", "1048576" */
 
-static int parse_size(const char *s, uint64_t *out) {
-  char *end;
-  unsigned long long v;
-  int shift = 0;
-
-  errno = 0;
-  v = strtoull(s, &end, 10);
-  if (end == s || errno != 0 || *s == '-')
-    return -1;
-  switch (toupper((unsigned char)*end)) {
-    case 'K': shift = 10; end++; break;
-    case 'M': shift = 20; end++; break;
-    case 'G': shift = 30; end++; break;
-  }
-  if (shift != 0 && (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0))
-    end += strlen(end);
-  if (*end != '\0' || (v << shift) >> shift != v)
-    return -1;
-  *out = (uint64_t)v << shift;
-  return 0;
-}
-
 static int size_setting(uint64_t given, const char *env, uint64_t fallback, uint64_t *out,
                         struct sl_err *err) {
   const char *s = getenv(env);
@@ -91,7 +69,7 @@ static int size_setting(uint64_t given, const char *env, uint64_t fallback, uint
     *out = fallback;
     return 0;
   }
-  if (parse_size(s, out) != 0 || *out == 0)
+  if (sl_parse_size(s, out) != 0 || *out == 0)
     return sl_err_set(err, SUBLET_EINVAL, "%s=\"%s\" is not a size: write it as 2M, 512K or 1G",
                       env, s);
   return 0;
@@ -139,7 +117,7 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
     return rc;
   d = calloc(1, sizeof(*d));
   if (d == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "memfd backend: out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "memfd backend: out of host memory");
   d->link_bps = link == UINT64_MAX ? 0 : link;
   pthread_mutex_init(&d->lock, NULL);
   fill_info(&d->base.info, p->ordinal, page, total);
@@ -192,7 +170,7 @@ static int grow_owned(struct memfd_device *d, int fd) {
     cap = cap == 0 ? 1024 : cap * 2;
   grown = realloc(d->owned, cap * sizeof(*grown));
   if (grown == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   memset(grown + d->owned_cap, 0, (cap - d->owned_cap) * sizeof(*grown));
   d->owned = grown;
   d->owned_cap = cap;
@@ -201,7 +179,7 @@ static int grow_owned(struct memfd_device *d, int fd) {
 
 static int remember_fd(struct memfd_device *d, int fd, uint64_t counted) {
   if ((size_t)fd >= d->owned_cap && grow_owned(d, fd) != 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   d->owned[fd].counted = counted;
   d->owned[fd].live = 1;
   return 0;
@@ -262,7 +240,7 @@ static int memfd_create_handle(struct sl_device *dev, uint64_t size, sl_handle *
   if (rc != 0)
     goto uncount;
   if (remember_fd(d, fd, size) != 0) {
-    rc = sl_err_set(err, SUBLET_ENOMEM, "memfd backend: out of host memory for its books");
+    rc = sl_err_set(err, SUBLET_ENOHOSTMEM, "memfd backend: out of host memory for its books");
     close(fd);
     goto uncount;
   }
@@ -335,7 +313,7 @@ static int memfd_import(struct sl_device *dev, int fd, sl_handle *out, struct sl
   pthread_mutex_unlock(&d->lock);
   if (rc != 0) {
     close(own);
-    return sl_err_set(err, SUBLET_ENOMEM, "memfd backend: out of host memory for its books");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "memfd backend: out of host memory for its books");
   }
   *out = (sl_handle)own + 1;
   return 0;
@@ -406,7 +384,7 @@ static int memfd_synchronize(struct sl_device *dev, struct sl_err *err) {
 static int memfd_host_alloc(struct sl_device *dev, uint64_t size, void **p, struct sl_err *err) {
   void *mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED)
-    return sl_err_set(err, SUBLET_ENOMEM, "host_alloc of %llu bytes: %s",
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "host_alloc of %llu bytes: %s",
                       (unsigned long long)size, strerror(errno));
   *p = mem;
   return 0;

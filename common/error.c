@@ -1,7 +1,11 @@
 /* error.c - typed errors and their messages. */
 #include "error.h"
 
+#include <ctype.h>
+#include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 int sl_err_set(struct sl_err *err, int code, const char *fmt, ...) {
@@ -34,6 +38,31 @@ const char *sl_strerror(int code) {
       return "unknown error";
   }
 #undef SL_ERR_CASE
+}
+
+int sl_parse_size(const char *s, uint64_t *out) {
+  static const char units[] = "KMGT";
+  const char *unit;
+  char *end;
+  unsigned long long v;
+  int shift = 0;
+
+  errno = 0;
+  if (s == NULL || *s < '0' || *s > '9') /* no sign, no space: strtoull would take them */
+    return -1;
+  v = strtoull(s, &end, 10);
+  if (errno != 0)
+    return -1;
+  if (*end != '\0' && (unit = strchr(units, toupper((unsigned char)*end))) != NULL) {
+    shift = 10 * (int)(unit - units + 1);
+    end++;
+    if (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0)
+      end += strlen(end);
+  }
+  if (*end != '\0' || (shift > 0 && v > (UINT64_MAX >> shift)))
+    return -1;
+  *out = (uint64_t)v << shift;
+  return 0;
 }
 
 const char *sl_format_size(char *buf, unsigned long long bytes) {

@@ -22,5 +22,9 @@ void sl_err_clear(struct sl_err *err);
 const char *sl_strerror(int code);
 /* "1.5 GiB": human-readable sizes for messages and logs; buf of at least 16 bytes. */
 const char *sl_format_size(char *buf, unsigned long long bytes);
+/* The other way, for options and the environment: "512M", "2G", "16GiB", "1TB", "4096" (K, M,
+ * G, T are powers of 1024; an optional B or iB after them). Returns 0, or -1 for anything else:
+ * a sign, a fraction, trailing text, or a value past 2^64. */
+int sl_parse_size(const char *s, uint64_t *out);
 
 #endif

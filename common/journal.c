@@ -20,7 +20,7 @@ int sl_journal_create(uint64_t loan_id, uint64_t region_id, uint64_t capacity,
   void *mem = MAP_FAILED;
 
   if (j == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a journal");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a journal");
   j->size = journal_size(capacity);
   j->fd = memfd_create("sublet-journal", MFD_CLOEXEC);
   if (j->fd >= 0 && ftruncate(j->fd, (off_t)j->size) == 0)

@@ -285,7 +285,7 @@ static int rx_make_room(struct sl_wire_rx *rx, struct sl_err *err) {
   cap = cap < RX_LIMIT ? cap : RX_LIMIT;
   buf = realloc(rx->buf, cap);
   if (buf == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a receive buffer");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a receive buffer");
   rx->buf = buf;
   rx->cap = cap;
   return 0;
@@ -298,7 +298,7 @@ static int rx_queue_fds(struct sl_wire_rx *rx, int *fds, size_t n, struct sl_err
   if (rx->fds == NULL || rx->nfds + n > RX_MAX_QUEUED) {
     sl_wire_close_fds(fds, n);
     if (rx->fds == NULL)
-      return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for received fds");
+      return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for received fds");
     return sl_err_set(err, SUBLET_EPROTO, "more than %d fds arrived that no frame claimed",
                       RX_MAX_QUEUED);
   }

@@ -27,7 +27,7 @@ static const char *const state_names[] = {"", "offered", "active", "draining"};
 /* ---- small helpers ---------------------------------------------------------------------- */
 
 static int out_of_memory(struct sl_err *err) {
-  return sl_err_set(err, SUBLET_ENOMEM, "subletd is out of host memory; free some and retry");
+  return sl_err_set(err, SUBLET_ENOHOSTMEM, "subletd is out of host memory; free some and retry");
 }
 
 static uint64_t min_u64(uint64_t a, uint64_t b) {
@@ -70,7 +70,7 @@ int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out) {
     return SUBLET_EINVAL;
   b = calloc(1, sizeof(*b));
   if (b == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   b->cfg = *cfg;
   b->next_client = b->next_region = b->next_loan = b->next_alloc = b->next_chunk = 1;
   *out = b;
@@ -106,7 +106,7 @@ int sl_books_client_add(struct sl_books *b, const struct sl_peer *peer, uint64_t
     return SUBLET_EINVAL;
   v = sl_grow(b->clients, &b->cap_clients, b->nclients + 1, sizeof(*v));
   if (v == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   b->clients = v;
   v[b->nclients] = (struct sl_client){.id = b->next_client++, .peer = *peer};
   if (client_id != NULL)
@@ -433,7 +433,7 @@ static int loan_build(const struct sl_books *b, const struct sl_region *r,
 
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
-                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err) {
+                  const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err) {
   struct sl_region *r = sl_books_find_region(b, region_id);
   struct sl_loan *l = NULL;
   int rc = lend_check(b, client_id, r, region_id, name, token, err);
@@ -508,7 +508,7 @@ int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t l
 static int token_equal(const uint8_t *a, const uint8_t *b) {
   uint8_t diff = 0;
 
-  for (size_t i = 0; i < 16; i++)
+  for (size_t i = 0; i < SUBLET_TOKEN_SIZE; i++)
     diff |= a[i] ^ b[i];
   return diff == 0;
 }
@@ -842,14 +842,14 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
     return SUBLET_EINVAL; /* stale or foreign grant: plan again */
   allocs = sl_grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
   if (allocs == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   l->allocs = allocs;
   chunks = sl_grow(l->chunks, &l->cap_chunks, l->nchunks + 1, sizeof(*chunks));
   if (chunks == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   l->chunks = chunks;
   if (g->kept_to > g->kept_from && grant_commit_plan(l, g) < 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   memmove(&allocs[i + 1], &allocs[i], (l->nallocs - i) * sizeof(*allocs));
   allocs[i] = (struct sl_alloc){g->alloc_id, g->pos, g->npages, g->size};
   l->nallocs++;
@@ -949,7 +949,7 @@ static int end_fill_chunks(const struct sl_loan *l, struct sl_loan_end *end) {
     return 0;
   end->fresh_chunks = malloc(l->nchunks * sizeof(*end->fresh_chunks));
   if (end->fresh_chunks == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   for (size_t i = 0; i < l->nchunks; i++)
     end->fresh_chunks[i] = l->chunks[i].id;
   end->nfresh = l->nchunks;
@@ -966,7 +966,7 @@ static int end_fill_restore(const struct sl_loan *l, struct sl_loan_end *end) {
   end->restore = p->nsaves ? malloc(p->nsaves * sizeof(*end->restore)) : NULL;
   end->unmove = p->nmoves ? malloc(p->nmoves * sizeof(*end->unmove)) : NULL;
   if ((p->nsaves && end->restore == NULL) || (p->nmoves && end->unmove == NULL))
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   if (p->nsaves)
     memcpy(end->restore, p->saves, p->nsaves * sizeof(*end->restore));
   for (size_t i = 0; i < p->nmoves; i++)
@@ -989,7 +989,7 @@ static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
   end->stats.owner_gone = l->owner_gone;
   if (end_fill_restore(l, end) < 0 || end_fill_chunks(l, end) < 0) {
     sl_loan_end_clear(end);
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   }
   return 0;
 }
@@ -1032,7 +1032,7 @@ int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_en
   if (l->state != SL_LOAN_DRAINING)
     return SUBLET_EBUSY;
   if (loan_end_build(b, l, end) < 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   loan_end_apply(b, end);
   return 0;
 }
@@ -1060,7 +1060,7 @@ static int gone_reserve(const struct sl_books *b, uint64_t client_id,
   g->orphaned_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
   if ((owned && !g->free_regions) || (b->loan && (!g->draining_loans || !g->orphaned_loans))) {
     sl_client_gone_clear(g);
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   }
   return 0;
 }
@@ -1122,7 +1122,7 @@ int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_cli
   if (c == NULL)
     return SUBLET_ENOENT;
   if (gone_reserve(b, client_id, &g) < 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   loan_drop_client(b, client_id, &g);
   regions_drop_owner(b, client_id, &g);
   i = (size_t)(c - b->clients);

@@ -164,10 +164,10 @@ int sl_books_region_info(const struct sl_books *b, uint64_t region_id, struct sl
 int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_region_info *ri);
 
 /* Lending, owner's side. keep: byte ranges within the region, in any order, may overlap; they
- * are sorted and merged. token: 16 bytes chosen by the caller (random). */
+ * are sorted and merged. token: SUBLET_TOKEN_SIZE bytes chosen by the caller (random). */
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
-                  const uint8_t token[16], uint64_t *loan_id, struct sl_err *err);
+                  const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err);
 /* Withdraws a loan still OFFERED. */
 int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                       struct sl_err *err);

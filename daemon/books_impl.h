@@ -40,7 +40,7 @@ struct sl_loan {
   uint64_t owner_client, borrower_client;
   struct sl_peer borrower;
   char name[NAME_SIZE];
-  uint8_t token[16];
+  uint8_t token[SUBLET_TOKEN_SIZE];
   struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
   size_t nkeep;
   uint64_t kept_bytes;

@@ -112,7 +112,7 @@ struct sl_waiter {
   enum sl_waiter_kind kind;
   uint64_t req_id;
   uint64_t loan_id;
-  uint8_t token[16];
+  uint8_t token[SUBLET_TOKEN_SIZE];
   int has_token;
   int rescue;               /* Borrow.rescue */
   char name[64];

@@ -182,7 +182,7 @@ static int drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
 
   if (dr == NULL || (dr->loans = malloc(n * sizeof(*loans))) == NULL) {
     free(dr);
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   }
   dr->d = d;
   dr->pid = c->peer.pid;

@@ -207,7 +207,7 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Lent lent = SUBLET__LENT__INIT;
   struct sl_loan_info li;
-  uint8_t token[16];
+  uint8_t token[SUBLET_TOKEN_SIZE];
   char name[64];
   uint64_t loan;
   Sublet__Borrowed b = SUBLET__BORROWED__INIT;
@@ -272,7 +272,7 @@ static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
                       (unsigned long long)m->loan);
   w = sl_waiter_park(x->c, SL_WAIT_RECLAIM, x->id, m->timeout_ms);
   if (w == NULL)
-    return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = m->loan;
   return 0;
 }
@@ -356,9 +356,9 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
   char name[64];
   int rc;
 
-  if (m->has_token && m->token.len != 16)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "a loan's token is 16 bytes, not %zu",
-                      m->token.len);
+  if (m->has_token && m->token.len != SUBLET_TOKEN_SIZE)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "a loan's token is %d bytes, not %zu",
+                      SUBLET_TOKEN_SIZE, m->token.len);
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
   rc = try_borrow(x->c, x->id, m->loan, token, name, m->rescue, &x->err);
@@ -366,12 +366,12 @@ static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
     return rc;
   w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
   if (w == NULL)
-    return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = m->loan;
   w->has_token = token != NULL;
   w->rescue = m->rescue;
   if (token != NULL)
-    memcpy(w->token, token, 16);
+    memcpy(w->token, token, SUBLET_TOKEN_SIZE);
   memcpy(w->name, name, sizeof(w->name));
   return 0;
 }
@@ -465,7 +465,7 @@ static int alloc_save(struct ctx *x, struct sl_grant *g, int fd) {
   int rc;
 
   if (aj == NULL)
-    return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   sl_books_loan_info(x->d->books, g->loan_id, &li);
   rc = sl_pool_transfer_new(x->d->pool, SL_COPY_TO_HOST, li.region_id, g->save, g->nsave,
                             g->move, g->nmove, &aj->job.transfer, &x->err);
@@ -603,7 +603,7 @@ static int on_return(struct ctx *x, const Sublet__Return *m) {
 
   if (ra == NULL || (ra->leaks = calloc(nleaks + 1, sizeof(*ra->leaks))) == NULL) {
     free(ra);
-    return sl_err_set(&x->err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   }
   ra->nleaks = sl_books_leaks(x->d->books, loan, ra->leaks, nleaks);
   rc = sl_books_return(x->d->books, x->c->client_id, m->force, &end, &x->err);

@@ -48,28 +48,6 @@ static void usage(FILE *out) {
           "Exit status: 0 after a clean shutdown, 1 on a runtime error, 2 on a usage error.\n");
 }
 
-static int parse_size(const char *s, uint64_t *out) {
-  char *end;
-  unsigned long long v = strtoull(s, &end, 10);
-  int shift = 0;
-
-  if (end == s)
-    return -1;
-  switch (*end) {
-    case 'k': case 'K': shift = 10; end++; break;
-    case 'm': case 'M': shift = 20; end++; break;
-    case 'g': case 'G': shift = 30; end++; break;
-    case 't': case 'T': shift = 40; end++; break;
-    default: break;
-  }
-  if (*end == 'i' || *end == 'B')
-    end += (*end == 'i' && end[1] == 'B') ? 2 : 1;
-  if (*end != '\0')
-    return -1;
-  *out = (uint64_t)v << shift;
-  return 0;
-}
-
 static int hex_digit(char c) {
   if (c >= '0' && c <= '9')
     return c - '0';
@@ -166,12 +144,12 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
         cfg->backend = optarg;
         break;
       case 'r':
-        if (parse_size(optarg, &cfg->reserve_bytes) != 0)
+        if (sl_parse_size(optarg, &cfg->reserve_bytes) != 0)
           return usage_error("--reserve takes a size such as 512M or 2G, not '%s'", optarg);
         *reserve_set = 1;
         break;
       case 'p':
-        if (parse_size(optarg, &cfg->pin_bytes) != 0)
+        if (sl_parse_size(optarg, &cfg->pin_bytes) != 0)
           return usage_error("--pin takes a size such as 16G, not '%s'", optarg);
         break;
       case 'g':

@@ -43,7 +43,7 @@ static int move_add(struct move_list *l, uint64_t src, uint64_t dst, uint64_t le
   }
   v = sl_grow(l->v, &l->cap, l->n + 1, sizeof(*v));
   if (v == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   l->v = v;
   v[l->n++] = (struct sl_move){src, dst, len};
   return 0;
@@ -61,7 +61,7 @@ static int save_add(struct save_list *l, uint64_t dev_off, uint64_t len) {
   }
   v = sl_grow(l->v, &l->cap, l->n + 1, sizeof(*v));
   if (v == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   l->v = v;
   v[l->n++] = (struct sl_copy){dev_off, l->host_off - len, len};
   return 0;
@@ -136,7 +136,7 @@ static int place(const struct sl_plan *p, struct cursor *c, uint64_t src, uint64
   while (len > 0 && next_hole(p, c, &at, &hole)) {
     uint64_t n = min_u64(len, hole);
     if (move_add(ml, src, at, n) < 0)
-      return SUBLET_ENOMEM;
+      return SUBLET_ENOHOSTMEM;
     c->off += n;
     src += n;
     len -= n;
@@ -225,11 +225,11 @@ int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s) {
     return SUBLET_EINVAL;
   mv = sl_grow(p->moves, &p->cap_moves, p->nmoves + s->nmoves, sizeof(*mv));
   if (mv == NULL && s->nmoves > 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   p->moves = mv;
   sv = sl_grow(p->saves, &p->cap_saves, p->nsaves + s->nsaves, sizeof(*sv));
   if (sv == NULL && s->nsaves > 0)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   p->saves = sv;
   if (s->nmoves)
     memcpy(mv + p->nmoves, s->moves, s->nmoves * sizeof(*mv));

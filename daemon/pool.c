@@ -81,7 +81,7 @@ int sl_pool_new(struct sl_device *dev, struct sl_pool **out) {
   struct sl_pool *p = calloc(1, sizeof(*p));
 
   if (p == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   p->dev = dev;
   p->page_size = sl_device_info(dev)->page_size;
   *out = p;
@@ -143,7 +143,7 @@ int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages
 
   if (r == NULL || (r->pages = calloc(npages, sizeof(sl_handle))) == NULL) {
     free(r);
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a region's page table");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a region's page table");
   }
   r->id = region_id;
   r->npages = npages;
@@ -194,7 +194,7 @@ int sl_pool_chunk_create(struct sl_pool *p, uint64_t chunk_id, uint64_t npages, 
   int rc;
 
   if (c == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   rc = sl_device_create(p->dev, npages * p->page_size, &c->handle, err);
   if (rc == 0) {
     rc = sl_device_export(p->dev, c->handle, fd, err);
@@ -236,7 +236,7 @@ static int area_new(uid_t uid, struct pool_area **out, struct sl_err *err) {
   struct pool_area *a = calloc(1, sizeof(*a));
 
   if (a == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   a->fd = memfd_create("sublet-save-area", MFD_CLOEXEC);
   if (a->fd < 0) {
     int e = errno;
@@ -282,10 +282,10 @@ static int area_reserve(struct sl_device *dev, struct pool_area *a, uint64_t byt
     return 0;
   host = realloc(a->host, want * sizeof(*host));
   if (host == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   a->host = host;
   if (ftruncate(a->fd, (off_t)(want * SL_HOST_PIECE)) != 0)
-    return sl_err_set(err, SUBLET_ENOMEM, "cannot grow the save area to %zu pieces: %s", want,
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot grow the save area to %zu pieces: %s", want,
                       strerror(errno));
   for (; a->nhost < want; a->nhost++) {
     rc = sl_device_host_map(dev, a->fd, a->nhost * SL_HOST_PIECE, SL_HOST_PIECE, 1,
@@ -328,7 +328,7 @@ static int split_batches(struct sl_pool_transfer *t, const struct sl_copy *c, si
   t->pieces = malloc((cap + 1) * sizeof(*t->pieces));
   t->batches = malloc((cap + 1) * sizeof(*t->batches));
   if (t->pieces == NULL || t->batches == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory for a copy's batches");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a copy's batches");
   for (size_t i = 0; i < n; i++) {
     struct sl_copy cur = c[i];
     while (cur.len > 0) {
@@ -376,14 +376,14 @@ int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t regio
   if (t == NULL || (t->copies = dup_array(c, n, sizeof(*c))) == NULL) {
     if (t == NULL || n > 0) {
       free(t);
-      return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+      return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
     }
   }
   t->moves = dup_array(m, nm, sizeof(*m));
   if (nm > 0 && t->moves == NULL) {
     free(t->copies);
     free(t);
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   }
   t->ncopies = n;
   t->nmoves = nm;

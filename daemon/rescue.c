@@ -69,7 +69,7 @@ int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_i
 
   fds[0] = fds[1] = fds[2] = -1;
   if (r == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   r->loan_id = loan_id;
   r->release_w = -1;
   /* A save entry per kept range per page: room for all of them at first (it grows if moves,
@@ -122,7 +122,7 @@ int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_mov
     return 0; /* an owner that did not ask */
   e = malloc((nm + nc) * sizeof(*e));
   if (e == NULL)
-    return sl_err_set(err, SUBLET_ENOMEM, "out of host memory");
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   for (size_t i = 0; i < nm; i++)
     e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, m[i].src_off, m[i].dst_off, m[i].len};
   for (size_t i = 0; i < nc; i++)

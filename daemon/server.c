@@ -40,13 +40,13 @@ static int bind_socket(const char *path, struct sl_err *err) {
   unlink(path);
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
-    return sl_err_set(err, -errno, "socket: %s", strerror(errno));
+    return sl_err_set(err, SUBLET_EIO, "socket: %s", strerror(errno));
   /* Owner and group only: the socket's mode and group keep other users out. */
   if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0 || chmod(path, 0660) != 0 ||
       listen(fd, 128) != 0) {
     int e = errno;
     close(fd);
-    return sl_err_set(err, -e, "cannot listen on %s: %s (does its directory exist and is it "
+    return sl_err_set(err, SUBLET_EIO, "cannot listen on %s: %s (does its directory exist and is it "
                       "writable? set --socket or $SUBLET_SOCKET)", path, strerror(e));
   }
   return fd;

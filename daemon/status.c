@@ -30,7 +30,7 @@ static int status_regions(struct sl_conn *c, Sublet__Status *st, Sublet__RegionS
   *msgs = calloc(t.regions + 1, sizeof(**msgs));
   st->regions = calloc(t.regions + 1, sizeof(*st->regions));
   if (*msgs == NULL || st->regions == NULL)
-    return SUBLET_ENOMEM;
+    return SUBLET_ENOHOSTMEM;
   for (; n < t.regions && sl_books_region_next(d->books, after, &ri) == 0; after = ri.id) {
     Sublet__RegionStatus *r = &(*msgs)[n];
     if (!may_see(c, ri.owner.uid))

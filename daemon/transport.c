@@ -30,7 +30,7 @@
  * client that floods requests gets its turn like the others, not the loop: the rest waits
  * in its buffer for the next turn (the timer at 0 ms). */
 #define READS_PER_WAKEUP 16
-#define FRAMES_PER_TURN 32
+#define FRAMES_PER_TURN 16
 /* Supplementary groups read for --allow-group; a peer in more (the kernel allows 65536) is
  * judged by its first ones. */
 #define NGROUPS_MAX_READ 1024
@@ -355,7 +355,8 @@ int sl_transport_send(struct sl_transport *t, uint16_t kind, uint8_t *payload, s
     free(it);
     return it == NULL ? SUBLET_ENOHOSTMEM : rc;
   }
-  memcpy(it->fds, fds, nfds * sizeof(int));
+  if (nfds > 0)
+    memcpy(it->fds, fds, nfds * sizeof(int));
   it->nfds = nfds;
   it->payload = payload;
   if (t->head == NULL)

@@ -27,6 +27,8 @@ extern "C" {
 #endif
 
 #define SUBLET_PROTOCOL_VERSION 1
+/* A loan's token: random bytes that let a borrower in another process take the loan. */
+#define SUBLET_TOKEN_SIZE 16
 
 /* Error codes: negative errno where one fits, sublet's own beyond errno's range. They are the
  * codes of the protocol's Error message too. */
@@ -142,7 +144,7 @@ SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_r
                                          size_t n, uint64_t *sums);
 
 /* Lending, owner's side. keep: sorted or not, overlapping or not; n == 0 with keep_all == 0
- * keeps nothing. Offers the loan; on success *loan_id and token[16] identify it. */
+ * keeps nothing. Offers the loan; on success *loan_id and token identify it. */
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
                               int keep_all, const char *name, uint64_t *loan_id,
                               uint8_t token[16]);
@@ -164,7 +166,7 @@ SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id);
 
 /* Borrowing. By id and token (token NULL: only the owner's own client may borrow), or by
  * name (loan_id 0); name NULL and loan_id 0: the next offer on this device. */
-SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
+SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[SUBLET_TOKEN_SIZE],
                                 const char *name, int timeout_ms);
 SUBLET_EXPORT int sublet_alloc(sublet_client *c, uint64_t size, void **ptr);
 SUBLET_EXPORT int sublet_free(sublet_client *c, void *ptr);

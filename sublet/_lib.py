@@ -205,7 +205,8 @@ class CLeak(Structure):
     _fields_ = [("alloc_id", c_uint64), ("size", c_uint64), ("ptr", c_void_p)]
 
 
-TOKEN = c_uint8 * 16
+TOKEN_BYTES = 16  # SUBLET_TOKEN_SIZE in include/sublet.h
+TOKEN = c_uint8 * TOKEN_BYTES
 
 # name: (restype, argtypes). Opaque handles (sublet_client *, sublet_region *) are c_void_p.
 _PROTOTYPES: dict[str, tuple[object, list]] = {
@@ -311,7 +312,6 @@ def check(rc: int) -> int:
 
 # --------------------------------------------------------------------------- one connection
 
-TOKEN_BYTES = 16
 
 
 @dataclass(frozen=True)

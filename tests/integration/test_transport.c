@@ -229,9 +229,9 @@ static void test_hostile_clients_beside_a_good_one(void) {
          rc == 0 ? "all served" : sublet_last_error(), quiet * 1e3);
   CHECK_RC(rc, 0);
   /* A loaded machine (other jobs on CI's two cores) stalls any process now and then: when the
-   * cycles alone already met stalls, those count as the machine's, not the hostile clients'
-   * (which, unbounded, cost seconds a cycle and disconnected the good client). */
-  CHECK(worst < WORST_CYCLE_S || (quiet > WORST_CYCLE_S / 4 && worst < 4 * quiet));
+   * cycles alone already met stalls, the bound grows with them (unbounded, the hostile
+   * clients cost seconds a cycle and disconnected the good client). */
+  CHECK(worst < WORST_CYCLE_S || worst < 5 * quiet + WORST_CYCLE_S / 2);
   for (int i = 0; i < 4; i++) { /* each was hung up on */
     CHECK(waitpid(deaf[i], &status, 0) == deaf[i]);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);

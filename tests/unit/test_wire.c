@@ -556,6 +556,23 @@ static void test_send_to_closed_peer(void) {
 }
 
 /* Another version is a frame like any other: the caller answers it. */
+/* One size parser for options and the environment (error.h): units, and what it refuses. */
+static void test_parse_size(void) {
+  static const char *const bad[] = {"", "-1", " 1", "+1", "1.5G", "1X", "1GB extra", "G",
+                                    "16E", "18446744073709551616", "17179869184G", NULL};
+  uint64_t v = 0;
+
+  CHECK(sl_parse_size("4096", &v) == 0 && v == 4096);
+  CHECK(sl_parse_size("512K", &v) == 0 && v == 512u << 10);
+  CHECK(sl_parse_size("2m", &v) == 0 && v == 2u << 20);
+  CHECK(sl_parse_size("16GiB", &v) == 0 && v == 16ull << 30);
+  CHECK(sl_parse_size("1TB", &v) == 0 && v == 1ull << 40);
+  CHECK(sl_parse_size("16777215T", &v) == 0 && v == 16777215ull << 40);
+  CHECK(sl_parse_size("18446744073709551615", &v) == 0 && v == UINT64_MAX);
+  for (int i = 0; bad[i] != NULL; i++)
+    CHECK(sl_parse_size(bad[i], &v) == -1);
+}
+
 static void test_other_version_passes(void) {
   uint8_t frame[SL_WIRE_HEADER];
   struct sl_frame_header h = {SL_WIRE_MAGIC, SUBLET_PROTOCOL_VERSION + 1, SL_WIRE_REQUEST, 0, 0};
@@ -597,6 +614,7 @@ int main(void) {
   int before = count_open_fds();
 
   run("header_layout", test_header_layout);
+  run("parse_size", test_parse_size);
   run("header_bounds", test_header_bounds);
   run("send_bounds", test_send_bounds);
   run("round_trip_fds", test_round_trip_fds);
