@@ -313,7 +313,6 @@ def check(rc: int) -> int:
 # --------------------------------------------------------------------------- one connection
 
 
-
 @dataclass(frozen=True)
 class DaemonInfo:
     """What subletd said about itself and its device (struct sublet_info)."""
