@@ -120,7 +120,6 @@ void sl_client_gone_clear(struct sl_client_gone *gone) {
     return;
   free(gone->free_regions);
   free(gone->draining_loans);
-  free(gone->orphaned_loans);
   memset(gone, 0, sizeof(*gone));
 }
 
@@ -1054,11 +1053,10 @@ static int gone_reserve(const struct sl_books *b, uint64_t client_id,
 
   for (size_t i = 0; i < b->nregions; i++)
     owned += b->regions[i].owner_client == client_id;
-  /* One loan at most: one draining or orphaned entry at most. */
+  /* One loan at most: one draining entry at most. */
   g->free_regions = owned ? malloc(owned * sizeof(uint64_t)) : NULL;
   g->draining_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
-  g->orphaned_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
-  if ((owned && !g->free_regions) || (b->loan && (!g->draining_loans || !g->orphaned_loans))) {
+  if ((owned && !g->free_regions) || (b->loan && !g->draining_loans)) {
     sl_client_gone_clear(g);
     return SUBLET_ENOHOSTMEM;
   }
@@ -1087,11 +1085,9 @@ static void loan_drop_client(struct sl_books *b, uint64_t client_id, struct sl_c
   }
   if (l->state == SL_LOAN_ACTIVE && l->borrower_client == client_id)
     loan_drop_borrower(b, l, g);
-  if (l->owner_client == client_id) {
+  if (l->owner_client == client_id) { /* the borrower hears of it at its next request */
     l->owner_gone = 1;
     l->stats.owner_gone = 1;
-    if (l->state == SL_LOAN_ACTIVE)
-      g->orphaned_loans[g->norphaned++] = l->id;
   }
 }
 

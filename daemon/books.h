@@ -101,8 +101,6 @@ struct sl_client_gone {
                                  the client's process has fully exited (its GPU work may still
                                  be in flight until then) */
   size_t ndraining;
-  uint64_t *orphaned_loans;   /* the client was their owner and another client borrows them */
-  size_t norphaned;
 };
 
 struct sl_region_info {

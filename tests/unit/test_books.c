@@ -765,7 +765,7 @@ static void test_remove_idle_owner(void) {
   CHECK_EQ(gone.nfree_regions, 2);
   CHECK_EQ(gone.free_regions[0], r1);
   CHECK_EQ(gone.free_regions[1], r3);
-  CHECK_EQ(gone.ndraining + gone.norphaned, 0);
+  CHECK_EQ(gone.ndraining, 0);
   sl_client_gone_clear(&gone);
   sl_books_totals(b, &t);
   CHECK_EQ(t.regions, 1);
@@ -786,7 +786,7 @@ static void test_remove_offering_owner(void) {
   CHECK_EQ(sl_books_client_remove(b, a, &gone), 0);
   CHECK_EQ(gone.nfree_regions, 1);
   CHECK_EQ(gone.free_regions[0], r);
-  CHECK_EQ(gone.ndraining + gone.norphaned, 0);
+  CHECK_EQ(gone.ndraining, 0);
   sl_client_gone_clear(&gone);
   CHECK_EQ(sl_books_current_loan(b), 0);
   BOOKS_OK(b);
@@ -801,7 +801,7 @@ static void test_remove_borrower(void) {
   struct sl_loan_info li;
 
   CHECK_EQ(sl_books_client_remove(s.b, s.user, &gone), 0);
-  CHECK_EQ(gone.nfree_regions + gone.norphaned, 0);
+  CHECK_EQ(gone.nfree_regions, 0);
   CHECK_EQ(gone.ndraining, 1);
   CHECK_EQ(gone.draining_loans[0], s.loan);
   sl_client_gone_clear(&gone);
@@ -842,8 +842,6 @@ static void test_remove_owner_of_active(void) {
   CHECK_EQ(sl_books_client_remove(s.b, s.owner, &gone), 0);
   CHECK_EQ(gone.nfree_regions, 1);
   CHECK_EQ(gone.free_regions[0], s.idle_r);
-  CHECK_EQ(gone.norphaned, 1);
-  CHECK_EQ(gone.orphaned_loans[0], s.loan);
   CHECK_EQ(gone.ndraining, 0);
   sl_client_gone_clear(&gone);
   CHECK_EQ(info(s.b, s.loan).owner_gone, 1);
@@ -876,7 +874,7 @@ static void test_remove_self_borrower(void) {
   borrow(b, a, loan, 0);
   alloc(b, a, PS, NULL);
   CHECK_EQ(sl_books_client_remove(b, a, &gone), 0);
-  CHECK_EQ(gone.nfree_regions + gone.norphaned, 0);
+  CHECK_EQ(gone.nfree_regions, 0);
   CHECK_EQ(gone.ndraining, 1);
   sl_client_gone_clear(&gone);
   BOOKS_OK(b);
@@ -902,7 +900,6 @@ static void test_remove_both(int borrower_first) {
   BOOKS_OK(s.b);
   CHECK_EQ(sl_books_client_remove(s.b, borrower_first ? s.owner : s.user, &gone), 0);
   CHECK_EQ(gone.ndraining, !borrower_first);
-  CHECK_EQ(gone.norphaned, 0);
   CHECK_EQ(gone.nfree_regions, borrower_first ? 1 : 0);
   sl_client_gone_clear(&gone);
   BOOKS_OK(s.b);
@@ -1633,9 +1630,8 @@ static void op_finish(struct model *m) {
   sl_loan_end_clear(&end);
 }
 
-/* What the loan does when client cid leaves; fills the expected draining/orphaned ids. */
-static void m_loan_drop_client(struct model *m, uint64_t cid, uint64_t *draining,
-                               uint64_t *orphaned) {
+/* What the loan does when client cid leaves; fills the expected draining id. */
+static void m_loan_drop_client(struct model *m, uint64_t cid, uint64_t *draining) {
   struct m_loan *l = m->loan;
 
   if (l == NULL)
@@ -1651,15 +1647,12 @@ static void m_loan_drop_client(struct model *m, uint64_t cid, uint64_t *draining
     m->died++;
     *draining = l->id;
   }
-  if (l->owner == cid) {
+  if (l->owner == cid)
     l->owner_gone = 1;
-    if (l->state == SL_LOAN_ACTIVE)
-      *orphaned = l->id;
-  }
 }
 
 static void op_client_remove(struct model *m) {
-  uint64_t cid = pick_client(m), draining = 0, orphaned = 0;
+  uint64_t cid = pick_client(m), draining = 0;
   int want = m_live_client(m, cid) ? 0 : SUBLET_ENOENT;
   struct sl_client_gone gone;
   size_t nfree = 0;
@@ -1668,7 +1661,7 @@ static void op_client_remove(struct model *m) {
   if (want != 0)
     return;
   m->c[cid].live = 0;
-  m_loan_drop_client(m, cid, &draining, &orphaned);
+  m_loan_drop_client(m, cid, &draining);
   for (uint64_t rid = 1; rid <= m->nregions; rid++) {
     if (!m->r[rid].live || m->r[rid].owner != cid || m_region_lent(m, rid))
       continue;
@@ -1678,11 +1671,8 @@ static void op_client_remove(struct model *m) {
   }
   CHECK_EQ(gone.nfree_regions, nfree);
   CHECK_EQ(gone.ndraining, draining != 0);
-  CHECK_EQ(gone.norphaned, orphaned != 0);
   if (gone.ndraining)
     CHECK_EQ(gone.draining_loans[0], draining);
-  if (gone.norphaned)
-    CHECK_EQ(gone.orphaned_loans[0], orphaned);
   sl_client_gone_clear(&gone);
 }
 
