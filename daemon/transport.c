@@ -144,7 +144,8 @@ static int accept_without_fds(struct sl_transports *s, int listen_fd, struct sl_
   if (fd >= 0)
     refuse(s, fd, err->code, err->msg);
   s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  return err->code;
+  /* With the table full accept fails even when nobody is waiting: then there was nobody */
+  return fd >= 0 ? err->code : -EAGAIN;
 }
 
 static int admit(struct sl_transports *s, const struct ucred *peer, struct sl_err *err) {

@@ -304,6 +304,35 @@ static void test_connection_cap(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* A flood of connections fills the daemon's fd table: the one that finds it full is told so
+ * (a spare fd is given up to accept it), the connected clients go on, and once some leave, a
+ * new one is served: accepting never stalls. */
+static void test_fd_table_full(void) {
+  struct sl_test_daemon d;
+  struct sublet_info info;
+  sublet_client *c[64], *late;
+  int n = 0, rc = 0;
+
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, 64 * PAGE, &(struct sl_test_daemon_opts){.nofile = 64})
+        == 0);
+  while (n < 64 && (rc = sublet_connect(d.socket, &c[n])) == 0)
+    n++;
+  printf("  %d clients connected, the next one: %s\n", n, sublet_last_error());
+  CHECK(n > 4 && n < 64);
+  CHECK_RC(rc, SUBLET_ENOHOSTMEM);
+  CHECK(strstr(sublet_last_error(), "file descriptor") != NULL);
+  CHECK_RC(sublet_get_info(c[0], &info), 0);
+  for (int i = n / 2; i < n; i++)
+    sublet_disconnect(c[i]);
+  usleep(100000); /* the daemon closes them */
+  CHECK_RC(sublet_connect(d.socket, &late), 0);
+  CHECK_RC(sublet_get_info(late, &info), 0);
+  sublet_disconnect(late);
+  for (int i = 0; i < n / 2; i++)
+    sublet_disconnect(c[i]);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 /* A call to a daemon that does not answer (SIGSTOP) fails with ETIMEDOUT at its deadline, and
  * says so; Reclaim's deadline is its own wait plus the same. */
 static void test_stopped_daemon(void) {
@@ -442,6 +471,7 @@ int main(void) {
   sl_test_run("hostile clients beside a good one", test_hostile_clients_beside_a_good_one);
   sl_test_run("partial frame deadline", test_partial_frame_deadline);
   sl_test_run("connection cap", test_connection_cap);
+  sl_test_run("fd table full", test_fd_table_full);
   sl_test_run("stopped daemon", test_stopped_daemon);
   sl_test_run("SIGHUP is harmless", test_sighup_is_harmless);
   sl_test_run("allowed group by supplementary membership",
