@@ -166,8 +166,9 @@ SUBLET_EXPORT int sublet_withdraw(sublet_client *c, uint64_t loan_id);
 
 /* Borrowing. By id and token (token NULL: only the owner's own client may borrow), or by
  * name (loan_id 0); name NULL and loan_id 0: the next offer on this device. */
-SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[SUBLET_TOKEN_SIZE],
-                                const char *name, int timeout_ms);
+SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id,
+                                const uint8_t token[SUBLET_TOKEN_SIZE], const char *name,
+                                int timeout_ms);
 SUBLET_EXPORT int sublet_alloc(sublet_client *c, uint64_t size, void **ptr);
 SUBLET_EXPORT int sublet_free(sublet_client *c, void *ptr);
 /* Ends the borrowing. With live allocations: SUBLET_ELEAK and the loan goes on (force == 0),
