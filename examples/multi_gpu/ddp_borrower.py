@@ -60,9 +60,10 @@ def main() -> None:
     # gradients, the optimiser's state and the collectives' outputs.
     net = model(device)
     ddp = DistributedDataParallel(net, device_ids=[rank])
-    # One step before the loan, as a running job has made: DDP rebuilds its gradient buckets
-    # after the first backward, and buckets made inside the loan would outlive it.
-    ddp(torch.zeros(1, 8, 512, device=device)).float().mean().backward()
+    # Two steps before the loan, as a running job has made: DDP rebuilds its gradient buckets
+    # in the forward after the first backward, and buckets made inside the loan outlive it.
+    for _ in range(2):
+        ddp(torch.zeros(1, 8, 512, device=device)).float().mean().backward()
     net.zero_grad(set_to_none=True)
     hang = os.environ.get("SUBLET_EXAMPLE_HANG_RANK") == str(rank)
 
