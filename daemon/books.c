@@ -666,19 +666,15 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
 
 /* The fresh zone of a region's next loan when `available` pages of free memory could back it.
  * A borrower keeps its window from one loan of a region to the next only while the zones keep
- * their sizes (client/window.c), and a few MiB that the owner's allocator caches between loans
- * must not cost a remap of the whole window. So the zone is the free memory rounded down to a
- * multiple of FRESH_QUANTUM pages (what was rounded off is headroom for the free memory to
- * shrink), and it stays as it was while the free memory covers it and has not grown by more
- * than an eighth of it (1024 pages at least). */
-enum { FRESH_QUANTUM = 256 };
-
+ * their sizes (client/window.c), so the zone stays as it was while the free memory is at least
+ * that and has not grown by more than an eighth (at least 1024 pages): a few MiB that the
+ * owner's allocator cached between loans must not cost a remap of the whole window. */
 static uint64_t steady_fresh(uint64_t last, uint64_t available) {
   uint64_t slack = last / 8 > 1024 ? last / 8 : 1024;
 
   if (last > 0 && available >= last && available - last <= slack)
     return last;
-  return available < FRESH_QUANTUM ? available : available - available % FRESH_QUANTUM;
+  return available;
 }
 
 int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,

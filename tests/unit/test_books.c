@@ -578,15 +578,14 @@ static void test_fresh_once(void) {
   sl_books_free(b);
 }
 
-/* The fresh zone is the free memory rounded down to 256 pages, and a region's next loan keeps
- * the zone of its last while the free memory covers it and has grown by no more than an eighth
- * (1024 pages at least): a borrower's window is kept from loan to loan only while the zones
- * keep their sizes (client/window.c). Below 256 pages the zone is what is free. */
+/* A region's next loan keeps the fresh zone of its last while the free memory covers it and
+ * has grown by no more than an eighth (1024 pages at least): a borrower's window is kept from
+ * loan to loan only while the zones keep their sizes (client/window.c). */
 static void test_fresh_zone_steady(void) {
   struct sl_books *b = books_new(PS, (gid_t)-1);
   uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 2);
-  const uint64_t offered[] = {4000, 3998, 4100, 4864, 4865, 3000, 3000, 100, 99};
-  const uint64_t zone[] = {3840, 3840, 3840, 3840, 4864, 2816, 2816, 100, 99};
+  const uint64_t offered[] = {4000, 4100, 5024, 5025, 3000, 3000};
+  const uint64_t zone[] = {4000, 4000, 4000, 5025, 3000, 3000};
 
   for (size_t i = 0; i < sizeof(zone) / sizeof(zone[0]); i++) {
     uint64_t loan = lend(b, owner, r, NULL, 0);
@@ -1277,10 +1276,10 @@ static void op_borrow(struct model *m) {
   l->state = SL_LOAN_ACTIVE;
   l->borrower = cid;
   /* the fresh zone of the region's last loan, unless the free memory fell below it or grew
-   * by more than max(an eighth, 1024 pages); else what is free, in steps of 256 pages */
+   * by more than max(an eighth, 1024 pages) */
   last = m->r[l->region].last_fresh;
   l->f = last > 0 && fresh >= last && fresh - last <= (last / 8 > 1024 ? last / 8 : 1024)
-             ? last : fresh >= 256 ? fresh / 256 * 256 : fresh;
+             ? last : fresh;
   m->r[l->region].last_fresh = l->f;
   l->owner_of = calloc(l->u + l->f + l->k + 1, sizeof(uint64_t));
   l->size_of = calloc(1, sizeof(uint64_t));
