@@ -26,7 +26,7 @@ from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavaila
                    LeakError,
                    NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
 from ._memory import Region, nbytes_of, parse_size, region_of, resolve_device, wrap
-from ._torch import LeakedBlock, PoolRouter
+from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
 
 _WAIT_SLICE_MS = 200
 _ELEAK = _lib.ERROR_CODES["ELEAK"]
@@ -180,6 +180,13 @@ class Loan:
               "before the `with` block ends.", _ELEAK, list(self.leaks), stats)
 
 
+def _prepare(device: torch.device, routing: bool) -> None:
+    """Before the daemon measures the free memory of a loan on a CUDA device: the borrower's
+    side (routing) or the owner's of an offer (PyTorch's cache given back only)."""
+    if device.type == "cuda":
+        (prepare_routing if routing else release_cached)(device.index)
+
+
 def _check_device_free(device: torch.device) -> None:
     if device in _active:
         raise BusyError(f"a loan is already active on {device} in this process: one loan per "
@@ -216,6 +223,7 @@ class LocalLoan(Loan):
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
         _check_device_free(region.device)
+        _prepare(region.device, routing=True)
         _claim(region)
         try:
             if self._verify:
@@ -290,6 +298,7 @@ class Offer:
         self.name = name
         self._region = region_of(tensor)
         ranges = _ranges_for(self._region, tensor, keep)
+        _prepare(self._region.device, routing=False)
         _claim(self._region)
         try:
             self._snapshot = (_verify.Snapshot(self._region, tensor, ranges)
@@ -367,6 +376,7 @@ class BorrowedLoan(Loan):
     def __enter__(self) -> "BorrowedLoan":
         device, client = resolve_device(self._want_device)
         _check_device_free(device)
+        _prepare(device, routing=True)
         what = f"named {self.name!r}" if self.name else "(any)"
         _in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
                    f"no loan {what} was offered on {device} within {self._timeout} s",

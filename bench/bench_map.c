@@ -1,0 +1,102 @@
+/* bench_map.c - what mapping memory costs on this device, per GiB, through the same device
+ * layer the client library uses: the first loan of a window pays it, later loans must not.
+ *
+ *   sublet_bench_map [cuda|memfd] [GiB]
+ *
+ * For `pages` handles of one page each (a region's pages, as the window maps them) and for one
+ * handle of the same size (a fresh chunk), it times create, reserve, map, one access call over
+ * the whole span, unmap (page by page) and release. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "device.h"
+
+struct timing {
+  double create, map, access, unmap, release;
+};
+
+static int fail(const char *what, const struct sl_err *err) {
+  fprintf(stderr, "sublet_bench_map: %s: %s\n", what, err->msg);
+  return 1;
+}
+
+/* Maps n handles of `each` bytes side by side in one reservation and times every step. */
+static int run(struct sl_device *d, uint64_t n, uint64_t each, struct timing *t) {
+  sl_handle *h = calloc(n, sizeof(*h));
+  struct sl_err err = {0};
+  void *base = NULL;
+  double t0;
+  int rc = 1;
+
+  if (h == NULL)
+    return 1;
+  t0 = now();
+  for (uint64_t i = 0; i < n; i++)
+    if (sl_device_create(d, each, &h[i], &err) != 0)
+      goto out;
+  t->create = now() - t0;
+  if (sl_device_reserve(d, n * each, &base, &err) != 0)
+    goto out;
+  t0 = now();
+  for (uint64_t i = 0; i < n; i++)
+    if (sl_device_map(d, (char *)base + i * each, each, h[i], &err) != 0)
+      goto out;
+  t->map = now() - t0;
+  t0 = now();
+  if (sl_device_set_access(d, base, n * each, &err) != 0)
+    goto out;
+  t->access = now() - t0;
+  t0 = now();
+  for (uint64_t i = 0; i < n; i++)
+    sl_device_unmap_idle(d, (char *)base + i * each, each);
+  t->unmap = now() - t0;
+  rc = 0;
+out:
+  if (rc != 0)
+    fail("mapping", &err);
+  t0 = now();
+  for (uint64_t i = 0; i < n; i++)
+    if (h[i] != 0)
+      sl_device_release(d, h[i]);
+  t->release = now() - t0;
+  if (base != NULL)
+    sl_device_unreserve(d, base, n * each);
+  free(h);
+  return rc;
+}
+
+static void print(const char *label, const struct timing *t, double gib) {
+  printf("%-28s create %.4f  map %.4f  access %.4f  unmap %.4f  release %.4f  (s per GiB)\n",
+         label, t->create / gib, t->map / gib, t->access / gib, t->unmap / gib,
+         t->release / gib);
+}
+
+int main(int argc, char **argv) {
+  struct sl_device_params p = {.backend = argc > 1 ? argv[1] : "cuda"};
+  double gib = argc > 2 ? atof(argv[2]) : 4.0;
+  struct sl_device *d = NULL;
+  struct sl_err err = {0};
+  struct timing pages = {0}, one = {0};
+  uint64_t ps, n;
+
+  if (gib <= 0 || (argc > 1 && strcmp(argv[1], "--help") == 0)) {
+    fprintf(stderr, "usage: sublet_bench_map [cuda|memfd] [GiB, default 4]\n");
+    return 2;
+  }
+  if (sl_device_open(&p, &d, &err) != 0)
+    return fail("opening the device", &err);
+  ps = sl_device_info(d)->page_size;
+  n = (uint64_t)(gib * (1 << 30)) / ps;
+  gib = (double)(n * ps) / (1 << 30);
+  printf("%s, %.2f GiB in %" PRIu64 " pages of %" PRIu64 " KiB\n", sl_device_info(d)->name, gib,
+         n, ps >> 10);
+  if (run(d, n, ps, &pages) != 0 || run(d, 1, n * ps, &one) != 0)
+    return 1;
+  print("one handle per page:", &pages, gib);
+  print("one handle for all:", &one, gib);
+  sl_device_close(d);
+  return 0;
+}
