@@ -666,15 +666,18 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
 
 /* The fresh zone of a region's next loan when `available` pages of free memory could back it.
  * A borrower keeps its window from one loan of a region to the next only while the zones keep
- * their sizes (client/window.c), so the zone stays as it was while the free memory is at least
- * that and has not grown by more than an eighth (at least 1024 pages): a few MiB that the
- * owner's allocator cached between loans must not cost a remap of the whole window. */
-static uint64_t steady_fresh(uint64_t last, uint64_t available) {
+ * their sizes (client/window.c), so the zone stays as it was while the free memory has not
+ * fallen more than `give` pages below it (the daemon gives half its reserve: a CUDA module
+ * loaded lazily during the first loan takes a few MiB for good) and has not grown by more
+ * than an eighth (at least 1024 pages). A remap of the window costs far more than that. */
+static uint64_t steady_fresh(uint64_t last, uint64_t available, uint64_t give) {
   uint64_t slack = last / 8 > 1024 ? last / 8 : 1024;
 
-  if (last > 0 && available >= last && available - last <= slack)
-    return last;
-  return available;
+  if (last == 0)
+    return available;
+  if (available < last)
+    return last - available <= give ? last : available;
+  return available - last <= slack ? last : available;
 }
 
 int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
@@ -694,7 +697,7 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
   l->state = SL_LOAN_ACTIVE;
   l->borrower_client = c->id;
   l->borrower = c->peer;
-  l->fresh = region->last_fresh = steady_fresh(region->last_fresh, fresh_pages);
+  l->fresh = region->last_fresh = steady_fresh(region->last_fresh, fresh_pages, b->cfg.fresh_give);
   c->loan_id = l->id;
   if (borrowed_loan != NULL)
     *borrowed_loan = l->id;

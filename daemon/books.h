@@ -55,6 +55,8 @@ struct sl_peer {
 struct sl_books_config {
   uint64_t page_size;
   int no_compact;           /* save every kept byte of a lent page to the host, move none */
+  uint64_t fresh_give;      /* pages a region's fresh zone may stay above the free memory
+                               offered at borrow (books.c: steady_fresh) */
 };
 
 /* A grant: what one allocation gets, and the device work that must happen before it. */

@@ -578,14 +578,20 @@ static void test_fresh_once(void) {
   sl_books_free(b);
 }
 
-/* A region's next loan keeps the fresh zone of its last while the free memory covers it and
- * has grown by no more than an eighth (1024 pages at least): a borrower's window is kept from
- * loan to loan only while the zones keep their sizes (client/window.c). */
+/* A region's next loan keeps the fresh zone of its last while the free memory is no more
+ * than `fresh_give` pages (here 50) below it and has grown by no more than an eighth (1024
+ * pages at least): a borrower's window is kept from loan to loan only while the zones keep
+ * their sizes (client/window.c). */
 static void test_fresh_zone_steady(void) {
-  struct sl_books *b = books_new(PS, (gid_t)-1);
-  uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 2);
-  const uint64_t offered[] = {4000, 4100, 5024, 5025, 3000, 3000};
-  const uint64_t zone[] = {4000, 4000, 4000, 5025, 3000, 3000};
+  struct sl_books_config cfg = {.page_size = PS, .fresh_give = 50};
+  struct sl_books *b = NULL;
+  uint64_t owner, r;
+  const uint64_t offered[] = {4000, 4100, 5024, 5025, 4975, 4974, 3000, 3000, 2950};
+  const uint64_t zone[] = {4000, 4000, 4000, 5025, 5025, 4974, 3000, 3000, 3000};
+
+  CHECK_EQ(sl_books_new(&cfg, &b), 0);
+  owner = client(b, 1000, 1000);
+  r = region(b, owner, 2);
 
   for (size_t i = 0; i < sizeof(zone) / sizeof(zone[0]); i++) {
     uint64_t loan = lend(b, owner, r, NULL, 0);
@@ -979,6 +985,7 @@ static void test_compaction(void) {
 
 #define M_MAX 4096 /* clients or regions ever made in one run */
 #define M_ALLOW_GID 50
+#define M_GIVE 2 /* the books' fresh_give: a zone may stay 2 pages above the free memory */
 
 struct m_client {
   uid_t uid;
@@ -1278,7 +1285,7 @@ static void op_borrow(struct model *m) {
   /* the fresh zone of the region's last loan, unless the free memory fell below it or grew
    * by more than max(an eighth, 1024 pages) */
   last = m->r[l->region].last_fresh;
-  l->f = last > 0 && fresh >= last && fresh - last <= (last / 8 > 1024 ? last / 8 : 1024)
+  l->f = last > 0 && fresh + M_GIVE >= last && fresh <= last + (last / 8 > 1024 ? last / 8 : 1024)
              ? last : fresh;
   m->r[l->region].last_fresh = l->f;
   l->owner_of = calloc(l->u + l->f + l->k + 1, sizeof(uint64_t));
@@ -1747,7 +1754,8 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
   struct model *m = calloc(1, sizeof(*m));
   int before = failed;
 
-  struct sl_books_config cfg = {.page_size = page_size, .no_compact = !compact};
+  struct sl_books_config cfg = {.page_size = page_size, .no_compact = !compact,
+                                .fresh_give = M_GIVE};
 
   allow_gid = M_ALLOW_GID; /* client() marks its peers trusted as the daemon would */
   if (sl_books_new(&cfg, &m->b) != 0)
