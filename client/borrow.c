@@ -13,6 +13,7 @@
  * with the last one's imported handles when they are of the same region. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
+  struct sl_window_own mine = {0};
   struct sl_window *last = c->win;
   struct sl_err err = {0};
   int rc;
@@ -25,15 +26,16 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
     return 0;
   }
   c->win = NULL;
+  if (own != NULL)
+    mine = (struct sl_window_own){own->handles, own->base, own->lead_pages};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
-                     b->fresh_pages, b->kept_pages, b->layout,
-                     own != NULL ? own->handles : NULL, &c->win, &err);
+                     b->fresh_pages, b->kept_pages, b->layout, own != NULL ? &mine : NULL,
+                     &c->win, &err);
   if (rc == 0 && last != NULL && b->keep_window)
     sl_window_take_handles(c->win, last);
   sl_window_free(last); /* another region's: it may be gone */
   if (rc != 0)
     return sl_client_fail_err(&err);
-  c->win->region_base = own != NULL ? own->base : NULL;
   c->win->keep = own != NULL || b->keep_window;
   return 0;
 }

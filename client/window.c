@@ -13,13 +13,33 @@ static uint64_t window_pages(const struct sl_window *w) {
   return w->unkept + w->fresh + w->kept;
 }
 
+/* Can the loan be served on the owner's own mapping? Its kept zone must be the region's pages
+ * 0..n-1 in order, with nothing unkept before it, and its fresh zone fit below the region. */
+static int can_alias(const struct sl_window *w, const struct sl_window_own *own) {
+  if (own == NULL || w->unkept != 0 || w->kept != w->region_pages || w->fresh > own->lead_pages)
+    return 0;
+  for (uint64_t i = 0; i < w->kept; i++)
+    if (w->layout[i] != i)
+      return 0;
+  return 1;
+}
+
+/* Lays the window over the region's own mapping: its kept positions are mapped already. */
+static void alias(struct sl_window *w, const struct sl_window_own *own) {
+  w->base = (char *)own->base - w->fresh * w->page_size;
+  w->alias = w->fresh;
+  for (uint64_t p = w->alias; p < window_pages(w); p++)
+    w->mapped[p] = (int64_t)w->layout[p - w->fresh];
+}
+
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
                   uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
-                  const uint64_t *layout, sl_handle *handles, struct sl_window **out,
-                  struct sl_err *err) {
+                  const uint64_t *layout, const struct sl_window_own *own,
+                  struct sl_window **out, struct sl_err *err) {
   struct sl_window *w = calloc(1, sizeof(*w));
+  sl_handle *handles = own != NULL ? own->handles : NULL;
   uint64_t total = unkept + fresh + kept;
-  int rc;
+  int rc = 0;
 
   if (w == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
@@ -30,6 +50,8 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   w->unkept = unkept;
   w->fresh = fresh;
   w->kept = kept;
+  w->alias = total;
+  w->region_base = own != NULL ? own->base : NULL;
   w->layout = malloc((unkept + kept + 1) * sizeof(*w->layout));
   w->mapped = malloc((total + 1) * sizeof(*w->mapped));
   w->owns_handles = handles == NULL;
@@ -42,7 +64,10 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
   for (uint64_t i = 0; i < total; i++)
     w->mapped[i] = POS_UNMAPPED;
-  rc = total > 0 ? sl_device_reserve(dev, total * page_size, &w->base, err) : 0;
+  if (can_alias(w, own))
+    alias(w, own);
+  else if (total > 0 && (rc = sl_device_reserve(dev, total * page_size, &w->base, err)) == 0)
+    w->owns_base = 1;
   if (rc != 0) {
     sl_window_free(w);
     return rc;
@@ -87,6 +112,9 @@ static void *pos_addr(const struct sl_window *w, uint64_t pos) {
 static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct sl_err *err) {
   int rc;
 
+  if (pos >= w->alias) /* the region's own mapping: never remapped here */
+    return sl_err_set(err, SUBLET_EPROTO, "position %llu of a loan served in place moved",
+                      (unsigned long long)pos);
   /* A page changed since the last loan, which ended synchronised: nothing uses it now. */
   if (w->mapped[pos] >= 0)
     sl_device_unmap_idle(w->dev, pos_addr(w, pos), w->page_size);
@@ -190,10 +218,11 @@ void sl_window_free(struct sl_window *w) {
   if (w->base != NULL) {
     sl_window_drop_chunks(w);
     sl_device_synchronize(w->dev, NULL);
-    for (uint64_t p = 0; p < window_pages(w); p++)
+    for (uint64_t p = 0; p < w->alias; p++) /* the rest is the region's */
       if (w->mapped[p] >= 0)
         sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
-    sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
+    if (w->owns_base)
+      sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
   }
   if (w->owns_handles && w->handles != NULL)
     for (uint64_t i = 0; i < w->region_pages; i++)

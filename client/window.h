@@ -7,6 +7,12 @@
  * positions whose page changed are remapped, so mapping is paid once; in another process the
  * imported handles stay too, even when the window itself cannot (its zones changed size).
  * Fresh chunks are mapped when granted and dropped when the loan ends.
+ *
+ * Served in place: in the owner's process, a loan whose kept zone is every page of the region
+ * in order (it keeps bytes of every page: a paged KV cache's scattered live blocks) needs no
+ * window of its own. Its kept zone is the region's own mapping and its fresh zone the address
+ * space the region reserved right below it (region.c), so nothing but fresh chunks is ever
+ * mapped, at the first loan as at the next.
  */
 #ifndef SL_WINDOW_H
 #define SL_WINDOW_H
@@ -33,7 +39,9 @@ struct sl_window {
   uint64_t region_id, region_pages;
   uint64_t unkept, fresh, kept;   /* U, F, K */
   uint64_t *layout;               /* U + K region page indices */
-  void *base;                     /* U + F + K pages reserved */
+  void *base;                     /* U + F + K pages reserved, or aliased (owns_base 0) */
+  int owns_base;                  /* base is the window's reservation */
+  uint64_t alias;                 /* positions from here on are the region's own mapping */
   void *region_base;              /* the region's own mapping in this process, or NULL */
   int64_t *mapped;                /* per position: region page mapped there, or -1 */
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
@@ -46,12 +54,19 @@ struct sl_window {
   double map_seconds;
 };
 
-/* A window for a loan's layout. handles: the region's handles when this process owns the
- * region (borrowed, not freed), or NULL to import them as needed (window-owned). */
+/* The region this process owns, for a loan of it in the owner's process. */
+struct sl_window_own {
+  sl_handle *handles;             /* the region's (borrowed, not freed) */
+  void *base;                     /* its mapping */
+  uint64_t lead_pages;            /* address space reserved below base */
+};
+
+/* A window for a loan's layout. own: the region when this process owns it, else NULL (the
+ * window imports the handles it needs, and owns them). */
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
                   uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
-                  const uint64_t *layout, sl_handle *handles, struct sl_window **out,
-                  struct sl_err *err);
+                  const uint64_t *layout, const struct sl_window_own *own,
+                  struct sl_window **out, struct sl_err *err);
 /* Can w serve this loan's layout (same region and zone sizes)? Then adopt its layout. */
 int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,
                     uint64_t kept, const uint64_t *layout);

@@ -125,9 +125,17 @@ def prepare_routing(device: int) -> None:
     release_cached(device)
 
 
+_warm: set[tuple[int, int]] = set()  # (device, stream) whose workspaces exist
+
+
 def warm_up_cublas(device: int) -> None:
     """Creates the cuBLAS(Lt) workspaces of the current stream before the loan: made inside
-    it, they would stay alive in the loan's pool and look like a leak."""
+    it, they would stay alive in the loan's pool and look like a leak. Once per stream, until
+    a loan's leak check clears them."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    if key in _warm:
+        return
+    _warm.add(key)
     with torch.cuda.device(device):
         a = torch.ones(8, 8, device=device)
         (a @ a).sum()
@@ -233,6 +241,7 @@ class PoolRouter:
             if self._pool_is_empty(pool):
                 return []
             clear()
+            _warm.clear()  # after either: the workspaces may be gone
             torch.cuda.synchronize(self.device)
             self._flush_deferred_frees()
         if self._pool_is_empty(pool):

@@ -550,3 +550,38 @@ def test_checksum_refuses_ranges_outside_the_region():
     with pytest.raises(sublet.SubletError, match="past the end of the region"):
         region.client.checksum(region.handle, np.array([[region.size - 8, 9]], np.uint64),
                                np.empty(1, np.uint64))
+
+
+def _fill_loan(loan: sublet.Loan) -> list[torch.Tensor]:
+    """Loan.empty() allocations of 4 pages, then of 1, until the loan is full, each written."""
+    out = []
+    for size in (4 * PAGE, PAGE):
+        while True:
+            try:
+                out.append(loan.empty(size, dtype=torch.uint8).fill_(len(out) % 250 + 1))
+            except sublet.SubletError:
+                break
+    return out
+
+
+@pytest.mark.parametrize("offset", [0, 8192, 40000])
+def test_a_loan_keeping_bytes_of_every_page_is_served_in_place(offset):
+    """A loan that keeps some bytes of every page (a paged KV cache's live blocks) is served on
+    the owner's own mapping: its kept pages where they are, its fresh zone right below them,
+    so that nothing is mapped but fresh chunks, at the first loan as at the next. Every
+    allocation lies in the address space the region reserved; every kept byte comes back."""
+    pages = 128
+    t, before = patterned(pages * PAGE, seed=offset)
+    keep = t.view(pages, PAGE)[:, offset:offset + 2000]   # 2000 bytes of every page
+    mask = kept_mask(t, keep)
+    lo, hi = t.data_ptr() - TOTAL - PAGE, t.data_ptr() + pages * PAGE   # the reservation
+    for i in range(3):
+        with sublet.lend(t, keep=keep) as loan:
+            held = _fill_loan(loan)
+            assert held and all(lo <= x.data_ptr() and x.data_ptr() + x.numel() <= hi
+                                for x in held), "an allocation outside the region's space"
+            del held
+        s = loan.stats
+        assert s.served_kept_bytes == pages * PAGE and s.served_unkept_bytes == 0
+        assert np.array_equal(t.numpy()[mask], before.numpy()[mask]), f"loan {i}"
+        t.view(pages, PAGE)[:, :offset].fill_(i)          # the owner writes unkept bytes
