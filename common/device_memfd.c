@@ -12,6 +12,8 @@
  * Copies are memcpy. $SUBLET_MEMFD_LINK (bytes per second, as "2G") makes them take as long as
  * they would over a host link of that speed, in steps of a MiB: tests use it to watch the
  * daemon serve others during a long copy, and to kill it in the middle of one.
+ * $SUBLET_MEMFD_PIN (bytes per second) does the same for pinning host memory (host_map), which
+ * takes seconds per 10 GiB on a GPU machine: tests use it to signal subletd while --pin runs.
  */
 #include "device.h"
 #include "hash.h"
@@ -42,6 +44,7 @@ struct memfd_device {
   pthread_mutex_t lock; /* guards the books below: the client calls from many threads */
   uint64_t created_bytes;
   uint64_t link_bps; /* $SUBLET_MEMFD_LINK: copies paced to it; 0: as fast as memcpy */
+  uint64_t pin_bps;  /* $SUBLET_MEMFD_PIN: host_map paced to it; 0: at once */
   /* owned[fd], indexed by fd because fds are small dense integers (bounded by the open-files
    * limit). It lets release/map/export refuse fds the device does not own. */
   struct owned_fd *owned;
@@ -103,7 +106,7 @@ static void fill_info(struct sl_device_info *info, int ordinal, uint64_t page, u
 static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
                       struct sl_err *err) {
   struct memfd_device *d;
-  uint64_t page, total, link;
+  uint64_t page, total, link, pin;
   int rc;
 
   rc = size_setting(p->page_size, "SUBLET_MEMFD_PAGE_SIZE", DEFAULT_PAGE_SIZE, &page, err);
@@ -113,12 +116,15 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
     rc = check_page_size(page, err);
   if (rc == 0)
     rc = size_setting(0, "SUBLET_MEMFD_LINK", UINT64_MAX, &link, err);
+  if (rc == 0)
+    rc = size_setting(0, "SUBLET_MEMFD_PIN", UINT64_MAX, &pin, err);
   if (rc != 0)
     return rc;
   d = calloc(1, sizeof(*d));
   if (d == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "memfd backend: out of host memory");
   d->link_bps = link == UINT64_MAX ? 0 : link;
+  d->pin_bps = pin == UINT64_MAX ? 0 : pin;
   pthread_mutex_init(&d->lock, NULL);
   fill_info(&d->base.info, p->ordinal, page, total);
   *out = &d->base;
@@ -390,17 +396,6 @@ static int memfd_host_alloc(struct sl_device *dev, uint64_t size, void **p, stru
   return 0;
 }
 
-static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
-                          int writable, void **p, struct sl_err *err) {
-  void *mem = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
-                   (off_t)offset);
-  if (mem == MAP_FAILED)
-    return sl_err_set(err, SUBLET_ENOMEM, "host_map of %llu bytes: %s",
-                      (unsigned long long)size, strerror(errno));
-  *p = mem;
-  return 0;
-}
-
 static void memfd_host_free(struct sl_device *dev, void *p, uint64_t size) {
   munmap(p, size);
 }
@@ -414,10 +409,26 @@ static double now_seconds(void) {
 
 /* Waits until done bytes would have crossed a link of bps bytes per second since t0. */
 static void pace(uint64_t bps, double t0, uint64_t done) {
-  double late = t0 + (double)done / (double)bps - now_seconds();
+  double late;
 
-  if (late > 0)
-    usleep((useconds_t)(late * 1e6));
+  while ((late = t0 + (double)done / (double)bps - now_seconds()) > 0) /* a signal cuts a sleep */
+    usleep((useconds_t)(late < 0.5 ? late * 1e6 : 5e5));
+}
+
+/* Pinning takes time on a GPU (the kernel faults in and locks every page): with
+ * $SUBLET_MEMFD_PIN, a writable mapping (a save area's) takes as long. */
+static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
+                          int writable, void **p, struct sl_err *err) {
+  double t0 = now_seconds();
+  void *mem = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+                   (off_t)offset);
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "host_map of %llu bytes: %s",
+                      (unsigned long long)size, strerror(errno));
+  if (writable && to_memfd(dev)->pin_bps > 0)
+    pace(to_memfd(dev)->pin_bps, t0, size);
+  *p = mem;
+  return 0;
 }
 
 static int memfd_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base,

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -229,6 +230,7 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
     return sl_err_set(err, rc, "out of host memory");
   if (d->cfg.pin_bytes > 0) {
     double t0 = sl_clock_now();
+    sl_info("pinning %s of host memory (--pin)", sl_format_size(a, d->cfg.pin_bytes));
     rc = sl_pool_host_reserve(d->pool, d->cfg.pin_bytes, err);
     if (rc != 0)
       return rc;
@@ -270,6 +272,9 @@ int main(int argc, char **argv) {
   d.cfg.listen_fd = activated_socket();
   d.cfg.notify = getenv("NOTIFY_SOCKET") != NULL;
   d.loop = uv_default_loop();
+  /* Until the loop's handler takes over (sl_server_start), SIGHUP is ignored: pinning host
+   * memory (--pin) can take tens of seconds, and a closed terminal must not kill us then. */
+  signal(SIGHUP, SIG_IGN);
   rc = open_device(&d, &err);
   default_socket(&d.cfg, path, sizeof(path));
   if (rc == 0)
