@@ -5,7 +5,7 @@
  *
  * For `pages` handles of one page each (a region's pages, as the window maps them) and for one
  * handle of the same size (a fresh chunk), it times create, reserve, map, one access call over
- * the whole span, unmap (page by page) and release. */
+ * the whole span, unmap (page by page, then in one call over all the mappings) and release. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +17,8 @@
 struct timing {
   double create, map, access, unmap, release;
 };
+
+static int whole_unmap; /* unmap every mapping of the span in one call, not one per handle */
 
 static int fail(const char *what, const struct sl_err *err) {
   fprintf(stderr, "sublet_bench_map: %s: %s\n", what, err->msg);
@@ -50,9 +52,17 @@ static int run(struct sl_device *d, uint64_t n, uint64_t each, struct timing *t)
     goto out;
   t->access = now() - t0;
   t0 = now();
-  for (uint64_t i = 0; i < n; i++)
-    sl_device_unmap_idle(d, (char *)base + i * each, each);
+  if (whole_unmap)
+    rc = sl_device_unmap_idle(d, base, n * each) == 0 ? 0 : 2;
+  else
+    for (uint64_t i = 0; i < n; i++)
+      sl_device_unmap_idle(d, (char *)base + i * each, each);
   t->unmap = now() - t0;
+  if (rc == 2) { /* refused: the mappings are still there */
+    fprintf(stderr, "sublet_bench_map: one unmap over %" PRIu64 " mappings is refused\n", n);
+    for (uint64_t i = 0; i < n; i++)
+      sl_device_unmap_idle(d, (char *)base + i * each, each);
+  }
   rc = 0;
 out:
   if (rc != 0)
@@ -97,6 +107,10 @@ int main(int argc, char **argv) {
     return 1;
   print("one handle per page:", &pages, gib);
   print("one handle for all:", &one, gib);
+  whole_unmap = 1;
+  if (run(d, n, ps, &pages) != 0)
+    return 1;
+  print("per page, one unmap call:", &pages, gib);
   sl_device_close(d);
   return 0;
 }
