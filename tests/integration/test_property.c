@@ -1,7 +1,8 @@
 /* test_property.c - thousands of random loans against a real subletd (memfd backend), through
  * the pair PyTorch calls (sublet_torch_alloc / sublet_torch_free).
  *
- * Every loan has a new random keep set (ranges of any size and alignment, everything, or
+ * Every loan has a new random keep set (ranges of any size and alignment, a few bytes of
+ * every page (served in place in the owner's process: client/window.h), everything, or
  * nothing) and a random borrower: allocations of random sizes (some too large to fit) and
  * frees in random order, every allocated byte written; some allocations outlive the loan
  * (a forced return) and are freed after it ended, right away or during the next loan. The
@@ -28,7 +29,7 @@
 #define REGION_PAGES 32u
 #define REGION (REGION_PAGES * PAGE)
 #define TOTAL (64u * PAGE)
-#define MAX_KEEP 8
+#define MAX_KEEP REGION_PAGES
 #define MAX_LIVE 48
 
 static struct sl_test_daemon daemon_;
@@ -60,7 +61,13 @@ static void pick_keep(uint64_t *s, struct keep *k) {
   uint64_t kind = below(s, 10);
 
   k->all = kind == 0;
-  k->n = kind <= 1 ? 0 : 1 + below(s, MAX_KEEP);
+  if (kind == 2) { /* a few bytes of every page: a KV cache's scattered live blocks */
+    k->n = REGION_PAGES;
+    for (size_t i = 0; i < k->n; i++)
+      k->r[i] = (struct sublet_range){i * PAGE + below(s, PAGE - 64), 1 + below(s, 64)};
+    return;
+  }
+  k->n = kind <= 1 ? 0 : 1 + below(s, 8);
   for (size_t i = 0; i < k->n; i++) {
     uint64_t off = below(s, REGION), most = longest[below(s, 4)];
     k->r[i].offset = off;
