@@ -7,6 +7,7 @@
  */
 #include "device.h"
 
+#include <stdio.h>
 #include <string.h>
 
 static const struct sl_device_ops *const backends[] = {
@@ -47,6 +48,16 @@ void sl_device_close(struct sl_device *d) {
 
 const struct sl_device_info *sl_device_info(const struct sl_device *d) {
   return &d->info;
+}
+
+const char *sl_device_uuid_text(char buf[SL_DEVICE_UUID_TEXT], const uint8_t uuid[16]) {
+  const uint8_t *u = uuid;
+
+  snprintf(buf, SL_DEVICE_UUID_TEXT,
+           "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
+           u[14], u[15]);
+  return buf;
 }
 
 int sl_device_free_bytes(struct sl_device *d, uint64_t *free_bytes, struct sl_err *err) {

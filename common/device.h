@@ -43,6 +43,11 @@ struct sl_device_info {
   uint64_t total_bytes;
 };
 
+/* A UUID as nvidia-smi -L and `sublet status` write it: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-..."
+ * (40 characters); returns buf. */
+#define SL_DEVICE_UUID_TEXT 41
+const char *sl_device_uuid_text(char buf[SL_DEVICE_UUID_TEXT], const uint8_t uuid[16]);
+
 /* One contiguous piece of a batched copy, as offsets from the two bases. */
 struct sl_copy {
   uint64_t dev_off;

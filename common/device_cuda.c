@@ -369,17 +369,9 @@ static void cuda_leave(void) {
 
 /* --- opening: find the GPU, check it can do what sublet needs, set up context and stream */
 
-/* As nvidia-smi -L prints it. */
-static const char *format_uuid(char buf[41], const uint8_t *u) {
-  snprintf(buf, 41, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-           u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13],
-           u[14], u[15]);
-  return buf;
-}
-
 static int find_by_uuid(const uint8_t *uuid, CUdevice *dev, struct sl_err *err) {
   int count = 0, i;
-  char wanted[41];
+  char wanted[SL_DEVICE_UUID_TEXT];
   CUuuid u;
 
   if (drv.cuDeviceGetCount(&count) != CUDA_SUCCESS)
@@ -391,7 +383,7 @@ static int find_by_uuid(const uint8_t *uuid, CUdevice *dev, struct sl_err *err) 
   }
   return sl_err_set(err, SUBLET_EINVAL,
                     "no GPU with UUID %s among the %d visible; check CUDA_VISIBLE_DEVICES and "
-                    "nvidia-smi -L", format_uuid(wanted, uuid), count);
+                    "nvidia-smi -L", sl_device_uuid_text(wanted, uuid), count);
 }
 
 static int find_by_ordinal(int ordinal, CUdevice *dev, struct sl_err *err) {

@@ -13,6 +13,7 @@
 #include "daemon.h"
 #include "log.h"
 #include "msg.h"
+#include "utf8.h"
 
 struct ctx {
   struct sl_conn *c;
@@ -22,28 +23,6 @@ struct ctx {
 };
 
 /* ---- loan names: UTF-8 of 1 to 63 bytes, no NUL (LoanName in sublet.proto) */
-
-/* The length of the UTF-8 sequence at s (n bytes left), or 0 when it is not one: a stray
- * continuation byte, a truncated sequence, an overlong form, a surrogate, above U+10FFFF. */
-static size_t utf8_sequence(const uint8_t *s, size_t n) {
-  static const uint32_t least[5] = {0, 0, 0x80, 0x800, 0x10000}; /* below: overlong */
-  size_t len = s[0] < 0x80 ? 1 : s[0] >= 0xc2 && s[0] < 0xe0 ? 2 : s[0] >= 0xe0 && s[0] < 0xf0
-               ? 3 : s[0] >= 0xf0 && s[0] < 0xf5 ? 4 : 0;
-  uint32_t cp = len == 1 ? s[0] : s[0] & (0x7f >> len);
-
-  if (len == 0 || len > n)
-    return 0;
-  for (size_t i = 1; i < len; i++) {
-    if ((s[i] & 0xc0) != 0x80)
-      return 0;
-    cp = cp << 6 | (s[i] & 0x3f);
-  }
-  if (cp < least[len])
-    return 0;
-  if ((cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff)
-    return 0;
-  return len;
-}
 
 /* Copies a request's loan name into out[64] ("" when absent), or refuses it. */
 static int loan_name(struct ctx *x, protobuf_c_boolean has, ProtobufCBinaryData name,
@@ -57,7 +36,7 @@ static int loan_name(struct ctx *x, protobuf_c_boolean has, ProtobufCBinaryData 
     return sl_err_set(&x->err, SUBLET_EINVAL, "a loan name is at most 63 bytes, not %zu: "
                       "use a shorter name", name.len);
   for (size_t i = 0; i < name.len; i += len) {
-    len = name.data[i] == 0 ? 0 : utf8_sequence(name.data + i, name.len - i);
+    len = name.data[i] == 0 ? 0 : sl_utf8_sequence(name.data + i, name.len - i);
     if (len == 0)
       return sl_err_set(&x->err, SUBLET_EINVAL, "a loan name is UTF-8 text without NUL; "
                         "byte %zu of this one (0x%02x) is not: use another name", i,

@@ -513,12 +513,12 @@ class Client:
         return LoanStats.from_c(stats)
 
     def status(self) -> dict:
-        """The daemon's status (device, regions, the loan in progress, totals) as parsed JSON;
-        bytes that are not UTF-8 (a name from an older daemon) are replaced, not fatal."""
+        """The daemon's status (device, regions, the loan in progress, totals) as parsed JSON
+        (always valid UTF-8: libsublet replaces bytes that are not, from an older daemon)."""
         out = c_void_p()
         check(lib().sublet_status_json(self.handle, ctypes.byref(out)))
         try:
-            return json.loads(ctypes.string_at(out.value).decode(errors="replace"))
+            return json.loads(ctypes.string_at(out.value))
         finally:
             lib().sublet_string_free(out)
 

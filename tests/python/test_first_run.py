@@ -1,7 +1,7 @@
 """The first run on a new machine: the README's quickstart runs with or without a GPU (without
 one, on the memfd backend with CPU tensors, and it says so), and when the user's daemon that
 sublet starts on demand cannot start, its own words reach the exception; a build that lacks
-libuv says which package to install."""
+libuv or jansson says which package to install."""
 
 from __future__ import annotations
 
@@ -55,14 +55,28 @@ def test_own_daemon_start_error_reaches_the_exception(native, tmp_path, runtime_
     assert 'SUBLET_MEMFD_TOTAL="lots" is not a size: write it as 2M, 512K or 1G' in r.stderr
 
 
-def test_a_build_without_libuv_names_the_package(tmp_path):
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not installed")
-    empty = tmp_path / "no-pc-files"
-    empty.mkdir()
+def configure_with_only(tmp_path, modules: list[str]) -> str:
+    """CMake's error when pkg-config finds only these modules: its message, unwrapped."""
+    if shutil.which("cmake") is None or shutil.which("pkg-config") is None:
+        pytest.skip("cmake or pkg-config is not installed")
+    pcdir = tmp_path / "pc-files"
+    pcdir.mkdir()
+    for module in modules:
+        found = subprocess.run(["pkg-config", "--variable=pcfiledir", module],
+                               capture_output=True, text=True).stdout.strip()
+        (pcdir / f"{module}.pc").symlink_to(Path(found) / f"{module}.pc")
     r = subprocess.run(["cmake", "-S", str(REPO), "-B", str(tmp_path / "build")],
                        capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PKG_CONFIG_LIBDIR=str(empty), PKG_CONFIG_PATH=""))
-    message = " ".join(r.stderr.split())  # CMake wraps its messages
+                       env=dict(os.environ, PKG_CONFIG_LIBDIR=str(pcdir), PKG_CONFIG_PATH=""))
     assert r.returncode != 0
+    return " ".join(r.stderr.split())  # CMake wraps its messages
+
+
+def test_a_build_without_libuv_names_the_package(tmp_path):
+    message = configure_with_only(tmp_path, [])
     assert "libuv not found" in message and "apt-get install libuv1-dev" in message
+
+
+def test_a_build_without_jansson_names_the_package(tmp_path):
+    message = configure_with_only(tmp_path, ["libuv", "libprotobuf-c"])
+    assert "jansson not found" in message and "apt-get install libjansson-dev" in message

@@ -1,0 +1,162 @@
+/* status_json.c - the daemon's Status as JSON, for `sublet status` and monitoring.
+ *
+ * JSON rather than a C struct: the Status message has lists (regions) and grows with the
+ * protocol, and its consumers (the Python CLI, scripts) parse JSON anyway. jansson writes it
+ * (quoting, escaping, numbers); this file says which field goes where, and turns each value
+ * into one that JSON holds, whatever the message says: text that is not UTF-8 (the daemon
+ * refuses such names, an older one may not) gets U+FFFD for each bad byte, a count above
+ * jansson's integers (2^63 - 1) becomes a real, a time that is not finite is null.
+ */
+#include "status_json.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "device.h"
+#include "utf8.h"
+
+static json_t *count_json(uint64_t v) {
+  return v <= INT64_MAX ? json_integer((json_int_t)v) : json_real((double)v);
+}
+
+/* Seconds to 10^-places, rounded as printf rounds them: the values sublet has always printed
+ * (JSON_REAL_PRECISION(15) then prints them as those decimals, exactly below 10^(15 - places)
+ * seconds). */
+static json_t *seconds_json(double s, int places) {
+  char text[40];
+
+  if (!isfinite(s))
+    return json_null();
+  if (fabs(s) < 1e15) { /* beyond, a double holds no fraction of a second to round */
+    snprintf(text, sizeof(text), "%.*f", places, s);
+    s = strtod(text, NULL);
+  }
+  return json_real(s);
+}
+
+static json_t *text_json(const char *s) {
+  const uint8_t *in = (const uint8_t *)(s != NULL ? s : "");
+  size_t n = strlen((const char *)in), len, o = 0;
+  char *out = malloc(3 * n + 1); /* each bad byte takes the 3 bytes of U+FFFD */
+  json_t *v;
+
+  if (out == NULL)
+    return NULL;
+  for (size_t i = 0; i < n; i += len) {
+    len = sl_utf8_sequence(in + i, n - i);
+    if (len > 0) {
+      memcpy(out + o, in + i, len);
+      o += len;
+    } else {
+      memcpy(out + o, "\xef\xbf\xbd", 3); /* U+FFFD, the replacement character */
+      o += 3;
+      len = 1;
+    }
+  }
+  v = json_stringn_nocheck(out, o);
+  free(out);
+  return v;
+}
+
+/* Short of 16 bytes (only from a broken message), the rest is zeros. */
+static json_t *uuid_json(const ProtobufCBinaryData *u) {
+  uint8_t uuid[16] = {0};
+  char text[SL_DEVICE_UUID_TEXT];
+
+  if (u->len > 0)
+    memcpy(uuid, u->data, u->len < 16 ? u->len : 16);
+  return json_string(sl_device_uuid_text(text, uuid));
+}
+
+/* "o" takes each part, NULL included (out of memory): json_pack then fails and frees them. */
+static json_t *region_json(const Sublet__RegionStatus *r, uint64_t page_size) {
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->region),
+                   "owner_pid", count_json(r->owner_pid), "owner_uid", count_json(r->owner_uid),
+                   "pages", count_json(r->pages), "bytes", count_json(r->pages * page_size),
+                   "loan", count_json(r->has_loan ? r->loan : 0));
+}
+
+static json_t *regions_json(const Sublet__Status *st) {
+  json_t *list = json_array();
+
+  for (size_t i = 0; list != NULL && i < st->n_regions; i++) {
+    if (json_array_append_new(list, region_json(st->regions[i], st->page_size)) != 0) {
+      json_decref(list);
+      return NULL;
+    }
+  }
+  return list;
+}
+
+static json_t *loan_stats_json(const Sublet__LoanStats *s) {
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                   "copied_out_bytes", count_json(s->copied_out_bytes),
+                   "copied_in_bytes", count_json(s->copied_in_bytes),
+                   "served_unkept_bytes", count_json(s->served_unkept_bytes),
+                   "served_fresh_bytes", count_json(s->served_fresh_bytes),
+                   "served_kept_bytes", count_json(s->served_kept_bytes),
+                   "peak_bytes", count_json(s->peak_bytes),
+                   "allocations", count_json(s->allocations),
+                   "copy_out_seconds", seconds_json(s->copy_out_seconds, 6),
+                   "moved_bytes", count_json(s->moved_bytes));
+}
+
+/* The loan's own fields, then its stats' in the same object. */
+static json_t *loan_json(const Sublet__LoanStatus *l, uint64_t page_size) {
+  json_t *loan;
+
+  if (l == NULL)
+    return json_null();
+  loan = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b}",
+                   "id", count_json(l->loan), "region", count_json(l->region),
+                   "state", text_json(l->state), "name", text_json(l->name),
+                   "borrower_pid", count_json(l->has_borrower_pid ? l->borrower_pid : 0),
+                   "borrower_uid", count_json(l->has_borrower_uid ? l->borrower_uid : 0),
+                   "unkept_pages", count_json(l->unkept_pages),
+                   "fresh_pages", count_json(l->fresh_pages),
+                   "kept_pages", count_json(l->kept_pages), "page_size", count_json(page_size),
+                   "live_bytes", count_json(l->live_bytes), "local", (int)l->local);
+  if (loan != NULL && json_object_update_new(loan, loan_stats_json(l->stats)) != 0) {
+    json_decref(loan);
+    return NULL;
+  }
+  return loan;
+}
+
+static json_t *totals_json(const Sublet__Status *st) {
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                   "loans_ended", count_json(st->loans_ended),
+                   "borrowers_died", count_json(st->borrowers_died),
+                   "copied_out_bytes", count_json(st->copied_out_bytes),
+                   "copied_in_bytes", count_json(st->copied_in_bytes),
+                   "served_unkept_bytes", count_json(st->served_unkept_bytes),
+                   "served_fresh_bytes", count_json(st->served_fresh_bytes),
+                   "served_kept_bytes", count_json(st->served_kept_bytes));
+}
+
+static json_t *status_object(const Sublet__Status *st) {
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                   "daemon_version", text_json(st->daemon_version),
+                   "uptime_seconds", seconds_json(st->uptime_seconds, 3),
+                   "backend", text_json(st->backend), "device_uuid", uuid_json(&st->device_uuid),
+                   "device_name", text_json(st->device_name),
+                   "device_ordinal", count_json(st->device_ordinal),
+                   "page_size", count_json(st->page_size),
+                   "total_bytes", count_json(st->total_bytes),
+                   "free_bytes", count_json(st->free_bytes),
+                   "host_bytes", count_json(st->host_bytes), "clients", count_json(st->clients),
+                   "regions", regions_json(st), "loan", loan_json(st->loan, st->page_size),
+                   "totals", totals_json(st));
+}
+
+char *sl_status_json(const Sublet__Status *st) {
+  json_t *obj = status_object(st);
+  /* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001) */
+  char *text = obj != NULL ? json_dumps(obj, JSON_REAL_PRECISION(15)) : NULL;
+
+  json_decref(obj);
+  return text;
+}
