@@ -222,16 +222,8 @@ static size_t seed_borrowed(uint8_t *buf) {
 }
 
 size_t sl_fuzz_seed(unsigned i, uint8_t *buf, size_t cap) {
-  static size_t (*const seeds[])(uint8_t *) = {seed_lend, seed_borrow, seed_error, seed_status,
-                                               seed_borrowed};
-  uint8_t tmp[1024];
-  size_t len;
+  static const sl_fuzz_seed_fn seeds[] = {seed_lend, seed_borrow, seed_error, seed_status,
+                                          seed_borrowed};
 
-  if (i >= sizeof(seeds) / sizeof(seeds[0]))
-    return 0;
-  len = seeds[i](tmp);
-  if (len > cap)
-    return 0;
-  memcpy(buf, tmp, len);
-  return len;
+  return sl_fuzz_seed_made(seeds, sizeof(seeds) / sizeof(seeds[0]), i, buf, cap);
 }

@@ -94,15 +94,7 @@ static size_t seed_odd_loan(uint8_t *buf) {
 }
 
 size_t sl_fuzz_seed(unsigned i, uint8_t *buf, size_t cap) {
-  static size_t (*const seeds[])(uint8_t *) = {seed_idle, seed_odd_loan};
-  uint8_t tmp[1024];
-  size_t len;
+  static const sl_fuzz_seed_fn seeds[] = {seed_idle, seed_odd_loan};
 
-  if (i >= sizeof(seeds) / sizeof(seeds[0]))
-    return 0;
-  len = seeds[i](tmp);
-  if (len > cap)
-    return 0;
-  memcpy(buf, tmp, len);
-  return len;
+  return sl_fuzz_seed_made(seeds, sizeof(seeds) / sizeof(seeds[0]), i, buf, cap);
 }
