@@ -20,5 +20,5 @@ SUBLET_EXPORT int sublet_status_json(sublet_client *c, char **json) {
 }
 
 SUBLET_EXPORT void sublet_string_free(char *s) {
-  free(s); /* json_dumps allocates with malloc (jansson's default allocator) */
+  free(s); /* status_json.c's text is malloc'ed */
 }

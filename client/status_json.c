@@ -152,11 +152,21 @@ static json_t *status_object(const Sublet__Status *st) {
                    "totals", totals_json(st));
 }
 
+/* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001).
+ * The text goes into a buffer of ours, not json_dumps's: jansson's allocator is the process's
+ * (json_set_alloc_funcs), and the caller frees the text with free(). */
 char *sl_status_json(const Sublet__Status *st) {
+  const size_t flags = JSON_REAL_PRECISION(15);
   json_t *obj = status_object(st);
-  /* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001) */
-  char *text = obj != NULL ? json_dumps(obj, JSON_REAL_PRECISION(15)) : NULL;
+  size_t len = obj != NULL ? json_dumpb(obj, NULL, 0, flags) : 0;
+  char *text = len > 0 ? malloc(len + 1) : NULL;
 
+  if (text != NULL && json_dumpb(obj, text, len, flags) == len) {
+    text[len] = '\0';
+  } else {
+    free(text);
+    text = NULL;
+  }
   json_decref(obj);
   return text;
 }

@@ -1,8 +1,8 @@
 /* test_status_json.c - the status printer (client/status_json.c): the exact text of
  * `sublet status --json` for a daemon's Status, and valid JSON whatever the message holds
  * (text that is not UTF-8, quotes and control characters, counts and times that JSON's
- * integers cannot hold). Each output is also parsed back with jansson, which refuses invalid
- * JSON and invalid UTF-8.
+ * integers cannot hold), and NULL without a leak when memory runs out. Each output is also
+ * parsed back with jansson, which refuses invalid JSON and invalid UTF-8.
  */
 #include <jansson.h>
 #include <math.h>
@@ -270,6 +270,37 @@ static void test_seconds(void) {
   json_decref(parsed);
 }
 
+/* ------------------------------------------------------------------ out of memory */
+
+static long allocations_left;
+
+static void *failing_malloc(size_t size) {
+  return allocations_left-- > 0 ? malloc(size) : NULL;
+}
+
+/* jansson's allocator failing at each of its allocations in turn: NULL, and nothing leaked
+ * (ASan's leak check in tests/run --sanitize); once enough succeed, the same text as ever,
+ * freed with free() although jansson allocated with another allocator. */
+static void test_out_of_memory(void) {
+  struct fixture f;
+  char *want, *got = NULL;
+  long n;
+
+  fixture_init(&f);
+  fixture_lend(&f);
+  want = sl_status_json(&f.st);
+  json_set_alloc_funcs(failing_malloc, free);
+  for (n = 0; got == NULL && n < 100000; n++) {
+    allocations_left = n;
+    got = sl_status_json(&f.st);
+  }
+  json_set_alloc_funcs(malloc, free);
+  CHECK(n > 10); /* it failed many times before it succeeded */
+  CHECK_TEXT(got, want);
+  free(got);
+  free(want);
+}
+
 int main(void) {
   test_idle_daemon();
   test_loan_in_progress();
@@ -278,6 +309,7 @@ int main(void) {
   test_odd_characters();
   test_numbers_at_their_limits();
   test_seconds();
+  test_out_of_memory();
   printf("status_json: %d checks passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
