@@ -20,6 +20,10 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
 
   if (b->n_layout != b->unkept_pages + b->kept_pages)
     return sl_client_fail(SUBLET_EPROTO, "subletd sent a layout of the wrong length");
+  if (last != NULL && last->pages_version != b->pages_version) {
+    sl_window_free(last); /* the region's pages were replaced since: its handles are stale */
+    c->win = last = NULL;
+  }
   if (last != NULL && sl_window_adopt(last, b->region, b->unkept_pages, b->fresh_pages,
                                       b->kept_pages, b->layout)) {
     last->keep = own != NULL || b->keep_window;
@@ -37,6 +41,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   if (rc != 0)
     return sl_client_fail_err(&err);
   c->win->keep = own != NULL || b->keep_window;
+  c->win->pages_version = b->pages_version;
   return 0;
 }
 

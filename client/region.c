@@ -10,38 +10,109 @@
 
 /* ------------------------------------------------------------------ regions */
 
+/* Imports pages [first, first+n) of a region, n <= SL_WIRE_MAX_FDS, into out[0..n). */
+static int fetch_batch(sublet_client *c, uint64_t region, uint64_t first, uint32_t n,
+                       sl_handle *out) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
+  struct sl_err err = {0};
+  int fds[SL_WIRE_MAX_FDS];
+  size_t nfds = SL_WIRE_MAX_FDS;
+  int rc;
+
+  pg.region = region;
+  pg.first = first;
+  pg.count = n;
+  req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
+  req.pages_get = &pg;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, 0);
+  if (rc == 0 && nfds != n)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
+  for (size_t i = 0; i < nfds; i++) {
+    /* Import, then close at once: never hold one fd per page. */
+    if (rc == 0 && sl_device_import(c->dev, fds[i], &out[i], &err) != 0)
+      rc = sl_client_fail_err(&err);
+    close(fds[i]);
+  }
+  return rc;
+}
+
 /* Imports pages [first, first+count) of a region into handles[first..]. */
 int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
                           sl_handle *handles) {
   while (count > 0) {
     uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
-    Sublet__Request req = SUBLET__REQUEST__INIT;
-    Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
-    struct sl_err err = {0};
-    int fds[SL_WIRE_MAX_FDS];
-    size_t nfds = SL_WIRE_MAX_FDS;
-    int rc;
+    int rc = fetch_batch(c, region, first, n, &handles[first]);
 
-    pg.region = region;
-    pg.first = first;
-    pg.count = n;
-    req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
-    req.pages_get = &pg;
-    rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, 0);
-    if (rc == 0 && nfds != n)
-      rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
-    for (size_t i = 0; i < nfds; i++) {
-      /* Import, then close at once: never hold one fd per page. */
-      if (rc == 0 && sl_device_import(c->dev, fds[i], &handles[first + i], &err) != 0)
-        rc = sl_client_fail_err(&err);
-      close(fds[i]);
-    }
     if (rc != 0)
       return rc;
     first += n;
     count -= n;
   }
   return 0;
+}
+
+/* Maps the new page h at page p's address in place of the old one, which goes. Takes h. */
+static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_handle h) {
+  void *at = (char *)r->base + p * r->page_size;
+  struct sl_err err = {0};
+  int rc;
+
+  sl_device_unmap_idle(c->dev, at, r->page_size);
+  rc = sl_device_map(c->dev, at, r->page_size, h, &err);
+  if (rc == 0)
+    rc = sl_device_set_access(c->dev, at, r->page_size, &err);
+  if (rc != 0) {
+    sl_device_release(c->dev, h);
+    return sl_client_fail(err.code, "mapping the fresh page %llu of region %llu failed (%s): "
+                          "the tensor has a hole there, release it",
+                          (unsigned long long)p, (unsigned long long)r->id, err.msg);
+  }
+  sl_device_release(c->dev, r->handles[p]);
+  r->handles[p] = h;
+  return 0;
+}
+
+static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+  while (count > 0) {
+    uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
+    sl_handle fresh[SL_WIRE_MAX_FDS] = {0};
+    int rc = fetch_batch(c, r->id, first, n, fresh);
+    uint32_t i;
+
+    for (i = 0; rc == 0 && i < n; i++)
+      rc = remap_page(c, r, first + i, fresh[i]);
+    for (; i < n; i++) /* what a failure left unmapped */
+      if (fresh[i] != 0)
+        sl_device_release(c->dev, fresh[i]);
+    if (rc != 0)
+      return rc;
+    first += n;
+    count -= n;
+  }
+  return 0;
+}
+
+/* After a loan to another user the daemon gave the pages that borrower was granted fresh
+ * pages, with the kept bytes restored into them, so that it cannot reach this memory again:
+ * they take the old ones' place in this process's mapping, at the same addresses (the
+ * tensor's pointers stay valid). runs: n (first, count) pairs of region pages. */
+static int region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs,
+                        size_t n) {
+  int rc = 0;
+
+  if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
+    sl_window_free(c->win); /* it maps the old pages with the region's handles */
+    c->win = NULL;
+  }
+  sl_device_synchronize(c->dev, NULL);
+  for (size_t i = 0; rc == 0 && i + 1 < n; i += 2) {
+    if (runs[i] >= r->npages || runs[i + 1] > r->npages - runs[i])
+      return sl_client_fail(SUBLET_EPROTO, "subletd sent fresh pages outside region %llu",
+                            (unsigned long long)r->id);
+    rc = remap_run(c, r, runs[i], runs[i + 1]);
+  }
+  return rc;
 }
 
 /* Unmaps and releases this process's side of a region (not the daemon's). */
@@ -345,6 +416,16 @@ static void loan_over(sublet_client *c, uint64_t loan_id) {
   }
 }
 
+/* The loan's end gave the region fresh pages (Reclaimed.replaced): they are mapped now. */
+static int replaced_pages(sublet_client *c, uint64_t loan_id, const Sublet__LoanStats *m) {
+  struct sublet_region *r = rescuable(c, loan_id);
+
+  if (r == NULL)
+    return sl_client_fail(SUBLET_EPROTO, "subletd replaced pages of loan %llu, whose region "
+                          "this client does not know", (unsigned long long)loan_id);
+  return region_remap(c, r, m->replaced, m->n_replaced);
+}
+
 static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
                            struct sublet_loan_stats *stats) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
@@ -361,6 +442,8 @@ static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, timeout_ms);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->reclaimed, stats);
+  if (rc == 0 && rep->reclaimed->n_replaced > 0)
+    rc = replaced_pages(c, loan_id, rep->reclaimed);
   /* Everything saved comes back: anything less means the daemon's restore failed. */
   if (rc == 0 && rep->reclaimed->copied_in_bytes != rep->reclaimed->copied_out_bytes)
     rc = sl_client_fail(SUBLET_EDEVICE, "subletd could not restore the kept bytes of loan "

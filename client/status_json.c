@@ -126,19 +126,37 @@ static json_t *loan_json(const Sublet__LoanStatus *l, uint64_t page_size) {
   return loan;
 }
 
+/* Borrowers that may still hold old pages of other users' regions (counted until they go). */
+static json_t *retained_json(const Sublet__Status *st) {
+  json_t *list = json_array();
+
+  for (size_t i = 0; list != NULL && i < st->n_retained; i++) {
+    const Sublet__RetainedStatus *r = st->retained[i];
+    if (json_array_append_new(list, json_pack("{s:o, s:o, s:o}", "pid", count_json(r->pid),
+                                              "uid", count_json(r->uid),
+                                              "bytes", count_json(r->bytes))) != 0) {
+      json_decref(list);
+      return NULL;
+    }
+  }
+  return list;
+}
+
 static json_t *totals_json(const Sublet__Status *st) {
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
                    "loans_ended", count_json(st->loans_ended),
                    "borrowers_died", count_json(st->borrowers_died),
                    "copied_out_bytes", count_json(st->copied_out_bytes),
                    "copied_in_bytes", count_json(st->copied_in_bytes),
                    "served_unkept_bytes", count_json(st->served_unkept_bytes),
                    "served_fresh_bytes", count_json(st->served_fresh_bytes),
-                   "served_kept_bytes", count_json(st->served_kept_bytes));
+                   "served_kept_bytes", count_json(st->served_kept_bytes),
+                   "replaced_bytes", count_json(st->replaced_bytes));
 }
 
 static json_t *status_object(const Sublet__Status *st) {
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
+                   "s:o}",
                    "daemon_version", text_json(st->daemon_version),
                    "uptime_seconds", seconds_json(st->uptime_seconds, 3),
                    "backend", text_json(st->backend), "device_uuid", uuid_json(&st->device_uuid),
@@ -149,7 +167,7 @@ static json_t *status_object(const Sublet__Status *st) {
                    "free_bytes", count_json(st->free_bytes),
                    "host_bytes", count_json(st->host_bytes), "clients", count_json(st->clients),
                    "regions", regions_json(st), "loan", loan_json(st->loan, st->page_size),
-                   "totals", totals_json(st));
+                   "retained", retained_json(st), "totals", totals_json(st));
 }
 
 /* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001).

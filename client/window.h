@@ -47,6 +47,7 @@ struct sl_window {
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
   int owns_handles;               /* imported for this window (another process's region) */
   int keep;                       /* kept after the loan for the region's next (Borrowed) */
+  uint64_t pages_version;         /* of the region's pages it maps (Borrowed.pages_version) */
   struct sl_window_chunk *chunks;
   size_t nchunks, chunkcap;
   struct sl_window_alloc *allocs;

@@ -69,6 +69,8 @@ void sl_msg_stats_to_proto(const struct sublet_loan_stats *s, Sublet__LoanStats 
   m->has_moved_bytes = m->has_move_seconds = 1;
   m->moved_bytes = s->moved_bytes;
   m->move_seconds = s->move_seconds;
+  m->has_replaced_pages = 1;
+  m->replaced_pages = s->replaced_pages;
 }
 
 void sl_msg_stats_from_proto(const Sublet__LoanStats *m, struct sublet_loan_stats *s) {
@@ -86,4 +88,5 @@ void sl_msg_stats_from_proto(const Sublet__LoanStats *m, struct sublet_loan_stat
   s->owner_gone = m->owner_gone;
   s->moved_bytes = m->moved_bytes;
   s->move_seconds = m->move_seconds;
+  s->replaced_pages = m->replaced_pages;
 }

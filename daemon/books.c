@@ -175,6 +175,12 @@ int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t regi
   return 0;
 }
 
+static int replacing_error(const struct sl_region *r, struct sl_err *err) {
+  return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is getting fresh pages after a loan "
+                    "to another user: reclaim the loan first (its reply comes once they are in "
+                    "place)", r->id);
+}
+
 int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err) {
   const struct sl_region *r = sl_books_find_region(b, region_id);
@@ -231,6 +237,8 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
                       "pages %" PRIu64 " to %" PRIu64 " (+%" PRIu64 ") are not all pages of "
                       "region %" PRIu64 " (%" PRIu64 " pages)", first, first + count - 1, count,
                       region_id, r->npages);
+  if (r->replacing)
+    return replacing_error(r, err);
   if (r->owner_client == client_id)
     return 0;
   l = sl_books_find_loan(b, r->loan_id);
@@ -245,7 +253,8 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
 
 static void region_fill_info(const struct sl_region *r, struct sl_region_info *ri) {
   *ri = (struct sl_region_info){.id = r->id, .owner_client = r->owner_client,
-                                .owner = r->owner, .npages = r->npages, .loan_id = r->loan_id};
+                                .owner = r->owner, .npages = r->npages, .loan_id = r->loan_id,
+                                .pages_version = r->pages_version, .replacing = r->replacing};
 }
 
 int sl_books_region_info(const struct sl_books *b, uint64_t region_id,
@@ -458,6 +467,8 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
                       "lend it", region_id, r->owner_client);
   if (b->loan != NULL)
     return device_busy(b, err);
+  if (r->replacing)
+    return replacing_error(r, err);
   if (name != NULL && strlen(name) >= NAME_SIZE)
     return sl_err_set(err, SUBLET_EINVAL, "loan name \"%.20s...\" is too long; use at most "
                       "%d bytes", name, NAME_SIZE - 1);
@@ -1037,6 +1048,29 @@ static int end_fill_restore(const struct sl_loan *l, struct sl_loan_end *end) {
   return 0;
 }
 
+/* A borrower of another user may have kept fds of the pages it was granted (window positions
+ * below hwm): they get fresh pages, so that it can never reach the owner's bytes again. Their
+ * old content is not needed: a granted page's kept bytes were moved to pages never granted or
+ * saved to the host before the grant, and the restore reads only those. */
+static int end_fill_replace(const struct sl_books *b, const struct sl_loan *l,
+                            struct sl_loan_end *end) {
+  const struct sl_region *r = sl_books_find_region(b, l->region_id);
+  uint64_t unkept = min_u64(l->hwm, l->unkept), kstart = sl_books_kept_start(l);
+  uint64_t kept = l->hwm > kstart ? l->hwm - kstart : 0, n = unkept + kept;
+
+  if (l->owner_gone || r == NULL || l->borrower.uid == r->owner.uid || n == 0)
+    return 0;
+  end->replace = malloc(n * sizeof(*end->replace));
+  if (end->replace == NULL)
+    return SUBLET_ENOHOSTMEM;
+  /* pages[] holds the unkept pages, then the kept ones, each ascending: merge them. */
+  for (uint64_t i = 0, j = 0; i < unkept || j < kept;)
+    end->replace[end->nreplace++] =
+        j == kept || (i < unkept && l->pages[i] < l->pages[l->unkept + j])
+            ? l->pages[i++] : l->pages[l->unkept + j++];
+  return 0;
+}
+
 static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
                           struct sl_loan_end *end) {
   memset(end, 0, sizeof(*end));
@@ -1044,10 +1078,12 @@ static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
   end->region_id = l->region_id;
   end->owner_client = l->owner_client;
   end->borrower_client = l->borrower_client;
+  end->borrower_uid = l->borrower.uid;
   end->free_region = l->owner_gone;
   end->stats = l->stats;
   end->stats.owner_gone = l->owner_gone;
-  if (end_fill_restore(l, end) < 0 || end_fill_chunks(l, end) < 0) {
+  if (end_fill_restore(l, end) < 0 || end_fill_chunks(l, end) < 0 ||
+      end_fill_replace(b, l, end) < 0) {
     sl_loan_end_clear(end);
     return SUBLET_ENOHOSTMEM;
   }
@@ -1055,9 +1091,41 @@ static int loan_end_build(const struct sl_books *b, const struct sl_loan *l,
 }
 
 static void loan_end_apply(struct sl_books *b, const struct sl_loan_end *end) {
+  struct sl_region *r = sl_books_find_region(b, end->region_id);
+
   b->counters.loans_ended++;
   b->counters.copied_in_bytes += end->stats.copied_in_bytes;
+  if (r != NULL && end->nreplace > 0)
+    r->replacing = 1;
   loan_delete(b);
+}
+
+void sl_books_pages_replaced(struct sl_books *b, const struct sl_loan_end *end,
+                             size_t replaced) {
+  struct sl_region *r = sl_books_find_region(b, end->region_id);
+  struct sl_client *c = sl_books_find_client(b, end->borrower_client);
+
+  if (r != NULL) {
+    r->replacing = 0;
+    r->pages_version += replaced > 0;
+  }
+  if (c != NULL)
+    c->retained_pages += replaced;
+  b->counters.replaced_pages += replaced;
+}
+
+size_t sl_books_retained(const struct sl_books *b, struct sl_retained *out, size_t n) {
+  size_t k = 0;
+
+  for (size_t i = 0; i < b->nclients; i++) {
+    const struct sl_client *c = &b->clients[i];
+    if (c->retained_pages == 0)
+      continue;
+    if (k < n)
+      out[k] = (struct sl_retained){c->id, c->peer, c->retained_pages};
+    k++;
+  }
+  return k;
 }
 
 int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl_loan_end *end,
@@ -1103,6 +1171,7 @@ void sl_loan_end_clear(struct sl_loan_end *end) {
   free(end->restore);
   free(end->unmove);
   free(end->fresh_chunks);
+  free(end->replace);
   memset(end, 0, sizeof(*end));
 }
 
@@ -1229,4 +1298,7 @@ void sl_books_totals(const struct sl_books *b, struct sl_books_totals *t) {
   t->regions = b->nregions;
   t->region_pages = b->region_pages;
   t->loans = b->loan != NULL;
+  t->retained_pages = 0;
+  for (size_t i = 0; i < b->nclients; i++)
+    t->retained_pages += b->clients[i].retained_pages;
 }

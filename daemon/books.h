@@ -18,6 +18,12 @@
  *             may reach kept pages, whose kept bytes are saved to host memory before the
  *             allocation is granted.
  *
+ * Fresh pages for the owner: a borrower gets fds of the pages it is granted, and an fd cannot be
+ * revoked. When the borrower is another user than the owner, the loan's end (sl_loan_end's
+ * replace) gives every page it was granted a new page, and the old ones are never the owner's
+ * again; a borrower of the owner's own user costs nothing of the kind. The books plan it (the
+ * list), the daemon does it, sl_books_pages_replaced() commits it.
+ *
  * Two-phase allocation: sl_books_alloc_plan() computes a grant without changing anything; the
  * daemon does the device work it names (create the chunk, move, then save the kept bytes: off
  * the event loop, with the grant held by sl_books_alloc_hold() meanwhile) and then calls
@@ -84,6 +90,7 @@ struct sl_loan_end {
   uint64_t loan_id;
   uint64_t region_id;
   uint64_t owner_client, borrower_client;
+  uid_t borrower_uid;
   struct sl_copy *restore;    /* saved kept bytes to copy back first; empty when the owner is
                                  gone */
   size_t nrestore;
@@ -92,6 +99,10 @@ struct sl_loan_end {
   uint64_t *fresh_chunks;     /* chunk ids to release */
   size_t nfresh;
   int free_region;            /* the owner is gone: release the region's pages too */
+  uint64_t *replace;          /* the borrower is another user: these region pages (ascending:
+                                 every page it was granted) get fresh pages before the restore,
+                                 then sl_books_pages_replaced() */
+  size_t nreplace;
   struct sublet_loan_stats stats;
 };
 
@@ -111,6 +122,8 @@ struct sl_region_info {
   struct sl_peer owner;
   uint64_t npages;
   uint64_t loan_id;           /* 0: not lent */
+  uint64_t pages_version;     /* bumped whenever some of its pages were replaced */
+  int replacing;              /* its pages are being replaced (the last loan is ending) */
 };
 
 struct sl_loan_info {
@@ -135,6 +148,8 @@ struct sl_books_totals {
   uint64_t loans_ended, borrowers_died;
   uint64_t copied_out_bytes, copied_in_bytes, moved_bytes;
   uint64_t served_bytes[3];
+  uint64_t replaced_pages;    /* region pages replaced at the end of other users' loans */
+  uint64_t retained_pages;    /* of those, the ones counted against borrowers still connected */
 };
 
 int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out);
@@ -205,6 +220,20 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
                     struct sl_err *err);
 /* Ends a DRAINING loan (its borrower died) once its process is gone. */
 int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_end *end);
+/* The commit of an end's replace: the first `replaced` of end->replace have fresh pages now
+ * (all of them, or none when creating them failed). The region's pages_version goes up, the
+ * old pages count against the borrower (sl_books_client_retained) until it disconnects: the
+ * daemon cannot see when the last fd of one dies. Call it once per end with nreplace > 0. */
+void sl_books_pages_replaced(struct sl_books *b, const struct sl_loan_end *end,
+                             size_t replaced);
+/* The clients that may still hold old pages of other users' regions: up to n of them in out,
+ * in client order; returns how many there are. */
+struct sl_retained {
+  uint64_t client_id;
+  struct sl_peer peer;
+  uint64_t pages;
+};
+size_t sl_books_retained(const struct sl_books *b, struct sl_retained *out, size_t n);
 void sl_loan_end_clear(struct sl_loan_end *end);
 
 /* Observation */

@@ -13,6 +13,9 @@ struct sl_client {
   uint64_t id; /* first member: find_by_id() reads it */
   struct sl_peer peer;
   uint64_t loan_id; /* the loan it borrows; 0: none */
+  uint64_t retained_pages; /* old region pages it was granted as a borrower of another user
+                              and may still hold (fds cannot be revoked): counted until it
+                              disconnects */
 };
 
 struct sl_region {
@@ -22,6 +25,8 @@ struct sl_region {
   uint64_t npages;
   uint64_t loan_id;
   uint64_t last_fresh; /* the fresh zone of its last loan (books.c: steady_fresh) */
+  uint64_t pages_version; /* how many times its lent pages were replaced (books.h) */
+  int replacing;        /* its last loan's pages are being replaced: no Lend, no PagesGet */
 };
 
 struct sl_alloc {

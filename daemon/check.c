@@ -39,11 +39,16 @@ static int broken(struct check *ck, const char *fmt, ...) {
 
 static int check_clients(const struct sl_books *b, struct check *ck) {
   const struct sl_loan *l = b->loan;
+  uint64_t retained = 0;
 
   for (size_t i = 0; i < b->nclients; i++) {
     const struct sl_client *c = &b->clients[i];
     if (c->id == 0 || c->id >= b->next_client || (i > 0 && c->id <= c[-1].id))
       return broken(ck, "client %" PRIu64 " out of order or never issued", c->id);
+    retained += c->retained_pages;
+    if (retained > b->counters.replaced_pages)
+      return broken(ck, "clients retain %" PRIu64 " old pages, more than the %" PRIu64
+                    " ever replaced", retained, b->counters.replaced_pages);
     if (c->loan_id == 0)
       continue;
     if (l == NULL || l->id != c->loan_id || l->borrower_client != c->id ||
@@ -62,6 +67,9 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
   if (r->loan_id != 0 && (l == NULL || l->region_id != r->id))
     return broken(ck, "region %" PRIu64 " is lent to loan %" PRIu64 " which does not lend it",
                   r->id, r->loan_id);
+  if (r->replacing && r->loan_id != 0)
+    return broken(ck, "region %" PRIu64 " is lent again while its pages are being replaced",
+                  r->id);
   if (sl_books_find_client(b, r->owner_client) != NULL)
     return 0;
   if (l == NULL || !l->owner_gone)

@@ -176,12 +176,38 @@ void sl_conn_send_ok(struct sl_conn *c, uint64_t id) {
   sl_conn_send(c, &rep, NULL, 0);
 }
 
+/* Pages (ascending) as (first, count) pairs: *runs (the caller frees) gets 2 per run. */
+static int page_runs(const uint64_t *pages, size_t n, uint64_t **runs, size_t *nruns) {
+  size_t k = 0;
+
+  *runs = n > 0 ? malloc(2 * n * sizeof(**runs)) : NULL;
+  if (n > 0 && *runs == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (size_t i = 0; i < n; i++) {
+    if (k > 0 && (*runs)[k - 2] + (*runs)[k - 1] == pages[i]) {
+      (*runs)[k - 1]++;
+      continue;
+    }
+    (*runs)[k++] = pages[i];
+    (*runs)[k++] = 1;
+  }
+  *nruns = k;
+  return 0;
+}
+
 void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
-                        const struct sublet_loan_stats *s) {
+                        const struct sublet_loan_stats *s, const uint64_t *replaced, size_t n) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__LoanStats m;
+  struct sl_err err;
 
   sl_msg_stats_to_proto(s, &m);
+  if (page_runs(replaced, n, &m.replaced, &m.n_replaced) != 0) {
+    sl_err_set(&err, SUBLET_ENOHOSTMEM, "out of host memory for the list of the region's fresh "
+               "pages: its mapping in this process is stale, release the region");
+    sl_conn_send_error(c, id, &err);
+    return;
+  }
   rep.id = id;
   rep.body_case = returned ? SUBLET__REPLY__BODY_RETURNED : SUBLET__REPLY__BODY_RECLAIMED;
   if (returned)
@@ -189,4 +215,5 @@ void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
   else
     rep.reclaimed = &m;
   sl_conn_send(c, &rep, NULL, 0);
+  free(m.replaced);
 }

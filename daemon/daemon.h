@@ -123,6 +123,8 @@ struct sl_waiter {
 /* A loan's end its owner has not asked about yet (it asks with Reclaim). */
 struct sl_ended {
   struct sublet_loan_stats stats;
+  uint64_t *replaced;       /* the region pages that are new (ascending), owned */
+  size_t nreplaced;
   struct sl_ended *next;
 };
 
@@ -184,20 +186,23 @@ void sl_conn_close_now(struct sl_conn *c);
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds);
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err);
 void sl_conn_send_ok(struct sl_conn *c, uint64_t id);
-/* A loan's stats, as Returned (returned != 0) or Reclaimed. */
+/* A loan's stats, as Returned (returned != 0) or Reclaimed, this one with the region pages
+ * that are new (replaced[0..n), ascending; the caller's). */
 void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
-                        const struct sublet_loan_stats *s);
+                        const struct sublet_loan_stats *s, const uint64_t *replaced, size_t n);
 
 /* Waiters: park one (timeout_ms < 0: no timer), answer-and-free one, drop a conn's. */
 struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
                                  int timeout_ms);
 void sl_waiter_done(struct sl_waiter *w);
 void sl_waiters_cancel(struct sl_conn *c);
-/* Tells the owner that a loan ended: its waiting Reclaim, else its next one. */
+/* Tells the owner that a loan ended, and which of its region's pages are new (replaced, the
+ * caller's): its waiting Reclaim, else its next one. */
 void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
-                           uint64_t owner_client);
-/* Takes an ended loan's stats off the conn's list; returns 1 if it was there. */
-int sl_ended_take(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s);
+                           uint64_t owner_client, const uint64_t *replaced, size_t n);
+/* Takes an ended loan off the conn's list (NULL if not there); sl_ended_free() frees it. */
+struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan);
+void sl_ended_free(struct sl_ended *e);
 
 /* Carries out a loan's end on the device (endings.c): the kept bytes are copied back off the
  * loop, then fresh memory is released and the owner told; last, answer (may be NULL) gets the

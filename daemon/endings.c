@@ -2,7 +2,9 @@
  *
  * A loan ends when its borrower returns it, or when the borrower's connection goes: then only
  * once the borrower's process has fully exited (its GPU work may run until then), watched with
- * a pidfd. Either way the kept bytes come back before the owner hears of it.
+ * a pidfd. Either way the kept bytes come back before the owner hears of it. When the borrower
+ * is another user than the owner, the pages it was granted get fresh pages first (books.h),
+ * the kept bytes are restored into those, and the owner hears which to map.
  */
 #include <errno.h>
 #include <signal.h>
@@ -17,12 +19,14 @@
 struct end_job {
   struct sl_job job; /* first member */
   struct sl_loan_end end;
+  size_t replaced;   /* of end.replace: written by the transfer's run */
   sl_loan_answer_fn answer;
   void *arg;
 };
 
-/* The kept bytes are back (or could not be, rc): fresh memory released, the owner told, the
- * request that ended the loan answered. */
+/* The kept bytes are back (or could not be, rc): the books learn which pages are new, the
+ * owner is told (with them, to map them where the old ones were), the request that ended the
+ * loan answered. */
 static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const char *why,
                        double seconds, double move_seconds, struct sl_conn *c) {
   struct sl_loan_end *end = &ej->end;
@@ -34,17 +38,23 @@ static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const ch
     end->stats.copied_in_bytes = 0; /* nothing came back: the owner's client reports it */
   }
   end->stats.move_seconds = d->move_seconds + move_seconds;
-  for (size_t i = 0; i < end->nfresh; i++)
-    sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
+  if (end->nreplace > 0)
+    sl_books_pages_replaced(d->books, end, ej->replaced);
+  end->stats.replaced_pages = ej->replaced;
   if (end->free_region)
     sl_pool_region_destroy(d->pool, end->region_id);
-  sl_rescue_end(d, end->loan_id, rc == 0); /* before the owner hears: all is back */
+  /* Before the owner hears: all is back. Not in fresh pages the owner has yet to map: if the
+   * daemon dies before it has, its library restores from the save area, as mid-loan. */
+  sl_rescue_end(d, end->loan_id, rc == 0 && ej->replaced == 0);
   end->stats.copy_in_seconds = seconds;
   end->stats.copy_out_seconds = d->copy_out_seconds;
   sl_info("loan %llu ended: %s copied out and back%s", (unsigned long long)end->loan_id,
           sl_format_size(size, end->stats.copied_out_bytes),
           end->stats.borrower_died ? " (the borrower died)" : "");
-  sl_waiters_loan_ended(d, &end->stats, end->owner_client);
+  if (ej->replaced > 0)
+    sl_info("loan %llu: %zu pages the borrower (uid %u) was granted were replaced by fresh "
+            "ones", (unsigned long long)end->loan_id, ej->replaced, (unsigned)end->borrower_uid);
+  sl_waiters_loan_ended(d, &end->stats, end->owner_client, end->replace, ej->replaced);
   if (ej->answer != NULL)
     ej->answer(c, ej->arg, &end->stats);
   sl_loan_end_clear(end);
@@ -60,32 +70,66 @@ static void end_restored(struct sl_job *j) {
   free(ej);
 }
 
-/* A small restore, on the loop (sl_jobs_inline). */
+/* The device work of the end: fresh pages for the borrower's (another user's), then the kept
+ * bytes back; *t stays NULL when there is none. */
+static int end_transfer(struct sl_daemon *d, struct end_job *ej, struct sl_pool_transfer **t,
+                        struct sl_err *err) {
+  const struct sl_loan_end *end = &ej->end;
+  int rc;
+
+  *t = NULL;
+  if (end->nrestore + end->nunmove + end->nreplace == 0)
+    return 0;
+  rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, end->region_id, end->restore,
+                            end->nrestore, end->unmove, end->nunmove, t, err);
+  if (rc == 0 && end->nreplace > 0)
+    rc = sl_pool_transfer_replace(*t, end->replace, end->nreplace, &ej->replaced, err);
+  if (rc != 0) {
+    sl_pool_transfer_free(*t);
+    *t = NULL;
+  }
+  return rc;
+}
+
+/* A small end, on the loop (sl_jobs_inline). */
 static void end_now(struct sl_daemon *d, struct end_job *ej, struct sl_conn *c) {
   struct sl_pool_transfer *t = NULL;
   struct sl_err err = {0};
   double copy = 0, move = 0;
-  int rc = 0;
+  int rc = end_transfer(d, ej, &t, &err);
 
-  if (ej->end.nrestore + ej->end.nunmove > 0) {
-    rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, ej->end.region_id, ej->end.restore,
-                              ej->end.nrestore, ej->end.unmove, ej->end.nunmove, &t, &err);
-    if (rc == 0)
-      rc = sl_pool_transfer_run(t, &copy, &move, &err);
-    sl_pool_transfer_free(t);
-  }
+  if (rc == 0 && t != NULL)
+    rc = sl_pool_transfer_run(t, &copy, &move, &err);
+  sl_pool_transfer_free(t);
   end_finish(d, ej, rc, err.msg, copy, move, c);
   free(ej);
+}
+
+/* What the end costs on the device, in bytes, for sl_jobs_inline. */
+static uint64_t end_bytes(const struct sl_daemon *d, const struct sl_loan_end *end) {
+  return end->stats.copied_in_bytes + end->stats.moved_bytes +
+         end->nreplace * sl_device_info(d->dev)->page_size;
+}
+
+/* The borrower is done with the loan's fresh memory (it returned, or its process is gone):
+ * it goes first, which makes room for the fresh pages of the end. */
+static void release_fresh(struct sl_daemon *d, struct sl_loan_end *end) {
+  for (size_t i = 0; i < end->nfresh; i++)
+    sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
+  end->nfresh = 0;
 }
 
 void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
                        sl_loan_answer_fn answer, void *arg) {
   struct end_job *ej = calloc(1, sizeof(*ej));
 
+  release_fresh(d, end);
   if (ej == NULL) { /* cannot even queue it: the owner hears that nothing came back */
     sl_error("loan %llu: out of host memory for its restore", (unsigned long long)end->loan_id);
     end->stats.copied_in_bytes = 0;
-    sl_waiters_loan_ended(d, &end->stats, end->owner_client);
+    if (end->nreplace > 0)
+      sl_books_pages_replaced(d->books, end, 0);
+    sl_waiters_loan_ended(d, &end->stats, end->owner_client, NULL, 0);
     if (answer != NULL)
       answer(c, arg, &end->stats);
     sl_loan_end_clear(end);
@@ -95,16 +139,13 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
   memset(end, 0, sizeof(*end));
   ej->answer = answer;
   ej->arg = arg;
-  if (sl_jobs_inline(d, ej->end.stats.copied_in_bytes + ej->end.stats.moved_bytes)) {
+  if (sl_jobs_inline(d, end_bytes(d, &ej->end))) {
     end_now(d, ej, c);
     return;
   }
   ej->job.done = end_restored;
   ej->job.conn = c;
-  if (ej->end.nrestore + ej->end.nunmove > 0)
-    ej->job.rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, ej->end.region_id,
-                                      ej->end.restore, ej->end.nrestore, ej->end.unmove,
-                                      ej->end.nunmove, &ej->job.transfer, &ej->job.err);
+  ej->job.rc = end_transfer(d, ej, &ej->job.transfer, &ej->job.err);
   sl_job_submit(d, &ej->job);
 }
 
@@ -247,7 +288,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
   while (c->ended != NULL) {
     struct sl_ended *e = c->ended;
     c->ended = e->next;
-    free(e);
+    sl_ended_free(e);
   }
   if (c->client_id != 0 && sl_books_client_remove(d->books, c->client_id, &gone) == 0) {
     for (size_t i = 0; i < gone.nfree_regions; i++)

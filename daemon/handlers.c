@@ -233,12 +233,13 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
 }
 
 static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
-  struct sublet_loan_stats s;
+  struct sl_ended *e = sl_ended_take(x->c, m->loan);
   struct sl_waiter *w;
   int rc;
 
-  if (sl_ended_take(x->c, m->loan, &s)) {
-    sl_conn_send_stats(x->c, x->id, 0, &s);
+  if (e != NULL) {
+    sl_conn_send_stats(x->c, x->id, 0, &e->stats, e->replaced, e->nreplaced);
+    sl_ended_free(e);
     return 0;
   }
   rc = sl_books_loan_owned(x->d->books, x->c->client_id, m->loan, &x->err);
@@ -296,6 +297,8 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) 
   b->own_region = ri.owner_client == c->client_id;
   b->has_keep_window = 1;
   b->keep_window = !b->own_region && c->peer.uid == ri.owner.uid;
+  b->has_pages_version = 1;
+  b->pages_version = ri.pages_version;
   d->copy_out_seconds = 0;
   d->move_seconds = 0;
   sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
@@ -568,7 +571,7 @@ static void answer_return(struct sl_conn *c, void *arg, const struct sublet_loan
   if (c != NULL && ra->leaked)
     reply_leaks(c, ra->id, ra->msg, ra->leaks, ra->nleaks, s);
   else if (c != NULL)
-    sl_conn_send_stats(c, ra->id, 1, s);
+    sl_conn_send_stats(c, ra->id, 1, s, NULL, 0);
   free(ra->leaks);
   free(ra);
 }

@@ -60,6 +60,10 @@ struct sl_pool_transfer {
   struct sl_move *moves;  /* inside the region */
   size_t nmoves;
   struct sl_copy *pieces; /* the storage of every batch's copies, split at host pieces */
+  uint64_t *replace;      /* region pages to give new pages first (sl_pool_transfer_replace) */
+  sl_handle *fresh;       /* their new handles: created by the run */
+  size_t nreplace, nfresh, nreplaced;
+  size_t *replaced;       /* the caller's: nreplaced once the run is done */
 };
 
 struct pool_chunk {
@@ -397,6 +401,97 @@ int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t regio
   return 0;
 }
 
+int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                             size_t *replaced, struct sl_err *err) {
+  for (size_t i = 0; i < n; i++)
+    if (pages[i] >= t->region->npages)
+      return sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
+                        (unsigned long long)pages[i], (unsigned long long)t->region->id);
+  t->replace = dup_array(pages, n, sizeof(*pages));
+  t->fresh = n > 0 ? calloc(n, sizeof(*t->fresh)) : NULL;
+  if (n > 0 && (t->replace == NULL || t->fresh == NULL))
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu fresh pages", n);
+  t->nreplace = n;
+  t->replaced = replaced;
+  *replaced = 0;
+  return 0;
+}
+
+static void *page_addr(const struct sl_pool_transfer *t, uint64_t page) {
+  return (char *)t->region->base + page * t->pool->page_size;
+}
+
+/* Puts the old pages back in the daemon's mapping from the nth replaced page down. */
+static void unreplace(struct sl_pool_transfer *t, size_t n) {
+  struct sl_device *dev = t->pool->dev;
+  uint64_t ps = t->pool->page_size;
+
+  while (n-- > 0) {
+    void *at = page_addr(t, t->replace[n]);
+    sl_device_unmap_idle(dev, at, ps);
+    if (sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL) == 0)
+      sl_device_set_access(dev, at, ps, NULL);
+  }
+}
+
+/* Maps the new pages where the old ones were (the device idle: the borrower let go, and the
+ * daemon's own copies wait for each other). */
+static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
+  struct sl_device *dev = t->pool->dev;
+  uint64_t ps = t->pool->page_size;
+  size_t i;
+  int rc = sl_device_synchronize(dev, err);
+
+  for (i = 0; rc == 0 && i < t->nreplace; i++) {
+    void *at = page_addr(t, t->replace[i]);
+    sl_device_unmap_idle(dev, at, ps);
+    rc = sl_device_map(dev, at, ps, t->fresh[i], err);
+    if (rc == 0)
+      rc = sl_device_set_access(dev, at, ps, err);
+    if (rc != 0)
+      unreplace(t, i + 1); /* this one and those before it: unmapping one not mapped is harmless */
+  }
+  return rc;
+}
+
+/* New pages for the region pages of t->replace, all or none (the restore goes on either way). */
+static void run_replace(struct sl_pool_transfer *t) {
+  struct sl_err err = {0};
+  int rc = 0;
+
+  for (; rc == 0 && t->nfresh < t->nreplace; t->nfresh++)
+    rc = sl_device_create(t->pool->dev, t->pool->page_size, &t->fresh[t->nfresh], &err);
+  if (rc != 0)
+    t->nfresh--; /* the last create failed */
+  if (rc == 0)
+    rc = swap_mappings(t, &err);
+  if (rc != 0) {
+    sl_error("region %llu keeps its %zu lent pages (a borrower of another user may still "
+             "reach them): %s", (unsigned long long)t->region->id, t->nreplace, err.msg);
+    return;
+  }
+  t->nreplaced = t->nreplace;
+  *t->replaced = t->nreplaced;
+}
+
+/* On the loop: the pool's table takes the new handles, the old ones go (or, when the run
+ * could not replace them, the new ones). */
+static void settle_replace(struct sl_pool_transfer *t) {
+  struct pool_region *r = t->region;
+
+  for (size_t i = 0; i < t->nfresh; i++) {
+    sl_handle *page = &r->pages[t->replace[i]];
+    if (i < t->nreplaced) {
+      sl_device_release(t->pool->dev, *page);
+      *page = t->fresh[i];
+    } else {
+      sl_device_release(t->pool->dev, t->fresh[i]);
+    }
+  }
+  free(t->replace);
+  free(t->fresh);
+}
+
 /* The copies to or from the save area. Off the loop: growing the save area pins host memory
  * (a fraction of a second per GiB), and only the running transfer touches the area. */
 static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
@@ -425,6 +520,8 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
   int save = t->dir == SL_COPY_TO_HOST, rc;
   double t0 = sl_clock_now(), t1;
 
+  if (t->nreplace > 0)
+    run_replace(t);
   rc = save ? run_moves(t, err) : run_copies(t, err);
   t1 = sl_clock_now();
   if (rc == 0)
@@ -440,6 +537,7 @@ void sl_pool_transfer_free(struct sl_pool_transfer *t) {
   if (t == NULL)
     return;
   r = t->region;
+  settle_replace(t);
   if (--r->busy == 0 && r->doomed)
     region_unmap_release(t->pool, r, r->npages, r->npages);
   if (--t->area->busy == 0 && t->area->doomed)

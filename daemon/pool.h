@@ -45,6 +45,14 @@ struct sl_pool_transfer;
 int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
                          const struct sl_copy *c, size_t n, const struct sl_move *m,
                          size_t nm, struct sl_pool_transfer **out, struct sl_err *err);
+/* A restore's transfer can first give region pages pages[0..n) (ascending) new pages: created,
+ * mapped in the daemon's own mapping where the old ones were, the old ones released (their
+ * memory lives on for whoever else holds them; nothing is copied from them). All or none: the
+ * run writes to *replaced (the caller's, read after the run) n, or 0 when they could not be
+ * created or mapped (logged); then the old pages stay. The pool's table of handles changes
+ * when the transfer is freed, on the loop. */
+int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                             size_t *replaced, struct sl_err *err);
 /* *copy_seconds and *move_seconds get the time each part took. */
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err);

@@ -48,6 +48,36 @@ static int status_regions(struct sl_conn *c, Sublet__Status *st, Sublet__RegionS
   return 0;
 }
 
+/* The borrowers that may still hold old pages, those the client may see; *msgs is the
+ * caller's to free. */
+static int status_retained(struct sl_conn *c, Sublet__Status *st, Sublet__RetainedStatus **msgs) {
+  struct sl_books *books = c->d->books;
+  uint64_t ps = sl_device_info(c->d->dev)->page_size;
+  size_t n = sl_books_retained(books, NULL, 0), k = 0;
+  struct sl_retained *all = calloc(n + 1, sizeof(*all));
+
+  *msgs = calloc(n + 1, sizeof(**msgs));
+  st->retained = calloc(n + 1, sizeof(*st->retained));
+  if (all == NULL || *msgs == NULL || st->retained == NULL) {
+    free(all);
+    return SUBLET_ENOHOSTMEM;
+  }
+  sl_books_retained(books, all, n);
+  for (size_t i = 0; i < n; i++) {
+    Sublet__RetainedStatus *m = &(*msgs)[k];
+    if (!may_see(c, all[i].peer.uid))
+      continue;
+    sublet__retained_status__init(m);
+    m->pid = (uint32_t)all[i].peer.pid;
+    m->uid = (uint32_t)all[i].peer.uid;
+    m->bytes = all[i].pages * ps;
+    st->retained[k++] = m;
+  }
+  st->n_retained = k;
+  free(all);
+  return 0;
+}
+
 /* ls points into li (its name): li must live until the reply is sent. */
 static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__LoanStatus *ls,
                         Sublet__LoanStats *stats) {
@@ -107,6 +137,8 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   st->served_fresh_bytes = t.served_bytes[SL_SRC_FRESH];
   st->served_kept_bytes = t.served_bytes[SL_SRC_KEPT];
   st->host_bytes = sl_pool_host_bytes(d->pool);
+  st->has_replaced_bytes = 1;
+  st->replaced_bytes = t.replaced_pages * info->page_size;
 }
 
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
@@ -116,10 +148,13 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   Sublet__LoanStats stats;
   struct sl_loan_info li;
   Sublet__RegionStatus *regions = NULL;
+  Sublet__RetainedStatus *retained = NULL;
   int rc;
 
   status_device(c->d, &st);
   rc = status_regions(c, &st, &regions);
+  if (rc == 0)
+    rc = status_retained(c, &st, &retained);
   if (rc == 0) {
     if (loan_visible(c, sl_books_current_loan(c->d->books))) {
       status_loan(c->d, &li, &ls, &stats);
@@ -132,5 +167,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   }
   free(regions);
   free(st.regions);
+  free(retained);
+  free(st.retained);
   return rc != 0 ? sl_err_set(err, rc, "out of host memory") : 0;
 }

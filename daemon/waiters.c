@@ -85,7 +85,7 @@ static struct sl_conn *conn_of_client(struct sl_daemon *d, uint64_t client_id) {
 
 /* The owner learns of the end through its waiting Reclaim, or its next one. */
 void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
-                       uint64_t owner_client) {
+                           uint64_t owner_client, const uint64_t *replaced, size_t n) {
   struct sl_conn *owner = conn_of_client(d, owner_client);
   struct sl_ended *e;
 
@@ -93,28 +93,42 @@ void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *
     return;
   for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next) {
     if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == s->loan_id) {
-      sl_conn_send_stats(owner, w->req_id, 0, s);
+      sl_conn_send_stats(owner, w->req_id, 0, s, replaced, n);
       sl_waiter_done(w);
       return;
     }
   }
   e = calloc(1, sizeof(*e));
-  if (e == NULL)
+  if (e != NULL && n > 0 && (e->replaced = malloc(n * sizeof(*replaced))) == NULL) {
+    free(e);
+    e = NULL;
+  }
+  if (e == NULL) {
+    sl_error("out of host memory: the owner of loan %llu will not hear of its end",
+             (unsigned long long)s->loan_id);
     return;
+  }
   e->stats = *s;
+  if (n > 0)
+    memcpy(e->replaced, replaced, n * sizeof(*replaced));
+  e->nreplaced = n;
   e->next = owner->ended;
   owner->ended = e;
 }
 
-int sl_ended_take(struct sl_conn *c, uint64_t loan, struct sublet_loan_stats *s) {
+struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan) {
   for (struct sl_ended **link = &c->ended; *link != NULL; link = &(*link)->next) {
     struct sl_ended *e = *link;
     if (e->stats.loan_id == loan) {
-      *s = e->stats;
       *link = e->next;
-      free(e);
-      return 1;
+      return e;
     }
   }
-  return 0;
+  return NULL;
+}
+
+void sl_ended_free(struct sl_ended *e) {
+  if (e != NULL)
+    free(e->replaced);
+  free(e);
 }

@@ -99,6 +99,9 @@ struct sublet_loan_stats {
                                   pages the borrower did not use (and moved back) */
   double move_seconds;         /* daemon side, both ways */
   int daemon_died;             /* subletd died: the owner's library restored the kept bytes */
+  uint64_t replaced_pages;     /* pages the borrower (another user) was granted, replaced by
+                                  fresh ones at the end: the owner's mapping has them now, at
+                                  the same addresses; 0 for a borrower of the owner's user */
 };
 
 /* An allocation still alive when the borrower tried to return the loan. */

@@ -198,6 +198,7 @@ class CLoanStats(Structure):
         ("moved_bytes", c_uint64),
         ("move_seconds", c_double),
         ("daemon_died", c_int),
+        ("replaced_pages", c_uint64),
     ]
 
 
@@ -353,6 +354,9 @@ class LoanStats:
     moved_bytes: int
     move_seconds: float
     daemon_died: bool = False  # the owner's library restored the kept bytes itself
+    # pages a borrower of another user was granted, given fresh pages at the end (the tensor's
+    # addresses stay); 0 for a borrower of the owner's own user
+    replaced_pages: int = 0
 
     @classmethod
     def from_c(cls, c: CLoanStats) -> "LoanStats":

@@ -150,6 +150,13 @@ static void op_free(struct script *s) {
   sl_books_free_alloc(s->b, c, arg(s), &size, NULL);
 }
 
+/* The daemon's fresh pages for a loan to another user: made (all), or not (none). */
+static void end_replaced(struct script *s, struct sl_loan_end *end) {
+  if (end->nreplace > 0)
+    sl_books_pages_replaced(s->b, end, byte(s) & 1 ? end->nreplace : 0);
+  sl_loan_end_clear(end);
+}
+
 static void op_return(struct script *s) {
   uint64_t c = client_of(s);
   uint64_t loan = sl_books_client_loan(s->b, c);
@@ -159,7 +166,7 @@ static void op_return(struct script *s) {
   if (loan != 0)
     sl_books_leaks(s->b, loan, leaks, 4);
   sl_books_return(s->b, c, byte(s) & 1, &end, NULL);
-  sl_loan_end_clear(&end);
+  end_replaced(s, &end);
 }
 
 static void op_finish(struct script *s) {
@@ -167,7 +174,7 @@ static void op_finish(struct script *s) {
   uint64_t loan = s->ndraining > 0 ? s->draining[--s->ndraining] : arg(s);
 
   sl_books_loan_finish(s->b, loan, &end);
-  sl_loan_end_clear(&end);
+  end_replaced(s, &end);
 }
 
 static void op_look(struct script *s) {

@@ -991,11 +991,13 @@ struct m_client {
   uid_t uid;
   gid_t gid;
   int live;
+  uint64_t retained; /* old pages of other users' regions it may hold */
 };
 
 struct m_region {
   uint64_t owner, npages, last_fresh;
   int live;
+  uint64_t pages_version;
 };
 
 /* The model keeps everything per byte and per position: slow and obviously right. */
@@ -1024,6 +1026,8 @@ struct model {
   struct m_client c[M_MAX + 1];
   struct m_region r[M_MAX + 1];
   struct m_loan *loan;
+  struct sl_loan_end pending; /* an end whose fresh pages the daemon is still making */
+  uint64_t replaced;
   uint64_t next_loan, loans_ended, died, copied_out, copied_in;
   uint64_t rng;
 };
@@ -1185,7 +1189,7 @@ static void op_lend(struct model *m) {
     want = SUBLET_ENOENT;
   else if (m->r[rid].owner != cid)
     want = SUBLET_EPERM;
-  else if (m->loan != NULL)
+  else if (m->loan != NULL || (m->pending.nreplace > 0 && m->pending.region_id == rid))
     want = SUBLET_EBUSY;
   else if (bad && !keep_all)
     want = SUBLET_EINVAL;
@@ -1586,6 +1590,62 @@ static void m_check_end(struct model *m, const struct sl_loan_end *end) {
   CHECK_EQ(end->nfresh == 0, l->chunk_pages == 0);
 }
 
+/* A borrower of another user gets every page it was granted replaced: the region pages at
+ * window positions below hwm, ascending; one of the owner's user, none. */
+static void m_check_replace(const struct model *m, const struct sl_loan_end *end) {
+  const struct m_loan *l = m->loan;
+  uint8_t *want = calloc(l->bytes / l->ps + 1, 1);
+  uint64_t n = 0, wrong = 0;
+
+  if (want == NULL)
+    abort();
+  for (uint64_t q = 0; q < l->hwm; q++) {
+    if (q >= l->u && q < l->u + l->f)
+      continue; /* fresh memory: not the owner's */
+    want[l->order[q < l->u ? q : q - l->f]] = 1;
+  }
+  if (l->owner_gone || m->c[l->borrower].uid == m->c[l->owner].uid)
+    memset(want, 0, l->bytes / l->ps + 1);
+  for (uint64_t p = 0; p < l->bytes / l->ps; p++)
+    n += want[p];
+  for (size_t i = 0; i < end->nreplace && i < n; i++)
+    wrong += end->replace[i] >= l->bytes / l->ps || !want[end->replace[i]] ||
+             (i > 0 && end->replace[i] <= end->replace[i - 1]);
+  free(want);
+  CHECK_EQ(end->nreplace, n);
+  CHECK_EQ(wrong, 0);
+}
+
+/* The daemon's fresh pages for an end are made; sometimes they could not be (none then). */
+static void m_replaced(struct model *m) {
+  struct sl_loan_end *e = &m->pending;
+  size_t n = below(m, 4) == 0 ? 0 : e->nreplace;
+
+  if (e->nreplace == 0)
+    return;
+  sl_books_pages_replaced(m->b, e, n);
+  if (m_live_region(m, e->region_id))
+    m->r[e->region_id].pages_version += n > 0;
+  if (m_live_client(m, e->borrower_client))
+    m->c[e->borrower_client].retained += n;
+  m->replaced += n;
+  sl_loan_end_clear(e);
+}
+
+static void op_replaced(struct model *m) {
+  m_replaced(m);
+}
+
+/* The end's device work: the fresh pages may take a while (op_replaced). */
+static void m_end_replace(struct model *m, struct sl_loan_end *end) {
+  m_check_replace(m, end);
+  m_replaced(m);
+  m->pending = *end; /* the model owns its arrays now */
+  memset(end, 0, sizeof(*end));
+  if (below(m, 2) == 0)
+    m_replaced(m);
+}
+
 static void m_end_loan(struct model *m) {
   struct m_loan *l = m->loan;
 
@@ -1614,6 +1674,7 @@ static void op_return(struct model *m) {
   CHECK_EQ(sl_books_return(m->b, cid, force, &end, NULL), want);
   if (want == 0 || (want == SUBLET_ELEAK && force)) {
     m_check_end(m, &end);
+    m_end_replace(m, &end);
     m_end_loan(m);
   }
   sl_loan_end_clear(&end);
@@ -1632,6 +1693,7 @@ static void op_finish(struct model *m) {
   CHECK_EQ(sl_books_loan_finish(m->b, lid, &end), want);
   if (want == 0) {
     m_check_end(m, &end);
+    m_end_replace(m, &end);
     m_end_loan(m);
   }
   sl_loan_end_clear(&end);
@@ -1668,6 +1730,7 @@ static void op_client_remove(struct model *m) {
   if (want != 0)
     return;
   m->c[cid].live = 0;
+  m->c[cid].retained = 0; /* counted until it disconnects */
   m_loan_drop_client(m, cid, &draining);
   for (uint64_t rid = 1; rid <= m->nregions; rid++) {
     if (!m->r[rid].live || m->r[rid].owner != cid || m_region_lent(m, rid))
@@ -1712,14 +1775,23 @@ static void m_compare_loan(const struct model *m) {
   CHECK_EQ(misplaced, 0);
 }
 
+static size_t count_retaining(const struct model *m) {
+  size_t n = 0;
+
+  for (uint64_t id = 1; id <= m->nclients; id++)
+    n += m->c[id].live && m->c[id].retained > 0;
+  return n;
+}
+
 static void m_compare(const struct model *m) {
   struct sl_books_totals t;
   struct sl_region_info ri;
-  uint64_t clients = 0, regions = 0, pages = 0, wrong = 0;
+  uint64_t clients = 0, regions = 0, pages = 0, wrong = 0, retained = 0;
 
   BOOKS_OK(m->b);
   for (uint64_t id = 1; id <= m->nclients; id++) {
     clients += m->c[id].live;
+    retained += m->c[id].retained;
     wrong += m->c[id].live && sl_books_client_loan(m->b, id) != m_borrowing(m, id);
   }
   for (uint64_t id = 1; id <= m->nregions; id++) {
@@ -1727,6 +1799,8 @@ static void m_compare(const struct model *m) {
     wrong += rc != (m->r[id].live ? 0 : SUBLET_ENOENT);
     wrong += rc == 0 && ri.loan_id != (m_region_lent(m, id) ? m->loan->id : 0);
     wrong += rc == 0 && (ri.owner_client != m->r[id].owner || ri.npages != m->r[id].npages);
+    wrong += rc == 0 && ri.pages_version != m->r[id].pages_version;
+    wrong += rc == 0 && ri.replacing != (m->pending.nreplace > 0 && m->pending.region_id == id);
     regions += m->r[id].live;
     pages += m->r[id].live ? m->r[id].npages : 0;
   }
@@ -1740,6 +1814,9 @@ static void m_compare(const struct model *m) {
   CHECK_EQ(t.borrowers_died, m->died);
   CHECK_EQ(t.copied_out_bytes, m->copied_out);
   CHECK_EQ(t.copied_in_bytes, m->copied_in);
+  CHECK_EQ(t.replaced_pages, m->replaced);
+  CHECK_EQ(t.retained_pages, retained);
+  CHECK_EQ(sl_books_retained(m->b, NULL, 0), count_retaining(m));
   CHECK_EQ(sl_books_current_loan(m->b), m->loan != NULL ? m->loan->id : 0);
   if (m->loan != NULL)
     m_compare_loan(m);
@@ -1750,7 +1827,8 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
       op_client_add, op_client_remove, op_region_add, op_region_add, op_region_remove,
       op_lend, op_lend, op_lend, op_withdraw, op_borrow, op_borrow, op_borrow, op_borrow,
       op_alloc, op_alloc, op_alloc, op_alloc, op_alloc, op_alloc, op_alloc, op_alloc, op_free,
-      op_free, op_free, op_free, op_free, op_return, op_return, op_finish, op_finish};
+      op_free, op_free, op_free, op_free, op_return, op_return, op_finish, op_finish,
+      op_replaced};
   struct model *m = calloc(1, sizeof(*m));
   int before = failed;
 
@@ -1773,7 +1851,9 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
       fprintf(stderr, "    model run seed %" PRIu64 " page size %" PRIu64 "%s: step %d\n",
               seed, page_size, compact ? " (compacting)" : "", step);
   }
+  CHECK(m->replaced > 0); /* the runs do reach loans to other users that end */
   m_loan_free(m);
+  sl_loan_end_clear(&m->pending);
   sl_books_free(m->b);
   free(m);
 }

@@ -1,0 +1,282 @@
+/* test_fresh.c - a borrower of another user cannot touch the owner's memory after the loan.
+ * Real daemon (memfd backend), real sockets, processes of other uids.
+ *
+ * The borrower is another user (a member of --allow-group). While it borrows, it forks a
+ * child, which inherits the mappings of every page it was granted (a mapping in a child, like
+ * a kept fd, cannot be revoked). After the loan has ended and the owner has reclaimed, that
+ * child writes all of them: the owner's kept bytes stay as they were, every one compared
+ * bytewise, at the same addresses, because the end of the loan gave the owner fresh pages.
+ * The old pages count against the borrower until it disconnects. A borrower of the owner's
+ * own user costs no fresh page.
+ */
+#include <grp.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "sublet.h"
+
+#define PAGE (64u << 10)
+#define NPAGES 16
+#define TOTAL (40u * PAGE)
+#define MEMBER_UID 3000
+#define GROUP 4242
+#define MAX_ALLOCS 64
+
+static struct sl_test_daemon daemon_;
+
+static uint8_t pattern(uint64_t i) {
+  return (uint8_t)((i * 2654435761u) >> 11);
+}
+
+/* Kept: the first 5000 bytes of each even page, and all of page 9; the rest is unkept. */
+static size_t keep_ranges(struct sublet_range *k) {
+  size_t n = 0;
+
+  for (uint64_t p = 0; p < NPAGES; p += 2)
+    k[n++] = (struct sublet_range){p * PAGE, 5000};
+  k[n++] = (struct sublet_range){9ull * PAGE, PAGE};
+  return n;
+}
+
+/* Bytes of the kept ranges that differ from the pattern. */
+static uint64_t kept_changed(const uint8_t *base) {
+  struct sublet_range k[NPAGES];
+  size_t n = keep_ranges(k);
+  uint64_t changed = 0;
+
+  for (size_t i = 0; i < n; i++)
+    for (uint64_t x = k[i].offset; x < k[i].offset + k[i].length; x++)
+      changed += base[x] != pattern(x);
+  return changed;
+}
+
+static int say(int fd, char c) {
+  return write(fd, &c, 1) == 1 ? 0 : -1;
+}
+
+static int hear(int fd, char want) {
+  char c = 0;
+  return read(fd, &c, 1) == 1 && c == want ? 0 : -1;
+}
+
+struct pipes {
+  int to_borrower[2], from_borrower[2], to_keeper[2], from_keeper[2];
+};
+
+/* In the borrower's child: holds the granted pages' mappings it inherited; once told, after
+ * the loan, writes every byte of them. */
+static void keeper(struct pipes *p, void *const *ptrs, size_t n) {
+  close(p->to_borrower[0]);
+  close(p->from_borrower[1]);
+  if (hear(p->to_keeper[0], 'w') != 0)
+    _exit(20);
+  for (size_t i = 0; i < n; i++)
+    memset(ptrs[i], 0xEE, PAGE);
+  for (size_t i = 0; i < n; i++)
+    if (((uint8_t *)ptrs[i])[PAGE - 1] != 0xEE)
+      _exit(21);
+  _exit(say(p->from_keeper[1], 'd') == 0 ? 0 : 22);
+}
+
+/* The borrower: another uid, in the allowed group. Takes the whole window, writes it, forks
+ * the keeper, returns the loan, and disconnects only when told. Exits with the failing step. */
+static int borrower(struct pipes *p, uint64_t loan, const uint8_t *token) {
+  static const gid_t groups[] = {GROUP};
+  void *ptrs[MAX_ALLOCS];
+  struct sublet_loan_stats st;
+  sublet_client *c;
+  size_t n = 0;
+  pid_t pid;
+
+  close(p->to_borrower[1]); /* each end in one process only: a dead one is heard as EOF */
+  close(p->from_borrower[0]);
+  close(p->to_keeper[1]);
+  close(p->from_keeper[0]);
+  if (setgroups(1, groups) != 0 || setgid(MEMBER_UID) != 0 || setuid(MEMBER_UID) != 0)
+    return 10;
+  if (sublet_connect(daemon_.socket, &c) != 0 || sublet_borrow(c, loan, token, NULL, 0) != 0)
+    return 11;
+  while (n < MAX_ALLOCS && sublet_alloc(c, PAGE, &ptrs[n]) == 0)
+    memset(ptrs[n++], 0xB0, PAGE);
+  if (n < NPAGES)
+    return 12; /* every region page must have been granted */
+  if ((pid = fork()) == 0)
+    keeper(p, ptrs, n);
+  for (size_t i = 0; i < n; i++)
+    if (sublet_free(c, ptrs[i]) != 0)
+      return 13;
+  if (sublet_return(c, 0, &st, NULL, 0, NULL) != 0 || st.replaced_pages != NPAGES)
+    return 14; /* the loan's end gave the owner fresh pages for all it was granted */
+  if (say(p->from_borrower[1], 'r') != 0 || hear(p->to_borrower[0], 'q') != 0)
+    return 15;
+  sublet_disconnect(c);
+  return 0;
+}
+
+static pid_t start_borrower(struct pipes *p, uint64_t loan, const uint8_t *token) {
+  pid_t pid = fork();
+
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    _exit(borrower(p, loan, token));
+  }
+  close(p->to_borrower[0]);
+  close(p->from_borrower[1]);
+  close(p->to_keeper[0]);
+  close(p->from_keeper[1]);
+  return pid;
+}
+
+/* Does the status show old pages held by the member's uid (bytes > 0: that many)? */
+static int status_retained(sublet_client *c, uint64_t bytes) {
+  char want[96], *json = NULL;
+  int found;
+
+  if (sublet_status_json(c, &json) != 0)
+    return -1;
+  snprintf(want, sizeof(want), "\"uid\": %u, \"bytes\": %llu}", MEMBER_UID,
+           (unsigned long long)bytes);
+  found = bytes > 0 ? strstr(json, want) != NULL : strstr(json, "\"retained\": []") != NULL;
+  if (!found)
+    fprintf(stderr, "  status: %s\n", json);
+  sublet_string_free(json);
+  return found;
+}
+
+static int retained_none(sublet_client *c) {
+  char *json = NULL;
+  int none = sublet_status_json(c, &json) == 0 && strstr(json, "\"retained\": []") != NULL;
+
+  sublet_string_free(json);
+  return none;
+}
+
+static void make_owner(sublet_client **c, sublet_region **r, uint8_t **base) {
+  *c = NULL;
+  if (sublet_connect(daemon_.socket, c) != 0 || sublet_region_create(*c, NPAGES * PAGE, r) != 0)
+    return;
+  *base = sublet_region_addr(*r);
+  for (uint64_t x = 0; x < NPAGES * PAGE; x++)
+    (*base)[x] = pattern(x);
+}
+
+/* The test's ends. */
+static void close_pipes(struct pipes *p) {
+  close(p->to_borrower[1]);
+  close(p->from_borrower[0]);
+  close(p->to_keeper[1]);
+  close(p->from_keeper[0]);
+}
+
+/* Waits for the borrower; 0 if it did all it should. */
+static int borrower_exit(pid_t pid) {
+  int status;
+
+  if (waitpid(pid, &status, 0) != pid)
+    return -1;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fprintf(stderr, "  the borrower failed at step %d\n",
+            WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
+}
+
+static void test_other_user_gets_nothing_after_the_loan(void) {
+  struct sublet_range keep[NPAGES];
+  struct sublet_loan_stats st;
+  struct pipes p;
+  sublet_client *owner;
+  sublet_region *r = NULL;
+  uint8_t *base = NULL, token[16];
+  uint64_t loan;
+  pid_t pid;
+
+  make_owner(&owner, &r, &base);
+  CHECK(owner != NULL && base != NULL);
+  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "fresh", &loan, token), 0);
+  CHECK(pipe(p.to_borrower) == 0 && pipe(p.from_borrower) == 0 && pipe(p.to_keeper) == 0 &&
+        pipe(p.from_keeper) == 0);
+  pid = start_borrower(&p, loan, token);
+  CHECK(pid > 0);
+  if (hear(p.from_borrower[0], 'r') != 0) {
+    borrower_exit(pid);
+    CHECK(!"the borrower returned the loan");
+  }
+  CHECK_RC(sublet_reclaim(owner, loan, 5000, &st), 0);
+  CHECK(st.replaced_pages == NPAGES); /* every page was granted */
+  CHECK(sublet_region_addr(r) == base);
+  CHECK(kept_changed(base) == 0);
+  CHECK(status_retained(owner, NPAGES * PAGE) == 1);
+  /* The loan is over and reclaimed: the borrower's child writes what it still maps. */
+  CHECK(say(p.to_keeper[1], 'w') == 0 && hear(p.from_keeper[0], 'd') == 0);
+  CHECK(kept_changed(base) == 0);
+  CHECK(say(p.to_borrower[1], 'q') == 0);
+  CHECK(borrower_exit(pid) == 0);
+  for (int i = 0; i < 200 && !retained_none(owner); i++)
+    usleep(10000); /* the daemon sees the borrower's connection go soon after its exit */
+  CHECK(status_retained(owner, 0) == 1); /* counted until the borrower disconnected */
+  /* The region goes on: a local loan through the new pages, every kept byte back. */
+  CHECK_RC(sublet_lend_local(r, keep, keep_ranges(keep), 0, &loan), 0);
+  for (void *q; sublet_alloc(owner, PAGE, &q) == 0;)
+    memset(q, 0x5A, PAGE);
+  CHECK_RC(sublet_return(owner, 1, NULL, NULL, 0, NULL), SUBLET_ELEAK);
+  CHECK_RC(sublet_reclaim(owner, loan, 5000, &st), 0);
+  CHECK(st.replaced_pages == 0);
+  CHECK(kept_changed(base) == 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(owner);
+  close_pipes(&p);
+}
+
+/* A borrower of the owner's own user (another process's client) costs no fresh page. */
+static void test_same_user_pays_nothing(void) {
+  struct sublet_range keep[NPAGES];
+  struct sublet_loan_stats st;
+  sublet_client *owner, *other;
+  sublet_region *r = NULL;
+  uint8_t *base = NULL, token[16];
+  uint64_t loan;
+  void *q;
+
+  make_owner(&owner, &r, &base);
+  CHECK(owner != NULL && base != NULL);
+  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "same", &loan, token), 0);
+  CHECK_RC(sublet_connect(daemon_.socket, &other), 0);
+  CHECK_RC(sublet_borrow(other, loan, token, NULL, 0), 0);
+  while (sublet_alloc(other, PAGE, &q) == 0)
+    memset(q, 0xC3, PAGE);
+  CHECK_RC(sublet_return(other, 1, NULL, NULL, 0, NULL), SUBLET_ELEAK);
+  CHECK_RC(sublet_reclaim(owner, loan, 5000, &st), 0);
+  CHECK(st.replaced_pages == 0);
+  CHECK(kept_changed(base) == 0);
+  CHECK(status_retained(owner, 0) == 1);
+  sublet_disconnect(other);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(owner);
+}
+
+int main(void) {
+  static const char *const args[] = {"--allow-group", "4242", NULL};
+
+  signal(SIGPIPE, SIG_IGN);
+  if (geteuid() != 0) {
+    printf("fresh: skipped: needs root to become another user in a child\n");
+    return 0;
+  }
+  if (sl_test_daemon_start_ex(&daemon_, PAGE, TOTAL,
+                              &(struct sl_test_daemon_opts){.args = args}) != 0)
+    return 1;
+  chmod(daemon_.dir, 0755);
+  chmod(daemon_.socket, 0666);
+  sl_test_run("another user's borrower gets nothing after the loan",
+              test_other_user_gets_nothing_after_the_loan);
+  sl_test_run("a borrower of the owner's user pays nothing", test_same_user_pays_nothing);
+  if (sl_test_daemon_stop(&daemon_) != 0)
+    sl_test_failed++;
+  return sl_test_summary("fresh");
+}
