@@ -1639,6 +1639,8 @@ static void op_replaced(struct model *m) {
 /* The end's device work: the fresh pages may take a while (op_replaced). */
 static void m_end_replace(struct model *m, struct sl_loan_end *end) {
   m_check_replace(m, end);
+  if (end->nreplace == 0)
+    return;
   m_replaced(m);
   m->pending = *end; /* the model owns its arrays now */
   memset(end, 0, sizeof(*end));
