@@ -123,10 +123,35 @@ static void test_idle_daemon(void) {
       "\"device_name\": \"memfd\", \"device_ordinal\": 0, \"page_size\": 2097152, "
       "\"total_bytes\": 1073741824, \"free_bytes\": 536870912, \"host_bytes\": 0, "
       "\"clients\": 2, \"regions\": [{\"id\": 1, \"owner_pid\": 4242, \"owner_uid\": 1000, "
-      "\"pages\": 3, \"bytes\": 6291456, \"loan\": 0}], \"loan\": null, \"totals\": "
-      "{\"loans_ended\": 7, \"borrowers_died\": 1, \"copied_out_bytes\": 4096, "
+      "\"pages\": 3, \"bytes\": 6291456, \"loan\": 0}], \"loan\": null, \"retained\": [], "
+      "\"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, \"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
-      "\"served_kept_bytes\": 0}}");
+      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}}");
+  free(text);
+  json_decref(parsed);
+}
+
+/* Old pages a borrower of another user may still hold, after fresh pages replaced them. */
+static void test_retained(void) {
+  Sublet__RetainedStatus held = SUBLET__RETAINED_STATUS__INIT, *list[1] = {&held};
+  struct fixture f;
+  json_t *parsed, *r;
+  char *text;
+
+  fixture_init(&f);
+  held.pid = 4343;
+  held.uid = 3000;
+  held.bytes = 6 << 20;
+  f.st.retained = list;
+  f.st.n_retained = 1;
+  f.st.replaced_bytes = 8 << 20;
+  text = print_checked(&f.st, &parsed);
+  r = json_array_get(json_object_get(parsed, "retained"), 0);
+  CHECK(json_integer_value(json_object_get(r, "pid")) == 4343);
+  CHECK(json_integer_value(json_object_get(r, "uid")) == 3000);
+  CHECK(json_integer_value(json_object_get(r, "bytes")) == 6 << 20);
+  CHECK(json_integer_value(json_object_get(json_object_get(parsed, "totals"),
+                                           "replaced_bytes")) == 8 << 20);
   free(text);
   json_decref(parsed);
 }
@@ -303,6 +328,7 @@ static void test_out_of_memory(void) {
 
 int main(void) {
   test_idle_daemon();
+  test_retained();
   test_loan_in_progress();
   test_loan_unset_fields();
   test_text_that_is_not_utf8();
