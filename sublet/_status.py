@@ -102,6 +102,10 @@ def text_status(s: dict[str, Any]) -> str:
         lines.append(f"    region {r['id']}: {human(r['bytes'])} ({r['pages']} pages), "
                      f"owner pid {r['owner_pid']} (uid {r['owner_uid']}){lent}")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
+    for r in s.get("retained", []):
+        lines.append(f"  retained {human(r['bytes'])} of old pages by pid {r['pid']} "
+                     f"(uid {r['uid']}): replaced at the end of its loan, counted until it "
+                     f"disconnects")
     lines.append(f"  totals   {t['loans_ended']} loans ended, {t['borrowers_died']} borrowers "
                  f"died, {human(t['copied_out_bytes'])} copied out and "
                  f"{human(t['copied_in_bytes'])} back")
@@ -123,6 +127,8 @@ METRICS = [  # name, type, help, value from a status
      lambda s: s["host_bytes"]),
     ("sublet_clients", "gauge", "connected clients", lambda s: s["clients"]),
     ("sublet_regions", "gauge", "regions", lambda s: len(s["regions"])),
+    ("sublet_retained_bytes", "gauge", "old pages borrowers of other users may still hold",
+     lambda s: sum(r["bytes"] for r in s.get("retained", []))),
     ("sublet_region_bytes", "gauge", "bytes in regions",
      lambda s: sum(r["bytes"] for r in s["regions"])),
     ("sublet_loan_active", "gauge", "1 while a loan is borrowed",
