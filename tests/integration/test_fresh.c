@@ -260,6 +260,82 @@ static void test_same_user_pays_nothing(void) {
   sublet_disconnect(owner);
 }
 
+/* In a child: another user in the allowed group borrows the loan, writes its whole window and
+ * returns it. Exits with the failing step. */
+static int stranger_loan(uint64_t loan, const uint8_t *token) {
+  static const gid_t groups[] = {GROUP};
+  sublet_client *c;
+  void *q;
+
+  if (setgroups(1, groups) != 0 || setgid(MEMBER_UID) != 0 || setuid(MEMBER_UID) != 0)
+    return 10;
+  if (sublet_connect(daemon_.socket, &c) != 0 || sublet_borrow(c, loan, token, NULL, 0) != 0)
+    return 11;
+  while (sublet_alloc(c, PAGE, &q) == 0)
+    memset(q, 0xB0, PAGE);
+  if (sublet_return(c, 1, NULL, NULL, 0, NULL) != SUBLET_ELEAK)
+    return 12;
+  sublet_disconnect(c);
+  return 0;
+}
+
+/* A borrower of the owner's user (another client) lends, borrows the whole window, writes it
+ * with value and returns, keeping its window for the next loan. */
+static void same_user_loan(sublet_region *r, sublet_client *owner, sublet_client *b,
+                           uint8_t value, struct sublet_loan_stats *st) {
+  struct sublet_range keep[NPAGES];
+  void *ptrs[MAX_ALLOCS];
+  uint8_t token[16];
+  uint64_t loan;
+  size_t n = 0;
+
+  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "same", &loan, token), 0);
+  CHECK_RC(sublet_borrow(b, loan, token, NULL, 0), 0);
+  while (n < MAX_ALLOCS && sublet_alloc(b, PAGE, &ptrs[n]) == 0)
+    memset(ptrs[n++], value, PAGE);
+  for (size_t i = 0; i < n; i++) /* freed, not forfeit: the window is kept */
+    CHECK_RC(sublet_free(b, ptrs[i]), 0);
+  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(owner, loan, 5000, st), 0);
+}
+
+/* A borrower of the owner's user keeps its window from one loan to the next; a loan to another
+ * user in between gives the region fresh pages, and that window is stale: the next loan maps
+ * the region's pages as they are now (its writes land in the owner's unkept bytes). */
+static void test_kept_window_follows_fresh_pages(void) {
+  struct sublet_range keep[NPAGES];
+  struct sublet_loan_stats st;
+  sublet_client *owner, *same;
+  sublet_region *r = NULL;
+  uint8_t *base = NULL, token[16];
+  uint64_t loan, unkept_not_written = 0;
+  pid_t pid;
+
+  make_owner(&owner, &r, &base);
+  CHECK(owner != NULL && base != NULL);
+  CHECK_RC(sublet_connect(daemon_.socket, &same), 0);
+  same_user_loan(r, owner, same, 0x11, &st);
+  CHECK(st.replaced_pages == 0);
+  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "stranger", &loan, token), 0);
+  if ((pid = fork()) == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    _exit(stranger_loan(loan, token));
+  }
+  CHECK(borrower_exit(pid) == 0);
+  CHECK_RC(sublet_reclaim(owner, loan, 5000, &st), 0);
+  CHECK(st.replaced_pages == NPAGES);
+  same_user_loan(r, owner, same, 0x77, &st);
+  CHECK(st.replaced_pages == 0);
+  CHECK(kept_changed(base) == 0);
+  for (uint64_t p = 1; p < NPAGES; p += 2) /* odd pages but 9 keep nothing */
+    for (uint64_t x = 0; p != 9 && x < PAGE; x++)
+      unkept_not_written += base[p * PAGE + x] != 0x77;
+  CHECK(unkept_not_written == 0);
+  sublet_disconnect(same);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(owner);
+}
+
 int main(void) {
   static const char *const args[] = {"--allow-group", "4242", NULL};
 
@@ -276,6 +352,7 @@ int main(void) {
   sl_test_run("another user's borrower gets nothing after the loan",
               test_other_user_gets_nothing_after_the_loan);
   sl_test_run("a borrower of the owner's user pays nothing", test_same_user_pays_nothing);
+  sl_test_run("a kept window follows the fresh pages", test_kept_window_follows_fresh_pages);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;
   return sl_test_summary("fresh");
