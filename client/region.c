@@ -56,13 +56,9 @@ int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uin
 static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_handle h) {
   void *at = (char *)r->base + p * r->page_size;
   struct sl_err err = {0};
-  int rc;
 
   sl_device_unmap_idle(c->dev, at, r->page_size);
-  rc = sl_device_map(c->dev, at, r->page_size, h, &err);
-  if (rc == 0)
-    rc = sl_device_set_access(c->dev, at, r->page_size, &err);
-  if (rc != 0) {
+  if (sl_device_map(c->dev, at, r->page_size, h, &err) != 0) {
     sl_device_release(c->dev, h);
     return sl_client_fail(err.code, "mapping the fresh page %llu of region %llu failed (%s): "
                           "the tensor has a hole there, release it",
@@ -73,18 +69,25 @@ static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_
   return 0;
 }
 
+/* Pages [first, first+count) remapped, a PagesGet's worth at a time; access is granted once
+ * per batch (a call per page costs far more). */
 static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+  struct sl_err err = {0};
+
   while (count > 0) {
-    uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
+    uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS, i;
     sl_handle fresh[SL_WIRE_MAX_FDS] = {0};
     int rc = fetch_batch(c, r->id, first, n, fresh);
-    uint32_t i;
 
     for (i = 0; rc == 0 && i < n; i++)
       rc = remap_page(c, r, first + i, fresh[i]);
-    for (; i < n; i++) /* what a failure left unmapped */
-      if (fresh[i] != 0)
-        sl_device_release(c->dev, fresh[i]);
+    for (uint32_t j = i; j < n; j++) /* what a failure left unmapped */
+      if (fresh[j] != 0)
+        sl_device_release(c->dev, fresh[j]);
+    i = rc != 0 && i > 0 ? i - 1 : i; /* the pages mapped */
+    if (i > 0 && sl_device_set_access(c->dev, (char *)r->base + first * r->page_size,
+                                      i * r->page_size, &err) != 0 && rc == 0)
+      rc = sl_client_fail_err(&err);
     if (rc != 0)
       return rc;
     first += n;

@@ -429,28 +429,30 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
   while (n-- > 0) {
     void *at = page_addr(t, t->replace[n]);
     sl_device_unmap_idle(dev, at, ps);
-    if (sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL) == 0)
-      sl_device_set_access(dev, at, ps, NULL);
+    sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL);
   }
 }
 
 /* Maps the new pages where the old ones were (the device idle: the borrower let go, and the
- * daemon's own copies wait for each other). */
+ * daemon's own copies wait for each other), then grants access once over the whole region, as
+ * region_build does (a call per page costs far more). */
 static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   struct sl_device *dev = t->pool->dev;
   uint64_t ps = t->pool->page_size;
-  size_t i;
   int rc = sl_device_synchronize(dev, err);
 
-  for (i = 0; rc == 0 && i < t->nreplace; i++) {
+  for (size_t i = 0; rc == 0 && i < t->nreplace; i++) {
     void *at = page_addr(t, t->replace[i]);
     sl_device_unmap_idle(dev, at, ps);
     rc = sl_device_map(dev, at, ps, t->fresh[i], err);
-    if (rc == 0)
-      rc = sl_device_set_access(dev, at, ps, err);
     if (rc != 0)
       unreplace(t, i + 1); /* this one and those before it: unmapping one not mapped is harmless */
   }
+  if (rc == 0 && (rc = sl_device_set_access(dev, t->region->base, t->region->npages * ps,
+                                            err)) != 0)
+    unreplace(t, t->nreplace);
+  if (rc != 0) /* the old pages, all of them mapped again */
+    sl_device_set_access(dev, t->region->base, t->region->npages * ps, NULL);
   return rc;
 }
 

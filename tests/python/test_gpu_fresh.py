@@ -146,9 +146,12 @@ def test_other_users_borrower_cannot_write_the_owner_after_the_loan(shared_daemo
                                     env=dict(env, HOME="/tmp", SUBLET_LIB=str(native.libsublet)),
                                     cwd="/", **pipes)
         held = borrower.stdout.readline()
+        returned = time.monotonic()
         assert held.startswith("returned holding"), borrower.stderr.read()
         reclaimed = owner.stdout.readline()
-        print(f"\n  borrower: {held.strip()}\n  owner: {reclaimed.strip()}")
+        took = time.monotonic() - returned  # restore, fresh pages, the owner's remapping
+        print(f"\n  borrower: {held.strip()}\n  owner: {reclaimed.strip()}, {took:.3f} s "
+              f"after the return")
         assert reclaimed.startswith("reclaimed"), owner.stderr.read()
         assert int(reclaimed.split()[2]) > 0 and reclaimed.split()[-1] == "True", reclaimed
         borrower.stdin.write("attack\n")
