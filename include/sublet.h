@@ -158,7 +158,9 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
 SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
                                     int keep_all, uint64_t *loan_id);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
- * its kept bytes are back. If subletd dies meanwhile, the library restores them itself from the
+ * its kept bytes are back. After a loan to another user, the pages that borrower was granted
+ * are fresh ones, mapped here at the same addresses (stats->replaced_pages); use the region only
+ * after this call. If subletd dies meanwhile, the library restores them itself from the
  * host save area once the borrower has let go, and returns SUBLET_EDAEMONDIED with stats
  * (copied_in_bytes: what it restored; daemon_died set); SUBLET_ETIMEDOUT if the borrower has
  * not let go within timeout_ms (call again). */
