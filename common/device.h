@@ -32,6 +32,8 @@ struct sl_device_params {
   const uint8_t *uuid;      /* cuda: find the device with this UUID (16 bytes), or NULL */
   uint64_t page_size;       /* memfd: 0 = $SUBLET_MEMFD_PAGE_SIZE or 2 MiB; cuda: ignored */
   uint64_t total_bytes;     /* memfd: 0 = $SUBLET_MEMFD_TOTAL or 1 GiB; cuda: ignored */
+  int load_kernels;         /* cuda: compile the GPU kernels at open (the daemon's moves),
+                               not at their first use */
 };
 
 struct sl_device_info {

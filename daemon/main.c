@@ -213,7 +213,8 @@ static void default_socket(struct sl_daemon_config *cfg, char *buf, size_t n) {
 
 static int open_device(struct sl_daemon *d, struct sl_err *err) {
   struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device,
-                               .uuid = d->cfg.by_uuid ? d->cfg.uuid : NULL};
+                               .uuid = d->cfg.by_uuid ? d->cfg.uuid : NULL,
+                               .load_kernels = 1};
   struct sl_books_config bc = {0};
   char a[16], b[16];
   int rc = sl_device_open(&p, &d->dev, err);
