@@ -106,6 +106,8 @@ def _index_rows(index: np.ndarray, nrows: int) -> np.ndarray:
                          f"{nrows} rows of the lent tensor")
     if lo < 0:
         index = np.where(index < 0, index + nrows, index)
+    elif len(index) < 2 or bool((index[1:] > index[:-1]).all()):
+        return index  # sorted and unique already, as a block table's live list usually is
     if len(index) * 16 < nrows:  # few rows of many: sorting beats a mask of every row
         return np.unique(index)
     marks = np.zeros(nrows, dtype=bool)
