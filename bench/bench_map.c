@@ -1,11 +1,14 @@
 /* bench_map.c - what mapping memory costs on this device, per GiB, through the same device
  * layer the client library uses: the first loan of a window pays it, later loans must not.
  *
- *   sublet_bench_map [cuda|memfd] [GiB]
+ *   sublet_bench_map [cuda|memfd] [GiB] [threads]
  *
  * For `pages` handles of one page each (a region's pages, as the window maps them) and for one
  * handle of the same size (a fresh chunk), it times create, reserve, map, one access call over
- * the whole span, unmap (page by page, then in one call over all the mappings) and release. */
+ * the whole span, unmap (page by page, then in one call over all the mappings) and release;
+ * then maps, grants access and unmaps the pages from `threads` threads at once, each its own
+ * share, to see whether the driver does that work in parallel. */
+#include <pthread.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +81,73 @@ out:
   return rc;
 }
 
+struct share {
+  struct sl_device *d;
+  char *base;
+  const sl_handle *h;
+  uint64_t first, n, each;
+  int rc;
+};
+
+static void *map_share(void *arg) {
+  struct share *s = arg;
+  struct sl_err err = {0};
+
+  for (uint64_t i = s->first; i < s->first + s->n && s->rc == 0; i++)
+    s->rc = sl_device_map(s->d, s->base + i * s->each, s->each, s->h[i], &err);
+  if (s->rc == 0)
+    s->rc = sl_device_set_access(s->d, s->base + s->first * s->each, s->n * s->each, &err);
+  return NULL;
+}
+
+static void *unmap_share(void *arg) {
+  struct share *s = arg;
+
+  for (uint64_t i = s->first; i < s->first + s->n; i++)
+    sl_device_unmap_idle(s->d, s->base + i * s->each, s->each);
+  return NULL;
+}
+
+/* Runs fn over n pages split among t threads; returns the seconds, or -1 on a failure. */
+static double in_threads(void *(*fn)(void *), struct share *s, int t) {
+  pthread_t tid[64];
+  double t0 = now();
+  int rc = 0;
+
+  for (int i = 0; i < t; i++)
+    pthread_create(&tid[i], NULL, fn, &s[i]);
+  for (int i = 0; i < t; i++) {
+    pthread_join(tid[i], NULL);
+    rc |= s[i].rc;
+  }
+  return rc != 0 ? -1 : now() - t0;
+}
+
+static int run_threads(struct sl_device *d, uint64_t n, uint64_t each, int t, double gib) {
+  sl_handle *h = calloc(n, sizeof(*h));
+  struct share s[64];
+  struct sl_err err = {0};
+  void *base = NULL;
+  double map_s = -1, unmap_s = -1;
+
+  for (uint64_t i = 0; h != NULL && i < n; i++)
+    if (sl_device_create(d, each, &h[i], &err) != 0)
+      return fail("creating pages", &err);
+  if (h == NULL || sl_device_reserve(d, n * each, &base, &err) != 0)
+    return fail("reserving", &err);
+  for (int i = 0; i < t; i++)
+    s[i] = (struct share){d, base, h, n * i / t, n * (i + 1) / t - n * i / t, each, 0};
+  map_s = in_threads(map_share, s, t);
+  unmap_s = in_threads(unmap_share, s, t);
+  printf("%2d threads: map + access %.4f  unmap %.4f  (s per GiB)%s\n", t, map_s / gib,
+         unmap_s / gib, map_s < 0 ? "  (a map failed)" : "");
+  for (uint64_t i = 0; i < n; i++)
+    sl_device_release(d, h[i]);
+  sl_device_unreserve(d, base, n * each);
+  free(h);
+  return 0;
+}
+
 static void print(const char *label, const struct timing *t, double gib) {
   printf("%-28s create %.4f  map %.4f  access %.4f  unmap %.4f  release %.4f  (s per GiB)\n",
          label, t->create / gib, t->map / gib, t->access / gib, t->unmap / gib,
@@ -87,13 +157,14 @@ static void print(const char *label, const struct timing *t, double gib) {
 int main(int argc, char **argv) {
   struct sl_device_params p = {.backend = argc > 1 ? argv[1] : "cuda"};
   double gib = argc > 2 ? atof(argv[2]) : 4.0;
+  int threads = argc > 3 ? atoi(argv[3]) : 8;
   struct sl_device *d = NULL;
   struct sl_err err = {0};
   struct timing pages = {0}, one = {0};
   uint64_t ps, n;
 
-  if (gib <= 0 || (argc > 1 && strcmp(argv[1], "--help") == 0)) {
-    fprintf(stderr, "usage: sublet_bench_map [cuda|memfd] [GiB, default 4]\n");
+  if (gib <= 0 || threads < 1 || threads > 64 || (argc > 1 && strcmp(argv[1], "--help") == 0)) {
+    fprintf(stderr, "usage: sublet_bench_map [cuda|memfd] [GiB, default 4] [threads, 8]\n");
     return 2;
   }
   if (sl_device_open(&p, &d, &err) != 0)
@@ -111,6 +182,9 @@ int main(int argc, char **argv) {
   if (run(d, n, ps, &pages) != 0)
     return 1;
   print("per page, one unmap call:", &pages, gib);
+  for (int t = 1; t <= threads; t *= 2)
+    if (run_threads(d, n, ps, t, gib) != 0)
+      return 1;
   sl_device_close(d);
   return 0;
 }
