@@ -233,6 +233,7 @@ static int free_forfeit(sublet_client *c, void *ptr) {
       sl_device_synchronize(c->dev, NULL);
       sl_window_free(w);
       c->forfeit[i] = c->forfeit[--c->nforfeit];
+      sl_client_wake(c); /* its region may be gone: now nothing of it is left */
     }
     return 0;
   }
@@ -274,6 +275,7 @@ static void end_borrowing(sublet_client *c, int forfeit, int region_gone) {
   struct sl_window **fw;
 
   c->loan_id = 0;
+  sl_watch_loan_over(c);
   if (forfeit && w->nallocs > 0 &&
       (fw = realloc(c->forfeit, (c->nforfeit + 1) * sizeof(*fw))) != NULL) {
     c->forfeit = fw;
@@ -337,8 +339,7 @@ SUBLET_EXPORT int sublet_return(sublet_client *c, int force, struct sublet_loan_
   pthread_mutex_lock(&c->lock);
   rc = return_locked(c, force, stats, leaks, nleaks, nleaks_out);
   pthread_mutex_unlock(&c->lock);
-  if (c->loan_id == 0)
-    sl_watch_stop(c); /* unlocked: the watcher may be waiting for the lock */
+  sl_watch_settle(c); /* unlocked: the watcher may be waiting for the lock */
   return rc;
 }
 
@@ -350,6 +351,60 @@ void sl_borrow_forget(sublet_client *c) {
   free(c->forfeit);
   c->forfeit = NULL;
   c->nforfeit = 0;
+  c->ngone = 0; /* nothing is held now, and nobody to tell */
+}
+
+/* ------------------------------------------------------------------ a region gone */
+
+static int kept(const struct sl_window *w) {
+  return w != NULL && w->owns_handles && w->keep;
+}
+
+int sl_borrow_keeps(const sublet_client *c) {
+  int any = kept(c->win) || c->ngone > 0;
+
+  for (size_t i = 0; i < c->nforfeit && !any; i++)
+    any = kept(c->forfeit[i]);
+  return any;
+}
+
+/* Lets go of the region's kept window unless a loan of it is borrowed now; returns whether
+ * nothing of it is left (a forfeit window of it goes only with its last allocation). */
+static int let_go_region(sublet_client *c, uint64_t region) {
+  if (c->win != NULL && c->win->region_id == region && c->loan_id != 0)
+    return 0;
+  for (size_t i = 0; i < c->nforfeit; i++)
+    if (c->forfeit[i]->region_id == region)
+      return 0;
+  if (c->win != NULL && c->win->region_id == region) {
+    sl_window_free(c->win); /* waits for the device first: nothing touches it then */
+    c->win = NULL;
+  }
+  return 1;
+}
+
+static void say_dropped(sublet_client *c, uint64_t region) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Dropped m = SUBLET__DROPPED__INIT;
+
+  m.region = region;
+  req.body_case = SUBLET__REQUEST__BODY_DROPPED;
+  req.dropped = &m;
+  sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK); /* ENOENT too: the daemon forgot it */
+}
+
+void sl_borrow_let_go_gone(sublet_client *c) {
+  size_t i = 0;
+
+  while (i < c->ngone) {
+    uint64_t region = c->gone[i];
+    if (!let_go_region(c, region)) {
+      i++;
+      continue;
+    }
+    c->gone[i] = c->gone[--c->ngone];
+    say_dropped(c, region); /* may note more notices: they go in c->gone */
+  }
 }
 
 SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *stats) {

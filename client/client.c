@@ -80,42 +80,120 @@ static int not_answering(sublet_client *c, const Sublet__Request *req, int deadl
                                   request_name(req), deadline_ms / 1000.0), NULL);
 }
 
+void sl_client_wake(sublet_client *c) {
+  uint64_t one = 1;
+
+  if (c->wake_fd >= 0 && write(c->wake_fd, &one, sizeof(one)) != sizeof(one))
+    return; /* cannot happen: an eventfd holds 2^64 - 2 wakeups */
+}
+
+/* Out of host memory, the region is not noted: its window goes at the next borrow, or exit. */
+static void note_gone(sublet_client *c, uint64_t region) {
+  if (c->ngone == c->capgone) {
+    size_t cap = c->capgone ? 2 * c->capgone : 4;
+    uint64_t *v = realloc(c->gone, cap * sizeof(*v));
+    if (v == NULL)
+      return;
+    c->gone = v;
+    c->capgone = cap;
+  }
+  c->gone[c->ngone++] = region;
+}
+
+/* A notice (PROTOCOL.md, Notices): a region this client kept a window of has gone. It is
+ * noted for borrow.c, whose watcher lets go of the region, and the watcher is woken. Returns 1
+ * when rep was one (and frees it). */
+static int heard(sublet_client *c, const struct sl_frame_header *h, Sublet__Reply *rep) {
+  if (rep == NULL || rep->id != 0 || rep->body_case != SUBLET__REPLY__BODY_REGION_GONE ||
+      h->nfds != 0)
+    return 0;
+  note_gone(c, rep->region_gone->region);
+  sl_client_wake(c);
+  sublet__reply__free_unpacked(rep, NULL);
+  return 1;
+}
+
+/* What is left of timeout_ms since start (< 0: no limit, -1). */
+static int ms_left(int64_t start, int timeout_ms) {
+  int64_t left = timeout_ms - (sl_clock_ms() - start);
+
+  return timeout_ms < 0 ? -1 : left > 0 ? (int)left : 0;
+}
+
+/* The next frame that is not a notice: *rep unpacked (NULL when it is not a Reply), its fds in
+ * rxfds. timeout_ms < 0: no limit. */
+static int recv_reply(sublet_client *c, struct sl_frame_header *h, Sublet__Reply **rep,
+                      int *rxfds, int timeout_ms, struct sl_err *err) {
+  int64_t start = sl_clock_ms();
+  const uint8_t *payload;
+  int rc;
+
+  do {
+    rc = sl_wire_recv(&c->rx, c->sock, h, &payload, rxfds, ms_left(start, timeout_ms), err);
+    if (rc != 0)
+      return rc;
+    if (h->version != SUBLET_PROTOCOL_VERSION) {
+      sl_wire_close_fds(rxfds, h->nfds);
+      return broken(c, sl_client_fail(SUBLET_EVERSION, "subletd speaks protocol %u, this "
+                                      "library %d: install matching versions of sublet and "
+                                      "subletd", h->version, SUBLET_PROTOCOL_VERSION), NULL);
+    }
+    *rep = h->kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h->length, err) : NULL;
+  } while (heard(c, h, *rep));
+  return 0;
+}
+
+int sl_client_read_notices(sublet_client *c) {
+  struct sl_frame_header h;
+  Sublet__Reply *rep = NULL;
+  struct sl_err err = {0};
+  int rxfds[SL_WIRE_MAX_FDS];
+  int rc = recv_reply(c, &h, &rep, rxfds, 0, &err);
+
+  if (rc == SUBLET_ETIMEDOUT)
+    return 0; /* nothing more: what came was notices, or a part of one */
+  if (rc != 0)
+    return rc == SUBLET_EVERSION ? rc : broken(c, rc, &err);
+  sl_wire_close_fds(rxfds, h.nfds);
+  if (rep != NULL && rep->id == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
+    rc = sl_client_fail(rep->error->code, "%s", rep->error->message);
+  else
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent a reply that no request asked for");
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return broken(c, rc, NULL);
+}
+
 /* Sends req and receives its reply frame: *rep unpacked, its fds in fds[0..*nfds) (no more
- * than capacity, else the conversation is broken and they are closed). */
+ * than capacity, else the conversation is broken and they are closed). Notices on the way
+ * are noted (heard). */
 static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep, int *fds,
                     size_t capacity, size_t *nfds, int deadline_ms) {
   struct sl_frame_header h;
-  const uint8_t *payload;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
   int64_t start = sl_clock_ms();
   int rc;
 
+  *rep = NULL;
   req->id = ++c->next_id;
   rc = sl_msg_send_request(c->sock, req, deadline_ms, &err);
   if (rc == 0) {
-    int64_t left = deadline_ms - (sl_clock_ms() - start);
-    rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds,
-                      deadline_ms < 0 ? -1 : left > 0 ? (int)left : 0, &err);
+    rc = recv_reply(c, &h, rep, rxfds, ms_left(start, deadline_ms), &err);
   } else if (rc == SUBLET_EPIPE) {
     /* Closed on us: subletd may have said why first (a cap reached), in a frame still here */
     struct sl_err sent = err;
-    if ((rc = sl_wire_recv(&c->rx, c->sock, &h, &payload, rxfds, 0, &err)) != 0) {
+    if ((rc = recv_reply(c, &h, rep, rxfds, 0, &err)) != 0) {
       err = sent;
       rc = SUBLET_EPIPE;
     }
   }
   if (rc == SUBLET_ETIMEDOUT)
     return not_answering(c, req, deadline_ms);
+  if (rc == SUBLET_EVERSION)
+    return rc;
   if (rc != 0)
     return broken(c, rc, &err);
-  if (h.version != SUBLET_PROTOCOL_VERSION) {
-    sl_wire_close_fds(rxfds, h.nfds);
-    return broken(c, sl_client_fail(SUBLET_EVERSION, "subletd speaks protocol %u, this "
-                                    "library %d: install matching versions of sublet and "
-                                    "subletd", h.version, SUBLET_PROTOCOL_VERSION), NULL);
-  }
-  *rep = h.kind == SL_WIRE_REPLY ? sl_msg_unpack_reply(payload, h.length, &err) : NULL;
   if (*rep != NULL && (*rep)->id == 0 && (*rep)->body_case == SUBLET__REPLY__BODY_ERROR) {
     /* Not an answer: why subletd closes the connection (a protocol error, a cap reached) */
     sl_wire_close_fds(rxfds, h.nfds);
@@ -259,6 +337,7 @@ static int hello(sublet_client *c) {
   snprintf(name, sizeof(name), "libsublet %s pid %d", SUBLET_VERSION_STRING, (int)getpid());
   h.protocol = SUBLET_PROTOCOL_VERSION;
   h.client_name = name;
+  h.has_notices = h.notices = 1; /* region gone: watch.c hears it even while idle */
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &h;
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 0);
@@ -287,6 +366,7 @@ int sl_client_open(const char *path, sublet_client **out) {
   }
   pthread_mutex_init(&c->lock, NULL);
   sl_wire_rx_init(&c->rx);
+  c->wake_fd = -1;
   snprintf(c->path, sizeof(c->path), "%s", path);
   c->timeout_ms = timeout_from_env();
   rc = hello(c);
@@ -311,6 +391,7 @@ void sl_client_free(sublet_client *c) {
     sl_device_close(c->dev);
   sl_wire_rx_destroy(&c->rx);
   pthread_mutex_destroy(&c->lock);
+  free(c->gone);
   free(c);
 }
 

@@ -37,7 +37,10 @@ struct sublet_client {
   struct sl_window **forfeit; /* windows of loans ended with live allocations */
   size_t nforfeit;
   uint64_t loan_id;       /* the loan being borrowed, 0 if none */
-  struct sl_watch *watch; /* while borrowing: watches for the daemon's end (watch.c) */
+  struct sl_watch *watch; /* from the first borrow on: hears the daemon between calls */
+  int wake_fd;            /* the watch's eventfd, to wake it; -1: none (owned by the watch) */
+  uint64_t *gone;         /* regions that RegionGone named, not yet let go of (borrow.c) */
+  size_t ngone, capgone;
   int lost;               /* the daemon went mid-loan: the loan's pages were let go */
   int timeout_ms;         /* how long subletd may take to answer (sublet_set_timeout) */
   char path[108];         /* the socket, for messages */
@@ -84,6 +87,12 @@ int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
 int sl_client_status(sublet_client *c, Sublet__Reply **rep);
 /* Opens this process's side of the daemon's device, once. */
 int sl_client_ensure_device(sublet_client *c);
+/* Wakes the watch (c->wake_fd), if any: the client's state changed (c->lock held or not). */
+void sl_client_wake(sublet_client *c);
+/* Reads the notices that came while no request was in flight, without waiting (the caller
+ * holds c->lock and sends no request meanwhile): 0, or the connection is broken (anything but
+ * a notice, or its end). */
+int sl_client_read_notices(sublet_client *c);
 /* Is the connection gone (the daemon died or closed it, or it was shut as broken)? */
 int sl_client_gone(const sublet_client *c);
 
@@ -112,15 +121,26 @@ int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_
 
 /* ------------------------------------------------------------------ watch.c */
 
-/* Watches c's connection while it borrows; takes over release_fd (the release pipe's write
- * end, or -1). stop: the loan ended or the client goes; never with c->lock held. */
+/* Watches c's connection from its first loan on (the caller holds c->lock): the daemon's end,
+ * and notices while no request is in flight; takes over release_fd (this loan's release
+ * pipe's write end, or -1) and closes the last loan's. loan_over (c->lock held): the loan
+ * ended normally, its release fd is closed. stop: the client goes; settle: the watch stops if
+ * nothing needs it now (no loan, no window of a region that may go: sl_borrow_keeps); both
+ * never with c->lock held. sl_client_wake makes it look again at the client's state. */
 int sl_watch_start(sublet_client *c, int release_fd);
+void sl_watch_loan_over(sublet_client *c);
 void sl_watch_stop(sublet_client *c);
+void sl_watch_settle(sublet_client *c);
 
 /* ------------------------------------------------------------------ borrow.c */
 
 /* Unmaps and frees every window of c (the connection is closed: its loans are over). */
 void sl_borrow_forget(sublet_client *c);
+/* Lets go of the regions that RegionGone named (c->gone), those no loan of this process uses
+ * now: unmaps and releases their windows, says Dropped (the caller holds c->lock). */
+void sl_borrow_let_go_gone(sublet_client *c);
+/* Does this process keep a window of another process's region (which may go: notices)? */
+int sl_borrow_keeps(const sublet_client *c);
 /* SUBLET_EBUSY when the client borrows a loan already (one at a time). */
 int sl_borrow_check_idle(sublet_client *c);
 /* Starts borrowing the loan the daemon granted (Borrowed, from Borrow or a local Lend): sets up

@@ -72,23 +72,39 @@ static json_t *uuid_json(const ProtobufCBinaryData *u) {
 }
 
 /* "o" takes each part, NULL included (out of memory): json_pack then fails and frees them. */
-static json_t *region_json(const Sublet__RegionStatus *r, uint64_t page_size) {
+static json_t *region_json(const void *item, uint64_t page_size) {
+  const Sublet__RegionStatus *r = item;
+
   return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->region),
                    "owner_pid", count_json(r->owner_pid), "owner_uid", count_json(r->owner_uid),
                    "pages", count_json(r->pages), "bytes", count_json(r->pages * page_size),
                    "loan", count_json(r->has_loan ? r->loan : 0));
 }
 
-static json_t *regions_json(const Sublet__Status *st) {
+/* A list of the message's items, each made by item_json. */
+static json_t *list_json(void *const *items, size_t n,
+                         json_t *(*item_json)(const void *item, uint64_t page_size),
+                         uint64_t page_size) {
   json_t *list = json_array();
 
-  for (size_t i = 0; list != NULL && i < st->n_regions; i++) {
-    if (json_array_append_new(list, region_json(st->regions[i], st->page_size)) != 0) {
+  for (size_t i = 0; list != NULL && i < n; i++) {
+    if (json_array_append_new(list, item_json(items[i], page_size)) != 0) {
       json_decref(list);
       return NULL;
     }
   }
   return list;
+}
+
+/* A gone region's pages that a client that kept its window still holds (HeldStatus). */
+static json_t *held_json(const void *item, uint64_t page_size) {
+  const Sublet__HeldStatus *h = item;
+
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o}", "region", count_json(h->region),
+                   "pages", count_json(h->pages), "bytes", count_json(h->pages * page_size),
+                   "owner_uid", count_json(h->owner_uid),
+                   "holder_pid", count_json(h->holder_pid),
+                   "holder_uid", count_json(h->holder_uid));
 }
 
 static json_t *loan_stats_json(const Sublet__LoanStats *s) {
@@ -126,20 +142,13 @@ static json_t *loan_json(const Sublet__LoanStatus *l, uint64_t page_size) {
   return loan;
 }
 
-/* Borrowers that may still hold old pages of other users' regions (counted until they go). */
-static json_t *retained_json(const Sublet__Status *st) {
-  json_t *list = json_array();
+/* A borrower that may still hold old pages of other users' regions (counted until it goes). */
+static json_t *retained_json(const void *item, uint64_t page_size) {
+  const Sublet__RetainedStatus *r = item;
 
-  for (size_t i = 0; list != NULL && i < st->n_retained; i++) {
-    const Sublet__RetainedStatus *r = st->retained[i];
-    if (json_array_append_new(list, json_pack("{s:o, s:o, s:o}", "pid", count_json(r->pid),
-                                              "uid", count_json(r->uid),
-                                              "bytes", count_json(r->bytes))) != 0) {
-      json_decref(list);
-      return NULL;
-    }
-  }
-  return list;
+  (void)page_size;
+  return json_pack("{s:o, s:o, s:o}", "pid", count_json(r->pid), "uid", count_json(r->uid),
+                   "bytes", count_json(r->bytes));
 }
 
 static json_t *totals_json(const Sublet__Status *st) {
@@ -156,7 +165,7 @@ static json_t *totals_json(const Sublet__Status *st) {
 
 static json_t *status_object(const Sublet__Status *st) {
   return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
-                   "s:o}",
+                   "s:o, s:o}",
                    "daemon_version", text_json(st->daemon_version),
                    "uptime_seconds", seconds_json(st->uptime_seconds, 3),
                    "backend", text_json(st->backend), "device_uuid", uuid_json(&st->device_uuid),
@@ -166,8 +175,14 @@ static json_t *status_object(const Sublet__Status *st) {
                    "total_bytes", count_json(st->total_bytes),
                    "free_bytes", count_json(st->free_bytes),
                    "host_bytes", count_json(st->host_bytes), "clients", count_json(st->clients),
-                   "regions", regions_json(st), "loan", loan_json(st->loan, st->page_size),
-                   "retained", retained_json(st), "totals", totals_json(st));
+                   "regions", list_json((void *const *)st->regions, st->n_regions, region_json,
+                                        st->page_size),
+                   "held", list_json((void *const *)st->held, st->n_held, held_json,
+                                     st->page_size),
+                   "loan", loan_json(st->loan, st->page_size),
+                   "retained", list_json((void *const *)st->retained, st->n_retained,
+                                         retained_json, st->page_size),
+                   "totals", totals_json(st));
 }
 
 /* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001).

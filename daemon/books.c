@@ -94,6 +94,7 @@ void sl_books_free(struct sl_books *b) {
   loan_free(b->loan);
   free(b->clients);
   free(b->regions);
+  free(b->held);
   free(b);
 }
 
@@ -149,9 +150,11 @@ int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
   return 0;
 }
 
+/* The region leaves the books; its keepers hold its pages until they let go (kept.c). */
 static void region_delete(struct sl_books *b, struct sl_region *r) {
   size_t i = (size_t)(r - b->regions);
 
+  sl_books_kept_retire(b, r);
   b->region_pages -= r->npages;
   memmove(r, r + 1, (b->nregions - i - 1) * sizeof(*r));
   b->nregions--;
@@ -535,6 +538,7 @@ static void loan_delete(struct sl_books *b) {
   struct sl_region *r = sl_books_find_region(b, l->region_id);
   struct sl_client *c = sl_books_find_client(b, l->borrower_client);
 
+  sl_books_kept_loan_end(b, l);
   if (r != NULL && l->owner_gone)
     region_delete(b, r);
   else if (r != NULL)
@@ -708,6 +712,13 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
   rc = pick_loan(b, c, loan_id, token, name, fresh_pages, &l, err);
   if (rc < 0)
     return rc;
+  c->keeps = c->notices && sl_books_kept_window(b, c->id, l->region_id);
+  if (c->keeps && sl_books_kept_reserve(b) < 0) {
+    c->keeps = 0;
+    return out_of_memory(err);
+  }
+  if (c->kept_region != l->region_id)
+    c->kept_region = 0; /* the client lets go of another region's window (Borrowed) */
   region = sl_books_find_region(b, l->region_id);
   l->state = SL_LOAN_ACTIVE;
   l->borrower_client = c->id;
@@ -1187,6 +1198,7 @@ static int gone_reserve(const struct sl_books *b, uint64_t client_id,
 
   for (size_t i = 0; i < b->nregions; i++)
     owned += b->regions[i].owner_client == client_id;
+  owned += sl_books_kept_count(b, client_id); /* gone regions it may be the last holder of */
   /* One loan at most: one draining entry at most. */
   g->free_regions = owned ? malloc(owned * sizeof(uint64_t)) : NULL;
   g->draining_loans = b->loan ? malloc(sizeof(uint64_t)) : NULL;
@@ -1233,6 +1245,7 @@ static void regions_drop_owner(struct sl_books *b, uint64_t client_id,
   for (size_t i = 0; i < b->nregions; i++) {
     struct sl_region *r = &b->regions[i];
     if (r->owner_client == client_id && r->loan_id == 0) {
+      sl_books_kept_retire(b, r);
       g->free_regions[g->nfree_regions++] = r->id;
       b->region_pages -= r->npages;
     } else {
@@ -1255,6 +1268,7 @@ int sl_books_client_remove(struct sl_books *b, uint64_t client_id, struct sl_cli
     return SUBLET_ENOHOSTMEM;
   loan_drop_client(b, client_id, &g);
   regions_drop_owner(b, client_id, &g);
+  sl_books_kept_client_gone(b, client_id, g.free_regions, &g.nfree_regions);
   i = (size_t)(c - b->clients);
   memmove(c, c + 1, (b->nclients - i - 1) * sizeof(*c));
   b->nclients--;

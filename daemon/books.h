@@ -108,7 +108,8 @@ struct sl_loan_end {
 
 /* What a client's disconnection leaves to do. */
 struct sl_client_gone {
-  uint64_t *free_regions;     /* release their pages now */
+  uint64_t *free_regions;     /* gone: release their pages unless a keeper holds them; with
+                                 the gone regions whose last holder this client was */
   size_t nfree_regions;
   uint64_t *draining_loans;   /* the client was their borrower: sl_books_loan_finish() each once
                                  the client's process has fully exited (its GPU work may still
@@ -141,6 +142,14 @@ struct sl_loan_info {
   uint64_t fresh_chunk_pages; /* fresh pages created so far */
   int owner_gone;
   struct sublet_loan_stats stats;
+};
+
+/* A gone region's pages that a client still holds (kept windows, kept.c). */
+struct sl_held_info {
+  uint64_t region_id, npages;
+  struct sl_peer owner;
+  uint64_t holder_client;
+  struct sl_peer holder;
 };
 
 struct sl_books_totals {
@@ -235,6 +244,24 @@ struct sl_retained {
 };
 size_t sl_books_retained(const struct sl_books *b, struct sl_retained *out, size_t n);
 void sl_loan_end_clear(struct sl_loan_end *end);
+
+/* Kept windows (kept.c). A borrower in another process of the owner's uid keeps its window
+ * (imported handles, mappings) after a loan, for the region's next: keep_window. One that
+ * hears notices is its keeper then, until it borrows another region or leaves; when the region
+ * goes (released, its owner gone) each keeper becomes a holder of its pages, is told, and stays
+ * one until it says Dropped or leaves: the region's pages are released when no holder is left.
+ */
+int sl_books_kept_window(const struct sl_books *b, uint64_t client_id, uint64_t region_id);
+void sl_books_client_notices(struct sl_books *b, uint64_t client_id);
+/* Does client_id hold pages of the gone region_id (told, or to be told)? How many do? */
+int sl_books_kept_holds(const struct sl_books *b, uint64_t client_id, uint64_t region_id);
+size_t sl_books_kept_holders(const struct sl_books *b, uint64_t region_id);
+/* The client let go of region_id's window: *last is set when it was the gone region's last
+ * holder (release its pages now). ENOENT when it kept none. */
+int sl_books_kept_drop(struct sl_books *b, uint64_t client_id, uint64_t region_id, int *last,
+                       struct sl_err *err);
+/* The gone regions still held, by holder: fills out[0..n), returns how many there are. */
+size_t sl_books_kept_held(const struct sl_books *b, struct sl_held_info *out, size_t n);
 
 /* Observation */
 int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li);

@@ -16,6 +16,15 @@ struct sl_client {
   uint64_t retained_pages; /* old region pages it was granted as a borrower of another user
                               and may still hold (fds cannot be revoked): counted until it
                               disconnects */
+  int notices;      /* hears notices (Hello.notices): it may keep a window (kept.c) */
+  int keeps;        /* keeps its window after the loan it borrows */
+  uint64_t kept_region; /* a live region whose window it kept after a loan; 0: none */
+};
+
+/* A gone region whose pages a client still holds (kept.c). */
+struct sl_held {
+  uint64_t region_id, npages, holder_client;
+  struct sl_peer owner, holder;
 };
 
 struct sl_region {
@@ -72,6 +81,8 @@ struct sl_books {
   size_t nregions, cap_regions;
   uint64_t region_pages;
   struct sl_loan *loan;
+  struct sl_held *held; /* room for every keeper too: a region goes without allocating */
+  size_t nheld, cap_held;
   uint64_t next_client, next_region, next_loan, next_alloc, next_chunk;
   struct sl_books_totals counters; /* only the counters; the gauges are computed */
 };
@@ -110,6 +121,16 @@ static inline uint64_t sl_books_kept_start(const struct sl_loan *l) {
 static inline uint64_t sl_books_pages_for(const struct sl_books *b, uint64_t size) {
   return size / b->cfg.page_size + (size % b->cfg.page_size != 0);
 }
+
+/* kept.c, for books.c: room for one more keeper; the loan's end makes its borrower one (or
+ * not: the region goes); a region leaves and its keepers become holders; a client leaves. */
+int sl_books_kept_reserve(struct sl_books *b);
+void sl_books_kept_loan_end(struct sl_books *b, const struct sl_loan *l);
+void sl_books_kept_retire(struct sl_books *b, const struct sl_region *r);
+size_t sl_books_kept_count(const struct sl_books *b, uint64_t client_id);
+void sl_books_kept_client_gone(struct sl_books *b, uint64_t client_id, uint64_t *freed,
+                               size_t *nfreed);
+size_t sl_books_kept_keepers(const struct sl_books *b);
 
 /* flags[p] = 1 for every page holding a kept byte (books.c). */
 void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,

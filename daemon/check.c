@@ -382,6 +382,35 @@ static int check_totals(const struct sl_books *b, struct check *ck) {
   return 0;
 }
 
+/* Kept windows (kept.c): a keeper keeps a live region of another client and hears notices;
+ * a holder holds a region that is gone, once; every keeper has room to become a holder. */
+static int check_kept(const struct sl_books *b, struct check *ck) {
+  for (size_t i = 0; i < b->nclients; i++) {
+    const struct sl_client *c = &b->clients[i];
+    const struct sl_region *r = sl_books_find_region(b, c->kept_region);
+    if (c->kept_region != 0 && (r == NULL || r->owner_client == c->id || !c->notices))
+      return broken(ck, "client %" PRIu64 " keeps region %" PRIu64 ", which is gone, its own, "
+                    "or it hears no notices", c->id, c->kept_region);
+    if (c->keeps && c->loan_id == 0)
+      return broken(ck, "client %" PRIu64 " keeps the window of no loan", c->id);
+  }
+  if (b->cap_held < b->nheld + sl_books_kept_keepers(b))
+    return broken(ck, "room for %zu held regions, not for every keeper's (%zu)", b->cap_held,
+                  b->nheld + sl_books_kept_keepers(b));
+  for (size_t i = 0; i < b->nheld; i++) {
+    const struct sl_held *h = &b->held[i];
+    if (sl_books_find_region(b, h->region_id) != NULL ||
+        sl_books_find_client(b, h->holder_client) == NULL)
+      return broken(ck, "held region %" PRIu64 " (client %" PRIu64 ") is still in the books, "
+                    "or its holder is gone", h->region_id, h->holder_client);
+    for (size_t j = i + 1; j < b->nheld; j++)
+      if (b->held[j].region_id == h->region_id && b->held[j].holder_client == h->holder_client)
+        return broken(ck, "region %" PRIu64 " held twice by client %" PRIu64, h->region_id,
+                      h->holder_client);
+  }
+  return 0;
+}
+
 int sl_books_check(const struct sl_books *b, char *why, size_t n) {
   struct check ck = {why, n};
   int rc = check_clients(b, &ck);
@@ -392,6 +421,8 @@ int sl_books_check(const struct sl_books *b, char *why, size_t n) {
     rc = check_loan(b, &ck);
   if (rc == 0)
     rc = check_totals(b, &ck);
+  if (rc == 0)
+    rc = check_kept(b, &ck);
   if (rc == 0 && why != NULL && n > 0)
     why[0] = '\0';
   return rc;

@@ -1,10 +1,11 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), transport.c
  * (connections below the protocol: frames, output queues, bounds), conn.c (one client's
  * conversation on its transport), handlers.c (requests), waiters.c (requests answered later),
- * endings.c (how loans end, what a client leaves), status.c (the Status reply), idle.c
+ * endings.c (how loans end, what a client leaves), retire.c (a region leaves, its keepers
+ * told), status.c (the Status reply), idle.c
  * (--idle-exit), jobs.c (copies off the loop).
  *
- * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, status.c ->
+ * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, retire.c, status.c ->
  * conn.c -> transport.c. The lower ones reach the upper ones only through the callbacks they
  * were given (struct sl_conn_ops, struct sl_transport_ops).
  *
@@ -235,6 +236,10 @@ void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);
 void sl_rescue_prune(struct sl_daemon *d);
 void sl_rescue_free_all(struct sl_daemon *d);
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
+/* A region has left the books (released, or gone with its owner), or its last holder let go
+ * (retire.c): the clients that still hold its pages hear RegionGone; with none, its pages are
+ * released. */
+void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
 
 /* The request layer's side of a connection (handlers.c): requests and the connection's end. */
 extern const struct sl_conn_ops sl_handlers;

@@ -42,7 +42,7 @@ static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const ch
     sl_books_pages_replaced(d->books, end, ej->replaced);
   end->stats.replaced_pages = ej->replaced;
   if (end->free_region)
-    sl_pool_region_destroy(d->pool, end->region_id);
+    sl_retire_region(d, end->region_id);
   /* Before the owner hears: all is back. Not in fresh pages the owner has yet to map: if the
    * daemon dies before it has, its library restores from the save area, as mid-loan. */
   sl_rescue_end(d, end->loan_id, rc == 0 && ej->replaced == 0);
@@ -292,7 +292,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
   }
   if (c->client_id != 0 && sl_books_client_remove(d->books, c->client_id, &gone) == 0) {
     for (size_t i = 0; i < gone.nfree_regions; i++)
-      sl_pool_region_destroy(d->pool, gone.free_regions[i]);
+      sl_retire_region(d, gone.free_regions[i]);
     if (gone.ndraining > 0)
       settle_borrower(c, gone.draining_loans, gone.ndraining);
     sl_client_gone_clear(&gone);

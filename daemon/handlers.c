@@ -67,6 +67,9 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
     return rc;
   if (m->client_name != NULL)
     snprintf(x->c->name, sizeof(x->c->name), "%s", m->client_name);
+  if (m->notices)
+    sl_books_client_notices(x->d->books, x->c->client_id);
+  w.has_notices = w.notices = m->notices;
   w.protocol = SUBLET_PROTOCOL_VERSION;
   w.daemon_version = (char *)SUBLET_VERSION_STRING;
   w.backend = (char *)info->backend;
@@ -149,7 +152,20 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
 
   if (rc != 0)
     return rc;
-  sl_pool_region_destroy(x->d->pool, m->region);
+  sl_retire_region(x->d, m->region);
+  sl_conn_send_ok(x->c, x->id);
+  return 0;
+}
+
+static int on_dropped(struct ctx *x, const Sublet__Dropped *m) {
+  int last, rc = sl_books_kept_drop(x->d->books, x->c->client_id, m->region, &last, &x->err);
+
+  if (rc != 0)
+    return rc;
+  sl_debug("pid %d let go of region %llu%s", (int)x->c->peer.pid,
+           (unsigned long long)m->region, last ? ", its last holder: its pages go" : "");
+  if (last)
+    sl_retire_region(x->d, m->region); /* nobody holds its pages now */
   sl_conn_send_ok(x->c, x->id);
   return 0;
 }
@@ -296,7 +312,7 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) 
   b->n_layout = b->unkept_pages + b->kept_pages;
   b->own_region = ri.owner_client == c->client_id;
   b->has_keep_window = 1;
-  b->keep_window = !b->own_region && c->peer.uid == ri.owner.uid;
+  b->keep_window = sl_books_kept_window(d->books, c->client_id, li.region_id);
   b->has_pages_version = 1;
   b->pages_version = ri.pages_version;
   d->copy_out_seconds = 0;
@@ -623,6 +639,7 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_FREE: return on_free(x, r->free);
     case SUBLET__REQUEST__BODY_RETURN: return on_return(x, r->return_);
     case SUBLET__REQUEST__BODY_STATS_GET: return sl_status_reply(x->c, x->id, &x->err);
+    case SUBLET__REQUEST__BODY_DROPPED: return on_dropped(x, r->dropped);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);

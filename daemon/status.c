@@ -1,5 +1,6 @@
-/* status.c - the daemon's Status reply: the device, its regions, the loan in progress and
- * the totals since start (`sublet status` shows it).
+/* status.c - the daemon's Status reply: the device, its regions, the gone regions a client
+ * that kept their window still holds, the loan in progress and the totals since start
+ * (`sublet status` shows it).
  *
  * A client sees only what it may: the regions of its own user and the loan of one of them (or
  * that it borrows); root and the --allow-group group see every user's. The device and the
@@ -78,6 +79,36 @@ static int status_retained(struct sl_conn *c, Sublet__Status *st, Sublet__Retain
   return 0;
 }
 
+/* The gone regions still held by a client that kept their window, those the client may see;
+ * *msgs is the caller's to free. */
+static int status_held(struct sl_conn *c, Sublet__Status *st, Sublet__HeldStatus **msgs) {
+  size_t n = sl_books_kept_held(c->d->books, NULL, 0), k = 0;
+  struct sl_held_info *all = calloc(n + 1, sizeof(*all));
+
+  *msgs = calloc(n + 1, sizeof(**msgs));
+  st->held = calloc(n + 1, sizeof(*st->held));
+  if (all == NULL || *msgs == NULL || st->held == NULL) {
+    free(all);
+    return SUBLET_ENOHOSTMEM;
+  }
+  sl_books_kept_held(c->d->books, all, n);
+  for (size_t i = 0; i < n; i++) {
+    Sublet__HeldStatus *h = &(*msgs)[k];
+    if (!may_see(c, all[i].owner.uid))
+      continue;
+    sublet__held_status__init(h);
+    h->region = all[i].region_id;
+    h->pages = all[i].npages;
+    h->owner_uid = (uint32_t)all[i].owner.uid;
+    h->holder_pid = (uint32_t)all[i].holder.pid;
+    h->holder_uid = (uint32_t)all[i].holder.uid;
+    st->held[k++] = h;
+  }
+  st->n_held = k;
+  free(all);
+  return 0;
+}
+
 /* ls points into li (its name): li must live until the reply is sent. */
 static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__LoanStatus *ls,
                         Sublet__LoanStats *stats) {
@@ -149,12 +180,15 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   struct sl_loan_info li;
   Sublet__RegionStatus *regions = NULL;
   Sublet__RetainedStatus *retained = NULL;
+  Sublet__HeldStatus *held = NULL;
   int rc;
 
   status_device(c->d, &st);
   rc = status_regions(c, &st, &regions);
   if (rc == 0)
     rc = status_retained(c, &st, &retained);
+  if (rc == 0)
+    rc = status_held(c, &st, &held);
   if (rc == 0) {
     if (loan_visible(c, sl_books_current_loan(c->d->books))) {
       status_loan(c->d, &li, &ls, &stats);
@@ -169,5 +203,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   free(st.regions);
   free(retained);
   free(st.retained);
+  free(held);
+  free(st.held);
   return rc != 0 ? sl_err_set(err, rc, "out of host memory") : 0;
 }

@@ -101,6 +101,9 @@ def text_status(s: dict[str, Any]) -> str:
         lent = f", lent (loan {r['loan']})" if r["loan"] else ""
         lines.append(f"    region {r['id']}: {human(r['bytes'])} ({r['pages']} pages), "
                      f"owner pid {r['owner_pid']} (uid {r['owner_uid']}){lent}")
+    for h in s.get("held", []):  # gone, but a borrower that kept its window has not let go
+        lines.append(f"    region {h['region']}: {human(h['bytes'])} released, still held by "
+                     f"pid {h['holder_pid']} (uid {h['holder_uid']}), which kept its window")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
     for r in s.get("retained", []):
         lines.append(f"  retained {human(r['bytes'])} of old pages by pid {r['pid']} "
@@ -129,6 +132,8 @@ METRICS = [  # name, type, help, value from a status
     ("sublet_regions", "gauge", "regions", lambda s: len(s["regions"])),
     ("sublet_retained_bytes", "gauge", "old pages borrowers of other users may still hold",
      lambda s: sum(r["bytes"] for r in s.get("retained", []))),
+    ("sublet_held_bytes", "gauge", "bytes of released regions a borrower still holds",
+     lambda s: sum(h["bytes"] for h in {h["region"]: h for h in s.get("held", [])}.values())),
     ("sublet_region_bytes", "gauge", "bytes in regions",
      lambda s: sum(r["bytes"] for r in s["regions"])),
     ("sublet_loan_active", "gauge", "1 while a loan is borrowed",

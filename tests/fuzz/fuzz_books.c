@@ -52,8 +52,9 @@ static void op_connect(struct script *s) {
   struct sl_peer peer = {.pid = 100 + slot, .uid = who % 3 == 0 ? 0 : 1000 + who % 2,
                          .gid = 1000, .trusted = who % 3 == 0 || who % 5 == 0};
 
-  if (s->client[slot] == 0)
-    sl_books_client_add(s->b, &peer, &s->client[slot]);
+  if (s->client[slot] == 0 && sl_books_client_add(s->b, &peer, &s->client[slot]) == 0 &&
+      who & 4)
+    sl_books_client_notices(s->b, s->client[slot]); /* it may keep windows (kept.c) */
 }
 
 static void op_disconnect(struct script *s) {
@@ -189,11 +190,21 @@ static void op_look(struct script *s) {
   sl_books_totals(s->b, &t);
 }
 
+/* A client says it let go of a region's window (Dropped), kept or not, gone or not. */
+static void op_drop(struct script *s) {
+  uint64_t c = client_of(s), region = arg(s);
+  struct sl_held_info held[4];
+  int last;
+
+  sl_books_kept_drop(s->b, c, region, &last, NULL);
+  sl_books_kept_held(s->b, held, 4);
+}
+
 static void (*const ops[])(struct script *) = {
     op_connect, op_connect, op_disconnect, op_region_add, op_region_add, op_region_remove,
     op_pages,   op_lend,    op_lend,       op_withdraw,   op_borrow,     op_borrow,
     op_alloc,   op_alloc,   op_alloc,      op_free,       op_free,       op_return,
-    op_finish,  op_look};
+    op_finish,  op_look,    op_drop};
 #define OPS (sizeof(ops) / sizeof(ops[0]))
 
 /* $SUBLET_FUZZ_TRACE: what each step left, to read a script (a crash's, a seed). */
@@ -239,7 +250,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 /* Op numbers, as ops[] lists them. */
 enum { CONNECT = 0, DISCONNECT = 2, REGION_ADD = 3, REGION_REMOVE = 5, PAGES = 6, LEND = 7,
-       WITHDRAW = 9, BORROW = 10, ALLOC = 12, FREE = 15, RETURN = 17, FINISH = 18, LOOK = 19 };
+       WITHDRAW = 9, BORROW = 10, ALLOC = 12, FREE = 15, RETURN = 17, FINISH = 18, LOOK = 19,
+       DROP = 20 };
 #define BIG(k) (0x80 | (k)) /* interesting[k] */
 
 /* Whole stories: two clients, a region of 16 pages, a loan with kept ranges, a borrow by
@@ -272,6 +284,16 @@ static const uint8_t story_hostile[] = {
     PAGES, 1, 2, 0, BIG(15), WITHDRAW, 0, BIG(15), BIG(15), FREE, 1, BIG(15),
     RETURN, 1, 0, FREE, 1, 1, RETURN, 1, 0, FINISH, BIG(15)};
 
+/* Kept windows: two borrowers of the owner's uid that hear notices keep the region after
+ * their loans; the owner releases it, one says Dropped (twice), the owner goes, the other
+ * goes. */
+static const uint8_t story_kept[] = {
+    0, CONNECT, 0, 1, CONNECT, 1, 5, CONNECT, 2, 5, REGION_ADD, 0, 8, REGION_ADD, 0, 4,
+    LEND, 0, 1, 0, 0, BORROW, 1, 1, 0, 1, ALLOC, 1, 4, 0, 1, FREE, 1, 1, RETURN, 1, 0,
+    LEND, 0, 1, 0, 0, BORROW, 2, 2, 0, 1, RETURN, 2, 0,
+    LEND, 0, 2, 0, 0, BORROW, 2, 3, 0, 1, RETURN, 2, 0,
+    REGION_REMOVE, 0, 1, DROP, 1, 1, DROP, 1, 1, DISCONNECT, 0, DISCONNECT, 2, DROP, 1, 2};
+
 static const struct {
   const uint8_t *data;
   size_t len;
@@ -280,6 +302,7 @@ static const struct {
     {story_borrower_goes, sizeof(story_borrower_goes)},
     {story_owner_goes, sizeof(story_owner_goes)},
     {story_hostile, sizeof(story_hostile)},
+    {story_kept, sizeof(story_kept)},
 };
 
 size_t sl_fuzz_seed(unsigned i, uint8_t *buf, size_t cap) {

@@ -6,10 +6,12 @@ two example scripts, and mapping paid once across processes. Skipped without CUD
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -67,17 +69,22 @@ TRAINER = textwrap.dedent("""
         print(f"loan {i + 1}: map_seconds {s.map_seconds:.4f} unkept "
               f"{s.served_unkept_bytes} fresh {s.served_fresh_bytes} kept "
               f"{s.served_kept_bytes}", flush=True)
+    print("idle", flush=True)
+    sys.stdin.read()    # idle, calling nothing, while the owner frees the region
 """)
 
 
 def test_cross_process_borrower_maps_once_over_three_loans():
+    """... and when the owner frees the region, the idle borrower lets go of the pages it kept
+    at once (the daemon tells it): the GPU's free memory comes back, all 16 GiB of it."""
     cache = random_fill(sublet.empty(16, GiB, dtype=torch.uint8), seed=21)
     keep = cache[:1]                                   # 1 GiB kept, 15 GiB unkept
     before = keep.clone()
     # Little free memory beside the region: the loans' layout is the same each time.
     with free_memory_left(3 * GiB):
         trainer = subprocess.Popen([sys.executable, "-c", TRAINER], env=env(),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
         lines = []
         try:
             for _ in range(3):
@@ -85,11 +92,28 @@ def test_cross_process_borrower_maps_once_over_three_loans():
                     offer.wait(timeout=300)
                 assert torch.equal(keep, before)          # uint8: equal values, equal bits
                 lines.append(trainer.stdout.readline().strip())
-            out, err = trainer.communicate(timeout=120)
-        finally:
+            assert trainer.stdout.readline().strip() == "idle"
+        except BaseException:
             trainer.kill()
+            raise
+    try:
+        torch.cuda.synchronize()
+        free_before, _ = torch.cuda.mem_get_info()
+        del cache, keep, offer                      # the region is released
+        gc.collect()
+        start = time.monotonic()
+        while (torch.cuda.mem_get_info()[0] < free_before + 15 * GiB
+               and time.monotonic() - start < 10):
+            time.sleep(0.01)
+        took, freed = time.monotonic() - start, torch.cuda.mem_get_info()[0] - free_before
+        out, err = trainer.communicate(input="", timeout=120)
+    finally:
+        trainer.kill()
     assert trainer.returncode == 0, err
     print("\n" + "\n".join(lines))
+    print(f"region freed: {freed / GiB:.2f} GiB of GPU memory back within {took:.3f} s, the "
+          f"borrower still running")
+    assert freed >= 15 * GiB                          # its kept 14 GiB too, not only the rest
     seconds = [float(line.split()[3]) for line in lines]
     assert seconds[0] > 0.05                          # 14 GiB imported and mapped once ...
     assert seconds[1] < 0.01 and seconds[2] < 0.01    # ... and not again

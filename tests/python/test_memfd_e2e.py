@@ -7,6 +7,7 @@ The daemon gets 64 KiB pages and 64 MiB in all, so a loan is easy to fill comple
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -299,6 +300,89 @@ def test_borrower_killed_mid_loan():
     assert_kept_intact(cache, before, None)
     with sublet.lend(cache, keep=[]):  # the tensor is the owner's again
         pass
+
+
+# A borrower that keeps its window: two loans of one region, then it sits idle, calling
+# nothing, until its stdin closes.
+KEEPER = textwrap.dedent("""
+    import os, sys, torch, sublet
+    def memfd_pages():
+        fds = sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:sublet-page")
+                  for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+        with open("/proc/self/maps") as maps:
+            return fds, sum("/memfd:sublet-page" in line for line in maps)
+    for i in range(2):
+        with sublet.borrow(name=sys.argv[1], device="cpu", timeout=20) as loan:
+            loan.empty(int(sys.argv[2]), dtype=torch.uint8).fill_(0xAB)
+        print("held", *memfd_pages(), flush=True)
+    sys.stdin.read()
+""")
+
+
+def memfd_pages_of(pid: int) -> tuple[int, int]:
+    """The memfd pages (fds, mappings) a process holds."""
+    fds = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fds += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:sublet-page")
+        except FileNotFoundError:
+            pass
+    with open(f"/proc/{pid}/maps") as maps:
+        return fds, sum("/memfd:sublet-page" in line for line in maps)
+
+
+def start_keeper(name: str, nbytes: int) -> subprocess.Popen:
+    from sublet import _client
+    socket = _client.client_for("memfd", 0).path
+    return subprocess.Popen([sys.executable, "-c", KEEPER, name, str(nbytes)],
+                            env=dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def held_by(pid: int) -> int:
+    """Bytes of gone regions that pid still holds, as `sublet status --json` says."""
+    status = json.loads(sublet_status("--json").stdout)
+    return sum(h["bytes"] for d in status for h in d["held"] if h["holder_pid"] == pid)
+
+
+def test_idle_borrower_lets_go_when_the_region_is_freed():
+    """The owner frees a region whose window an idle borrower in another process kept: the
+    borrower lets go of its pages at once (no fd, no mapping left), so that a region of the
+    same size fits again; while it cannot (stopped), status counts them as held by it."""
+    size = 40 * 1024 * 1024                     # two do not fit in the daemon's 64 MiB
+    cache, before = patterned(size // 65536, 65536, seed=31)
+    child = start_keeper("kept", size)
+    try:
+        for _ in range(2):
+            with sublet.offer(cache, keep=cache[:1], name="kept") as offer:
+                offer.wait(timeout=30)
+            assert torch.equal(cache[:1], before[:1])
+        first, second = (child.stdout.readline().split() for _ in range(2))
+        assert first[0] == "held" and int(first[1]) >= size // PAGE - 1
+        assert second == first                  # the second loan imported and mapped nothing
+        child.send_signal(signal.SIGSTOP)
+        while open(f"/proc/{child.pid}/stat").read().split(")")[1].split()[0] != "T":
+            time.sleep(0.001)
+        del cache, before, offer                # the region is released
+        gc.collect()
+        assert held_by(child.pid) == size       # by the stopped borrower, which cannot let go
+        assert "still held by pid %d" % child.pid in sublet_status().stdout
+        with pytest.raises(sublet.SubletOutOfMemoryError):
+            sublet.empty(size, dtype=torch.uint8, device="cpu")
+        child.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while memfd_pages_of(child.pid) != (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert memfd_pages_of(child.pid) == (0, 0)
+        while held_by(child.pid) != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)                    # Dropped comes a moment after the unmapping
+        assert held_by(child.pid) == 0
+        again = sublet.empty(size, dtype=torch.uint8, device="cpu")
+        del again
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_offer_not_taken():

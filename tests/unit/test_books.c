@@ -1968,6 +1968,117 @@ static void test_pages_granted(void) {
   sl_books_free(b);
 }
 
+/* ---- kept windows (kept.c) ---------------------------------------------------------------- */
+
+/* A borrower's loan of the region: borrowed, nothing allocated, returned. */
+static void loan_round(struct sl_books *b, uint64_t owner, uint64_t borrower, uint64_t rid) {
+  struct sl_loan_end end;
+
+  borrow(b, borrower, lend(b, owner, rid, NULL, 0), 4);
+  CHECK_EQ(sl_books_return(b, borrower, 0, &end, NULL), 0);
+  sl_loan_end_clear(&end);
+  BOOKS_OK(b);
+}
+
+/* A borrower of the owner's uid that hears notices keeps the window after its loan; when the
+ * region goes it holds its pages until it says Dropped; a client that does not hear notices
+ * (an older library) never does, so its region goes at once, as before. */
+static void test_kept_region_released(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), hears = client(b, 1000, 1000);
+  uint64_t old = client(b, 1000, 1000), other = client(b, 2000, 2000);
+  uint64_t rid = region(b, owner, 8);
+  struct sl_held_info h[2];
+  struct sl_err err = {0};
+  int last = -1;
+
+  sl_books_client_notices(b, hears);
+  sl_books_client_notices(b, other);
+  CHECK(sl_books_kept_window(b, hears, rid) && sl_books_kept_window(b, old, rid));
+  CHECK(!sl_books_kept_window(b, owner, rid) && !sl_books_kept_window(b, other, rid));
+  loan_round(b, owner, hears, rid);
+  loan_round(b, owner, old, rid);
+  CHECK_EQ(sl_books_region_remove(b, owner, rid, NULL), 0);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_kept_holders(b, rid), 1);
+  CHECK(sl_books_kept_holds(b, hears, rid) && !sl_books_kept_holds(b, old, rid));
+  CHECK_EQ(sl_books_kept_held(b, h, 2), 1);
+  CHECK_EQ(h[0].region_id, rid);
+  CHECK_EQ(h[0].npages, 8);
+  CHECK_EQ(h[0].holder_client, hears);
+  CHECK_EQ(sl_books_kept_drop(b, old, rid, &last, &err), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_kept_drop(b, hears, rid, &last, NULL), 0);
+  CHECK_EQ(last, 1);
+  CHECK_EQ(sl_books_kept_holders(b, rid), 0);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* An owner and two borrowers of its uid that hear notices, each of which kept the window of
+ * the owner's region after a loan of it. */
+struct kept_scene {
+  struct sl_books *b;
+  uint64_t owner, k1, k2, rid;
+};
+
+static struct kept_scene kept_scene(void) {
+  struct kept_scene k = {.b = books_new(PS, (gid_t)-1)};
+
+  k.owner = client(k.b, 1000, 1000);
+  k.k1 = client(k.b, 1000, 1000);
+  k.k2 = client(k.b, 1000, 1000);
+  k.rid = region(k.b, k.owner, 4);
+  sl_books_client_notices(k.b, k.k1);
+  sl_books_client_notices(k.b, k.k2);
+  loan_round(k.b, k.owner, k.k1, k.rid);
+  loan_round(k.b, k.owner, k.k2, k.rid);
+  return k;
+}
+
+/* The owner leaves: its idle region goes and the keeper holds it; the keeper leaving, last,
+ * releases it. A keeper that borrows another region lets go of the first (the library does). */
+static void test_kept_owner_gone(void) {
+  struct kept_scene k = kept_scene();
+  struct sl_books *b = k.b;
+  uint64_t owner = k.owner, k1 = k.k1, k2 = k.k2, r1 = k.rid, r2 = region(b, owner, 2);
+  struct sl_client_gone gone;
+
+  loan_round(b, owner, k2, r2); /* k2 now keeps r2 only */
+  CHECK_EQ(sl_books_client_remove(b, owner, &gone), 0);
+  CHECK_EQ(gone.nfree_regions, 2);
+  sl_client_gone_clear(&gone);
+  BOOKS_OK(b);
+  CHECK(sl_books_kept_holds(b, k1, r1) && !sl_books_kept_holds(b, k2, r1));
+  CHECK(sl_books_kept_holds(b, k2, r2));
+  CHECK_EQ(sl_books_client_remove(b, k1, &gone), 0);
+  CHECK_EQ(gone.nfree_regions, 1); /* its last holder: r1's pages go now */
+  CHECK_EQ(gone.free_regions[0], r1);
+  sl_client_gone_clear(&gone);
+  CHECK_EQ(sl_books_kept_holders(b, r2), 1);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* The owner dies mid-loan: its borrower lets go itself at the end (Returned says owner_gone),
+ * so it holds nothing of the region afterwards; another keeper does. */
+static void test_kept_owner_gone_mid_loan(void) {
+  struct kept_scene k = kept_scene();
+  struct sl_books *b = k.b;
+  uint64_t owner = k.owner, k1 = k.k1, k2 = k.k2, rid = k.rid;
+  struct sl_client_gone gone;
+  struct sl_loan_end end;
+
+  borrow(b, k1, lend(b, owner, rid, NULL, 0), 4);
+  CHECK_EQ(sl_books_client_remove(b, owner, &gone), 0);
+  sl_client_gone_clear(&gone);
+  CHECK_EQ(sl_books_return(b, k1, 0, &end, NULL), 0);
+  CHECK(end.free_region);
+  sl_loan_end_clear(&end);
+  BOOKS_OK(b);
+  CHECK(!sl_books_kept_holds(b, k1, rid) && sl_books_kept_holds(b, k2, rid));
+  sl_books_free(b);
+}
+
 int main(void) {
   test_new_and_ids();
   test_pages_granted();
@@ -1995,6 +2106,9 @@ int main(void) {
   test_random_sequences();
   test_large_keep(0);
   test_large_keep(1);
+  test_kept_region_released();
+  test_kept_owner_gone();
+  test_kept_owner_gone_mid_loan();
   printf("books: %d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

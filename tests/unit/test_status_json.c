@@ -123,8 +123,9 @@ static void test_idle_daemon(void) {
       "\"device_name\": \"memfd\", \"device_ordinal\": 0, \"page_size\": 2097152, "
       "\"total_bytes\": 1073741824, \"free_bytes\": 536870912, \"host_bytes\": 0, "
       "\"clients\": 2, \"regions\": [{\"id\": 1, \"owner_pid\": 4242, \"owner_uid\": 1000, "
-      "\"pages\": 3, \"bytes\": 6291456, \"loan\": 0}], \"loan\": null, \"retained\": [], "
-      "\"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, \"copied_out_bytes\": 4096, "
+      "\"pages\": 3, \"bytes\": 6291456, \"loan\": 0}], \"held\": [], \"loan\": null, "
+      "\"retained\": [], \"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, "
+      "\"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
       "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}}");
   free(text);
@@ -172,6 +173,29 @@ static void test_loan_in_progress(void) {
       "\"served_fresh_bytes\": 0, \"served_kept_bytes\": 0, \"peak_bytes\": 4194304, "
       "\"allocations\": 5, \"copy_out_seconds\": 0.001234, \"moved_bytes\": 0}, ") != NULL);
   CHECK(text != NULL && strstr(text, "\"bytes\": 6291456, \"loan\": 9}") != NULL);
+  free(text);
+  json_decref(parsed);
+}
+
+/* A released region a borrower still holds: by whom, how much. */
+static void test_held_region(void) {
+  Sublet__HeldStatus h = SUBLET__HELD_STATUS__INIT, *list[1] = {&h};
+  struct fixture f;
+  json_t *parsed;
+  char *text;
+
+  fixture_init(&f);
+  h.region = 5;
+  h.pages = 3;
+  h.owner_uid = 1000;
+  h.holder_pid = 4343;
+  h.holder_uid = 1000;
+  f.st.held = list;
+  f.st.n_held = 1;
+  text = print_checked(&f.st, &parsed);
+  CHECK(text != NULL && strstr(text, "\"held\": [{\"region\": 5, \"pages\": 3, "
+      "\"bytes\": 6291456, \"owner_uid\": 1000, \"holder_pid\": 4343, "
+      "\"holder_uid\": 1000}], ") != NULL);
   free(text);
   json_decref(parsed);
 }
@@ -330,6 +354,7 @@ int main(void) {
   test_idle_daemon();
   test_retained();
   test_loan_in_progress();
+  test_held_region();
   test_loan_unset_fields();
   test_text_that_is_not_utf8();
   test_odd_characters();
