@@ -280,8 +280,8 @@ void sl_region_forget_all(sublet_client *c) {
 /* Sends Lend (local: borrowed by this client in the same step) and takes Lent's fds: the three
  * of the rescue (kept in r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
 static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t n,
-                       int keep_all, const char *name, int local, Sublet__Reply **rep,
-                       int *release_fd) {
+                       int keep_all, const char *name, int local, int timeout_ms,
+                       Sublet__Reply **rep, int *release_fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
@@ -300,11 +300,14 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   m.name.len = name != NULL ? strlen(name) : 0;
   m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
   m.has_local = m.local = local != 0;
+  m.has_timeout_ms = timeout_ms != 0;
+  m.timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
   sl_device_synchronize(c->dev, NULL);
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds, 0);
+  /* The daemon answers by the timeout: the deadline only guards against a lost daemon. */
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds, m.timeout_ms);
   if (rc == 0 && (nfds < 3 || nfds > 3u + (local != 0) ||
                   (local && (*rep)->lent->borrowed == NULL))) {
     sl_wire_close_fds(fds, nfds);
@@ -324,12 +327,18 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
                               int keep_all, const char *name, uint64_t *loan_id,
                               uint8_t token[16]) {
+  return sublet_lend_wait(r, keep, n, keep_all, name, 0, loan_id, token);
+}
+
+SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *keep, size_t n,
+                                   int keep_all, const char *name, int timeout_ms,
+                                   uint64_t *loan_id, uint8_t token[16]) {
   sublet_client *c = r->client;
   Sublet__Reply *rep = NULL;
   int release_fd, rc;
 
   pthread_mutex_lock(&c->lock);
-  rc = lend_locked(r, keep, n, keep_all, name, 0, &rep, &release_fd);
+  rc = lend_locked(r, keep, n, keep_all, name, 0, timeout_ms, &rep, &release_fd);
   if (rc == 0) {
     *loan_id = rep->lent->loan;
     if (token != NULL)
@@ -343,6 +352,12 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
 
 SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
                                     int keep_all, uint64_t *loan_id) {
+  return sublet_lend_local_wait(r, keep, n, keep_all, 0, loan_id);
+}
+
+SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
+                                         size_t n, int keep_all, int timeout_ms,
+                                         uint64_t *loan_id) {
   sublet_client *c = r->client;
   Sublet__Reply *rep = NULL;
   uint64_t lent = 0;
@@ -351,7 +366,7 @@ SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range 
   pthread_mutex_lock(&c->lock);
   rc = sl_borrow_check_idle(c);
   if (rc == 0)
-    rc = lend_locked(r, keep, n, keep_all, NULL, 1, &rep, &release_fd);
+    rc = lend_locked(r, keep, n, keep_all, NULL, 1, timeout_ms, &rep, &release_fd);
   if (rc == 0) {
     lent = rep->lent->loan;
     rc = sl_borrow_take(c, rep->lent->borrowed, release_fd);

@@ -165,7 +165,7 @@ static json_t *totals_json(const Sublet__Status *st) {
 
 static json_t *status_object(const Sublet__Status *st) {
   return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
-                   "s:o, s:o}",
+                   "s:o, s:o, s:o}",
                    "daemon_version", text_json(st->daemon_version),
                    "uptime_seconds", seconds_json(st->uptime_seconds, 3),
                    "backend", text_json(st->backend), "device_uuid", uuid_json(&st->device_uuid),
@@ -175,6 +175,7 @@ static json_t *status_object(const Sublet__Status *st) {
                    "total_bytes", count_json(st->total_bytes),
                    "free_bytes", count_json(st->free_bytes),
                    "host_bytes", count_json(st->host_bytes), "clients", count_json(st->clients),
+                   "lends_waiting", count_json(st->lends_waiting),
                    "regions", list_json((void *const *)st->regions, st->n_regions, region_json,
                                         st->page_size),
                    "held", list_json((void *const *)st->held, st->n_held, held_json,

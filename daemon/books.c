@@ -425,8 +425,8 @@ void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
   }
 }
 
-static int loan_set_layout(const struct sl_books *b, struct sl_loan *l, uint64_t npages,
-                           struct sl_err *err) {
+static int loan_set_layout(const struct sl_books_config *cfg, struct sl_loan *l,
+                           uint64_t npages, struct sl_err *err) {
   uint8_t *flags = calloc(npages, 1);
   uint64_t u = 0, k = 0;
 
@@ -435,7 +435,7 @@ static int loan_set_layout(const struct sl_books *b, struct sl_loan *l, uint64_t
     free(flags);
     return out_of_memory(err);
   }
-  sl_books_mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
+  sl_books_mark_kept_pages(l->keep, l->nkeep, cfg->page_size, flags);
   for (uint64_t p = 0; p < npages; p++)
     u += !flags[p];
   for (uint64_t p = 0; p < npages; p++) {
@@ -484,37 +484,77 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
   return 0;
 }
 
-/* A loan of region r keeping these ranges, not yet in the books. */
-static int loan_build(const struct sl_books *b, const struct sl_region *r,
-                      const struct sublet_range *keep, size_t nkeep, int keep_all,
-                      struct sl_loan **out, struct sl_err *err) {
-  struct sl_loan *l = calloc(1, sizeof(*l));
+int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
+                   const struct sublet_range *keep, size_t nkeep, int keep_all,
+                   struct sl_loan **out, struct sl_err *err) {
+  struct sl_loan *l;
   int rc;
 
-  if (l == NULL)
+  if (npages == 0 || npages > UINT64_MAX / cfg->page_size)
+    return sl_err_set(err, SUBLET_EINVAL, "a region of %" PRIu64 " pages cannot be lent",
+                      npages);
+  if ((l = calloc(1, sizeof(*l))) == NULL)
     return out_of_memory(err);
-  rc = loan_set_keep(l, keep, nkeep, keep_all, r->npages * b->cfg.page_size, err);
+  rc = loan_set_keep(l, keep, nkeep, keep_all, npages * cfg->page_size, err);
   if (rc == 0)
-    rc = loan_set_layout(b, l, r->npages, err);
+    rc = loan_set_layout(cfg, l, npages, err);
   if (rc < 0) {
     loan_free(l);
     return rc;
   }
-  sl_plan_init(&l->plan, b->cfg.page_size, l->keep, l->nkeep, l->pages + l->unkept, l->kept,
-               !b->cfg.no_compact);
+  sl_plan_init(&l->plan, cfg->page_size, l->keep, l->nkeep, l->pages + l->unkept, l->kept,
+               !cfg->no_compact);
   *out = l;
   return 0;
 }
 
-int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
-                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
-                  const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err) {
+const struct sl_books_config *sl_books_cfg(const struct sl_books *b) {
+  return &b->cfg;
+}
+
+void sl_books_draft_free(struct sl_loan *draft) {
+  if (draft != NULL)
+    loan_free(draft);
+}
+
+int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                      uint64_t *npages, struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, region_id);
+  const struct sl_client *c = sl_books_find_client(b, client_id);
+
+  if (c == NULL)
+    return no_client(err, client_id);
+  if (r == NULL)
+    return no_region(err, region_id);
+  if (r->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM,
+                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
+                      "lend it", region_id, r->owner_client);
+  if (r->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is lent already (loan %" PRIu64
+                      "): one loan of a region at a time; reclaim it first", region_id,
+                      r->loan_id);
+  if (r->replacing) /* its owner must reclaim first: it cannot while its Lend waits */
+    return replacing_error(r, err);
+  if (c->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY, "this client borrows loan %" PRIu64 ": return it "
+                      "before lending (the device has one loan at a time)", c->loan_id);
+  if (npages != NULL)
+    *npages = r->npages;
+  return 0;
+}
+
+int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                        struct sl_loan *l, const char *name,
+                        const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id,
+                        struct sl_err *err) {
   struct sl_region *r = sl_books_find_region(b, region_id);
-  struct sl_loan *l = NULL;
   int rc = lend_check(b, client_id, r, region_id, name, token, err);
 
-  if (rc == 0)
-    rc = loan_build(b, r, keep, nkeep, keep_all, &l, err);
+  if (rc == 0 && r->npages != l->unkept + l->kept)
+    rc = sl_err_set(err, SUBLET_EINVAL, "internal error: a loan drafted for %" PRIu64 " pages "
+                    "lends region %" PRIu64 " of %" PRIu64, l->unkept + l->kept, region_id,
+                    r->npages);
   if (rc < 0)
     return rc;
   l->id = b->next_loan++;
@@ -529,6 +569,21 @@ int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
   if (loan_id != NULL)
     *loan_id = l->id;
   return 0;
+}
+
+int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                  const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
+                  const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err) {
+  struct sl_region *r = sl_books_find_region(b, region_id);
+  struct sl_loan *l = NULL;
+  int rc = lend_check(b, client_id, r, region_id, name, token, err);
+
+  if (rc == 0)
+    rc = sl_books_draft(&b->cfg, r->npages, keep, nkeep, keep_all, &l, err);
+  if (rc == 0 && (rc = sl_books_lend_draft(b, client_id, region_id, l, name, token, loan_id,
+                                           err)) != 0)
+    loan_free(l);
+  return rc;
 }
 
 /* An ended or withdrawn loan leaves the books; the region is idle again, or gone with its

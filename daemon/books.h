@@ -192,6 +192,24 @@ int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_reg
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
                   const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err);
+/* The same in steps, so that a long keep list is worked out off the event loop. A draft:
+ * the keep list sorted and merged and the window's layout for a region of npages pages; pure
+ * (reads only its arguments: any thread may make one). may_lend: the checks that do not
+ * depend on the device being free (the caller owns the region, which is not lent, and borrows
+ * nothing), giving its npages. lend_draft: the loan enters the books (it checks everything
+ * again) and takes the draft over; on failure the draft stays the caller's. */
+struct sl_loan;
+int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
+                   const struct sublet_range *keep, size_t nkeep, int keep_all,
+                   struct sl_loan **draft, struct sl_err *err);
+void sl_books_draft_free(struct sl_loan *draft);
+const struct sl_books_config *sl_books_cfg(const struct sl_books *b);
+int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                      uint64_t *npages, struct sl_err *err);
+int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                        struct sl_loan *draft, const char *name,
+                        const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id,
+                        struct sl_err *err);
 /* Withdraws a loan still OFFERED. */
 int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                       struct sl_err *err);

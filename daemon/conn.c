@@ -28,6 +28,80 @@ static uint8_t *pack_error(int code, const char *msg, size_t *len) {
   return sl_msg_pack(&rep.base, &buf, len, NULL) == 0 ? buf : NULL;
 }
 
+/* The request goes to the request layer; a request answered after a copy (c->job) holds the
+ * connection's next ones back. */
+static void deliver(struct sl_conn *c, Sublet__Request *req, int *fds, size_t nfds) {
+  c->d->conn_ops->request(c, req, fds, nfds);
+  sublet__request__free_unpacked(req, NULL);
+  if (c->job != NULL) /* answered once its copy is done: read nothing more till then */
+    sl_transport_pause(c->t, 1);
+}
+
+/* A frame whose decoding would hold the loop for milliseconds (a Lend with millions of keep
+ * ranges: 3 million take 50 ms) is decoded off it, the connection paused meanwhile. */
+#define CONN_DECODE_INLINE_BYTES (1u << 20)
+
+struct decode_job {
+  struct sl_job job; /* first member */
+  uint8_t *payload;
+  size_t len;
+  Sublet__Request *req;
+  int fds[SL_WIRE_MAX_FDS];
+  size_t nfds;
+};
+
+static void decode_run(struct sl_job *j) {
+  struct decode_job *dj = (struct decode_job *)j;
+
+  dj->req = sl_msg_unpack_request(dj->payload, dj->len, &j->err);
+  j->rc = dj->req != NULL ? 0 : j->err.code;
+}
+
+static void refuse_frame(struct sl_conn *c, const struct sl_err *err) {
+  sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err->msg);
+  sl_conn_send_error(c, 0, err);
+  sl_conn_close(c);
+}
+
+static void decode_done(struct sl_job *j) {
+  struct decode_job *dj = (struct decode_job *)j;
+  struct sl_conn *c = j->conn;
+
+  free(dj->payload);
+  if (c == NULL) { /* gone meanwhile */
+    sl_wire_close_fds(dj->fds, dj->nfds);
+    if (dj->req != NULL)
+      sublet__request__free_unpacked(dj->req, NULL);
+  } else if (dj->req == NULL) {
+    sl_wire_close_fds(dj->fds, dj->nfds);
+    refuse_frame(c, &j->err);
+  } else {
+    deliver(c, dj->req, dj->fds, dj->nfds);
+    sl_conn_resume(c);
+  }
+  free(dj);
+}
+
+static int decode_off_loop(struct sl_conn *c, const struct sl_frame_header *h,
+                           const uint8_t *payload, int *fds) {
+  struct decode_job *dj = calloc(1, sizeof(*dj));
+
+  if (dj == NULL || (dj->payload = malloc(h->length)) == NULL) {
+    free(dj);
+    return SUBLET_ENOHOSTMEM;
+  }
+  memcpy(dj->payload, payload, h->length);
+  dj->len = h->length;
+  dj->nfds = h->nfds;
+  memcpy(dj->fds, fds, h->nfds * sizeof(*fds));
+  dj->job.run = decode_run;
+  dj->job.done = decode_done;
+  dj->job.conn = c;
+  sl_job_submit(c->d, &dj->job);
+  sl_transport_pause(c->t, 1);
+  return 0;
+}
+
 /* A whole frame: a request of this protocol version goes to the request layer. */
 static void on_frame(struct sl_transport *t, const struct sl_frame_header *h,
                      const uint8_t *payload, int *fds) {
@@ -39,21 +113,18 @@ static void on_frame(struct sl_transport *t, const struct sl_frame_header *h,
     sl_err_set(&err, SUBLET_EVERSION,
                "this subletd speaks protocol %d and the client %d: install matching "
                "versions of sublet and subletd", SUBLET_PROTOCOL_VERSION, h->version);
-  else if (h->kind == SL_WIRE_REQUEST)
-    req = sl_msg_unpack_request(payload, h->length, &err);
-  else
+  else if (h->kind != SL_WIRE_REQUEST)
     sl_err_set(&err, SUBLET_EPROTO, "a client sent a reply frame");
+  else if (h->length > CONN_DECODE_INLINE_BYTES && decode_off_loop(c, h, payload, fds) == 0)
+    return;
+  else
+    req = sl_msg_unpack_request(payload, h->length, &err);
   if (req == NULL) {
     sl_wire_close_fds(fds, h->nfds);
-    sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err.msg);
-    sl_conn_send_error(c, 0, &err);
-    sl_conn_close(c);
+    refuse_frame(c, &err);
     return;
   }
-  c->d->conn_ops->request(c, req, fds, h->nfds);
-  sublet__request__free_unpacked(req, NULL);
-  if (c->job != NULL) /* answered once its copy is done: read nothing more till then */
-    sl_transport_pause(c->t, 1);
+  deliver(c, req, fds, h->nfds);
 }
 
 void sl_conn_resume(struct sl_conn *c) {

@@ -104,7 +104,18 @@ struct sl_conn {
   struct sl_conn *next;
 };
 
-enum sl_waiter_kind { SL_WAIT_RECLAIM, SL_WAIT_BORROW };
+enum sl_waiter_kind { SL_WAIT_RECLAIM, SL_WAIT_BORROW, SL_WAIT_LEND };
+
+/* What a waiting Lend lends when its turn comes (handlers.c fills it in). */
+struct sl_lend_wait {
+  uint64_t region;
+  int rescue, local;
+  int timeout_ms;           /* as asked: 0 answers at once, EBUSY when it cannot be served */
+  struct sl_loan *draft;    /* the books' draft of the loan (the waiter's); NULL while drafted */
+  struct sl_waiter **drafter; /* the drafting job's pointer to this waiter: cleared if it goes */
+  /* Lends it (the device is free and this is the oldest Lend) and answers, success or not. */
+  void (*serve)(struct sl_waiter *w);
+};
 
 /* A request answered later (waiters.c). */
 struct sl_waiter {
@@ -113,6 +124,7 @@ struct sl_waiter {
   enum sl_waiter_kind kind;
   uint64_t req_id;
   uint64_t loan_id;
+  struct sl_lend_wait lend; /* SL_WAIT_LEND */
   uint8_t token[SUBLET_TOKEN_SIZE];
   int has_token;
   int rescue;               /* Borrow.rescue */
@@ -142,7 +154,8 @@ struct sl_drain {
 };
 
 /* A copy off the loop (jobs.c). The submitter fills transfer (owned by the job: freed before
- * done runs; NULL for a job that only keeps its place in the order), done, and conn when a
+ * done runs; NULL for a job that only keeps its place in the order) or run (host work that
+ * touches only the job, such as sorting a long keep list), done, and conn when a
  * request of that connection waits for it (then the connection reads nothing more until done;
  * conn is NULL in done if it closed meanwhile). done runs on the loop with rc and err set, and
  * owns the job from then on. */
@@ -150,6 +163,7 @@ struct sl_job {
   uv_work_t work;
   struct sl_daemon *d;
   struct sl_pool_transfer *transfer;
+  void (*run)(struct sl_job *j); /* or, instead, this work of the host's (NULL: none) */
   void (*done)(struct sl_job *j);
   struct sl_conn *conn;
   int rc;
@@ -197,6 +211,12 @@ struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, ui
                                  int timeout_ms);
 void sl_waiter_done(struct sl_waiter *w);
 void sl_waiters_cancel(struct sl_conn *c);
+/* The device may have become free: Lends waiting for it are served, oldest first (one still
+ * being drafted holds the younger ones back: strict arrival order). */
+void sl_waiters_device_free(struct sl_daemon *d);
+/* Is w the oldest waiting Lend? How many Lends wait? */
+int sl_waiters_lend_first(const struct sl_waiter *w);
+size_t sl_waiters_lends(const struct sl_daemon *d);
 /* Tells the owner that a loan ended, and which of its region's pages are new (replaced, the
  * caller's): its waiting Reclaim, else its next one. */
 void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,

@@ -174,6 +174,7 @@ static void finish_now(struct sl_daemon *d, const uint64_t *loans, size_t n) {
     if (sl_books_loan_finish(d->books, loans[i], &end) == 0)
       sl_loan_end_start(d, &end, NULL, NULL, NULL);
   }
+  sl_waiters_device_free(d); /* the next owner in line lends */
 }
 
 static void drain_done(struct sl_drain *dr) {
@@ -301,4 +302,5 @@ void sl_handle_disconnect(struct sl_conn *c) {
   if (c->pidfd >= 0)
     close(c->pidfd);
   c->pidfd = -1;
+  sl_waiters_device_free(d); /* its offer withdrawn, or its Lend first in line gone */
 }

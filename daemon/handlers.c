@@ -198,28 +198,24 @@ static int lend_setup(struct ctx *x, uint64_t loan, const struct sl_loan_info *l
   return rc;
 }
 
-static int on_lend(struct ctx *x, const Sublet__Lend *m) {
+/* The loan enters the books from the waiter's draft, then is set up and announced. */
+static int lend_now(struct ctx *x, struct sl_waiter *w) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Lent lent = SUBLET__LENT__INIT;
+  Sublet__Borrowed b = SUBLET__BORROWED__INIT;
+  const struct sl_lend_wait *m = &w->lend;
   struct sl_loan_info li;
   uint8_t token[SUBLET_TOKEN_SIZE];
-  char name[64];
   uint64_t loan;
-  Sublet__Borrowed b = SUBLET__BORROWED__INIT;
   int fds[4] = {-1, -1, -1, -1}, rc;
 
-  if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
-    return rc;
-  if (m->n_keep % 2 != 0)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "
-                      "an even count, not %zu", m->n_keep);
   if (getrandom(token, sizeof(token), 0) != sizeof(token))
     return sl_err_set(&x->err, SUBLET_EIO, "getrandom: %s", strerror(errno));
-  rc = sl_books_lend(x->d->books, x->c->client_id, m->region,
-                     (const struct sublet_range *)m->keep, m->n_keep / 2, m->keep_all, name,
-                     token, &loan, &x->err);
+  rc = sl_books_lend_draft(x->d->books, x->c->client_id, m->region, m->draft, w->name, token,
+                           &loan, &x->err);
   if (rc != 0)
     return rc;
+  w->lend.draft = NULL; /* the books' now */
   sl_books_loan_info(x->d->books, loan, &li);
   rc = lend_setup(x, loan, &li, m->rescue, fds);
   if (rc == 0 && m->local && (rc = borrow_own(x, loan)) != 0 && m->rescue)
@@ -246,6 +242,134 @@ static int on_lend(struct ctx *x, const Sublet__Lend *m) {
   if (!m->local)
     sl_handle_offer_posted(x->d);
   return 0;
+}
+
+static void check_books(struct sl_daemon *d, uint64_t req_id);
+
+/* A waiting Lend's turn (sl_waiters_device_free): lent, or told why not. */
+static void serve_lend(struct sl_waiter *w) {
+  struct ctx x = {.c = w->conn, .d = w->d, .id = w->req_id};
+
+  if (lend_now(&x, w) != 0)
+    sl_conn_send_error(w->conn, w->req_id, &x.err);
+  check_books(w->d, w->req_id);
+}
+
+/* The waiter's draft is there: it is served now if it is first and the device free; else it
+ * waits its turn, or (timeout 0) hears at once that the device is busy. */
+static void lend_drafted(struct sl_waiter *w) {
+  struct sl_err err;
+  uint64_t loan = sl_books_current_loan(w->d->books);
+
+  if (w->lend.timeout_ms == 0 && (loan != 0 || !sl_waiters_lend_first(w))) {
+    sl_err_set(&err, SUBLET_EBUSY, "the device is busy (loan %llu; %zu lends wait before "
+               "this one): one loan at a time; lend with a timeout to wait your turn",
+               (unsigned long long)loan, sl_waiters_lends(w->d) - 1);
+    sl_conn_send_error(w->conn, w->req_id, &err);
+    sl_waiter_done(w);
+    return;
+  }
+  sl_waiters_device_free(w->d);
+}
+
+/* Drafting a loan with a long keep list, off the loop: the ranges (taken over from the
+ * request) sorted and merged, the window laid out. */
+struct draft_job {
+  struct sl_job job; /* first member */
+  struct sl_waiter *w; /* NULL once the waiter has gone */
+  struct sl_books_config cfg;
+  uint64_t npages;
+  uint64_t *keep;
+  size_t nkeep;
+  struct sl_loan *draft;
+};
+
+static void draft_run(struct sl_job *j) {
+  struct draft_job *dj = (struct draft_job *)j;
+
+  j->rc = sl_books_draft(&dj->cfg, dj->npages, (const struct sublet_range *)dj->keep,
+                         dj->nkeep, 0, &dj->draft, &j->err);
+}
+
+static void draft_done(struct sl_job *j) {
+  struct draft_job *dj = (struct draft_job *)j;
+  struct sl_waiter *w = dj->w;
+
+  free(dj->keep);
+  if (w == NULL) {
+    sl_books_draft_free(dj->draft);
+  } else if (j->rc != 0) {
+    w->lend.drafter = NULL;
+    sl_conn_send_error(w->conn, w->req_id, &j->err);
+    sl_waiter_done(w);
+  } else {
+    w->lend.drafter = NULL;
+    w->lend.draft = dj->draft;
+    lend_drafted(w);
+  }
+  free(dj);
+}
+
+/* Keep lists up to this many ranges are drafted on the loop (about a millisecond). */
+#define LEND_INLINE_RANGES 65536
+
+static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, uint64_t npages) {
+  struct draft_job *dj = calloc(1, sizeof(*dj));
+
+  if (dj == NULL)
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
+  dj->w = w;
+  dj->cfg = *sl_books_cfg(x->d->books);
+  dj->npages = npages;
+  dj->keep = m->keep; /* taken over: protobuf-c allocated it with malloc */
+  dj->nkeep = m->n_keep / 2;
+  m->keep = NULL;
+  m->n_keep = 0;
+  dj->job.run = draft_run;
+  dj->job.done = draft_done;
+  w->lend.drafter = &dj->w;
+  sl_job_submit(x->d, &dj->job);
+  return 0;
+}
+
+static int lend_timeout(const Sublet__Lend *m) {
+  return m->has_timeout_ms ? m->timeout_ms : 0;
+}
+
+/* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
+ * comes (at once, most often), or when its timer fires, or dropped with its connection. */
+static int on_lend(struct ctx *x, Sublet__Lend *m) {
+  struct sl_waiter *w;
+  uint64_t npages;
+  char name[64];
+  int rc;
+
+  if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
+    return rc;
+  if (m->n_keep % 2 != 0)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "
+                      "an even count, not %zu", m->n_keep);
+  if (lend_timeout(m) < -1)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.timeout_ms is 0 (at once), -1 (forever) "
+                      "or milliseconds above 0, not %d", lend_timeout(m));
+  rc = sl_books_may_lend(x->d->books, x->c->client_id, m->region, &npages, &x->err);
+  if (rc != 0)
+    return rc;
+  w = sl_waiter_park(x->c, SL_WAIT_LEND, x->id, lend_timeout(m) > 0 ? lend_timeout(m) : -1);
+  if (w == NULL)
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
+  memcpy(w->name, name, sizeof(w->name));
+  w->lend = (struct sl_lend_wait){.region = m->region, .rescue = m->rescue, .local = m->local,
+                                  .timeout_ms = lend_timeout(m), .serve = serve_lend};
+  if (!m->keep_all && m->n_keep / 2 > LEND_INLINE_RANGES)
+    rc = draft_off_loop(x, w, m, npages);
+  else if ((rc = sl_books_draft(sl_books_cfg(x->d->books), npages,
+                                (const struct sublet_range *)m->keep, m->n_keep / 2,
+                                m->keep_all, &w->lend.draft, &x->err)) == 0)
+    lend_drafted(w);
+  if (rc != 0)
+    sl_waiter_done(w);
+  return rc;
 }
 
 static int on_reclaim(struct ctx *x, const Sublet__Reclaim *m) {
@@ -631,7 +755,7 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_REGION_CREATE: return on_region_create(x, r->region_create);
     case SUBLET__REQUEST__BODY_PAGES_GET: return on_pages_get(x, r->pages_get);
     case SUBLET__REQUEST__BODY_REGION_RELEASE: return on_region_release(x, r->region_release);
-    case SUBLET__REQUEST__BODY_LEND: return on_lend(x, r->lend);
+    case SUBLET__REQUEST__BODY_LEND: return on_lend(x, r->lend); /* may take its keep */
     case SUBLET__REQUEST__BODY_RECLAIM: return on_reclaim(x, r->reclaim);
     case SUBLET__REQUEST__BODY_WITHDRAW: return on_withdraw(x, r->withdraw);
     case SUBLET__REQUEST__BODY_BORROW: return on_borrow(x, r->borrow);
@@ -665,12 +789,16 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
     if (rc == SUBLET_EVERSION)
       sl_conn_close(c); /* PROTOCOL.md: answered, then the connection closes */
   }
-  if (c->d->cfg.check_books) {
-    char why[256];
-    if (sl_books_check(c->d->books, why, sizeof(why)) != 0) {
-      sl_error("books inconsistent after request %llu: %s", (unsigned long long)req->id, why);
-      abort(); /* --check is for tests: fail loudly */
-    }
+  sl_waiters_device_free(c->d); /* it may have ended the loan, or left a Lend first */
+  check_books(c->d, req->id);
+}
+
+static void check_books(struct sl_daemon *d, uint64_t req_id) {
+  char why[256];
+
+  if (d->cfg.check_books && sl_books_check(d->books, why, sizeof(why)) != 0) {
+    sl_error("books inconsistent after request %llu: %s", (unsigned long long)req_id, why);
+    abort(); /* --check is for tests: fail loudly */
   }
 }
 

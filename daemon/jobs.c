@@ -1,4 +1,5 @@
-/* jobs.c - device work off the event loop: saves, restores (and moves) of kept bytes.
+/* jobs.c - work off the event loop: saves, restores (and moves) of kept bytes, and drafts of
+ * loans with long keep lists (sorting millions of ranges).
  *
  * A copy of gigabytes takes a large fraction of a second; on the loop it would hold every
  * other client that long. A job's transfer runs on libuv's thread pool, and its done callback
@@ -18,6 +19,8 @@ static void run_job(uv_work_t *w) {
   struct sl_job *j = w->data;
   if (j->rc == 0 && j->transfer != NULL) /* rc set already: the submitter could not prepare */
     j->rc = sl_pool_transfer_run(j->transfer, &j->seconds, &j->move_seconds, &j->err);
+  else if (j->rc == 0 && j->run != NULL)
+    j->run(j);
 }
 
 static void after_job(uv_work_t *w, int status) {

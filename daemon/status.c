@@ -170,6 +170,8 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   st->host_bytes = sl_pool_host_bytes(d->pool);
   st->has_replaced_bytes = 1;
   st->replaced_bytes = t.replaced_pages * info->page_size;
+  st->has_lends_waiting = 1;
+  st->lends_waiting = sl_waiters_lends(d);
 }
 
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {

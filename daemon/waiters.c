@@ -1,8 +1,10 @@
 /* waiters.c - requests that wait: a Borrow until an offer is posted, a Reclaim until its
- * loan ends; and the ends an owner has not asked about yet.
+ * loan ends, a Lend until the device is free (one loan per device); and the ends an owner has
+ * not asked about yet.
  *
  * A waiter is answered exactly once: by the event it waits for, by its timer, or not at all
- * when its connection goes first (then it is only freed).
+ * when its connection goes first (then it is only freed). Waiters are kept in arrival order,
+ * and each kind is served oldest first: owners get the device in the order they asked.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +27,10 @@ void sl_waiter_done(struct sl_waiter *w) {
   if (*link != NULL)
     *link = w->next;
   w->conn->waiting = 0;
+  if (w->lend.drafter != NULL) /* its draft, still being made, has nobody to go to */
+    *w->lend.drafter = NULL;
+  sl_books_draft_free(w->lend.draft);
+  w->lend.draft = NULL;
   uv_timer_stop(&w->timer);
   uv_close((uv_handle_t *)&w->timer, free_waiter);
 }
@@ -36,6 +42,11 @@ static void on_wait_timeout(uv_timer_t *t) {
   if (w->kind == SL_WAIT_RECLAIM)
     sl_err_set(&err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet; it goes on",
                (unsigned long long)w->loan_id);
+  else if (w->kind == SL_WAIT_LEND)
+    sl_err_set(&err, SUBLET_ETIMEDOUT, "the device was not free within %d ms (loan %llu runs, "
+               "%zu other lends wait): nothing was lent; lend again with a longer timeout, or later",
+               w->lend.timeout_ms, (unsigned long long)sl_books_current_loan(w->d->books),
+               sl_waiters_lends(w->d) - 1);
   else
     sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
                w->name[0] ? " under the name " : "", w->name);
@@ -73,6 +84,37 @@ void sl_waiters_cancel(struct sl_conn *c) {
     next = w->next;
     if (w->conn == c)
       sl_waiter_done(w);
+  }
+}
+
+static struct sl_waiter *first_lend(const struct sl_daemon *d) {
+  for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next)
+    if (w->kind == SL_WAIT_LEND)
+      return w;
+  return NULL;
+}
+
+int sl_waiters_lend_first(const struct sl_waiter *w) {
+  return first_lend(w->d) == w;
+}
+
+size_t sl_waiters_lends(const struct sl_daemon *d) {
+  size_t n = 0;
+
+  for (const struct sl_waiter *w = d->waiters; w != NULL; w = w->next)
+    n += w->kind == SL_WAIT_LEND;
+  return n;
+}
+
+void sl_waiters_device_free(struct sl_daemon *d) {
+  struct sl_waiter *w;
+
+  /* From the head each time: serving one posts an offer, which answers Borrow waiters. */
+  while (!d->stopping && sl_books_current_loan(d->books) == 0 && (w = first_lend(d)) != NULL &&
+         w->lend.draft != NULL) {
+    if (!w->conn->closed) /* a closing connection's Lend would only be withdrawn */
+      w->lend.serve(w);
+    sl_waiter_done(w);
   }
 }
 

@@ -157,6 +157,17 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
  * sublet_reclaim(). SUBLET_EBUSY while the client borrows another loan. */
 SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
                                     int keep_all, uint64_t *loan_id);
+/* sublet_lend and sublet_lend_local that wait their turn: while another loan runs on the
+ * device (one at a time), the call waits up to timeout_ms (< 0: forever) for it to end, owners
+ * being served in the order they asked; past it, SUBLET_ETIMEDOUT and nothing is lent. With
+ * timeout_ms 0 (sublet_lend, sublet_lend_local) it fails at once with SUBLET_EBUSY. The
+ * client's other calls wait meanwhile (its lock is held). */
+SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *keep, size_t n,
+                                   int keep_all, const char *name, int timeout_ms,
+                                   uint64_t *loan_id, uint8_t token[16]);
+SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
+                                         size_t n, int keep_all, int timeout_ms,
+                                         uint64_t *loan_id);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
  * its kept bytes are back. After a loan to another user, the pages that borrower was granted
  * are fresh ones, mapped here at the same addresses (stats->replaced_pages); use the region only

@@ -244,6 +244,41 @@ static void test_lend_errors(void) {
   sl_books_free(b);
 }
 
+/* Lending in steps (a long keep list is drafted off the loop): the draft alone changes
+ * nothing; may_lend refuses what waiting cannot mend, not a busy device; lend_draft checks
+ * everything again and leaves a refused draft to its caller. */
+static void test_lend_in_steps(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), other = client(b, 1000, 1000);
+  uint64_t r = region(b, owner, 4), r2 = region(b, other, 2), r3 = region(b, owner, 1);
+  struct sublet_range keep[2] = {{3 * PS + 5, 10}, {10, PS}};
+  struct sl_loan *draft = NULL, *busy = NULL;
+  uint64_t npages = 0, loan = 0;
+  struct sl_err err = {0};
+
+  CHECK_EQ(sl_books_may_lend(b, other, r, &npages, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_may_lend(b, owner, r, &npages, &err), 0);
+  CHECK_EQ(npages, 4);
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, keep, 2, 0, &draft, &err), 0);
+  CHECK_EQ(sl_books_current_loan(b), 0);
+  CHECK_EQ(sl_books_lend_draft(b, owner, r, draft, NULL, TOKEN, &loan, &err), 0);
+  CHECK_EQ(info(b, loan).kept_pages, 3); /* pages 0, 1 and 3 */
+  CHECK_EQ(info(b, loan).kept_bytes, PS + 10);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_may_lend(b, other, r2, &npages, &err), 0); /* busy: it may wait */
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, NULL, 0, 1, &busy, &err), 0);
+  CHECK_EQ(sl_books_lend_draft(b, other, r2, busy, NULL, TOKEN, &loan, &err), SUBLET_EBUSY);
+  CHECK_EQ(sl_books_may_lend(b, owner, r, &npages, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "lent already");
+  borrow(b, owner, loan, 0); /* its own loan: waiting, it could never return it */
+  CHECK_EQ(sl_books_may_lend(b, owner, r3, &npages, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "return it");
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), 0, NULL, 0, 1, &draft, &err), SUBLET_EINVAL);
+  sl_books_draft_free(busy);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 static void check_layout(const struct sl_books *b, uint64_t loan, const uint64_t *want_unkept,
                          uint64_t nu, const uint64_t *want_kept, uint64_t nk) {
   const uint64_t *pages = NULL;
@@ -2084,6 +2119,7 @@ int main(void) {
   test_pages_granted();
   test_regions();
   test_lend_errors();
+  test_lend_in_steps();
   test_lend_layout();
   test_borrow_paths();
   test_alloc_order();
