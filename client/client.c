@@ -164,11 +164,24 @@ int sl_client_read_notices(sublet_client *c) {
   return broken(c, rc, NULL);
 }
 
+/* Sends req (a request that waits in subletd, waits: one sublet_cancel() may give up). */
+static int send_request(sublet_client *c, Sublet__Request *req, int waits, int deadline_ms,
+                        struct sl_err *err) {
+  int rc;
+
+  pthread_mutex_lock(&c->send_lock);
+  req->id = ++c->next_id;
+  rc = sl_msg_send_request(c->sock, req, deadline_ms, err);
+  c->waiting_id = rc == 0 && waits ? req->id : 0;
+  pthread_mutex_unlock(&c->send_lock);
+  return rc;
+}
+
 /* Sends req and receives its reply frame: *rep unpacked, its fds in fds[0..*nfds) (no more
  * than capacity, else the conversation is broken and they are closed). Notices on the way
  * are noted (heard). */
 static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep, int *fds,
-                    size_t capacity, size_t *nfds, int deadline_ms) {
+                    size_t capacity, size_t *nfds, int waits, int deadline_ms) {
   struct sl_frame_header h;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
@@ -176,10 +189,12 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
   int rc;
 
   *rep = NULL;
-  req->id = ++c->next_id;
-  rc = sl_msg_send_request(c->sock, req, deadline_ms, &err);
+  rc = send_request(c, req, waits, deadline_ms, &err);
   if (rc == 0) {
     rc = recv_reply(c, &h, rep, rxfds, ms_left(start, deadline_ms), &err);
+    pthread_mutex_lock(&c->send_lock);
+    c->waiting_id = 0; /* answered (or lost): nothing left to cancel */
+    pthread_mutex_unlock(&c->send_lock);
   } else if (rc == SUBLET_EPIPE) {
     /* Closed on us: subletd may have said why first (a cap reached), in a frame still here */
     struct sl_err sent = err;
@@ -227,7 +242,8 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
   size_t capacity = nfds != NULL ? *nfds : 0, got = 0;
   int none[1], *rxfds = fds != NULL ? fds : none;
   Sublet__Reply *rep = NULL;
-  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, deadline_of(c, wait_ms));
+  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, wait_ms != 0,
+                          deadline_of(c, wait_ms));
 
   if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
     rc = sl_client_fail(rep->error->code, "%s", rep->error->message);
@@ -304,6 +320,27 @@ static int timeout_from_env(void) {
   return (int)(v * 1000);
 }
 
+SUBLET_EXPORT int sublet_cancel(sublet_client *c) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Cancel m = SUBLET__CANCEL__INIT;
+  struct sl_err err = {0};
+  int rc = 0;
+
+  if (!c->can_cancel)
+    return sl_client_fail(SUBLET_ENOTSUP, "subletd at %s is too old to cancel a waiting call: "
+                          "upgrade it (the call goes on waiting)", c->path);
+  pthread_mutex_lock(&c->send_lock);
+  if (c->waiting_id != 0) { /* else nothing waits: answered already, or not sent yet */
+    m.request = c->waiting_id;
+    req.id = ++c->next_id;
+    req.body_case = SUBLET__REQUEST__BODY_CANCEL;
+    req.cancel = &m;
+    rc = sl_msg_send_request(c->sock, &req, c->timeout_ms, &err);
+  }
+  pthread_mutex_unlock(&c->send_lock);
+  return rc != 0 ? sl_client_fail_err(&err) : 0;
+}
+
 SUBLET_EXPORT int sublet_set_timeout(sublet_client *c, int timeout_ms) {
   if (timeout_ms == 0 || timeout_ms < -1)
     return sl_client_fail(SUBLET_EINVAL, "a timeout is a number of milliseconds above 0, or -1 "
@@ -343,6 +380,8 @@ static int hello(sublet_client *c) {
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 0);
   if (rc == 0)
     welcome_to_info(rep->welcome, &c->info);
+  if (rc == 0)
+    c->can_cancel = rep->welcome->cancel;
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
@@ -365,6 +404,7 @@ int sl_client_open(const char *path, sublet_client **out) {
     return rc;
   }
   pthread_mutex_init(&c->lock, NULL);
+  pthread_mutex_init(&c->send_lock, NULL);
   sl_wire_rx_init(&c->rx);
   c->wake_fd = -1;
   snprintf(c->path, sizeof(c->path), "%s", path);
@@ -390,6 +430,7 @@ void sl_client_free(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_close(c->dev);
   sl_wire_rx_destroy(&c->rx);
+  pthread_mutex_destroy(&c->send_lock);
   pthread_mutex_destroy(&c->lock);
   free(c->gone);
   free(c);

@@ -28,6 +28,11 @@ struct sublet_region {
 struct sublet_client {
   int sock;             /* owned */
   pthread_mutex_t lock; /* serialises requests: PyTorch calls the hooks from any thread */
+  /* Held while a frame is written: a Cancel from another thread (sublet_cancel) is written
+   * while the lock's holder waits for its reply. Guards next_id and waiting_id too. */
+  pthread_mutex_t send_lock;
+  uint64_t waiting_id;  /* the request sent that waits in subletd (wait_ms != 0), or 0 */
+  int can_cancel;       /* Welcome.cancel */
   struct sl_wire_rx rx;
   uint64_t next_id;
   struct sublet_info info;

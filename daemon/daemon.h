@@ -211,6 +211,8 @@ struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, ui
                                  int timeout_ms);
 void sl_waiter_done(struct sl_waiter *w);
 void sl_waiters_cancel(struct sl_conn *c);
+/* Cancel: the conn's waiter of that request answers ECANCELED; returns 1 if there was one. */
+int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id);
 /* The device may have become free: Lends waiting for it are served, oldest first (one still
  * being drafted holds the younger ones back: strict arrival order). */
 void sl_waiters_device_free(struct sl_daemon *d);

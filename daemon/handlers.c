@@ -81,6 +81,7 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.total_bytes = info->total_bytes;
   w.free_bytes = free_bytes;
   w.client_id = x->c->client_id;
+  w.has_cancel = w.cancel = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -747,9 +748,13 @@ static int on_return(struct ctx *x, const Sublet__Return *m) {
 static int dispatch(struct ctx *x, const Sublet__Request *r) {
   if (r->body_case != SUBLET__REQUEST__BODY_HELLO && x->c->client_id == 0)
     return sl_err_set(&x->err, SUBLET_EPROTO, "the first request must be Hello");
+  if (r->body_case == SUBLET__REQUEST__BODY_CANCEL) { /* no reply of its own */
+    sl_waiters_cancel_request(x->c, r->cancel->request);
+    return 0;
+  }
   if (x->c->waiting)
-    return sl_err_set(&x->err, SUBLET_EBUSY, "a Borrow or Reclaim of this connection is "
-                      "still waiting: wait for its reply before sending more");
+    return sl_err_set(&x->err, SUBLET_EBUSY, "a Borrow, Reclaim or Lend of this connection is "
+                      "still waiting: wait for its reply (or cancel it) before sending more");
   switch (r->body_case) {
     case SUBLET__REQUEST__BODY_HELLO: return on_hello(x, r->hello);
     case SUBLET__REQUEST__BODY_REGION_CREATE: return on_region_create(x, r->region_create);

@@ -87,6 +87,21 @@ void sl_waiters_cancel(struct sl_conn *c) {
   }
 }
 
+int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id) {
+  struct sl_err err;
+
+  for (struct sl_waiter *w = c->d->waiters; w != NULL; w = w->next) {
+    if (w->conn != c || w->req_id != req_id)
+      continue;
+    sl_err_set(&err, SUBLET_ECANCELED, "cancelled by the client%s",
+               w->kind == SL_WAIT_LEND ? ": nothing was lent" : "");
+    sl_conn_send_error(c, req_id, &err);
+    sl_waiter_done(w);
+    return 1;
+  }
+  return 0;
+}
+
 static struct sl_waiter *first_lend(const struct sl_daemon *d) {
   for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next)
     if (w->kind == SL_WAIT_LEND)

@@ -129,6 +129,13 @@ SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info);
  * (a late reply would answer the next call): connect again. Connecting gives up after 10 s. */
 SUBLET_EXPORT int sublet_set_timeout(sublet_client *c, int timeout_ms);
 
+/* Gives up the call that waits for subletd in another thread (sublet_lend_wait,
+ * sublet_lend_local_wait, sublet_borrow, sublet_reclaim): it returns SUBLET_ECANCELED at once
+ * (nothing lent, nothing borrowed), or its own result if that came first. Returns 0 (also when
+ * nothing waits), SUBLET_ENOTSUP from a subletd too old to cancel. Any thread may call it, at
+ * any time; not a signal handler. */
+SUBLET_EXPORT int sublet_cancel(sublet_client *c);
+
 /* Regions: the memory of one tensor, size rounded up to whole pages, mapped contiguously in
  * this process at sublet_region_addr(). */
 SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out);

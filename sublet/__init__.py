@@ -66,7 +66,8 @@ def __getattr__(name: str):
     return value
 
 
-def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None) -> LocalLoan:
+def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None,
+         timeout: float | None = None) -> LocalLoan:
     """Lends the memory of `tensor` (from sublet.empty) to this process's work in a `with`
     block; returns the Loan.
 
@@ -78,19 +79,24 @@ def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None) ->
 
     verify: checksum the kept bytes on the device before the loan and after it, and raise
     VerifyError naming the ranges that changed (bits, not values). None: $SUBLET_VERIFY=1.
+
+    timeout: one loan per device; while another runs, entering the block waits for the device
+    in a line served in arrival order, up to `timeout` seconds (None: as long as it takes; 0:
+    BusyError at once), then SubletTimeoutError and nothing is lent. Ctrl-C works meanwhile.
     """
     from ._loan import LocalLoan
-    return LocalLoan(tensor, keep, verify)
+    return LocalLoan(tensor, keep, verify, timeout)
 
 
 def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None,
-          verify: bool | None = None) -> Offer:
+          verify: bool | None = None, timeout: float | None = None) -> Offer:
     """Offers the memory of `tensor` to another process (which calls sublet.borrow(name=...))
-    and returns an Offer at once; Offer.wait() blocks until it comes back. In a `with` block,
-    leaving it withdraws an untaken offer or waits for the borrower to finish. verify: as for
-    lend(), checked when wait() sees the loan back."""
+    and returns an Offer as soon as it is made; Offer.wait() blocks until it comes back. In a
+    `with` block, leaving it withdraws an untaken offer or waits for the borrower to finish.
+    verify: as for lend(), checked when wait() sees the loan back. timeout: as for lend(), the
+    wait for the device while another loan runs on it."""
     from ._loan import Offer
-    return Offer(tensor, keep, name, verify)
+    return Offer(tensor, keep, name, verify, timeout)
 
 
 def borrow(name: str | None = None, device: torch.device | str | int | None = None,

@@ -228,6 +228,11 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                             POINTER(c_uint64), TOKEN]),
     "sublet_region_checksum": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
     "sublet_lend_local": (c_int, [c_void_p, c_void_p, c_size_t, c_int, POINTER(c_uint64)]),
+    "sublet_lend_wait": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_char_p, c_int,
+                                 POINTER(c_uint64), TOKEN]),
+    "sublet_lend_local_wait": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int,
+                                       POINTER(c_uint64)]),
+    "sublet_cancel": (c_int, [c_void_p]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
     "sublet_borrow": (c_int, [c_void_p, c_uint64, c_void_p, c_char_p, c_int]),
@@ -443,25 +448,32 @@ class Client:
         check(lib().sublet_region_release(region.handle))
 
     # ---- owner's side
-    def lend(self, region: RegionHandle, ranges: Any, name: str | None) -> tuple[int, bytes]:
+    def lend(self, region: RegionHandle, ranges: Any, name: str | None,
+             timeout_ms: int = 0) -> tuple[int, bytes]:
         """Offers a region; ranges (a C-contiguous (n, 2) uint64 numpy array: a row has the
-        layout of struct sublet_range) None keeps all of it. Returns (loan id, token)."""
+        layout of struct sublet_range) None keeps all of it. Waits up to timeout_ms (-1:
+        forever; 0: BusyError at once) for the device. Returns (loan id, token)."""
         loan_id, token = c_uint64(), TOKEN()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
-        check(lib().sublet_lend(region.handle, ranges.ctypes.data if n else None, n,
-                                int(keep_all), _name(name), ctypes.byref(loan_id), token))
+        check(lib().sublet_lend_wait(region.handle, ranges.ctypes.data if n else None, n,
+                                     int(keep_all), _name(name), timeout_ms,
+                                     ctypes.byref(loan_id), token))
         return loan_id.value, bytes(token)
 
-    def lend_local(self, region: RegionHandle, ranges: Any) -> int:
+    def lend_local(self, region: RegionHandle, ranges: Any, timeout_ms: int = 0) -> int:
         """Lends a region to this client itself in one step (never on offer) and borrows it;
-        ranges as for lend. Returns the loan id."""
+        ranges and timeout_ms as for lend. Returns the loan id."""
         loan_id = c_uint64()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
-        check(lib().sublet_lend_local(region.handle, ranges.ctypes.data if n else None, n,
-                                      int(keep_all), ctypes.byref(loan_id)))
+        check(lib().sublet_lend_local_wait(region.handle, ranges.ctypes.data if n else None, n,
+                                           int(keep_all), timeout_ms, ctypes.byref(loan_id)))
         return loan_id.value
+
+    def cancel(self) -> None:
+        """Gives up the call of another thread that waits in the daemon (ECANCELED there)."""
+        check(lib().sublet_cancel(self.handle))
 
     @staticmethod
     def checksum(region: RegionHandle, ranges: Any, sums: Any) -> None:

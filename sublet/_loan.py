@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from . import _keep, _lib, _verify
+from . import _keep, _lib, _verify, _wait
 from ._client import Client, LoanStats, ReturnResult
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
                    LeakError,
@@ -211,9 +211,10 @@ class LocalLoan(Loan):
     """sublet.lend(): the process lends its own tensor's memory to its own work."""
 
     def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None,
-                 verify: bool | None = None):
+                 verify: bool | None = None, timeout: float | None = None):
         super().__init__()
         self.tensor = tensor
+        self._timeout = timeout
         self._region = region_of(tensor)
         self._ranges = _ranges_for(self._region, tensor, keep)
         self._loan_id = 0
@@ -229,7 +230,8 @@ class LocalLoan(Loan):
             if self._verify:
                 self._snapshot = _verify.Snapshot(region, self.tensor, self._ranges)
             # One request: the loan is never on offer, so no borrow() elsewhere can take it.
-            self._loan_id = client.lend_local(region.handle, self._ranges)
+            self._loan_id = _wait.lend_local(client, region.handle, self._ranges,
+                                             self._timeout)
         except BaseException:
             region.lent = False
             raise
@@ -293,7 +295,7 @@ class Offer:
     """
 
     def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None, name: str | None = None,
-                 verify: bool | None = None):
+                 verify: bool | None = None, timeout: float | None = None):
         self.tensor = tensor
         self.name = name
         self._region = region_of(tensor)
@@ -303,8 +305,8 @@ class Offer:
         try:
             self._snapshot = (_verify.Snapshot(self._region, tensor, ranges)
                               if _verify.enabled(verify) else None)
-            self.loan_id, self.token = self._region.client.lend(self._region.handle, ranges,
-                                                                 name)
+            self.loan_id, self.token = _wait.lend(self._region.client, self._region.handle,
+                                                  ranges, name, timeout)
         except BaseException:
             self._region.lent = False
             raise

@@ -247,6 +247,52 @@ static void test_timeout_and_disconnect_leave_the_line(void) {
   sublet_disconnect(c);
 }
 
+/* ------------------------------------------------------------------ cancelling */
+
+struct waiting_lend {
+  sublet_region *r;
+  int rc;
+  uint64_t loan;
+};
+
+static void *lend_and_wait(void *arg) {
+  struct waiting_lend *wl = arg;
+
+  wl->rc = sublet_lend_wait(wl->r, NULL, 0, 1, NULL, -1, &wl->loan, NULL);
+  return NULL;
+}
+
+/* A Lend waiting forever is cancelled from another thread (as Ctrl-C does in Python): it
+ * returns ECANCELED, leaves the line, and its client goes on working. */
+static void test_cancel_a_waiting_lend(void) {
+  struct waiting_lend wl = {0};
+  sublet_client *c, *holder;
+  sublet_region *held_r;
+  uint64_t held;
+  pthread_t th;
+
+  CHECK_RC(sublet_connect(daemon_.socket, &holder), 0);
+  CHECK_RC(sublet_region_create(holder, REGION_PAGES * PAGE, &held_r), 0);
+  CHECK_RC(sublet_lend_local(held_r, NULL, 0, 1, &held), 0);
+  CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
+  CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &wl.r), 0);
+  CHECK_RC(sublet_cancel(c), 0); /* nothing waits: nothing happens */
+  CHECK(pthread_create(&th, NULL, lend_and_wait, &wl) == 0);
+  CHECK(wait_for_line(holder, 1));
+  CHECK_RC(sublet_cancel(c), 0);
+  pthread_join(th, NULL);
+  CHECK_RC(wl.rc, SUBLET_ECANCELED);
+  CHECK(lends_waiting(holder) == 0);
+  CHECK_RC(sublet_return(holder, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(holder, held, 1000, NULL), 0);
+  CHECK_RC(sublet_lend_wait(wl.r, NULL, 0, 1, NULL, 1000, &wl.loan, NULL), 0);
+  CHECK_RC(sublet_withdraw(c, wl.loan), 0);
+  sublet_region_release(wl.r);
+  sublet_region_release(held_r);
+  sublet_disconnect(c);
+  sublet_disconnect(holder);
+}
+
 /* ------------------------------------------------------------------ a long keep list */
 
 #define MANY_RANGES 3000000u
@@ -333,6 +379,7 @@ int main(void) {
   sl_test_run("owners lend at once and wait their turn", test_owners_lend_at_once);
   sl_test_run("served in arrival order", test_served_in_arrival_order);
   sl_test_run("timeout and disconnect leave the line", test_timeout_and_disconnect_leave_the_line);
+  sl_test_run("cancel a waiting lend", test_cancel_a_waiting_lend);
   sl_test_run("millions of keep ranges off the loop", test_millions_of_ranges_off_the_loop);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;

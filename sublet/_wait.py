@@ -1,0 +1,102 @@
+"""Lending that waits its turn for the device, with Ctrl-C still working.
+
+One loan per device: while another runs, the daemon keeps a line of waiting Lends and serves
+them in the order they came. Asking again in slices would lose the place in that line, so the
+Lend is sent once, with the whole timeout. It waits in a thread, the caller's thread waiting
+for it in short slices; on Ctrl-C (or any exception there) the Lend is cancelled in the daemon
+(sublet_cancel), and if it was lent all the same (it won the race) the loan is given back,
+before the exception goes on: after Ctrl-C nothing is lent.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, TypeVar
+
+from ._client import Client
+from ._lib import BusyError, RegionHandle, SubletError
+
+_SLICE_S = 0.2
+
+T = TypeVar("T")
+
+
+def timeout_ms(timeout: float | None) -> int:
+    """A timeout in seconds (None: forever) as the daemon takes it (-1: forever)."""
+    if timeout is None:
+        return -1
+    if timeout < 0:
+        raise ValueError(f"a timeout is seconds from 0 (at once), or None (forever), not "
+                         f"{timeout}")
+    return max(1, int(timeout * 1000)) if timeout > 0 else 0
+
+
+def lend(client: Client, region: RegionHandle, ranges: Any, name: str | None,
+         timeout: float | None) -> tuple[int, bytes]:
+    """Offers the region, waiting up to timeout seconds for the device: (loan id, token)."""
+    return _lend(lambda ms: client.lend(region, ranges, name, ms), client, timeout,
+                 lambda lent: _withdraw(client, lent[0]))
+
+
+def lend_local(client: Client, region: RegionHandle, ranges: Any,
+               timeout: float | None) -> int:
+    """Lends the region to this client, waiting up to timeout seconds: the loan id."""
+    return _lend(lambda ms: client.lend_local(region, ranges, ms), client, timeout,
+                 lambda loan: _give_back(client, loan))
+
+
+def _lend(call: Callable[[int], T], client: Client, timeout: float | None,
+          undo: Callable[[T], None]) -> T:
+    ms = timeout_ms(timeout)
+    try:
+        return call(0)  # the device is free most often: no thread, no wait
+    except BusyError:
+        if ms == 0:
+            raise
+    return _waiting(lambda: call(ms), client, undo)
+
+
+def _waiting(call: Callable[[], T], client: Client, undo: Callable[[T], None]) -> T:
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as error:  # handed to the caller's thread
+            box["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="sublet-lend-wait", daemon=True).start()
+    try:
+        while not done.wait(_SLICE_S):
+            pass
+    except BaseException:
+        _cancel(client)
+        done.wait()
+        if "value" in box:
+            undo(box["value"])
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _cancel(client: Client) -> None:
+    try:
+        client.cancel()
+    except SubletError:
+        pass  # a daemon too old to cancel: the Lend ends by its timeout
+
+
+def _withdraw(client: Client, loan_id: int) -> None:
+    try:
+        client.withdraw(loan_id)
+    except SubletError:  # a waiting borrower took it at once: it must come back first
+        client.reclaim(loan_id, -1)
+
+
+def _give_back(client: Client, loan_id: int) -> None:
+    client.return_loan(force=True)
+    client.reclaim(loan_id, -1)

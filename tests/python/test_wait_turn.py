@@ -1,0 +1,179 @@
+"""Owners wait their turn (memfd backend): while a loan runs on the device, sublet.lend and
+sublet.offer wait for it in the daemon's line, served in arrival order, up to their timeout;
+Ctrl-C works while they wait, and leaves nothing lent.
+
+Owners are child processes (one process has one connection per device, and one loan at a time
+in it). Every kept byte is compared after every loan.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import sublet
+from sublet import _client
+
+from conftest import CHILD_ENV
+
+PAGE = 64 * 1024
+
+pytestmark = pytest.mark.daemon
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memfd_daemon(native):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SUBLET_BACKEND", "memfd")
+        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
+        mp.setenv("SUBLET_MEMFD_TOTAL", "16M")
+        mp.delenv("SUBLET_SOCKET", raising=False)
+        yield sublet.info("cpu")
+
+
+OWNER = textwrap.dedent("""
+    import sys, torch, sublet
+    who, loans = int(sys.argv[1]), int(sys.argv[2])
+    timeout = None if sys.argv[3] == "None" else float(sys.argv[3])
+    t = sublet.empty(4, 65536, dtype=torch.uint8, device="cpu")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for n in range(loans):
+        g = torch.Generator().manual_seed(who * 1000 + n)
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+        before = t.clone()
+        try:
+            with sublet.lend(t, keep=t[n % 4, 100:5000], timeout=timeout) as loan:
+                taken, size = [], 1 << 22
+                while size >= 65536:  # everything the loan has: the kept page too
+                    try:
+                        taken.append(loan.empty(size, dtype=torch.uint8).fill_(0xEE))
+                    except sublet.SubletOutOfMemoryError:
+                        size //= 2
+                del taken
+        except sublet.SubletTimeoutError as error:
+            print("timeout", error, flush=True)
+            sys.exit(3)
+        except sublet.BusyError as error:
+            print("busy", error, flush=True)
+            sys.exit(5)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(4)
+        assert loan.copied_bytes + loan.moved_bytes > 0, "the kept page was not taken"
+        kept = t[n % 4, 100:5000].view(torch.uint8)
+        assert torch.equal(kept, before[n % 4, 100:5000]), "kept bytes changed"
+    print("done", flush=True)
+""")
+
+
+def spawn_owner(who: int, loans: int, timeout: float | None) -> subprocess.Popen:
+    socket = _client.client_for("memfd", 0).path
+    env = dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV)
+    return subprocess.Popen([sys.executable, "-c", OWNER, str(who), str(loans), str(timeout)],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def ready(proc: subprocess.Popen) -> subprocess.Popen:
+    assert proc.stdout.readline() == "ready\n", proc.stderr.read()
+    return proc
+
+
+def start_owner(who: int, loans: int, timeout: float | None) -> subprocess.Popen:
+    return ready(spawn_owner(who, loans, timeout))
+
+
+def go(proc: subprocess.Popen) -> None:
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def lends_waiting() -> int:
+    return _client.client_for("memfd", 0).status()["lends_waiting"]
+
+
+def wait_for_line(n: int) -> None:
+    deadline = time.monotonic() + 20
+    while lends_waiting() != n:
+        assert time.monotonic() < deadline, f"{lends_waiting()} lends wait, not {n}"
+        time.sleep(0.01)
+
+
+def test_owners_lending_at_once_all_get_their_loans():
+    owners = [ready(proc) for proc in [spawn_owner(who, 10, None) for who in range(4)]]
+    for proc in owners:
+        go(proc)
+    for proc in owners:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.endswith("done\n"), err + out
+
+
+def test_a_lend_waits_for_the_device_then_lends():
+    held = sublet.empty(2, 65536, dtype=torch.uint8, device="cpu")
+    with sublet.lend(held, keep=[]):
+        owner = start_owner(1, 1, 30)
+        go(owner)
+        wait_for_line(1)
+    out, err = owner.communicate(timeout=60)
+    assert owner.returncode == 0 and out.endswith("done\n"), err + out
+
+
+def test_timeouts_say_what_to_do():
+    held = sublet.empty(2, 65536, dtype=torch.uint8, device="cpu")
+    with sublet.lend(held, keep=[]):
+        patient, at_once = [ready(p) for p in [spawn_owner(2, 1, 0.5), spawn_owner(3, 1, 0)]]
+        go(patient)
+        go(at_once)
+        out, _ = at_once.communicate(timeout=60)
+        assert at_once.returncode == 5 and "lend with a timeout" in out, out
+        out, _ = patient.communicate(timeout=60)
+        assert patient.returncode == 3 and "lend again with a longer timeout" in out, out
+        assert lends_waiting() == 0
+
+
+def test_ctrl_c_while_waiting_leaves_nothing_lent():
+    held = sublet.empty(2, 65536, dtype=torch.uint8, device="cpu")
+    with sublet.lend(held, keep=[]):
+        owner = start_owner(4, 1, None)
+        go(owner)
+        wait_for_line(1)
+        owner.send_signal(signal.SIGINT)
+        out, err = owner.communicate(timeout=10)
+        assert owner.returncode == 4 and out.endswith("interrupted\n"), err + out
+        assert lends_waiting() == 0
+    assert _client.client_for("memfd", 0).status()["loan"] is None
+
+
+HOLDER = textwrap.dedent("""
+    import sys, torch, sublet
+    t = sublet.empty(2, 65536, dtype=torch.uint8, device="cpu")
+    with sublet.lend(t, keep=[]):
+        print("lent", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def test_an_offer_waits_its_turn():
+    socket = _client.client_for("memfd", 0).path
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], text=True, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE,
+                              env=dict(os.environ, SUBLET_SOCKET=socket, **CHILD_ENV))
+    assert holder.stdout.readline() == "lent\n"
+    cache = sublet.empty(4, 65536, dtype=torch.uint8, device="cpu")
+    with pytest.raises(sublet.SubletTimeoutError, match="nothing was lent"):
+        sublet.offer(cache, name="later", timeout=0.2)
+    with pytest.raises(sublet.BusyError, match="lend with a timeout"):
+        sublet.offer(cache, name="later", timeout=0)
+    go(holder)  # it ends its loan while the offer below waits
+    with sublet.offer(cache, name="later", timeout=30) as offer:
+        assert not offer.done
+    assert offer.done  # withdrawn
+    holder.wait(timeout=30)
