@@ -461,9 +461,9 @@ static int device_busy(const struct sl_books *b, struct sl_err *err) {
                     state_names[l->state]);
 }
 
-static int lend_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
-                      uint64_t region_id, const char *name, const uint8_t *token,
-                      struct sl_err *err) {
+/* Only a region's owner lends it. */
+static int owner_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
+                       uint64_t region_id, struct sl_err *err) {
   if (sl_books_find_client(b, client_id) == NULL)
     return no_client(err, client_id);
   if (r == NULL)
@@ -472,6 +472,16 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
     return sl_err_set(err, SUBLET_EPERM,
                       "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
                       "lend it", region_id, r->owner_client);
+  return 0;
+}
+
+static int lend_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
+                      uint64_t region_id, const char *name, const uint8_t *token,
+                      struct sl_err *err) {
+  int rc = owner_check(b, client_id, r, region_id, err);
+
+  if (rc != 0)
+    return rc;
   if (b->loan != NULL)
     return device_busy(b, err);
   if (r->replacing)
@@ -521,15 +531,10 @@ int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t reg
                       uint64_t *npages, struct sl_err *err) {
   const struct sl_region *r = sl_books_find_region(b, region_id);
   const struct sl_client *c = sl_books_find_client(b, client_id);
+  int rc = owner_check(b, client_id, r, region_id, err);
 
-  if (c == NULL)
-    return no_client(err, client_id);
-  if (r == NULL)
-    return no_region(err, region_id);
-  if (r->owner_client != client_id)
-    return sl_err_set(err, SUBLET_EPERM,
-                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
-                      "lend it", region_id, r->owner_client);
+  if (rc != 0)
+    return rc;
   if (r->loan_id != 0)
     return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is lent already (loan %" PRIu64
                       "): one loan of a region at a time; reclaim it first", region_id,

@@ -98,7 +98,7 @@ struct sl_conn {
   char name[64];
   int pidfd;                /* the peer process, to know when it has really exited */
   struct sl_ended *ended;   /* loans of this owner that ended before it asked (Reclaim) */
-  int waiting;              /* a Borrow or Reclaim of this conn awaits its reply */
+  int waiting;              /* a Borrow, Reclaim or Lend of this conn awaits its reply */
   struct sl_job *job;       /* its request waits for this copy: reading paused until done */
   int closed;               /* closing: what is sent now is dropped */
   struct sl_conn *next;

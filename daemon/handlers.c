@@ -1,8 +1,9 @@
 /* handlers.c - what subletd does for each request, between the books and the pool.
  *
  * Each handler checks its arguments, asks the books, does the device work the books name, and
- * answers. Requests that wait (Borrow with a timeout, Reclaim) park a waiter (waiters.c),
- * answered when an offer is posted or the loan ends, or when its timer fires.
+ * answers. Requests that wait (Borrow with a timeout, Reclaim, every Lend) park a waiter
+ * (waiters.c), answered when an offer is posted, the loan ends or the device is free (a Lend's
+ * turn), when its timer fires, or when its client cancels it.
  */
 #include <errno.h>
 #include <stdlib.h>
