@@ -109,6 +109,8 @@ def text_status(s: dict[str, Any]) -> str:
         lines.append(f"  retained {human(r['bytes'])} of old pages by pid {r['pid']} "
                      f"(uid {r['uid']}): replaced at the end of its loan, counted until it "
                      f"disconnects")
+    if s.get("lends_waiting"):
+        lines.append(f"  waiting  {s['lends_waiting']} lends wait for the device, in line")
     lines.append(f"  totals   {t['loans_ended']} loans ended, {t['borrowers_died']} borrowers "
                  f"died, {human(t['copied_out_bytes'])} copied out and "
                  f"{human(t['copied_in_bytes'])} back")
@@ -129,6 +131,8 @@ METRICS = [  # name, type, help, value from a status
     ("sublet_host_pinned_bytes", "gauge", "pinned host memory held for kept bytes",
      lambda s: s["host_bytes"]),
     ("sublet_clients", "gauge", "connected clients", lambda s: s["clients"]),
+    ("sublet_lends_waiting", "gauge", "lends waiting for the device",
+     lambda s: s.get("lends_waiting", 0)),
     ("sublet_regions", "gauge", "regions", lambda s: len(s["regions"])),
     ("sublet_retained_bytes", "gauge", "old pages borrowers of other users may still hold",
      lambda s: sum(r["bytes"] for r in s.get("retained", []))),
