@@ -297,6 +297,14 @@ static void test_cancel_a_waiting_lend(void) {
 
 #define MANY_RANGES 3000000u
 #define BIG_REGION (64u << 20)
+/* The bound on another client's round trip meanwhile: 200 ms (on the loop the Lend held it
+ * half a second in a release build), five times that under ASan, which slows the daemon's own
+ * work (its books check after every request reads all 3 million ranges) as much. */
+#if defined(__SANITIZE_ADDRESS__)
+#define ROUND_TRIP_BOUND 1.0
+#else
+#define ROUND_TRIP_BOUND 0.2
+#endif
 
 struct pinger {
   volatile int stop;
@@ -324,9 +332,9 @@ static void *ping(void *arg) {
   return NULL;
 }
 
-/* 3 million 8-byte ranges in shuffled order (the daemon sorts them): the Lend is worked out
- * off the loop, so another client's round trip stays short (a generous 200 ms: on the loop it
- * took seconds); the loan then keeps exactly those bytes. */
+/* 3 million 8-byte ranges in shuffled order (the daemon sorts them): the Lend is decoded and
+ * worked out off the loop, so another client's round trip stays short (ROUND_TRIP_BOUND beyond
+ * what the machine adds by itself); the loan then keeps exactly those bytes. */
 static void test_millions_of_ranges_off_the_loop(void) {
   struct sublet_range *keep = malloc(MANY_RANGES * sizeof(*keep));
   struct pinger p = {0};
@@ -358,7 +366,7 @@ static void test_millions_of_ranges_off_the_loop(void) {
   pthread_join(th, NULL);
   fprintf(stderr, "  another client's worst round trip during the Lend: %.1f ms (%.1f ms "
           "before it; %u trips)\n", p.worst * 1e3, idle * 1e3, p.trips);
-  CHECK(p.trips > 0 && p.worst < 0.2 + idle);
+  CHECK(p.trips > 0 && p.worst < ROUND_TRIP_BOUND + idle);
   CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
   CHECK_RC(sublet_reclaim(c, loan, 30000, &st), 0);
   CHECK(st.copied_in_bytes == st.copied_out_bytes);
