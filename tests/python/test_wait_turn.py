@@ -22,20 +22,11 @@ import sublet
 from sublet import _client
 
 from conftest import CHILD_ENV
+from test_memfd_e2e import memfd_daemon  # noqa: F401 (the module's private memfd daemon)
 
 PAGE = 64 * 1024
 
 pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "16M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        yield sublet.info("cpu")
 
 
 OWNER = textwrap.dedent("""
