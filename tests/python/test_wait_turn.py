@@ -24,8 +24,6 @@ from sublet import _client
 from conftest import CHILD_ENV
 from test_memfd_e2e import memfd_daemon  # noqa: F401 (the module's private memfd daemon)
 
-PAGE = 64 * 1024
-
 pytestmark = pytest.mark.daemon
 
 
