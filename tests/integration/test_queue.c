@@ -7,6 +7,7 @@
  * is compared after every loan.
  */
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -63,14 +64,76 @@ static long lends_waiting(sublet_client *c) {
   return n;
 }
 
-/* Waits (up to 10 s) until n Lends wait for the device. */
+/* The same, asked on a connection of its own. */
+static long lends_waiting_anyone(void) {
+  sublet_client *c;
+  long n;
+
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    return -1;
+  n = lends_waiting(c);
+  sublet_disconnect(c);
+  return n;
+}
+
+/* Waits (up to 20 s) until n Lends wait for the device. */
 static int wait_for_line(sublet_client *c, long n) {
-  for (int i = 0; i < 1000; i++) {
+  for (double end = now_s() + 20; now_s() < end; usleep(10000))
     if (lends_waiting(c) == n)
       return 1;
-    usleep(10000);
-  }
   return 0;
+}
+
+/* Reads one report of a child, or fails after 60 s (a child that never reports). */
+static int read_report(int fd, void *out, size_t n) {
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+
+  return poll(&p, 1, 60000) == 1 && read(fd, out, n) == (ssize_t)n;
+}
+
+/* The device's loan, held by a child process: the processes that fork never borrow (a child
+ * forked beside the library's watch thread could inherit a lock it holds). Its loan id comes
+ * back; writing a byte to *release ends the loan (the child returns and reclaims it). */
+static pid_t hold_device(uint64_t *loan, int *release) {
+  int up[2], down[2];
+  pid_t pid;
+
+  if (pipe(up) != 0 || pipe(down) != 0)
+    return -1;
+  if ((pid = fork()) == 0) {
+    sublet_client *c;
+    sublet_region *r;
+    uint64_t id = 0;
+    char go;
+    if (sublet_connect(daemon_.socket, &c) != 0 ||
+        sublet_region_create(c, REGION_PAGES * PAGE, &r) != 0 ||
+        sublet_lend_local(r, NULL, 0, 1, &id) != 0)
+      id = 0;
+    if (write(up[1], &id, sizeof(id)) != sizeof(id) || id == 0 || read(down[0], &go, 1) != 1)
+      _exit(2);
+    _exit(sublet_return(c, 0, NULL, NULL, 0, NULL) == 0 &&
+          sublet_reclaim(c, id, 10000, NULL) == 0 ? 0 : 3);
+  }
+  close(up[1]);
+  close(down[0]);
+  *release = down[1];
+  if (!read_report(up[0], loan, sizeof(*loan)) || *loan == 0) {
+    kill(pid, SIGKILL);
+    pid = -1;
+  }
+  close(up[0]);
+  return pid;
+}
+
+/* Ends the holder's loan and waits for it: 1 if all went well. */
+static int release_device(pid_t holder, int release) {
+  int status;
+
+  if (write(release, "x", 1) != 1)
+    return 0;
+  close(release);
+  return waitpid(holder, &status, 0) == holder && WIFEXITED(status) &&
+         WEXITSTATUS(status) == 0;
 }
 
 /* One local loan that overwrites all of the region (kept pages included: the daemon has no
@@ -159,17 +222,15 @@ static void waiting_owner(unsigned rank, int timeout_ms, int fd) {
  * the next comes); then they are served in that order: their loans' ids rise with rank. */
 static void test_served_in_arrival_order(void) {
   struct { unsigned rank; int rc; uint64_t loan; } got[8], one;
-  struct sublet_range none = {0, 0};
   sublet_client *c, *other;
-  sublet_region *r, *r2;
-  uint64_t held;
-  pid_t pids[8];
-  int fds[2], status;
+  sublet_region *r2;
+  uint64_t held, none;
+  pid_t pids[8], holder;
+  int fds[2], release, status;
 
   CHECK(pipe(fds) == 0);
   CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
-  CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &r), 0);
-  CHECK_RC(sublet_lend_local(r, &none, 0, 0, &held), 0);
+  CHECK((holder = hold_device(&held, &release)) > 0);
   for (unsigned i = 0; i < 8; i++) {
     if ((pids[i] = fork()) == 0)
       waiting_owner(i, 30000, fds[1]);
@@ -178,13 +239,12 @@ static void test_served_in_arrival_order(void) {
   /* Without a timeout, an owner is told at once that the device is busy. */
   CHECK_RC(sublet_connect(daemon_.socket, &other), 0);
   CHECK_RC(sublet_region_create(other, REGION_PAGES * PAGE, &r2), 0);
-  CHECK_RC(sublet_lend(r2, NULL, 0, 1, NULL, &held, NULL), SUBLET_EBUSY);
+  CHECK_RC(sublet_lend(r2, NULL, 0, 1, NULL, &none, NULL), SUBLET_EBUSY);
   CHECK(strstr(sublet_last_error(), "lend with a timeout") != NULL);
   sublet_disconnect(other);
-  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
-  CHECK_RC(sublet_reclaim(c, held, 1000, NULL), 0);
+  CHECK(release_device(holder, release));
   for (unsigned i = 0; i < 8; i++) { /* they report when done: sorted by rank */
-    CHECK(read(fds[0], &one, sizeof(one)) == sizeof(one));
+    CHECK(read_report(fds[0], &one, sizeof(one)));
     CHECK(one.rank < 8);
     got[one.rank] = one;
   }
@@ -196,7 +256,6 @@ static void test_served_in_arrival_order(void) {
   }
   close(fds[0]);
   close(fds[1]);
-  sublet_region_release(r);
   sublet_disconnect(c);
 }
 
@@ -207,16 +266,14 @@ static void test_served_in_arrival_order(void) {
 static void test_timeout_and_disconnect_leave_the_line(void) {
   struct { unsigned rank; int rc; uint64_t loan; } got;
   sublet_client *c;
-  sublet_region *r;
   uint64_t held;
-  pid_t timing_out, killed, last;
-  int fds[2], status;
+  pid_t timing_out, killed, last, holder;
+  int fds[2], release, status;
   double t0;
 
   CHECK(pipe(fds) == 0);
   CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
-  CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &r), 0);
-  CHECK_RC(sublet_lend_local(r, NULL, 0, 1, &held), 0);
+  CHECK((holder = hold_device(&held, &release)) > 0);
   t0 = now_s();
   if ((timing_out = fork()) == 0)
     waiting_owner(0, 500, fds[1]);
@@ -227,23 +284,21 @@ static void test_timeout_and_disconnect_leave_the_line(void) {
   if ((last = fork()) == 0)
     waiting_owner(2, 30000, fds[1]);
   CHECK(wait_for_line(c, 3));
-  CHECK(read(fds[0], &got, sizeof(got)) == sizeof(got));
+  CHECK(read_report(fds[0], &got, sizeof(got)));
   CHECK(got.rank == 0 && got.rc == SUBLET_ETIMEDOUT && got.loan == 0);
   CHECK(now_s() - t0 >= 0.5);
   CHECK(wait_for_line(c, 2));
   kill(killed, SIGKILL);
   waitpid(killed, &status, 0);
   CHECK(wait_for_line(c, 1)); /* dropped with its connection */
-  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
-  CHECK_RC(sublet_reclaim(c, held, 1000, NULL), 0);
-  CHECK(read(fds[0], &got, sizeof(got)) == sizeof(got));
+  CHECK(release_device(holder, release));
+  CHECK(read_report(fds[0], &got, sizeof(got)));
   CHECK(got.rank == 2 && got.rc == 0 && got.loan > held);
   waitpid(timing_out, &status, 0);
   waitpid(last, &status, 0);
   CHECK(lends_waiting(c) == 0);
   close(fds[0]);
   close(fds[1]);
-  sublet_region_release(r);
   sublet_disconnect(c);
 }
 
@@ -266,31 +321,29 @@ static void *lend_and_wait(void *arg) {
  * returns ECANCELED, leaves the line, and its client goes on working. */
 static void test_cancel_a_waiting_lend(void) {
   struct waiting_lend wl = {0};
-  sublet_client *c, *holder;
-  sublet_region *held_r;
+  sublet_client *c;
   uint64_t held;
   pthread_t th;
+  pid_t holder;
+  int release;
 
-  CHECK_RC(sublet_connect(daemon_.socket, &holder), 0);
-  CHECK_RC(sublet_region_create(holder, REGION_PAGES * PAGE, &held_r), 0);
-  CHECK_RC(sublet_lend_local(held_r, NULL, 0, 1, &held), 0);
+  CHECK((holder = hold_device(&held, &release)) > 0);
   CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
   CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &wl.r), 0);
   CHECK_RC(sublet_cancel(c), 0); /* nothing waits: nothing happens */
   CHECK(pthread_create(&th, NULL, lend_and_wait, &wl) == 0);
-  CHECK(wait_for_line(holder, 1));
+  for (double end = now_s() + 20; now_s() < end && lends_waiting_anyone() != 1;)
+    usleep(10000);
   CHECK_RC(sublet_cancel(c), 0);
   pthread_join(th, NULL);
   CHECK_RC(wl.rc, SUBLET_ECANCELED);
-  CHECK(lends_waiting(holder) == 0);
-  CHECK_RC(sublet_return(holder, 0, NULL, NULL, 0, NULL), 0);
-  CHECK_RC(sublet_reclaim(holder, held, 1000, NULL), 0);
+  CHECK(lends_waiting_anyone() == 0);
+  CHECK(release_device(holder, release));
   CHECK_RC(sublet_lend_wait(wl.r, NULL, 0, 1, NULL, 1000, &wl.loan, NULL), 0);
+  CHECK(wl.loan > held);
   CHECK_RC(sublet_withdraw(c, wl.loan), 0);
   sublet_region_release(wl.r);
-  sublet_region_release(held_r);
   sublet_disconnect(c);
-  sublet_disconnect(holder);
 }
 
 /* ------------------------------------------------------------------ a long keep list */
