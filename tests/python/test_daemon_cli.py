@@ -47,22 +47,27 @@ def test_sighup_while_pinning_is_ignored(native, tmp_path):
                              "--pin", "256M"], stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M",
                                      SUBLET_MEMFD_PIN="256M"))
-    assert "pinning 256.0 MiB of host memory" in proc.stderr.readline()
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGHUP)
-    line = proc.stderr.readline()
-    assert "pinned 256.0 MiB" in line, line
-    assert time.monotonic() - sent > 0.5, "the SIGHUP came after the pinning, not during it"
-    deadline = time.monotonic() + 10
-    while not sock.exists():
-        assert proc.poll() is None, f"SIGHUP during --pin killed subletd ({proc.returncode})"
-        assert time.monotonic() < deadline, "subletd did not listen within 10 s"
-        time.sleep(0.01)
-    from sublet._lib import Client
-    Client.open(str(sock)).close()  # it serves
-    proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=10)
-    assert proc.returncode == 0
+    try:
+        assert "pinning 256.0 MiB of host memory" in proc.stderr.readline()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGHUP)
+        line = proc.stderr.readline()
+        assert "pinned 256.0 MiB" in line, line
+        assert time.monotonic() - sent > 0.5, "the SIGHUP came after the pinning, not during it"
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            assert proc.poll() is None, f"SIGHUP during --pin killed subletd ({proc.returncode})"
+            assert time.monotonic() < deadline, "subletd did not listen within 10 s"
+            time.sleep(0.01)
+        from sublet._lib import Client
+        Client.open(str(sock)).close()  # it serves
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=10)
+        assert proc.returncode == 0
+    finally:
+        if proc.poll() is None:  # a failed check leaves no daemon behind
+            proc.kill()
+            proc.wait()
 
 
 def run_failing(native, tmp_path, stderr_file, journal_stream: str) -> str:
