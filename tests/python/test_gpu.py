@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,11 +45,25 @@ def page(cuda_daemon) -> int:
     return cuda_daemon.page_size
 
 
+def settled_free_memory() -> int:
+    """The device's free memory once it has stopped growing: a process or daemon of an
+    earlier test may still be giving its memory back (test_gpu_survive once found 15 GiB more
+    free at the borrow than when it measured, and the loan never reached its kept pages)."""
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    for _ in range(50):
+        time.sleep(0.1)
+        now = torch.cuda.mem_get_info()[0]
+        if now == free:
+            break
+        free = now
+    return free
+
+
 @contextlib.contextmanager
 def free_memory_left(nbytes: int):
     """Takes all but about nbytes of the device's free memory for the duration."""
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
+    free = settled_free_memory()
     hog = torch.empty(max(0, free - nbytes), dtype=torch.uint8, device="cuda")
     try:
         yield
