@@ -50,13 +50,14 @@ def settled_free_memory() -> int:
     earlier test may still be giving its memory back (test_gpu_survive once found 15 GiB more
     free at the borrow than when it measured, and the loan never reached its kept pages)."""
     torch.cuda.empty_cache()
-    free = torch.cuda.mem_get_info()[0]
-    for _ in range(50):
-        time.sleep(0.1)
+    free, steady = torch.cuda.mem_get_info()[0], 0
+    for _ in range(50):  # until it has not changed for 0.6 s, 10 s at most
+        time.sleep(0.2)
         now = torch.cuda.mem_get_info()[0]
-        if now == free:
-            break
+        steady = steady + 1 if now == free else 0
         free = now
+        if steady == 3:
+            break
     return free
 
 
