@@ -154,6 +154,14 @@ def empty(*size, dtype: torch.dtype = torch.float32,
     shape = parse_size(size)
     nbytes = nbytes_of(shape, dtype)
     device, client = resolve_device(device)
-    region = Region(client, device, nbytes)
+    try:
+        region = Region(client, device, nbytes)
+    except _lib.SubletOutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        # As PyTorch does on running out: what its allocator caches unused may make the room.
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
+        region = Region(client, device, nbytes)
     return wrap(region.addr, nbytes, device, region, shape, dtype)
 

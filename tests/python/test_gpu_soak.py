@@ -253,6 +253,7 @@ def test_soak():
         gpu, rss, fds = _gpu_free(), _rss(), _fds()  # beside the hog, as the baseline was
     finally:
         del hog
+        torch.cuda.empty_cache()  # the hog's memory goes back to the device, for later tests
         other.close()
     grew = (baseline[0] - gpu, rss - baseline[1], fds - baseline[2],
             other.last["rss"] - baseline[3]["rss"], other.last["fds"] - baseline[3]["fds"])
