@@ -122,11 +122,24 @@ static void notify_ready(void) {
   close(fd);
 }
 
+/* Before the socket exists: a SIGTERM sent as soon as it appears (a supervisor, a test) must
+ * find the handler, not the default action that kills without settling anything. */
+static void start_signals(struct sl_daemon *d) {
+  uv_signal_init(d->loop, &d->sigterm);
+  uv_signal_init(d->loop, &d->sigint);
+  uv_signal_init(d->loop, &d->sighup);
+  d->sigterm.data = d->sigint.data = d->sighup.data = d;
+  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
+  uv_signal_start(&d->sigint, on_signal, SIGINT);
+  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
+}
+
 int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   int rc;
 
   d->started = sl_clock_now();
   d->parent_pidfd = -1;
+  start_signals(d);
   d->listen_fd = d->cfg.listen_fd >= 0 ? d->cfg.listen_fd : bind_socket(d->cfg.socket_path, err);
   if (d->listen_fd < 0)
     return d->listen_fd;
@@ -142,13 +155,6 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   uv_poll_start(&d->listener, UV_READABLE, on_listener);
   uv_timer_init(d->loop, &d->accept_retry);
   d->accept_retry.data = d;
-  uv_signal_init(d->loop, &d->sigterm);
-  uv_signal_init(d->loop, &d->sigint);
-  uv_signal_init(d->loop, &d->sighup);
-  d->sigterm.data = d->sigint.data = d->sighup.data = d;
-  uv_signal_start(&d->sigterm, on_signal, SIGTERM);
-  uv_signal_start(&d->sigint, on_signal, SIGINT);
-  uv_signal_start(&d->sighup, on_sighup, SIGHUP);
   if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
     return rc;
   sl_idle_start(d);

@@ -70,6 +70,26 @@ def test_sighup_while_pinning_is_ignored(native, tmp_path):
             proc.wait()
 
 
+def test_sigterm_as_soon_as_the_socket_appears_is_a_clean_stop(native, tmp_path):
+    # A supervisor (or a test) may signal the moment the socket exists: the handler must be in
+    # place by then (CI once saw subletd die of SIGTERM's default action there).
+    for i in range(20):
+        sock = tmp_path / f"d{i}.sock"
+        proc = subprocess.Popen([str(native.subletd), "--backend", "memfd", "--socket",
+                                 str(sock)], stderr=subprocess.DEVNULL,
+                                env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M"))
+        try:
+            deadline = time.monotonic() + 10
+            while not sock.exists():
+                assert proc.poll() is None and time.monotonic() < deadline
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0, f"start {i}: exit {proc.returncode}"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def run_failing(native, tmp_path, stderr_file, journal_stream: str) -> str:
     """Runs subletd so that it logs an error and exits (its socket's directory is missing)."""
     with open(stderr_file, "w") as f:
