@@ -66,8 +66,8 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
     w->mapped[i] = POS_UNMAPPED;
   if (can_alias(w, own))
     alias(w, own);
-  else if (total > 0 && (rc = sl_device_reserve(dev, total * page_size, &w->base, err)) == 0)
-    w->owns_base = 1;
+  else if (total > 0)
+    rc = sl_device_reserve(dev, total * page_size, &w->base, err);
   if (rc != 0) {
     sl_window_free(w);
     return rc;
@@ -221,7 +221,7 @@ void sl_window_free(struct sl_window *w) {
     for (uint64_t p = 0; p < w->alias; p++) /* the rest is the region's */
       if (w->mapped[p] >= 0)
         sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
-    if (w->owns_base)
+    if (w->alias == window_pages(w)) /* not aliased: the reservation is the window's */
       sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
   }
   if (w->owns_handles && w->handles != NULL)

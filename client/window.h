@@ -39,9 +39,9 @@ struct sl_window {
   uint64_t region_id, region_pages;
   uint64_t unkept, fresh, kept;   /* U, F, K */
   uint64_t *layout;               /* U + K region page indices */
-  void *base;                     /* U + F + K pages reserved, or aliased (owns_base 0) */
-  int owns_base;                  /* base is the window's reservation */
-  uint64_t alias;                 /* positions from here on are the region's own mapping */
+  void *base;                     /* U + F + K pages reserved, or aliased */
+  uint64_t alias;                 /* positions from here on are the region's own mapping
+                                     (U + F + K: none, and base is the window's reservation) */
   void *region_base;              /* the region's own mapping in this process, or NULL */
   int64_t *mapped;                /* per position: region page mapped there, or -1 */
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */

@@ -36,7 +36,7 @@ import sublet
 
 import soak_workloads as work
 from conftest import CHILD_ENV, kept_ranges_of
-from test_gpu import cuda_daemon  # noqa: F401 (fixture)
+from test_gpu import cuda_daemon, settled_free_memory  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
@@ -228,8 +228,7 @@ def test_soak():
     checked = changed = local = 0
     kinds = list(WEIGHTS)
     start, baseline = time.monotonic(), None
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
+    free = settled_free_memory()
     hog = torch.empty(max(0, free - FREE_BYTES), dtype=torch.uint8, device=cache.device)
     try:
         for i in range(LOANS):
