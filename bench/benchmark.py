@@ -869,6 +869,9 @@ def _daemon_answers(socket: str) -> bool:
     return True
 
 
+DAEMON_LOG: Path | None = None  # --daemon-log
+
+
 def start_daemon(pin_bytes: int, timeout: float = 300.0) -> Daemon:
     """Starts subletd for device 0 (the backend sublet would use: cuda, or memfd where
     $SUBLET_BACKEND says so), pinning pin_bytes of host memory ahead; waits until it answers."""
@@ -881,6 +884,8 @@ def start_daemon(pin_bytes: int, timeout: float = 300.0) -> Daemon:
             _daemon.requested_backend(), "--parent-pid", str(os.getpid()), "--reserve", "256M"]
     if pin_bytes > 0:
         argv += ["--pin", f"{math.ceil(pin_bytes / GiB)}G"]
+    if DAEMON_LOG is not None:
+        argv += ["--log-level", "debug"]
     log_path = os.path.join(workdir, "subletd.log")
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
@@ -911,6 +916,8 @@ def stop_daemon(daemon: Daemon) -> None:
     if daemon.workdir:
         with contextlib.suppress(OSError):
             daemon.log_text = Path(daemon.workdir, "subletd.log").read_text(errors="replace")
+            if DAEMON_LOG is not None:
+                DAEMON_LOG.write_text(daemon.log_text)
         shutil.rmtree(daemon.workdir, ignore_errors=True)
 
 
@@ -1404,6 +1411,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train", type=float, default=0.25, metavar="FRACTION",
                         help="the training-step job, sized to about this fraction of S (0: "
                              "no training case)")
+    parser.add_argument("--daemon-log", type=Path, default=None, metavar="FILE",
+                        help="run the shared subletd with --log-level debug (what each "
+                             "request took on its loop, each copy and move off it) and write "
+                             "its whole log to FILE")
     parser.add_argument("--phases", action="store_true",
                         help="print each case's phases too (mean seconds of the later "
                              "cycles): where the time goes")
@@ -1436,7 +1447,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DAEMON_LOG
     args = build_parser().parse_args(argv)
+    DAEMON_LOG = args.daemon_log.resolve() if args.daemon_log else None
     if args.child:
         return child_main(args.child, json.loads(args.spec))
     if args.report:

@@ -31,7 +31,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   }
   c->win = NULL;
   if (own != NULL)
-    mine = (struct sl_window_own){own->handles, own->base, own->lead_pages};
+    mine = (struct sl_window_own){own->handles, own->base, own->lead_pages, own->trail_pages};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
                      b->fresh_pages, b->kept_pages, b->layout, own != NULL ? &mine : NULL,
                      &c->win, &err);

@@ -19,8 +19,10 @@ struct sublet_region {
   uint64_t page_size;
   sl_handle *handles;  /* imported at creation; this process's references to the pages */
   void *base;          /* all pages mapped contiguously: the tensor's memory */
-  void *reserved;      /* the address space reserved: lead_pages below base, then the pages */
+  void *reserved;      /* the address space reserved: lead_pages below base, the pages, then
+                          trail_pages */
   uint64_t lead_pages; /* room for a loan's fresh zone right below base (window.c: aliased) */
+  uint64_t trail_pages; /* ... and for its fresh and kept zones above the last page */
   struct sl_rescue *rescue; /* of the loan in progress: restoring without subletd (rescue.c) */
   struct sublet_region *next;
 };

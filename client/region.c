@@ -118,6 +118,10 @@ static int region_remap(sublet_client *c, struct sublet_region *r, const uint64_
   return rc;
 }
 
+static uint64_t reserved_pages(const struct sublet_region *r) {
+  return r->lead_pages + r->npages + r->trail_pages;
+}
+
 /* Unmaps and releases this process's side of a region (not the daemon's). */
 static void release_local(struct sublet_region *r) {
   struct sl_device *dev = r->client->dev;
@@ -127,7 +131,7 @@ static void release_local(struct sublet_region *r) {
     for (uint64_t i = 0; i < r->npages; i++)
       if (r->handles[i] != 0)
         sl_device_unmap_idle(dev, (char *)r->base + i * r->page_size, r->page_size);
-    sl_device_unreserve(dev, r->reserved, (r->lead_pages + r->npages) * r->page_size);
+    sl_device_unreserve(dev, r->reserved, reserved_pages(r) * r->page_size);
   }
   for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)
     if (r->handles[i] != 0)
@@ -138,15 +142,17 @@ static void release_local(struct sublet_region *r) {
 }
 
 /* Maps every page of the region at r->base, in order, with room for the device's whole memory
- * reserved below it (address space only): a loan's fresh zone can then be mapped right below
- * the region, and a loan that keeps bytes of every page is served in place (window.h). */
+ * reserved below it and, beside the region's size, above it (address space only): a loan's
+ * fresh zone can then be mapped right below the region or right after it, and a loan that
+ * keeps bytes of every page, or its head, is served in place (window.h). */
 static int map_region(sublet_client *c, struct sublet_region *r) {
   struct sl_err err = {0};
   uint64_t ps = r->page_size, total = c->info.total_bytes; /* the daemon's device */
   int rc;
 
   r->lead_pages = total / ps + 1;
-  rc = sl_device_reserve(c->dev, (r->lead_pages + r->npages) * ps, &r->reserved, &err);
+  r->trail_pages = r->lead_pages + r->npages;
+  rc = sl_device_reserve(c->dev, reserved_pages(r) * ps, &r->reserved, &err);
   if (rc == 0)
     r->base = (char *)r->reserved + r->lead_pages * ps;
 

@@ -13,10 +13,15 @@ static uint64_t window_pages(const struct sl_window *w) {
   return w->unkept + w->fresh + w->kept;
 }
 
-/* Can the loan be served on the owner's own mapping? Its kept zone must be the region's pages
- * 0..n-1 in order, with nothing unkept before it, and its fresh zone fit below the region. */
-static int can_alias(const struct sl_window *w, const struct sl_window_own *own) {
-  if (own == NULL || w->unkept != 0 || w->kept != w->region_pages || w->fresh > own->lead_pages)
+/* Is window position p the region's own mapping (served in place)? */
+static int own_position(const struct sl_window *w, uint64_t p) {
+  return p >= w->own_from && p < w->own_to;
+}
+
+/* Served below the region: the kept zone is the region's pages 0..n-1 in order, with nothing
+ * unkept before it, and the fresh zone fits in the address space reserved below. */
+static int lead_alias(const struct sl_window *w, const struct sl_window_own *own) {
+  if (w->unkept != 0 || w->kept != w->region_pages || w->fresh > own->lead_pages)
     return 0;
   for (uint64_t i = 0; i < w->kept; i++)
     if (w->layout[i] != i)
@@ -24,12 +29,37 @@ static int can_alias(const struct sl_window *w, const struct sl_window_own *own)
   return 1;
 }
 
-/* Lays the window over the region's own mapping: its kept positions are mapped already. */
-static void alias(struct sl_window *w, const struct sl_window_own *own) {
-  w->base = (char *)own->base - w->fresh * w->page_size;
-  w->alias = w->fresh;
-  for (uint64_t p = w->alias; p < window_pages(w); p++)
-    w->mapped[p] = (int64_t)w->layout[p - w->fresh];
+/* Served from inside the region on: the unkept zone is the region's last pages in order (a
+ * tensor that keeps its head), and the fresh and kept zones fit in the address space reserved
+ * above it. */
+static int tail_alias(const struct sl_window *w, const struct sl_window_own *own) {
+  uint64_t first = w->region_pages - w->unkept;
+
+  if (w->unkept == 0 || w->unkept > w->region_pages || w->fresh + w->kept > own->trail_pages)
+    return 0;
+  for (uint64_t i = 0; i < w->unkept; i++)
+    if (w->layout[i] != first + i)
+      return 0;
+  return 1;
+}
+
+/* Lays the window over the region's own mapping, from base: positions [from, to) are the
+ * region's pages, mapped already; the others lie in the region's reservation, its own. */
+static void alias(struct sl_window *w, void *base, uint64_t from, uint64_t to) {
+  w->base = base;
+  w->own_from = from;
+  w->own_to = to;
+  for (uint64_t p = from; p < to; p++)
+    w->mapped[p] = sl_window_page_at(w, p);
+}
+
+static void try_alias(struct sl_window *w, const struct sl_window_own *own) {
+  char *region = own != NULL ? own->base : NULL;
+
+  if (own != NULL && lead_alias(w, own))
+    alias(w, region - w->fresh * w->page_size, w->fresh, window_pages(w));
+  else if (own != NULL && tail_alias(w, own))
+    alias(w, region + (w->region_pages - w->unkept) * w->page_size, 0, w->unkept);
 }
 
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
@@ -50,7 +80,6 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   w->unkept = unkept;
   w->fresh = fresh;
   w->kept = kept;
-  w->alias = total;
   w->region_base = own != NULL ? own->base : NULL;
   w->layout = malloc((unkept + kept + 1) * sizeof(*w->layout));
   w->mapped = malloc((total + 1) * sizeof(*w->mapped));
@@ -64,9 +93,8 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
   for (uint64_t i = 0; i < total; i++)
     w->mapped[i] = POS_UNMAPPED;
-  if (can_alias(w, own))
-    alias(w, own);
-  else if (total > 0)
+  try_alias(w, own);
+  if (w->base == NULL && total > 0)
     rc = sl_device_reserve(dev, total * page_size, &w->base, err);
   if (rc != 0) {
     sl_window_free(w);
@@ -81,6 +109,10 @@ int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, ui
   if (w->region_id != region_id || w->unkept != unkept || w->fresh != fresh ||
       w->kept != kept || w->nallocs != 0)
     return 0;
+  /* Served in place, it can take only a layout with the same pages there. */
+  for (uint64_t p = w->own_from; p < w->own_to; p++)
+    if ((uint64_t)w->mapped[p] != layout[p < unkept ? p : p - fresh])
+      return 0;
   /* Positions whose page changed are remapped lazily by sl_window_map_run. */
   memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
   return 1;
@@ -112,7 +144,7 @@ static void *pos_addr(const struct sl_window *w, uint64_t pos) {
 static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct sl_err *err) {
   int rc;
 
-  if (pos >= w->alias) /* the region's own mapping: never remapped here */
+  if (own_position(w, pos)) /* the region's own mapping: never remapped here */
     return sl_err_set(err, SUBLET_EPROTO, "position %llu of a loan served in place moved",
                       (unsigned long long)pos);
   /* A page changed since the last loan, which ended synchronised: nothing uses it now. */
@@ -218,10 +250,10 @@ void sl_window_free(struct sl_window *w) {
   if (w->base != NULL) {
     sl_window_drop_chunks(w);
     sl_device_synchronize(w->dev, NULL);
-    for (uint64_t p = 0; p < w->alias; p++) /* the rest is the region's */
-      if (w->mapped[p] >= 0)
+    for (uint64_t p = 0; p < window_pages(w); p++)
+      if (w->mapped[p] >= 0 && !own_position(w, p))
         sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
-    if (w->alias == window_pages(w)) /* not aliased: the reservation is the window's */
+    if (w->own_to == 0) /* not aliased: the reservation is the window's */
       sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
   }
   if (w->owns_handles && w->handles != NULL)

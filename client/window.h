@@ -12,7 +12,10 @@
  * in order (it keeps bytes of every page: a paged KV cache's scattered live blocks) needs no
  * window of its own. Its kept zone is the region's own mapping and its fresh zone the address
  * space the region reserved right below it (region.c), so nothing but fresh chunks is ever
- * mapped, at the first loan as at the next.
+ * mapped, at the first loan as at the next. Likewise a loan whose unkept zone is the region's
+ * tail (a tensor that keeps its head): that is the region's own mapping, and its fresh and
+ * kept zones follow in the address space reserved above the region, where only fresh chunks
+ * and the kept pages the borrower reaches get mapped.
  */
 #ifndef SL_WINDOW_H
 #define SL_WINDOW_H
@@ -40,8 +43,8 @@ struct sl_window {
   uint64_t unkept, fresh, kept;   /* U, F, K */
   uint64_t *layout;               /* U + K region page indices */
   void *base;                     /* U + F + K pages reserved, or aliased */
-  uint64_t alias;                 /* positions from here on are the region's own mapping
-                                     (U + F + K: none, and base is the window's reservation) */
+  uint64_t own_from, own_to;      /* positions [from, to) are the region's own mapping (none:
+                                     base is the window's own reservation) */
   void *region_base;              /* the region's own mapping in this process, or NULL */
   int64_t *mapped;                /* per position: region page mapped there, or -1 */
   sl_handle *handles;             /* per region page: a handle this process holds, or 0 */
@@ -60,6 +63,7 @@ struct sl_window_own {
   sl_handle *handles;             /* the region's (borrowed, not freed) */
   void *base;                     /* its mapping */
   uint64_t lead_pages;            /* address space reserved below base */
+  uint64_t trail_pages;           /* ... and above its last page */
 };
 
 /* A window for a loan's layout. own: the region when this process owns it, else NULL (the

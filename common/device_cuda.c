@@ -230,6 +230,10 @@ struct cuda_device {
   CUmodule module;   /* kernels.cu, loaded at the first launch; owned */
   CUfunction kernels[N_KERNELS];
   int kernels_failed; /* the module could not be loaded (moves then use batched copies) */
+  CUstream stream2;  /* staged copies' second slot; owned */
+  pthread_mutex_t args_lock; /* one transfer at a time uses args */
+  uint64_t *args;    /* pinned launch arguments (pinned_args); owned */
+  size_t args_bytes;
 };
 
 static struct cuda_device *to_cuda(struct sl_device *d) {
@@ -473,6 +477,9 @@ static int setup_context(struct cuda_device *d, struct sl_err *err) {
     return rc;
   rc = cuda_check(drv.cuStreamCreate(&d->stream, CU_STREAM_NON_BLOCKING), err, "cuStreamCreate",
                   "the GPU may be out of memory");
+  if (rc == 0)
+    rc = cuda_check(drv.cuStreamCreate(&d->stream2, CU_STREAM_NON_BLOCKING), err,
+                    "cuStreamCreate", "the GPU may be out of memory");
   cuda_leave();
   return rc;
 }
@@ -483,11 +490,19 @@ static void cuda_close(struct sl_device *dev) {
   if (d->stream != NULL && cuda_enter(d, NULL) == 0) {
     drv.cuStreamSynchronize(d->stream);
     drv.cuStreamDestroy(d->stream);
+    if (d->stream2 != NULL) {
+      drv.cuStreamSynchronize(d->stream2);
+      drv.cuStreamDestroy(d->stream2);
+    }
+    if (d->args != NULL)
+      drv.cuMemHostUnregister(d->args);
     if (d->module != NULL)
       drv.cuModuleUnload(d->module);
     cuda_leave();
   }
   pthread_mutex_destroy(&d->kernels_lock);
+  pthread_mutex_destroy(&d->args_lock);
+  free(d->args);
   if (d->ctx != NULL)
     drv.cuDevicePrimaryCtxRelease(d->dev);
   free(d);
@@ -508,6 +523,7 @@ static int cuda_open(const struct sl_device_params *p, struct sl_device **out,
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "cuda backend: out of host memory");
   d->use_batch = drv.batch_version != 0;
   pthread_mutex_init(&d->kernels_lock, NULL);
+  pthread_mutex_init(&d->args_lock, NULL);
   rc = find_device(p, &d->dev, err);
   if (rc == 0)
     rc = describe_device(d, err);
@@ -993,13 +1009,45 @@ static unsigned int grid_blocks(struct cuda_device *d, uint64_t work, unsigned i
 #define MOVE_THREADS 256
 #define MOVE_BLOCKS_PER_SM 8
 #define MOVE_PIECES ((size_t)1 << 20) /* per launch: bounds the GPU scratch to 32 MiB */
+#define ARGS_BYTES_PER_MOVE 32        /* (src, dst, len) and the running count of tiles */
 
-/* One launch over up to MOVE_PIECES moves. Its arguments go to the GPU scratch mem: the
- * (src, dst, len) triples as addresses (24 bytes each), then the running count of their tiles
- * (8 bytes each). */
-static int move_launch(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
-                       const struct sl_move *m, size_t n, uint64_t *host, CUdeviceptr mem,
-                       struct sl_err *err) {
+/* Pinned host memory of at least `bytes` for launch arguments, kept from one transfer to the
+ * next (its caller holds args_lock): 200,000 moves are 6.4 MB, which a copy from pageable
+ * memory carries at about 1.2 GB/s, 5 ms a launch. NULL where it cannot be had: pageable
+ * memory of the caller's then. The context is current. */
+static uint64_t *pinned_args(struct cuda_device *d, size_t bytes) {
+  size_t want = (size_t)1 << 20;
+  void *p = NULL;
+
+  if (d->args != NULL && d->args_bytes >= bytes)
+    return d->args;
+  while (want < bytes)
+    want *= 2;
+  if (d->args != NULL) {
+    drv.cuMemHostUnregister(d->args);
+    free(d->args);
+    d->args = NULL;
+    d->args_bytes = 0;
+  }
+  if (posix_memalign(&p, 4096, want) != 0)
+    return NULL;
+  memset(p, 0, want); /* pinning touched memory is ten times cheaper */
+  if (drv.cuMemHostRegister(p, want, CU_MEMHOSTREGISTER_PORTABLE) != CUDA_SUCCESS) {
+    free(p);
+    return NULL;
+  }
+  d->args = p;
+  d->args_bytes = want;
+  return p;
+}
+
+/* Queues one launch over n <= MOVE_PIECES moves on stream s, without waiting: its arguments
+ * go from host (ARGS_BYTES_PER_MOVE a move, which must stay untouched until s has run it) to
+ * the GPU scratch mem: the (src, dst, len) triples as addresses, then the running count of
+ * their tiles. */
+static CUresult queue_moves(struct cuda_device *d, CUfunction fn, CUstream s, CUdeviceptr base,
+                            const struct sl_move *m, size_t n, uint64_t *host,
+                            CUdeviceptr mem) {
   uint64_t *triples = host, *tile_end = host + 3 * n, tiles = 0;
   CUdeviceptr dev_triples = mem, dev_tile_end = mem + 24 * n;
   unsigned long long count = n;
@@ -1013,16 +1061,34 @@ static int move_launch(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
     tile_end[i] = tiles += (m[i].len + SL_MOVE_TILE - 1) / SL_MOVE_TILE;
   }
   if (tiles == 0)
-    return 0;
-  r = drv.cuMemcpyHtoDAsync(mem, host, 32 * n, d->stream);
+    return CUDA_SUCCESS;
+  r = drv.cuMemcpyHtoDAsync(mem, host, ARGS_BYTES_PER_MOVE * n, s);
   if (r == CUDA_SUCCESS)
     r = drv.cuLaunchKernel(fn, grid_blocks(d, tiles, MOVE_BLOCKS_PER_SM), 1, 1, MOVE_THREADS,
-                           1, 1, 0, d->stream, args, NULL);
-  /* Waits even after a failure: the copy reads host, which the next launch rewrites. */
-  if (drv.cuStreamSynchronize(d->stream) != CUDA_SUCCESS && r == CUDA_SUCCESS)
+                           1, 1, 0, s, args, NULL);
+  return r;
+}
+
+static int moves_failed(CUresult queued, CUresult synced, struct sl_err *err) {
+  if (synced != CUDA_SUCCESS && queued == CUDA_SUCCESS)
     return sl_err_set(err, SUBLET_EIO, "sl_move_ranges faulted: the moves must lie in mapped "
                       "device memory");
-  return cuda_check(r, err, "sl_move_ranges", "the GPU may be out of resources");
+  return cuda_check(queued, err, "sl_move_ranges", "the GPU may be out of resources");
+}
+
+/* The launches, MOVE_PIECES moves at a time; host holds one launch's arguments. */
+static int move_launches(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
+                         const struct sl_move *moves, size_t n, uint64_t *host,
+                         CUdeviceptr mem, struct sl_err *err) {
+  CUresult r = CUDA_SUCCESS, synced = CUDA_SUCCESS;
+
+  for (size_t i = 0; r == CUDA_SUCCESS && synced == CUDA_SUCCESS && i < n; i += MOVE_PIECES) {
+    r = queue_moves(d, fn, d->stream, base, moves + i, n - i < MOVE_PIECES ? n - i : MOVE_PIECES,
+                    host, mem);
+    /* Waits even after a failure: the copy reads host, which the next launch rewrites. */
+    synced = drv.cuStreamSynchronize(d->stream);
+  }
+  return r != CUDA_SUCCESS || synced != CUDA_SUCCESS ? moves_failed(r, synced, err) : 0;
 }
 
 /* Moves run as one kernel launch (per million pieces): device to device at SM speed. */
@@ -1030,35 +1096,37 @@ static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *mo
                      struct sl_err *err) {
   struct cuda_device *d = to_cuda(dev);
   size_t chunk = n < MOVE_PIECES ? n : MOVE_PIECES;
-  uint64_t *host = malloc(chunk * 32);
+  uint64_t *own = NULL, *host;
   CUdeviceptr mem = 0;
   CUfunction fn;
   int rc;
 
-  if (host == NULL)
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for %zu pieces", n);
   rc = cuda_enter(d, err);
   if (rc != 0)
-    goto cleanup;
+    return rc;
+  pthread_mutex_lock(&d->args_lock);
   fn = kernel(d, KERNEL_MOVE_RANGES);
-  if (fn == NULL || drv.cuMemAlloc(&mem, chunk * 32) != CUDA_SUCCESS) {
+  host = pinned_args(d, chunk * ARGS_BYTES_PER_MOVE);
+  if (host == NULL)
+    host = own = malloc(chunk * ARGS_BYTES_PER_MOVE);
+  if (host == NULL)
+    rc = sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for %zu pieces", n);
+  else if (fn == NULL || drv.cuMemAlloc(&mem, chunk * ARGS_BYTES_PER_MOVE) != CUDA_SUCCESS)
     rc = move_by_copies(d, base, moves, n, err);
-    cuda_leave();
-    goto cleanup;
-  }
-  for (size_t i = 0; rc == 0 && i < n; i += chunk)
-    rc = move_launch(d, fn, devptr(base), moves + i, n - i < chunk ? n - i : chunk, host, mem,
-                     err);
-  drv.cuMemFree(mem);
+  else
+    rc = move_launches(d, fn, devptr(base), moves, n, host, mem, err);
+  if (mem != 0)
+    drv.cuMemFree(mem);
+  pthread_mutex_unlock(&d->args_lock);
   cuda_leave();
-cleanup:
-  free(host);
+  free(own);
   return rc;
 }
 
 /* --- copies of many small pieces through a staging buffer on the device */
 
-#define STAGE_BYTES (64ull << 20)   /* one gather, then one copy over the link */
+#define STAGE_BYTES (32ull << 20)   /* a slot's gather, then one copy over the link */
+#define STAGE_SLOTS 2               /* one gathers while the other crosses the link */
 #define STAGE_MIN_PIECES 64         /* fewer pieces: batched copies do as well */
 #define STAGE_MAX_AVERAGE (1ull << 20) /* ... and so do long ones */
 #define STAGE_UNAVAILABLE 1         /* no staging: use batched copies */
@@ -1079,85 +1147,149 @@ static int stage_worth(const struct sl_copy *c, size_t n) {
   return bytes / n < STAGE_MAX_AVERAGE;
 }
 
-/* One chunk: to the host, gather into stage then copy out; to the device, copy in then
- * scatter. mv holds absolute addresses. */
-static int stage_chunk(struct cuda_device *d, CUfunction fn, enum sl_copy_dir dir,
-                       const struct sl_move *mv, size_t k, uint64_t *scratch, CUdeviceptr mem,
-                       CUdeviceptr stage, char *host, uint64_t bytes, struct sl_err *err) {
-  CUresult r = CUDA_SUCCESS;
-  int rc = 0;
+/* One slot of the pipeline: its stream, staging buffer and launch arguments. Slot k % 2 takes
+ * chunk k: the copy engine carries one chunk over the link while the SMs gather (or scatter)
+ * the other, so the link rarely waits (one slot ran at 0.87 of the link for 64 KiB pieces). */
+struct stage_slot {
+  CUstream stream;
+  CUdeviceptr stage, args;
+  uint64_t *host_args;
+  struct sl_move *mv;
+  int busy; /* work queued on stream since the last wait */
+};
 
-  if (dir == SL_COPY_TO_DEVICE)
-    r = drv.cuMemcpyHtoDAsync(stage, host, bytes, d->stream); /* ordered before the launch */
-  if (r == CUDA_SUCCESS)
-    rc = move_launch(d, fn, 0, mv, k, scratch, mem, err);
-  else
-    rc = cuda_check(r, err, "cuMemcpyHtoDAsync", "host memory must be host_alloc'd");
-  if (rc == 0 && dir == SL_COPY_TO_HOST)
-    rc = cuda_check(drv.cuMemcpyDtoHAsync(host, stage, bytes, d->stream), err,
-                    "cuMemcpyDtoHAsync", "host memory must be host_alloc'd");
-  r = drv.cuStreamSynchronize(d->stream);
-  return rc != 0 ? rc : cuda_check(r, err, "cuStreamSynchronize", "check nvidia-smi");
+struct stage_run {
+  struct cuda_device *d;
+  CUfunction fn;
+  enum sl_copy_dir dir;
+  char *dev_mem, *host_mem;
+  size_t cap; /* moves per chunk */
+  struct stage_slot slot[STAGE_SLOTS];
+};
+
+/* Waits for what slot s last queued; its buffers are free again. */
+static CUresult slot_wait(struct stage_slot *s) {
+  CUresult r = s->busy ? drv.cuStreamSynchronize(s->stream) : CUDA_SUCCESS;
+  s->busy = 0;
+  return r;
 }
 
-/* The pieces in chunks of STAGE_BYTES (a piece may straddle two); the context is current. */
-static int copy_staged_chunks(struct cuda_device *d, CUfunction fn, enum sl_copy_dir dir,
-                              char *dev_mem, char *host_mem, const struct sl_copy *c, size_t n,
-                              size_t cap, struct sl_move *mv, uint64_t *scratch,
-                              CUdeviceptr mem, CUdeviceptr stage, struct sl_err *err) {
-  size_t i = 0;
-  uint64_t done = 0; /* bytes of piece i already staged */
-  int rc = 0;
+/* Queues one chunk on slot s: to the host, gather into stage then copy out; to the device,
+ * copy in then scatter. s->mv holds k moves with absolute addresses. */
+static CUresult slot_queue(struct stage_run *run, struct stage_slot *s, size_t k, char *host,
+                           uint64_t bytes) {
+  CUresult r = CUDA_SUCCESS;
 
-  while (rc == 0 && i < n) {
-    uint64_t bytes = 0, host_start = c[i].host_off + done;
-    size_t k = 0;
-    while (i < n && k < cap && bytes < STAGE_BYTES) {
-      uint64_t take = c[i].len - done < STAGE_BYTES - bytes ? c[i].len - done
-                                                            : STAGE_BYTES - bytes;
-      uint64_t on_dev = devptr(dev_mem + c[i].dev_off + done);
-      mv[k++] = dir == SL_COPY_TO_HOST ? (struct sl_move){on_dev, stage + bytes, take}
-                                       : (struct sl_move){stage + bytes, on_dev, take};
-      bytes += take;
-      done += take;
-      if (done == c[i].len) {
-        i++;
-        done = 0;
-      }
+  s->busy = 1;
+  if (run->dir == SL_COPY_TO_DEVICE)
+    r = drv.cuMemcpyHtoDAsync(s->stage, host, bytes, s->stream); /* before the scatter */
+  if (r == CUDA_SUCCESS)
+    r = queue_moves(run->d, run->fn, s->stream, 0, s->mv, k, s->host_args, s->args);
+  if (r == CUDA_SUCCESS && run->dir == SL_COPY_TO_HOST)
+    r = drv.cuMemcpyDtoHAsync(host, s->stage, bytes, s->stream);
+  return r;
+}
+
+/* Fills s->mv with the next chunk, from piece *i (*done of its bytes staged already: a piece
+ * may straddle two chunks); returns its move count, *bytes and *host_start. */
+static size_t chunk_fill(struct stage_run *run, struct stage_slot *s, const struct sl_copy *c,
+                         size_t n, size_t *i, uint64_t *done, uint64_t *bytes,
+                         uint64_t *host_start) {
+  size_t k = 0;
+
+  *bytes = 0;
+  *host_start = c[*i].host_off + *done;
+  while (*i < n && k < run->cap && *bytes < STAGE_BYTES) {
+    uint64_t left = c[*i].len - *done, room = STAGE_BYTES - *bytes;
+    uint64_t take = left < room ? left : room;
+    uint64_t on_dev = devptr(run->dev_mem + c[*i].dev_off + *done);
+    s->mv[k++] = run->dir == SL_COPY_TO_HOST ? (struct sl_move){on_dev, s->stage + *bytes, take}
+                                             : (struct sl_move){s->stage + *bytes, on_dev, take};
+    *bytes += take;
+    *done += take;
+    if (*done == c[*i].len) {
+      (*i)++;
+      *done = 0;
     }
-    rc = stage_chunk(d, fn, dir, mv, k, scratch, mem, stage, host_mem + host_start, bytes,
-                     err);
   }
-  return rc;
+  return k;
+}
+
+/* Every chunk through the slots in turn; waits for all of them, failed or not (the host
+ * memory stays in use until the streams are done). The context is current. */
+static int copy_staged_chunks(struct stage_run *run, const struct sl_copy *c, size_t n,
+                              struct sl_err *err) {
+  CUresult r = CUDA_SUCCESS, w = CUDA_SUCCESS;
+  uint64_t done = 0, bytes, host_start;
+  size_t i = 0;
+
+  for (unsigned k = 0; r == CUDA_SUCCESS && w == CUDA_SUCCESS && i < n; k++) {
+    struct stage_slot *s = &run->slot[k % STAGE_SLOTS];
+    w = slot_wait(s);
+    if (w == CUDA_SUCCESS) {
+      size_t moves = chunk_fill(run, s, c, n, &i, &done, &bytes, &host_start);
+      r = slot_queue(run, s, moves, run->host_mem + host_start, bytes);
+    }
+  }
+  for (int k = 0; k < STAGE_SLOTS; k++) {
+    CUresult wk = slot_wait(&run->slot[k]);
+    w = w != CUDA_SUCCESS ? w : wk;
+  }
+  if (r != CUDA_SUCCESS)
+    return cuda_fail(r, err, "a staged copy", "host memory must be host_alloc'd and the "
+                     "pieces lie in mapped device memory");
+  return cuda_check(w, err, "cuStreamSynchronize", "a staged copy faulted: the device range "
+                    "was probably not mapped");
+}
+
+/* The slots' memory: one device allocation for every stage and argument buffer, pinned
+ * arguments (or pageable ones, own) and move arrays. 0 or STAGE_UNAVAILABLE. */
+static int stage_setup(struct stage_run *run, CUdeviceptr *mem, uint64_t **own) {
+  struct cuda_device *d = run->d;
+  size_t args = run->cap * ARGS_BYTES_PER_MOVE;
+  uint64_t *host = pinned_args(d, STAGE_SLOTS * args);
+
+  if (host == NULL)
+    host = *own = malloc(STAGE_SLOTS * args);
+  if (host == NULL || drv.cuMemAlloc(mem, STAGE_SLOTS * (STAGE_BYTES + args)) != CUDA_SUCCESS)
+    return STAGE_UNAVAILABLE;
+  for (int k = 0; k < STAGE_SLOTS; k++) {
+    struct stage_slot *s = &run->slot[k];
+    s->stream = k == 0 ? d->stream : d->stream2;
+    s->stage = *mem + k * STAGE_BYTES;
+    s->args = *mem + STAGE_SLOTS * STAGE_BYTES + k * args;
+    s->host_args = host + k * (args / sizeof(*host));
+    s->mv = malloc(run->cap * sizeof(*s->mv));
+    if (s->mv == NULL)
+      return STAGE_UNAVAILABLE;
+  }
+  return 0;
 }
 
 /* Returns STAGE_UNAVAILABLE, without copying anything, where the kernel or the device
- * memory for the staging buffer cannot be had. */
+ * memory for the staging buffers cannot be had. */
 static int copy_staged(struct cuda_device *d, enum sl_copy_dir dir, void *dev_base,
                        void *host_base, const struct sl_copy *c, size_t n,
                        struct sl_err *err) {
-  size_t cap = n < MOVE_PIECES ? n : MOVE_PIECES;
-  struct sl_move *mv = malloc(cap * sizeof(*mv));
-  uint64_t *scratch = malloc(cap * 32);
-  CUdeviceptr stage = 0, mem = 0;
-  CUfunction fn;
+  struct stage_run run = {.d = d, .dir = dir, .dev_mem = dev_base, .host_mem = host_base,
+                          .cap = n < MOVE_PIECES ? n : MOVE_PIECES};
+  uint64_t *own = NULL;
+  CUdeviceptr mem = 0;
   int rc = STAGE_UNAVAILABLE;
 
-  if (mv == NULL || scratch == NULL || cuda_enter(d, NULL) != 0)
-    goto cleanup;
-  fn = kernel(d, KERNEL_MOVE_RANGES);
-  if (fn != NULL && drv.cuMemAlloc(&stage, STAGE_BYTES) == CUDA_SUCCESS &&
-      drv.cuMemAlloc(&mem, cap * 32) == CUDA_SUCCESS)
-    rc = copy_staged_chunks(d, fn, dir, dev_base, host_base, c, n, cap, mv, scratch, mem,
-                            stage, err);
+  if (cuda_enter(d, NULL) != 0)
+    return rc;
+  pthread_mutex_lock(&d->args_lock);
+  run.fn = kernel(d, KERNEL_MOVE_RANGES);
+  if (run.fn != NULL && stage_setup(&run, &mem, &own) == 0)
+    rc = copy_staged_chunks(&run, c, n, err);
   if (mem != 0)
     drv.cuMemFree(mem);
-  if (stage != 0)
-    drv.cuMemFree(stage);
+  pthread_mutex_unlock(&d->args_lock);
   cuda_leave();
-cleanup:
-  free(mv);
-  free(scratch);
+  for (int k = 0; k < STAGE_SLOTS; k++)
+    free(run.slot[k].mv);
+  free(own);
   return rc;
 }
 

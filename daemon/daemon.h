@@ -170,6 +170,7 @@ struct sl_job {
   struct sl_err err;
   double seconds;       /* copying to or from the host */
   double move_seconds;  /* moving on the device */
+  double submitted_at, ran_at; /* sl_clock_now(), for the debug log */
   int started;
   struct sl_job *next;
 };

@@ -10,6 +10,7 @@
  */
 #include <stdlib.h>
 
+#include "clock.h"
 #include "daemon.h"
 #include "log.h"
 
@@ -17,6 +18,7 @@ static void start_next(struct sl_daemon *d);
 
 static void run_job(uv_work_t *w) {
   struct sl_job *j = w->data;
+  j->ran_at = sl_clock_now();
   if (j->rc == 0 && j->transfer != NULL) /* rc set already: the submitter could not prepare */
     j->rc = sl_pool_transfer_run(j->transfer, &j->seconds, &j->move_seconds, &j->err);
   else if (j->rc == 0 && j->run != NULL)
@@ -27,6 +29,9 @@ static void after_job(uv_work_t *w, int status) {
   struct sl_job *j = w->data;
   struct sl_daemon *d = j->d;
 
+  sl_debug("job: %.3f ms queued, %.3f ms run (copies %.3f ms, moves %.3f ms)",
+           1e3 * (j->ran_at - j->submitted_at), 1e3 * (sl_clock_now() - j->ran_at),
+           1e3 * j->seconds, 1e3 * j->move_seconds);
   if (status != 0 && j->rc == 0) /* cancelled: never happens, the loop only stops when idle */
     j->rc = sl_err_set(&j->err, SUBLET_ECANCELED, "a copy was cancelled");
   d->jobs = j->next;
@@ -55,6 +60,7 @@ static void start_next(struct sl_daemon *d) {
 
 void sl_job_submit(struct sl_daemon *d, struct sl_job *j) {
   j->d = d;
+  j->submitted_at = sl_clock_now();
   j->next = NULL;
   j->started = 0;
   if (j->conn != NULL)

@@ -669,3 +669,31 @@ def test_a_loan_keeping_bytes_of_every_page_is_served_in_place(offset):
         assert s.served_kept_bytes == pages * PAGE and s.served_unkept_bytes == 0
         assert np.array_equal(t.numpy()[mask], before.numpy()[mask]), f"loan {i}"
         t.view(pages, PAGE)[:, :offset].fill_(i)          # the owner writes unkept bytes
+
+
+@pytest.mark.parametrize("head_pages", [1, 40, 127])
+def test_a_loan_keeping_the_head_is_served_in_place_from_the_unkept_tail_on(head_pages):
+    """A tensor that keeps its head (a KV cache whose live blocks are packed at the start):
+    its unkept tail is the region's own mapping, and the fresh and kept zones follow right
+    after the region's last page, in the address space it reserved above itself. So one
+    allocation larger than the tail starts in the tail itself and runs on into fresh memory
+    with nothing but the fresh chunk mapped; every allocation lies in the region's space; every
+    kept byte comes back, loan after loan."""
+    pages = 128
+    t, before = patterned(pages * PAGE, seed=head_pages)
+    keep = t[: head_pages * PAGE - 100]
+    mask = kept_mask(t, keep)
+    tail = pages - head_pages
+    lo = t.data_ptr() + head_pages * PAGE
+    hi = t.data_ptr() + (2 * pages + TOTAL // PAGE + 1) * PAGE   # the trailing reservation
+    for i in range(3):
+        with sublet.lend(t, keep=keep) as loan:
+            big = loan.empty((tail + 16) * PAGE, dtype=torch.uint8).fill_(0xEE)
+            assert big.data_ptr() == lo, "not served from the tail of the region's mapping"
+            held = [big] + _fill_loan(loan)
+            assert all(t.data_ptr() <= x.data_ptr() and x.data_ptr() + x.numel() <= hi
+                       for x in held), "an allocation outside the region's space"
+            assert loan.stats.served_kept_bytes == head_pages * PAGE
+            del held, big
+        assert np.array_equal(t.numpy()[mask], before.numpy()[mask]), f"loan {i}"
+        t[head_pages * PAGE:].fill_(i)                      # the owner writes unkept bytes
