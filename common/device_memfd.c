@@ -14,6 +14,8 @@
  * daemon serve others during a long copy, and to kill it in the middle of one.
  * $SUBLET_MEMFD_PIN (bytes per second) does the same for pinning host memory (host_map), which
  * takes seconds per 10 GiB on a GPU machine: tests use it to signal subletd while --pin runs.
+ * $SUBLET_MEMFD_CREATE (bytes per second) paces creating handles likewise (2 s for the 64 GiB
+ * of a region on an H200): tests use it to watch the daemon serve others meanwhile.
  */
 #include "device.h"
 #include "hash.h"
@@ -45,6 +47,7 @@ struct memfd_device {
   uint64_t created_bytes;
   uint64_t link_bps; /* $SUBLET_MEMFD_LINK: copies paced to it; 0: as fast as memcpy */
   uint64_t pin_bps;  /* $SUBLET_MEMFD_PIN: host_map paced to it; 0: at once */
+  uint64_t create_bps; /* $SUBLET_MEMFD_CREATE: create paced to it; 0: at once */
   /* owned[fd], indexed by fd because fds are small dense integers (bounded by the open-files
    * limit). It lets release/map/export refuse fds the device does not own. */
   struct owned_fd *owned;
@@ -106,7 +109,7 @@ static void fill_info(struct sl_device_info *info, int ordinal, uint64_t page, u
 static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
                       struct sl_err *err) {
   struct memfd_device *d;
-  uint64_t page, total, link, pin;
+  uint64_t page, total, link, pin, create;
   int rc;
 
   rc = size_setting(p->page_size, "SUBLET_MEMFD_PAGE_SIZE", DEFAULT_PAGE_SIZE, &page, err);
@@ -118,6 +121,8 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
     rc = size_setting(0, "SUBLET_MEMFD_LINK", UINT64_MAX, &link, err);
   if (rc == 0)
     rc = size_setting(0, "SUBLET_MEMFD_PIN", UINT64_MAX, &pin, err);
+  if (rc == 0)
+    rc = size_setting(0, "SUBLET_MEMFD_CREATE", UINT64_MAX, &create, err);
   if (rc != 0)
     return rc;
   d = calloc(1, sizeof(*d));
@@ -125,6 +130,7 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "memfd backend: out of host memory");
   d->link_bps = link == UINT64_MAX ? 0 : link;
   d->pin_bps = pin == UINT64_MAX ? 0 : pin;
+  d->create_bps = create == UINT64_MAX ? 0 : create;
   pthread_mutex_init(&d->lock, NULL);
   fill_info(&d->base.info, p->ordinal, page, total);
   *out = &d->base;
@@ -231,6 +237,9 @@ static int new_memfd(uint64_t size, int *fd, struct sl_err *err) {
   return rc;
 }
 
+static double now_seconds(void);
+static void pace(uint64_t bps, double t0, uint64_t done);
+
 static int memfd_create_handle(struct sl_device *dev, uint64_t size, sl_handle *out,
                                struct sl_err *err) {
   struct memfd_device *d = to_memfd(dev);
@@ -238,6 +247,8 @@ static int memfd_create_handle(struct sl_device *dev, uint64_t size, sl_handle *
   int rc;
 
   *out = 0;
+  if (d->create_bps > 0)
+    pace(d->create_bps, now_seconds(), size);
   pthread_mutex_lock(&d->lock);
   rc = count_created(d, size, err);
   if (rc != 0)

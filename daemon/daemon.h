@@ -84,6 +84,7 @@ struct sl_daemon {
   struct sl_rescue *rescues;       /* per loan whose owner can restore itself (rescue.c) */
   double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
   double move_seconds;      /* the same, moving kept bytes on the device */
+  uint64_t building_bytes;  /* of regions whose pages a job is creating: not free any more */
   double started;           /* CLOCK_MONOTONIC seconds */
   uint64_t conns_total;
   int stopping;
@@ -263,6 +264,10 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
  * (retire.c): the clients that still hold its pages hear RegionGone; with none, its pages are
  * released. */
 void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
+/* The same for answer's request req_id, answered Ok once the pages are released (or at once
+ * when they stay for their holders). */
+void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
+                          uint64_t req_id);
 
 /* The request layer's side of a connection (handlers.c): requests and the connection's end. */
 extern const struct sl_conn_ops sl_handlers;

@@ -91,11 +91,63 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   return 0;
 }
 
+/* Creating a region's pages takes the device seconds for tens of GiB (2 s for 64 GiB on an
+ * H200, most of it mapping them in the daemon): a job, off the loop, with the connection paused
+ * meanwhile. The books hold the pages from the start, and building_bytes keeps them out of the
+ * free memory that a loan measures meanwhile. */
+struct region_job {
+  struct sl_job job; /* first member */
+  uint64_t req_id, region, npages, bytes;
+  struct sl_pool_region *built;
+};
+
+static void region_build_run(struct sl_job *j) {
+  struct region_job *rj = (struct region_job *)j;
+
+  j->rc = sl_pool_region_build(j->d->pool, rj->region, rj->npages, &rj->built, &j->err);
+}
+
+static void reply_region_created(struct sl_conn *c, const struct region_job *rj) {
+  uint64_t ps = sl_device_info(c->d->dev)->page_size;
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__RegionCreated m = SUBLET__REGION_CREATED__INIT;
+  char a[16];
+
+  m.region = rj->region;
+  m.pages = rj->npages;
+  m.page_size = ps;
+  rep.id = rj->req_id;
+  rep.body_case = SUBLET__REPLY__BODY_REGION_CREATED;
+  rep.region_created = &m;
+  sl_info("region %llu: %s for pid %d", (unsigned long long)rj->region,
+          sl_format_size(a, rj->npages * ps), (int)c->peer.pid);
+  sl_conn_send(c, &rep, NULL, 0);
+}
+
+static void region_built(struct sl_job *j) {
+  struct region_job *rj = (struct region_job *)j;
+  struct sl_conn *c = j->conn;
+  struct sl_daemon *d = j->d;
+
+  d->building_bytes -= rj->bytes;
+  if (j->rc == 0) {
+    sl_pool_region_add(d->pool, rj->built);
+    if (c != NULL)
+      reply_region_created(c, rj);
+    else /* its client went meanwhile, and the region left the books with it */
+      sl_retire_region(d, rj->region);
+  } else if (c != NULL) {
+    sl_books_region_remove(d->books, c->client_id, rj->region, NULL);
+    sl_conn_send_error(c, rj->req_id, &j->err);
+  }
+  if (c != NULL)
+    sl_conn_resume(c);
+  free(rj);
+}
+
 static int on_region_create(struct ctx *x, const Sublet__RegionCreate *m) {
   uint64_t ps = sl_device_info(x->d->dev)->page_size, total = sl_device_info(x->d->dev)->total_bytes;
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__RegionCreated rc_msg = SUBLET__REGION_CREATED__INIT;
-  uint64_t npages, region;
+  struct region_job *rj;
   char a[16], b[16];
   int rc;
 
@@ -103,24 +155,22 @@ static int on_region_create(struct ctx *x, const Sublet__RegionCreate *m) {
     return sl_err_set(&x->err, m->size == 0 ? SUBLET_EINVAL : SUBLET_ENOMEM,
                       "a region of %s cannot be made on a device of %s",
                       sl_format_size(a, m->size), sl_format_size(b, total));
-  npages = (m->size + ps - 1) / ps;
-  rc = sl_books_region_add(x->d->books, x->c->client_id, npages, &region, &x->err);
-  if (rc != 0)
-    return rc;
-  rc = sl_pool_region_create(x->d->pool, region, npages, &x->err);
+  rj = calloc(1, sizeof(*rj));
+  if (rj == NULL)
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
+  rj->npages = (m->size + ps - 1) / ps;
+  rj->bytes = rj->npages * ps;
+  rc = sl_books_region_add(x->d->books, x->c->client_id, rj->npages, &rj->region, &x->err);
   if (rc != 0) {
-    sl_books_region_remove(x->d->books, x->c->client_id, region, NULL);
+    free(rj);
     return rc;
   }
-  rc_msg.region = region;
-  rc_msg.pages = npages;
-  rc_msg.page_size = ps;
-  rep.id = x->id;
-  rep.body_case = SUBLET__REPLY__BODY_REGION_CREATED;
-  rep.region_created = &rc_msg;
-  sl_info("region %llu: %s for pid %d", (unsigned long long)region,
-          sl_format_size(a, npages * ps), (int)x->c->peer.pid);
-  sl_conn_send(x->c, &rep, NULL, 0);
+  rj->req_id = x->id;
+  rj->job.run = region_build_run;
+  rj->job.done = region_built;
+  rj->job.conn = x->c;
+  x->d->building_bytes += rj->bytes;
+  sl_job_submit(x->d, &rj->job);
   return 0;
 }
 
@@ -155,8 +205,7 @@ static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
 
   if (rc != 0)
     return rc;
-  sl_retire_region(x->d, m->region);
-  sl_conn_send_ok(x->c, x->id);
+  sl_retire_region_for(x->d, m->region, x->c, x->id);
   return 0;
 }
 
@@ -414,9 +463,9 @@ static uint64_t fresh_pages_available(struct sl_daemon *d) {
   uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
 
   if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 ||
-      free_bytes <= d->cfg.reserve_bytes)
+      free_bytes <= d->cfg.reserve_bytes + d->building_bytes)
     return 0;
-  return (free_bytes - d->cfg.reserve_bytes) / ps;
+  return (free_bytes - d->cfg.reserve_bytes - d->building_bytes) / ps;
 }
 
 /* The window's layout of a borrowed loan, for Borrowed (b points into the books: send it

@@ -23,9 +23,14 @@ struct save_list {
   uint64_t bytes, host_off; /* host_off: where the next saved byte goes */
 };
 
-/* The filling cursor of a step: the next hole, and the lowest index it may use. */
+/* The filling cursor of a step: the next hole, and the lowest index it may use. k is the first
+ * keep range that ends after the hole, while the cursor stays in page k_sink: holes of one page
+ * are then found walking, not by a search each (a search per move cost 8 to 23 ms of the loop
+ * for the 100,000 to 300,000 moves of a KV cache's scattered blocks). */
 struct cursor {
   uint64_t sink, off, floor;
+  size_t k;
+  uint64_t k_sink; /* UINT64_MAX: k not known */
 };
 
 static uint64_t min_u64(uint64_t a, uint64_t b) {
@@ -109,7 +114,7 @@ static uint64_t page_start(const struct sl_plan *p, uint64_t i) {
 static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, uint64_t *len) {
   while (c->sink >= c->floor && c->sink < p->npages) {
     uint64_t start = page_start(p, c->sink), end = start + p->page_size, x = start + c->off;
-    size_t k = sl_plan_keep_after(p, x);
+    size_t k = c->k_sink == c->sink ? c->k : sl_plan_keep_after(p, x);
     if (k < p->nkeep && p->keep[k].offset <= x) { /* inside a kept range: skip it */
       x = p->keep[k].offset + p->keep[k].length;
       k++;
@@ -118,6 +123,8 @@ static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, ui
       *at = x;
       *len = min_u64(end, k < p->nkeep ? p->keep[k].offset : end) - x;
       c->off = x - start;
+      c->k = k; /* place() uses at most the hole: k stays the first range ending after it */
+      c->k_sink = c->sink;
       return 1;
     }
     if (c->sink == 0)
@@ -200,7 +207,7 @@ static int empty_page(const struct sl_plan *p, uint64_t i, struct cursor *c,
 }
 
 int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl_plan_step *s) {
-  struct cursor c = {p->sink, p->sink_off, p->compact ? to : p->npages};
+  struct cursor c = {p->sink, p->sink_off, p->compact ? to : p->npages, 0, UINT64_MAX};
   struct move_list ml = {0};
   struct save_list sl = {.host_off = p->saved_bytes};
   int rc = 0;

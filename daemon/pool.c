@@ -21,14 +21,14 @@
  * where they are) and pinning is paid once per piece, not per loan. */
 #define SL_HOST_PIECE (256ull << 20)
 
-struct pool_region {
+struct sl_pool_region {
   uint64_t id;
   uint64_t npages;
   sl_handle *pages;
   void *base;   /* the daemon's own mapping of all pages, contiguous */
   int busy;     /* transfers that hold it: destroying waits for the last */
   int doomed;   /* destroyed while busy: goes when the last transfer is freed */
-  struct pool_region *next;
+  struct sl_pool_region *next;
 };
 
 /* One batch of a transfer: copies within one host piece, offsets from its start. */
@@ -50,7 +50,7 @@ struct pool_area {
 
 struct sl_pool_transfer {
   struct sl_pool *pool;
-  struct pool_region *region;
+  struct sl_pool_region *region;
   struct pool_area *area;
   enum sl_copy_dir dir;
   struct pool_batch *batches;
@@ -76,7 +76,7 @@ struct pool_chunk {
 struct sl_pool {
   struct sl_device *dev;
   uint64_t page_size;
-  struct pool_region *regions;
+  struct sl_pool_region *regions;
   struct pool_chunk *chunks;
   struct pool_area *area;  /* the current save area; NULL until first needed */
 };
@@ -92,8 +92,8 @@ int sl_pool_new(struct sl_device *dev, struct sl_pool **out) {
   return 0;
 }
 
-static struct pool_region *find_region(const struct sl_pool *p, uint64_t id) {
-  struct pool_region *r;
+static struct sl_pool_region *find_region(const struct sl_pool *p, uint64_t id) {
+  struct sl_pool_region *r;
 
   for (r = p->regions; r != NULL; r = r->next)
     if (r->id == id)
@@ -101,7 +101,7 @@ static struct pool_region *find_region(const struct sl_pool *p, uint64_t id) {
   return NULL;
 }
 
-static void region_unmap_release(struct sl_pool *p, struct pool_region *r, uint64_t created,
+static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r, uint64_t created,
                                  uint64_t mapped) {
   if (mapped > 0)
     sl_device_synchronize(p->dev, NULL);
@@ -120,7 +120,7 @@ static void region_unmap_release(struct sl_pool *p, struct pool_region *r, uint6
 }
 
 /* Creates the pages and maps them; on failure undoes exactly what was done. */
-static int region_build(struct sl_pool *p, struct pool_region *r, struct sl_err *err) {
+static int region_build(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err) {
   uint64_t ps = p->page_size, created = 0, mapped = 0;
   int rc;
 
@@ -140,9 +140,9 @@ static int region_build(struct sl_pool *p, struct pool_region *r, struct sl_err 
   return rc;
 }
 
-int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                          struct sl_err *err) {
-  struct pool_region *r = calloc(1, sizeof(*r));
+int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                         struct sl_pool_region **out, struct sl_err *err) {
+  struct sl_pool_region *r = calloc(1, sizeof(*r));
   int rc;
 
   if (r == NULL || (r->pages = calloc(npages, sizeof(sl_handle))) == NULL) {
@@ -152,31 +152,53 @@ int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages
   r->id = region_id;
   r->npages = npages;
   rc = region_build(p, r, err);
-  if (rc != 0)
-    return rc; /* region_build freed r */
-  r->next = p->regions;
-  p->regions = r;
-  return 0;
+  if (rc == 0)
+    *out = r;
+  return rc; /* on failure region_build freed r */
 }
 
-void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id) {
-  struct pool_region **link = &p->regions, *r;
+void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r) {
+  r->next = p->regions;
+  p->regions = r;
+}
+
+struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id) {
+  struct sl_pool_region **link = &p->regions, *r;
 
   while ((r = *link) != NULL && r->id != region_id)
     link = &r->next;
   if (r == NULL)
-    return;
+    return NULL;
   *link = r->next;
   if (r->busy > 0) {
-    r->doomed = 1; /* a transfer still copies to or from it */
-    return;
+    r->doomed = 1; /* a transfer still copies to or from it: freed with the last one */
+    return NULL;
   }
-  region_unmap_release(p, r, r->npages, r->npages);
+  return r;
+}
+
+void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r) {
+  if (r != NULL)
+    region_unmap_release(p, r, r->npages, r->npages);
+}
+
+int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                          struct sl_err *err) {
+  struct sl_pool_region *r;
+  int rc = sl_pool_region_build(p, region_id, npages, &r, err);
+
+  if (rc == 0)
+    sl_pool_region_add(p, r);
+  return rc;
+}
+
+void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id) {
+  sl_pool_region_free(p, sl_pool_region_take(p, region_id));
 }
 
 int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, uint32_t count,
                          int *fds, struct sl_err *err) {
-  struct pool_region *r = find_region(p, region_id);
+  struct sl_pool_region *r = find_region(p, region_id);
   uint32_t i;
   int rc = 0;
 
@@ -368,7 +390,7 @@ static void *dup_array(const void *v, size_t n, size_t size) {
 int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
                          const struct sl_copy *c, size_t n, const struct sl_move *m,
                          size_t nm, struct sl_pool_transfer **out, struct sl_err *err) {
-  struct pool_region *r = find_region(p, region_id);
+  struct sl_pool_region *r = find_region(p, region_id);
   struct sl_pool_transfer *t;
   int rc;
 
@@ -479,7 +501,7 @@ static void run_replace(struct sl_pool_transfer *t) {
 /* On the loop: the pool's table takes the new handles, the old ones go (or, when the run
  * could not replace them, the new ones). */
 static void settle_replace(struct sl_pool_transfer *t) {
-  struct pool_region *r = t->region;
+  struct sl_pool_region *r = t->region;
 
   for (size_t i = 0; i < t->nfresh; i++) {
     sl_handle *page = &r->pages[t->replace[i]];
@@ -534,7 +556,7 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
 }
 
 void sl_pool_transfer_free(struct sl_pool_transfer *t) {
-  struct pool_region *r;
+  struct sl_pool_region *r;
 
   if (t == NULL)
     return;

@@ -4,9 +4,54 @@
  * Until then the pool keeps the region's pages too, so that the device memory they take stays
  * counted (free memory, Status.held) on every backend: on a GPU the pages a borrower imported
  * stay allocated while it holds them whatever the daemon does.
+ *
+ * Releasing the pages (unmapping and releasing every one: about 1 s for 64 GiB on an H200) is
+ * a job, off the loop; a RegionRelease is answered when it is done, so that the memory is back
+ * by the time the client hears so.
  */
+#include <stdlib.h>
+
 #include "daemon.h"
 #include "log.h"
+
+struct free_job {
+  struct sl_job job; /* first member */
+  struct sl_pool_region *r;
+  uint64_t req_id;   /* answered with Ok once freed, when job.conn is set */
+};
+
+static void free_run(struct sl_job *j) {
+  sl_pool_region_free(j->d->pool, ((struct free_job *)j)->r);
+}
+
+static void free_done(struct sl_job *j) {
+  struct free_job *fj = (struct free_job *)j;
+
+  if (j->conn != NULL) {
+    sl_conn_send_ok(j->conn, fj->req_id);
+    sl_conn_resume(j->conn);
+  }
+  free(fj);
+}
+
+/* Frees r off the loop (on it, where not even the job can be had); answers c's request then. */
+static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, struct sl_conn *c,
+                       uint64_t req_id) {
+  struct free_job *fj = calloc(1, sizeof(*fj));
+
+  if (fj == NULL) {
+    sl_pool_region_free(d->pool, r);
+    if (c != NULL)
+      sl_conn_send_ok(c, req_id);
+    return;
+  }
+  fj->r = r;
+  fj->req_id = req_id;
+  fj->job.run = free_run;
+  fj->job.done = free_done;
+  fj->job.conn = c;
+  sl_job_submit(d, &fj->job);
+}
 
 static void send_gone(struct sl_conn *c, uint64_t region_id) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
@@ -19,13 +64,21 @@ static void send_gone(struct sl_conn *c, uint64_t region_id) {
   sl_conn_send(c, &rep, NULL, 0);
 }
 
-void sl_retire_region(struct sl_daemon *d, uint64_t region_id) {
+void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
+                          uint64_t req_id) {
+  struct sl_pool_region *r = NULL;
   size_t told = 0;
 
-  if (sl_books_kept_holders(d->books, region_id) == 0) {
-    sl_pool_region_destroy(d->pool, region_id);
+  if (sl_books_kept_holders(d->books, region_id) == 0)
+    r = sl_pool_region_take(d->pool, region_id);
+  if (r != NULL) {
+    free_pages(d, r, answer, req_id);
     return;
   }
+  if (answer != NULL)
+    sl_conn_send_ok(answer, req_id); /* freed later: by its last holder or last transfer */
+  if (sl_books_kept_holders(d->books, region_id) == 0)
+    return;
   for (struct sl_conn *c = d->conns; c != NULL; c = c->next) {
     if (c->client_id == 0 || !sl_books_kept_holds(d->books, c->client_id, region_id))
       continue;
@@ -34,4 +87,8 @@ void sl_retire_region(struct sl_daemon *d, uint64_t region_id) {
   }
   sl_info("region %llu gone: its pages go once %zu client(s) that kept its window let go",
           (unsigned long long)region_id, told);
+}
+
+void sl_retire_region(struct sl_daemon *d, uint64_t region_id) {
+  sl_retire_region_for(d, region_id, NULL, 0);
 }

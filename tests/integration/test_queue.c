@@ -363,6 +363,7 @@ struct pinger {
   volatile int stop;
   double worst;
   unsigned trips;
+  const char *socket; /* NULL: the suite's daemon */
 };
 
 /* Another client's round trips (Status) while the long Lend is processed. */
@@ -371,7 +372,7 @@ static void *ping(void *arg) {
   struct sublet_info info;
   sublet_client *c;
 
-  if (sublet_connect(daemon_.socket, &c) != 0)
+  if (sublet_connect(p->socket != NULL ? p->socket : daemon_.socket, &c) != 0)
     return NULL;
   while (!p->stop) {
     double t = now_s();
@@ -429,6 +430,47 @@ static void test_millions_of_ranges_off_the_loop(void) {
   sublet_disconnect(c);
 }
 
+/* Creating a region's pages, and releasing them, runs off the loop: another client is answered
+ * meanwhile. This daemon's memfd pages take as long to create as a GPU's (2 s for 64 GiB on an
+ * H200; $SUBLET_MEMFD_CREATE), and before the job the loop was held that long. */
+static void test_region_pages_made_off_the_loop(void) {
+  static const char *const reserve[] = {"--reserve", "0", NULL};
+  struct sl_test_daemon slow;
+  struct pinger p = {0};
+  struct sublet_info info;
+  sublet_client *c;
+  sublet_region *r;
+  pthread_t th;
+  double t, idle;
+
+  setenv("SUBLET_MEMFD_CREATE", "128M", 1); /* 64 MiB: half a second */
+  CHECK(sl_test_daemon_start_ex(&slow, PAGE, TOTAL,
+                                &(struct sl_test_daemon_opts){.args = reserve}) == 0);
+  unsetenv("SUBLET_MEMFD_CREATE");
+  p.socket = slow.socket;
+  CHECK_RC(sublet_connect(slow.socket, &c), 0);
+  CHECK(pthread_create(&th, NULL, ping, &p) == 0);
+  usleep(300000);
+  idle = p.worst;
+  p.worst = 0;
+  t = now_s();
+  CHECK_RC(sublet_region_create(c, BIG_REGION, &r), 0);
+  t = now_s() - t;
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  CHECK(info.free_bytes == TOTAL - BIG_REGION);
+  CHECK_RC(sublet_region_release(r), 0);
+  CHECK_RC(sublet_get_info(c, &info), 0);
+  CHECK(info.free_bytes == TOTAL); /* answered once the pages are gone */
+  p.stop = 1;
+  pthread_join(th, NULL);
+  fprintf(stderr, "  region of 64 MiB made in %.2f s; another client's worst round trip "
+          "meanwhile %.1f ms (%.1f ms before; %u trips)\n", t, p.worst * 1e3, idle * 1e3,
+          p.trips);
+  CHECK(t > 0.4 && p.trips > 10 && p.worst < ROUND_TRIP_BOUND / 2 + idle);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&slow) == 0);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   srand(9);
@@ -442,6 +484,7 @@ int main(void) {
   sl_test_run("timeout and disconnect leave the line", test_timeout_and_disconnect_leave_the_line);
   sl_test_run("cancel a waiting lend", test_cancel_a_waiting_lend);
   sl_test_run("millions of keep ranges off the loop", test_millions_of_ranges_off_the_loop);
+  sl_test_run("region pages made off the loop", test_region_pages_made_off_the_loop);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;
   return sl_test_summary("queue");
