@@ -103,23 +103,11 @@ int sl_client_read_notices(sublet_client *c);
 /* Is the connection gone (the daemon died or closed it, or it was shut as broken)? */
 int sl_client_gone(const sublet_client *c);
 
-/* ------------------------------------------------------------------ pages.c */
-
-/* Imports pages [first, first+n) of a region, n <= SL_WIRE_MAX_FDS, into out[0..n) (fds
- * closed at once). */
-int sl_pages_fetch_batch(sublet_client *c, uint64_t region, uint64_t first, uint32_t n,
-                         sl_handle *out);
-/* Imports pages [first, first+count) of a region into handles[first..]. */
-int sl_pages_fetch(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
-                   sl_handle *handles);
-/* Imports all npages of a region into handles[] and maps them at base, in order, with access;
- * a helper thread imports and maps each batch while the next one is fetched. On failure the
- * pages imported so far are in handles[] (some maybe mapped): the caller undoes them. */
-int sl_pages_fetch_map(sublet_client *c, uint64_t region, uint64_t npages, sl_handle *handles,
-                       void *base, uint64_t page_size);
-
 /* ------------------------------------------------------------------ region.c */
 
+/* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
+int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                          sl_handle *handles);
 /* This client's region with that id, or NULL. */
 struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
 /* Unmaps and releases this process's side of every region (the daemon's side goes with the

@@ -10,6 +10,48 @@
 
 /* ------------------------------------------------------------------ regions */
 
+/* Imports pages [first, first+n) of a region, n <= SL_WIRE_MAX_FDS, into out[0..n). */
+static int fetch_batch(sublet_client *c, uint64_t region, uint64_t first, uint32_t n,
+                       sl_handle *out) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
+  struct sl_err err = {0};
+  int fds[SL_WIRE_MAX_FDS];
+  size_t nfds = SL_WIRE_MAX_FDS;
+  int rc;
+
+  pg.region = region;
+  pg.first = first;
+  pg.count = n;
+  req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
+  req.pages_get = &pg;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, NULL, fds, &nfds, 0);
+  if (rc == 0 && nfds != n)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent %zu fds for %u pages", nfds, n);
+  for (size_t i = 0; i < nfds; i++) {
+    /* Import, then close at once: never hold one fd per page. */
+    if (rc == 0 && sl_device_import(c->dev, fds[i], &out[i], &err) != 0)
+      rc = sl_client_fail_err(&err);
+    close(fds[i]);
+  }
+  return rc;
+}
+
+/* Imports pages [first, first+count) of a region into handles[first..]. */
+int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                          sl_handle *handles) {
+  while (count > 0) {
+    uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
+    int rc = fetch_batch(c, region, first, n, &handles[first]);
+
+    if (rc != 0)
+      return rc;
+    first += n;
+    count -= n;
+  }
+  return 0;
+}
+
 /* Maps the new page h at page p's address in place of the old one, which goes. Takes h. */
 static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_handle h) {
   void *at = (char *)r->base + p * r->page_size;
@@ -35,7 +77,7 @@ static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, 
   while (count > 0) {
     uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS, i;
     sl_handle fresh[SL_WIRE_MAX_FDS] = {0};
-    int rc = sl_pages_fetch_batch(c, r->id, first, n, fresh);
+    int rc = fetch_batch(c, r->id, first, n, fresh);
 
     for (i = 0; rc == 0 && i < n; i++)
       rc = remap_page(c, r, first + i, fresh[i]);
@@ -106,15 +148,21 @@ static void release_local(struct sublet_region *r) {
 static int map_region(sublet_client *c, struct sublet_region *r) {
   struct sl_err err = {0};
   uint64_t ps = r->page_size, total = c->info.total_bytes; /* the daemon's device */
+  int rc;
 
   r->lead_pages = total / ps + 1;
   r->trail_pages = r->lead_pages + r->npages;
-  if (sl_device_reserve(c->dev, reserved_pages(r) * ps, &r->reserved, &err) != 0)
-    return sl_client_fail_err(&err);
-  r->base = (char *)r->reserved + r->lead_pages * ps;
-  /* On failure release_local() unmaps all pages: unmapping one never mapped is a harmless
-   * error. */
-  return sl_pages_fetch_map(c, r->id, r->npages, r->handles, r->base, ps);
+  rc = sl_device_reserve(c->dev, reserved_pages(r) * ps, &r->reserved, &err);
+  if (rc == 0)
+    r->base = (char *)r->reserved + r->lead_pages * ps;
+
+  /* On failure release_local() unmaps all pages: unmapping one never mapped is a
+   * harmless error. */
+  for (uint64_t i = 0; rc == 0 && i < r->npages; i++)
+    rc = sl_device_map(c->dev, (char *)r->base + i * ps, ps, r->handles[i], &err);
+  if (rc == 0)
+    rc = sl_device_set_access(c->dev, r->base, r->npages * ps, &err);
+  return rc != 0 ? sl_client_fail_err(&err) : 0;
 }
 
 static int region_create_request(sublet_client *c, uint64_t size, struct sublet_region *r) {
@@ -163,7 +211,9 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
   if (rc == 0 && (r->handles = calloc(r->npages, sizeof(sl_handle))) == NULL)
     rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   if (rc == 0)
-    rc = map_region(c, r); /* fetches the pages too */
+    rc = sl_region_fetch_pages(c, r->id, 0, r->npages, r->handles);
+  if (rc == 0)
+    rc = map_region(c, r);
   if (rc == 0) {
     r->next = c->regions;
     c->regions = r;

@@ -91,9 +91,9 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   return 0;
 }
 
-/* Creating a region's pages takes the device seconds for tens of GiB (0.6 s for 64 GiB on an
- * H200, and 1.5 s more to map them in the daemon, which comes after the reply: pool.h): a
- * job, off the loop, with the connection paused meanwhile. The books hold the pages from the start, and building_bytes keeps them out of the
+/* Creating a region's pages takes the device seconds for tens of GiB (2 s for 64 GiB on an
+ * H200, most of it mapping them in the daemon): a job, off the loop, with the connection paused
+ * meanwhile. The books hold the pages from the start, and building_bytes keeps them out of the
  * free memory that a loan measures meanwhile. */
 struct region_job {
   struct sl_job job; /* first member */
@@ -124,46 +124,6 @@ static void reply_region_created(struct sl_conn *c, const struct region_job *rj)
   sl_conn_send(c, &rep, NULL, 0);
 }
 
-/* The daemon's own mapping of a region, made after the client has its pages (pool.h). */
-struct map_job {
-  struct sl_job job; /* first member */
-  struct sl_pool_region *r;
-  uint64_t region;
-};
-
-static void region_map_run(struct sl_job *j) {
-  struct map_job *mj = (struct map_job *)j;
-
-  j->rc = sl_pool_region_map(j->d->pool, mj->r);
-}
-
-static void region_mapped(struct sl_job *j) {
-  struct map_job *mj = (struct map_job *)j;
-
-  if (j->rc != 0)
-    sl_error("region %llu: its pages could not be mapped in subletd; loans of it cannot copy "
-             "kept bytes", (unsigned long long)mj->region);
-  free(mj);
-}
-
-/* Queued right away: ahead of any copy of the region and of its free, which are jobs too. */
-static void map_after(struct sl_daemon *d, uint64_t region) {
-  struct map_job *mj = calloc(1, sizeof(*mj));
-  struct sl_pool_region *r = sl_pool_region_find(d->pool, region);
-
-  if (mj == NULL) { /* no job: map here, on the loop */
-    if (sl_pool_region_map(d->pool, r) != 0)
-      sl_error("region %llu: its pages could not be mapped in subletd",
-               (unsigned long long)region);
-    return;
-  }
-  mj->region = region;
-  mj->r = r;
-  mj->job.run = region_map_run;
-  mj->job.done = region_mapped;
-  sl_job_submit(d, &mj->job);
-}
-
 static void region_built(struct sl_job *j) {
   struct region_job *rj = (struct region_job *)j;
   struct sl_conn *c = j->conn;
@@ -172,7 +132,6 @@ static void region_built(struct sl_job *j) {
   d->building_bytes -= rj->bytes;
   if (j->rc == 0) {
     sl_pool_region_add(d->pool, rj->built);
-    map_after(d, rj->region); /* queued before any request of c that could copy */
     if (c != NULL)
       reply_region_created(c, rj);
     else /* its client went meanwhile, and the region left the books with it */

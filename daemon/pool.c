@@ -26,8 +26,6 @@ struct sl_pool_region {
   uint64_t npages;
   sl_handle *pages;
   void *base;   /* the daemon's own mapping of all pages, contiguous */
-  uint64_t mapped; /* pages mapped there: all, once sl_pool_region_map is done; 0 before */
-  struct sl_err map_err; /* why mapping failed (code 0: it did not) */
   int busy;     /* transfers that hold it: destroying waits for the last */
   int doomed;   /* destroyed while busy: goes when the last transfer is freed */
   struct sl_pool_region *next;
@@ -121,39 +119,25 @@ static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r, ui
   free(r);
 }
 
-/* Creates the pages (mapping them is sl_pool_region_map's); on failure undoes exactly what was
- * done and frees r. */
+/* Creates the pages and maps them; on failure undoes exactly what was done. */
 static int region_build(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err) {
-  uint64_t created = 0;
-  int rc = sl_device_reserve(p->dev, r->npages * p->page_size, &r->base, err);
+  uint64_t ps = p->page_size, created = 0, mapped = 0;
+  int rc;
 
+  rc = sl_device_reserve(p->dev, r->npages * ps, &r->base, err);
   for (; rc == 0 && created < r->npages; created++)
-    rc = sl_device_create(p->dev, p->page_size, &r->pages[created], err);
+    rc = sl_device_create(p->dev, ps, &r->pages[created], err);
   if (rc != 0 && created > 0)
     created--; /* the last create failed */
-  if (rc != 0)
-    region_unmap_release(p, r, created, 0);
-  return rc;
-}
-
-int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r) {
-  uint64_t ps = p->page_size, mapped = 0;
-  int rc = 0;
-
   for (; rc == 0 && mapped < r->npages; mapped++)
-    rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped], &r->map_err);
+    rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped], err);
   if (rc != 0 && mapped > 0)
     mapped--;
   if (rc == 0)
-    rc = sl_device_set_access(p->dev, r->base, r->npages * ps, &r->map_err);
-  for (uint64_t i = 0; rc != 0 && i < mapped; i++) /* not usable: none stays mapped */
-    sl_device_unmap_idle(p->dev, (char *)r->base + i * ps, ps);
-  r->mapped = rc == 0 ? r->npages : 0;
+    rc = sl_device_set_access(p->dev, r->base, r->npages * ps, err);
+  if (rc != 0)
+    region_unmap_release(p, r, created, mapped);
   return rc;
-}
-
-struct sl_pool_region *sl_pool_region_find(struct sl_pool *p, uint64_t region_id) {
-  return find_region(p, region_id);
 }
 
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
@@ -195,7 +179,7 @@ struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id
 
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r) {
   if (r != NULL)
-    region_unmap_release(p, r, r->npages, r->mapped);
+    region_unmap_release(p, r, r->npages, r->npages);
 }
 
 int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
@@ -203,10 +187,6 @@ int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages
   struct sl_pool_region *r;
   int rc = sl_pool_region_build(p, region_id, npages, &r, err);
 
-  if (rc == 0 && (rc = sl_pool_region_map(p, r)) != 0) {
-    *err = r->map_err;
-    region_unmap_release(p, r, r->npages, 0);
-  }
   if (rc == 0)
     sl_pool_region_add(p, r);
   return rc;
@@ -564,11 +544,6 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
   int save = t->dir == SL_COPY_TO_HOST, rc;
   double t0 = sl_clock_now(), t1;
 
-  /* Jobs run in order, and the region's mapping job came first: only its failure is left. */
-  if (t->region->mapped < t->region->npages)
-    return sl_err_set(err, SUBLET_EDEVICE, "subletd could not map region %llu's pages in its "
-                      "own address space (%s), so it cannot copy them: release the region",
-                      (unsigned long long)t->region->id, t->region->map_err.msg);
   if (t->nreplace > 0)
     run_replace(t);
   rc = save ? run_moves(t, err) : run_copies(t, err);
@@ -588,7 +563,7 @@ void sl_pool_transfer_free(struct sl_pool_transfer *t) {
   r = t->region;
   settle_replace(t);
   if (--r->busy == 0 && r->doomed)
-    region_unmap_release(t->pool, r, r->npages, r->mapped);
+    region_unmap_release(t->pool, r, r->npages, r->npages);
   if (--t->area->busy == 0 && t->area->doomed)
     area_free(t->pool->dev, t->area);
   free(t->copies);

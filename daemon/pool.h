@@ -23,19 +23,13 @@ void sl_pool_free(struct sl_pool *p);
 int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
                           struct sl_err *err);
 void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id);
-/* The same in parts, so that the slow ones (creating, mapping, or unmapping and releasing every
- * page: 0.6, 1.5 and 1 s for 64 GiB on an H200) run off the event loop: build (creates the
- * pages), map (maps them in the daemon) and free touch only the region and the device (any
- * thread); add, find and take, the pool's list (the loop). A region is usable by its client
- * once built (it maps the pages itself); the daemon needs its own mapping only to copy, so map
- * runs as a job after the reply, ahead of any copy and of the region's free (jobs run in
- * order), and a copy on a region whose mapping failed fails with EDEVICE. take returns NULL
- * for a region it does not have, or one a transfer still holds: freed with the last. */
+/* The same in halves, so that the slow one (creating and mapping, or unmapping and releasing,
+ * every page: 2 s for 64 GiB on an H200) runs off the event loop: build and free touch only
+ * the region and the device (any thread); add and take, the pool's list (the loop). take
+ * returns NULL for a region it does not have, or one a transfer still holds (freed with it). */
 struct sl_pool_region;
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
                          struct sl_pool_region **out, struct sl_err *err);
-int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r);
-struct sl_pool_region *sl_pool_region_find(struct sl_pool *p, uint64_t region_id);
 void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r);
 struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id);
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r);

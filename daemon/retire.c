@@ -34,8 +34,7 @@ static void free_done(struct sl_job *j) {
   free(fj);
 }
 
-/* Frees r off the loop, after the jobs before it (the region's own mapping among them); on it,
- * where not even the job can be had. Answers c's request then. */
+/* Frees r off the loop (on it, where not even the job can be had); answers c's request then. */
 static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, struct sl_conn *c,
                        uint64_t req_id) {
   struct free_job *fj = calloc(1, sizeof(*fj));
