@@ -380,8 +380,10 @@ static int hello(sublet_client *c) {
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_WELCOME, &rep, NULL, NULL, 0);
   if (rc == 0)
     welcome_to_info(rep->welcome, &c->info);
-  if (rc == 0)
+  if (rc == 0) {
     c->can_cancel = rep->welcome->cancel;
+    c->keep_ranges = rep->welcome->keep_ranges;
+  }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;

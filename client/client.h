@@ -35,6 +35,7 @@ struct sublet_client {
   pthread_mutex_t send_lock;
   uint64_t waiting_id;  /* the request sent that waits in subletd (wait_ms != 0), or 0 */
   int can_cancel;       /* Welcome.cancel */
+  int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
   struct sl_wire_rx rx;
   uint64_t next_id;
   struct sublet_info info;

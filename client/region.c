@@ -8,6 +8,12 @@
 
 #include "msg.h"
 
+/* Lend.keep_ranges are little-endian pairs: this host's struct sublet_range as it is, 16 bytes a
+ * range. Past a million ranges varints go instead: they take a third of the room, and a frame
+ * at most SL_WIRE_MAX_PAYLOAD. */
+#define KEEP_AS_BYTES (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+#define KEEP_BYTES_MAX_RANGES (SL_WIRE_MAX_PAYLOAD / 2 / sizeof(struct sublet_range))
+
 /* ------------------------------------------------------------------ regions */
 
 /* Imports pages [first, first+n) of a region, n <= SL_WIRE_MAX_FDS, into out[0..n). */
@@ -297,8 +303,14 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
 
   *release_fd = -1;
   m.region = r->id;
-  m.keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
-  m.n_keep = keep_all ? 0 : 2 * n;
+  if (c->keep_ranges && !keep_all && n > 0 && n <= KEEP_BYTES_MAX_RANGES && KEEP_AS_BYTES) {
+    m.has_keep_ranges = 1; /* a copy to decode, not varints (Welcome.keep_ranges) */
+    m.keep_ranges.data = (uint8_t *)keep;
+    m.keep_ranges.len = n * sizeof(*keep);
+  } else {
+    m.keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
+    m.n_keep = keep_all ? 0 : 2 * n;
+  }
   m.has_keep_all = 1;
   m.keep_all = keep_all != 0;
   m.has_name = name != NULL;

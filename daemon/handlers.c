@@ -84,6 +84,7 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.free_bytes = free_bytes;
   w.client_id = x->c->client_id;
   w.has_cancel = w.cancel = 1;
+  w.has_keep_ranges = w.keep_ranges = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -388,6 +389,32 @@ static int lend_timeout(const Sublet__Lend *m) {
   return m->has_timeout_ms ? m->timeout_ms : 0;
 }
 
+/* Lend.keep_ranges becomes Lend.keep: the bytes are the pairs' layout on a little-endian host,
+ * so the buffer is taken over as it is (protobuf-c allocated it with malloc, as it does keep). */
+static int keep_from_bytes(struct ctx *x, Sublet__Lend *m) {
+  if (!m->has_keep_ranges)
+    return 0;
+  if (m->n_keep > 0 || m->keep_all)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "a Lend has keep, keep_all or keep_ranges, not "
+                      "more than one");
+  if (m->keep_ranges.len % sizeof(struct sublet_range) != 0)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep_ranges holds 16 bytes a range, not "
+                      "%zu bytes", m->keep_ranges.len);
+  if (m->keep_ranges.len == 0)
+    return 0;
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+  for (size_t i = 0; i < m->keep_ranges.len / 8; i++)
+    ((uint64_t *)m->keep_ranges.data)[i] = __builtin_bswap64(((uint64_t *)m->keep_ranges.data)[i]);
+#endif
+  free(m->keep);
+  m->keep = (uint64_t *)m->keep_ranges.data;
+  m->n_keep = m->keep_ranges.len / sizeof(uint64_t);
+  m->keep_ranges.data = NULL;
+  m->keep_ranges.len = 0;
+  m->has_keep_ranges = 0;
+  return 0;
+}
+
 /* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
  * comes (at once, most often), or when its timer fires, or dropped with its connection. */
 static int on_lend(struct ctx *x, Sublet__Lend *m) {
@@ -397,6 +424,8 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   int rc;
 
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
+    return rc;
+  if ((rc = keep_from_bytes(x, m)) != 0)
     return rc;
   if (m->n_keep % 2 != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "

@@ -137,6 +137,21 @@ static size_t seed_lend(uint8_t *buf) {
   return sublet__request__pack(&req, buf);
 }
 
+static size_t seed_lend_ranges(uint8_t *buf) {
+  static uint64_t keep[] = {0, 4096, 1 << 21, 65536};
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+
+  lend.region = 3;
+  lend.has_keep_ranges = 1;
+  lend.keep_ranges = (ProtobufCBinaryData){sizeof(keep), (uint8_t *)keep};
+  lend.has_local = lend.local = 1;
+  req.id = 8;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  return sublet__request__pack(&req, buf);
+}
+
 static size_t seed_borrow(uint8_t *buf) {
   static uint8_t token[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
   Sublet__Borrow borrow = SUBLET__BORROW__INIT;
@@ -222,7 +237,7 @@ static size_t seed_borrowed(uint8_t *buf) {
 }
 
 size_t sl_fuzz_seed(unsigned i, uint8_t *buf, size_t cap) {
-  static const sl_fuzz_seed_fn seeds[] = {seed_lend, seed_borrow, seed_error, seed_status,
+  static const sl_fuzz_seed_fn seeds[] = {seed_lend, seed_lend_ranges, seed_borrow, seed_error, seed_status,
                                           seed_borrowed};
 
   return sl_fuzz_seed_made(seeds, sizeof(seeds) / sizeof(seeds[0]), i, buf, cap);

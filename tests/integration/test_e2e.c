@@ -760,6 +760,46 @@ static int raw_lend_named(const char *name, size_t len) {
   return code;
 }
 
+/* A raw Lend of region 0 with keep_ranges of len bytes (and keep too, when both): the shape is
+ * checked before the region, so a good one fails only for want of region 0. */
+static int raw_lend_ranges(size_t len, int both) {
+  static uint64_t pairs[4] = {0, 4096, 65536, 100};
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  struct sl_wire_rx rx;
+  int fd = raw_connect(), code;
+
+  sl_wire_rx_init(&rx);
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.id = 1;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  code = raw_call(fd, &rx, &req);
+  lend.has_keep_ranges = 1;
+  lend.keep_ranges = (ProtobufCBinaryData){len, (uint8_t *)pairs};
+  lend.keep = both ? pairs : NULL;
+  lend.n_keep = both ? 2 : 0;
+  req.id = 2;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  if (code == 0)
+    code = raw_call(fd, &rx, &req);
+  sl_wire_rx_destroy(&rx);
+  close(fd);
+  return code;
+}
+
+/* Lend.keep_ranges (16-byte pairs, what the library sends a daemon that announces it): a length
+ * that is not whole pairs, or keep beside it, is EINVAL; whole pairs are read (the library's
+ * lends in every other test go this way). */
+static void test_keep_ranges_shape(void) {
+  CHECK(raw_lend_ranges(17, 0) == SUBLET_EINVAL);
+  CHECK(raw_lend_ranges(32, 1) == SUBLET_EINVAL);
+  CHECK(raw_lend_ranges(32, 0) == SUBLET_ENOENT); /* no region 0 */
+  CHECK(raw_lend_ranges(0, 0) == SUBLET_ENOENT);
+}
+
 /* A loan's name is UTF-8 of 1 to 63 bytes without NUL: any other is refused with EINVAL (so
  * that `sublet status` and the daemon's logs can always print it), and the daemon goes on. */
 static void test_loan_names(void) {
@@ -1008,6 +1048,7 @@ int main(void) {
   sl_test_run("keep scattered 4 KiB blocks", test_keep_scattered_blocks);
   sl_test_run("unkept pages first", test_unkept_first);
   sl_test_run("consecutive unkept pages in place", test_direct_runs);
+  sl_test_run("keep ranges as bytes: shape checked", test_keep_ranges_shape);
   sl_test_run("random keep sets", test_random_keeps);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);
