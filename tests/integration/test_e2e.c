@@ -731,12 +731,11 @@ static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
   return code;
 }
 
-/* A NUL cannot pass through the C API: it is sent raw. The name is checked first, so the
- * region need not exist. */
-static int raw_lend_named(const char *name, size_t len) {
+/* Says Hello, then sends lend, on a raw connection of its own: the Lend's Error code (0 for
+ * another reply, 1 for none). */
+static int raw_lend(Sublet__Lend *lend) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Hello hello = SUBLET__HELLO__INIT;
-  Sublet__Lend lend = SUBLET__LEND__INIT;
   struct sl_wire_rx rx;
   int fd = raw_connect(), code;
 
@@ -746,13 +745,9 @@ static int raw_lend_named(const char *name, size_t len) {
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
   code = raw_call(fd, &rx, &req);
-  lend.region = 0; /* no region has id 0 */
-  lend.has_name = 1;
-  lend.name.data = (uint8_t *)name;
-  lend.name.len = len;
   req.id = 2;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
-  req.lend = &lend;
+  req.lend = lend;
   if (code == 0)
     code = raw_call(fd, &rx, &req);
   sl_wire_rx_destroy(&rx);
@@ -760,34 +755,29 @@ static int raw_lend_named(const char *name, size_t len) {
   return code;
 }
 
+/* A NUL cannot pass through the C API: it is sent raw. The name is checked first, so the
+ * region need not exist. */
+static int raw_lend_named(const char *name, size_t len) {
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+
+  lend.region = 0; /* no region has id 0 */
+  lend.has_name = 1;
+  lend.name.data = (uint8_t *)name;
+  lend.name.len = len;
+  return raw_lend(&lend);
+}
+
 /* A raw Lend of region 0 with keep_ranges of len bytes (and keep too, when both): the shape is
  * checked before the region, so a good one fails only for want of region 0. */
 static int raw_lend_ranges(size_t len, int both) {
   static uint64_t pairs[4] = {0, 4096, 65536, 100};
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Hello hello = SUBLET__HELLO__INIT;
   Sublet__Lend lend = SUBLET__LEND__INIT;
-  struct sl_wire_rx rx;
-  int fd = raw_connect(), code;
 
-  sl_wire_rx_init(&rx);
-  hello.protocol = SUBLET_PROTOCOL_VERSION;
-  req.id = 1;
-  req.body_case = SUBLET__REQUEST__BODY_HELLO;
-  req.hello = &hello;
-  code = raw_call(fd, &rx, &req);
   lend.has_keep_ranges = 1;
   lend.keep_ranges = (ProtobufCBinaryData){len, (uint8_t *)pairs};
   lend.keep = both ? pairs : NULL;
   lend.n_keep = both ? 2 : 0;
-  req.id = 2;
-  req.body_case = SUBLET__REQUEST__BODY_LEND;
-  req.lend = &lend;
-  if (code == 0)
-    code = raw_call(fd, &rx, &req);
-  sl_wire_rx_destroy(&rx);
-  close(fd);
-  return code;
+  return raw_lend(&lend);
 }
 
 /* Lend.keep_ranges (16-byte pairs, what the library sends a daemon that announces it): a length
