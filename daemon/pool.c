@@ -177,6 +177,10 @@ struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id
   return r;
 }
 
+uint64_t sl_pool_region_bytes(const struct sl_pool *p, const struct sl_pool_region *r) {
+  return r->npages * p->page_size;
+}
+
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r) {
   if (r != NULL)
     region_unmap_release(p, r, r->npages, r->npages);

@@ -33,6 +33,7 @@ int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
 void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r);
 struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id);
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r);
+uint64_t sl_pool_region_bytes(const struct sl_pool *p, const struct sl_pool_region *r);
 /* Exports pages [first, first+count) as new fds into fds[]; the caller closes them. */
 int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, uint32_t count,
                          int *fds, struct sl_err *err);
