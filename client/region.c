@@ -102,6 +102,15 @@ static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, 
   return 0;
 }
 
+/* The window of a loan of r in this process (r's owner) maps r's pages with r's own handles:
+ * it goes before those pages or handles change. */
+static void drop_window_of(sublet_client *c, const struct sublet_region *r) {
+  if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
+    sl_window_free(c->win);
+    c->win = NULL;
+  }
+}
+
 /* After a loan to another user the daemon gave the pages that borrower was granted fresh
  * pages, with the kept bytes restored into them, so that it cannot reach this memory again:
  * they take the old ones' place in this process's mapping, at the same addresses (the
@@ -110,10 +119,7 @@ static int region_remap(sublet_client *c, struct sublet_region *r, const uint64_
                         size_t n) {
   int rc = 0;
 
-  if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
-    sl_window_free(c->win); /* it maps the old pages with the region's handles */
-    c->win = NULL;
-  }
+  drop_window_of(c, r); /* it maps the old pages */
   sl_device_synchronize(c->dev, NULL);
   for (size_t i = 0; rc == 0 && i + 1 < n; i += 2) {
     if (runs[i] >= r->npages || runs[i + 1] > r->npages - runs[i])
@@ -257,11 +263,7 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
   if (rc != 0 && sl_client_gone(c))
     rc = 0; /* the daemon is gone, and its side of the region with it: ours goes too */
   if (rc == 0) {
-    /* The window borrows this region's handles: it goes first. */
-    if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
-      sl_window_free(c->win);
-      c->win = NULL;
-    }
+    drop_window_of(c, r); /* before the handles it borrows */
     sl_device_synchronize(c->dev, NULL);
     for (link = &c->regions; *link != r; link = &(*link)->next)
       ;

@@ -1041,6 +1041,17 @@ static uint64_t *pinned_args(struct cuda_device *d, size_t bytes) {
   return p;
 }
 
+/* Launch arguments of `bytes`: pinned (pinned_args), else malloc'd into *own, which the
+ * caller frees; NULL out of host memory. */
+static uint64_t *launch_args(struct cuda_device *d, size_t bytes, uint64_t **own) {
+  uint64_t *host = pinned_args(d, bytes);
+
+  *own = NULL;
+  if (host == NULL)
+    host = *own = malloc(bytes);
+  return host;
+}
+
 /* Queues one launch over n <= MOVE_PIECES moves on stream s, without waiting: its arguments
  * go from host (ARGS_BYTES_PER_MOVE a move, which must stay untouched until s has run it) to
  * the GPU scratch mem: the (src, dst, len) triples as addresses, then the running count of
@@ -1106,9 +1117,7 @@ static int cuda_move(struct sl_device *dev, void *base, const struct sl_move *mo
     return rc;
   pthread_mutex_lock(&d->args_lock);
   fn = kernel(d, KERNEL_MOVE_RANGES);
-  host = pinned_args(d, chunk * ARGS_BYTES_PER_MOVE);
-  if (host == NULL)
-    host = own = malloc(chunk * ARGS_BYTES_PER_MOVE);
+  host = launch_args(d, chunk * ARGS_BYTES_PER_MOVE, &own);
   if (host == NULL)
     rc = sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for %zu pieces", n);
   else if (fn == NULL || drv.cuMemAlloc(&mem, chunk * ARGS_BYTES_PER_MOVE) != CUDA_SUCCESS)
@@ -1247,10 +1256,8 @@ static int copy_staged_chunks(struct stage_run *run, const struct sl_copy *c, si
 static int stage_setup(struct stage_run *run, CUdeviceptr *mem, uint64_t **own) {
   struct cuda_device *d = run->d;
   size_t args = run->cap * ARGS_BYTES_PER_MOVE;
-  uint64_t *host = pinned_args(d, STAGE_SLOTS * args);
+  uint64_t *host = launch_args(d, STAGE_SLOTS * args, own);
 
-  if (host == NULL)
-    host = *own = malloc(STAGE_SLOTS * args);
   if (host == NULL || drv.cuMemAlloc(mem, STAGE_SLOTS * (STAGE_BYTES + args)) != CUDA_SUCCESS)
     return STAGE_UNAVAILABLE;
   for (int k = 0; k < STAGE_SLOTS; k++) {

@@ -186,20 +186,6 @@ void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r) {
     region_unmap_release(p, r, r->npages, r->npages);
 }
 
-int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                          struct sl_err *err) {
-  struct sl_pool_region *r;
-  int rc = sl_pool_region_build(p, region_id, npages, &r, err);
-
-  if (rc == 0)
-    sl_pool_region_add(p, r);
-  return rc;
-}
-
-void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id) {
-  sl_pool_region_free(p, sl_pool_region_take(p, region_id));
-}
-
 int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, uint32_t count,
                          int *fds, struct sl_err *err) {
   struct sl_pool_region *r = find_region(p, region_id);
@@ -583,7 +569,7 @@ void sl_pool_free(struct sl_pool *p) {
   while (p->chunks != NULL)
     sl_pool_chunk_release(p, p->chunks->id);
   while (p->regions != NULL)
-    sl_pool_region_destroy(p, p->regions->id);
+    sl_pool_region_free(p, sl_pool_region_take(p, p->regions->id));
   area_drop(p);
   free(p);
 }

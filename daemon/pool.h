@@ -20,12 +20,9 @@ int sl_pool_new(struct sl_device *dev, struct sl_pool **out);
 /* Releases everything the pool still holds. */
 void sl_pool_free(struct sl_pool *p);
 
-int sl_pool_region_create(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                          struct sl_err *err);
-void sl_pool_region_destroy(struct sl_pool *p, uint64_t region_id);
-/* The same in halves, so that the slow one (creating and mapping, or unmapping and releasing,
- * every page: 2 s for 64 GiB on an H200) runs off the event loop: build and free touch only
- * the region and the device (any thread); add and take, the pool's list (the loop). take
+/* A region in halves, so that the slow one (creating and mapping, or unmapping and releasing,
+ * every page: 2 s for 64 GiB on an H200) can run off the event loop: build and free touch
+ * only the region and the device (any thread); add and take, the pool's list (the loop). take
  * returns NULL for a region it does not have, or one a transfer still holds (freed with it). */
 struct sl_pool_region;
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,

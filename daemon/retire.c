@@ -41,11 +41,11 @@ static void free_done(struct sl_job *j) {
 
 /* Frees r, off the loop unless small (or where not even the job can be had); answers c's
  * request then. */
-static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, uint64_t bytes,
-                       struct sl_conn *c, uint64_t req_id) {
+static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, struct sl_conn *c,
+                       uint64_t req_id) {
   struct free_job *fj = NULL;
 
-  if (!(sl_jobs_idle(d) && bytes <= FREE_INLINE_BYTES))
+  if (!(sl_jobs_idle(d) && sl_pool_region_bytes(d->pool, r) <= FREE_INLINE_BYTES))
     fj = calloc(1, sizeof(*fj));
   if (fj == NULL) {
     sl_pool_region_free(d->pool, r);
@@ -74,18 +74,16 @@ static void send_gone(struct sl_conn *c, uint64_t region_id) {
 
 void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
                           uint64_t req_id) {
-  struct sl_pool_region *r = NULL;
-  size_t told = 0;
+  size_t holders = sl_books_kept_holders(d->books, region_id), told = 0;
+  struct sl_pool_region *r = holders == 0 ? sl_pool_region_take(d->pool, region_id) : NULL;
 
-  if (sl_books_kept_holders(d->books, region_id) == 0)
-    r = sl_pool_region_take(d->pool, region_id);
   if (r != NULL) {
-    free_pages(d, r, sl_pool_region_bytes(d->pool, r), answer, req_id);
+    free_pages(d, r, answer, req_id);
     return;
   }
   if (answer != NULL)
     sl_conn_send_ok(answer, req_id); /* freed later: by its last holder or last transfer */
-  if (sl_books_kept_holders(d->books, region_id) == 0)
+  if (holders == 0)
     return;
   for (struct sl_conn *c = d->conns; c != NULL; c = c->next) {
     if (c->client_id == 0 || !sl_books_kept_holds(d->books, c->client_id, region_id))

@@ -120,36 +120,37 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 /* ------------------------------------------------------------------ seeds */
 
-static size_t seed_lend(uint8_t *buf) {
+/* A Lend of region 3 keeping four ranges, packed as varints (a named offer) or as the 16-byte
+ * pairs of keep_ranges (a local lend). */
+static size_t lend_seed(uint8_t *buf, int as_bytes) {
   static uint64_t keep[] = {0, 4096, 1 << 21, 65536};
   Sublet__Lend lend = SUBLET__LEND__INIT;
   Sublet__Request req = SUBLET__REQUEST__INIT;
 
   lend.region = 3;
-  lend.n_keep = 4;
-  lend.keep = keep;
-  lend.has_name = 1;
-  lend.name.data = (uint8_t *)"kv-cache";
-  lend.name.len = 8;
+  if (as_bytes) {
+    lend.has_keep_ranges = 1;
+    lend.keep_ranges = (ProtobufCBinaryData){sizeof(keep), (uint8_t *)keep};
+    lend.has_local = lend.local = 1;
+  } else {
+    lend.n_keep = 4;
+    lend.keep = keep;
+    lend.has_name = 1;
+    lend.name.data = (uint8_t *)"kv-cache";
+    lend.name.len = 8;
+  }
   req.id = 7;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &lend;
   return sublet__request__pack(&req, buf);
 }
 
-static size_t seed_lend_ranges(uint8_t *buf) {
-  static uint64_t keep[] = {0, 4096, 1 << 21, 65536};
-  Sublet__Lend lend = SUBLET__LEND__INIT;
-  Sublet__Request req = SUBLET__REQUEST__INIT;
+static size_t seed_lend(uint8_t *buf) {
+  return lend_seed(buf, 0);
+}
 
-  lend.region = 3;
-  lend.has_keep_ranges = 1;
-  lend.keep_ranges = (ProtobufCBinaryData){sizeof(keep), (uint8_t *)keep};
-  lend.has_local = lend.local = 1;
-  req.id = 8;
-  req.body_case = SUBLET__REQUEST__BODY_LEND;
-  req.lend = &lend;
-  return sublet__request__pack(&req, buf);
+static size_t seed_lend_ranges(uint8_t *buf) {
+  return lend_seed(buf, 1);
 }
 
 static size_t seed_borrow(uint8_t *buf) {

@@ -248,16 +248,18 @@ static void test_batched_copies(struct sl_device *d) {
 }
 
 /* Saves and restores as the daemon makes them: scattered on the device, packed one after the
- * other in host memory (cuda gathers these through a staging buffer), odd sizes and offsets
- * included, more than one staging chunk's worth of pieces. */
+ * other in host memory (cuda gathers these through two staging buffers in turn, 32 MiB each:
+ * on cuda the pieces fill about three of them, so each buffer is waited for and used again),
+ * odd sizes and offsets included. */
 static void test_packed_copies(struct sl_device *d) {
   const size_t n = 5000;
   struct sl_copy *c = calloc(n, sizeof(*c));
   uint8_t *host = NULL, *image = NULL;
   uint64_t host_off = 0, stride;
+  int cuda = strcmp(sl_device_info(d)->backend, "cuda") == 0;
   struct mapped m;
 
-  CHECK(map_pages(d, 4, &m) == 0);
+  CHECK(map_pages(d, cuda ? 96 : 4, &m) == 0);
   stride = m.size / n;
   for (size_t i = 0; c != NULL && i < n; i++) {
     size_t j = (i * 7919) % n; /* device order shuffled */
