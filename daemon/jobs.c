@@ -29,9 +29,9 @@ static void after_job(uv_work_t *w, int status) {
   struct sl_job *j = w->data;
   struct sl_daemon *d = j->d;
 
-  sl_debug("job: %.3f ms queued, %.3f ms run (copies %.3f ms, moves %.3f ms)",
-           1e3 * (j->ran_at - j->submitted_at), 1e3 * (sl_clock_now() - j->ran_at),
-           1e3 * j->seconds, 1e3 * j->move_seconds);
+  double ended_at = sl_clock_now(), queued = j->ran_at - j->submitted_at;
+  double ran = ended_at - j->ran_at, copies = j->seconds, moves = j->move_seconds;
+
   if (status != 0 && j->rc == 0) /* cancelled: never happens, the loop only stops when idle */
     j->rc = sl_err_set(&j->err, SUBLET_ECANCELED, "a copy was cancelled");
   d->jobs = j->next;
@@ -42,6 +42,9 @@ static void after_job(uv_work_t *w, int status) {
   if (j->conn != NULL)
     j->conn->job = NULL;
   j->done(j); /* may free j, submit jobs, resume or close connections */
+  sl_debug("job: %.3f ms queued, %.3f ms run (copies %.3f ms, moves %.3f ms), %.3f ms done "
+           "on the loop", 1e3 * queued, 1e3 * ran, 1e3 * copies, 1e3 * moves,
+           1e3 * (sl_clock_now() - ended_at));
   start_next(d);
 }
 
