@@ -153,6 +153,14 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r);
 SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_range *ranges,
                                          size_t n, uint64_t *sums);
 
+/* Keep as rows of a table whose row r lies at base + r * row_bytes (rows tile memory): the
+ * byte ranges of rows[0..n), a run of consecutive rows one range, into out (room for n);
+ * *nout gets their count. rows ascend, without repeats, each below nrows (else SUBLET_EINVAL
+ * naming the first that does not). One pass, no daemon: for a block table's live list. */
+SUBLET_EXPORT int sublet_rows_ranges(const int64_t *rows, size_t n, uint64_t nrows,
+                                     uint64_t base, uint64_t row_bytes,
+                                     struct sublet_range *out, size_t *nout);
+
 /* Lending, owner's side. keep: sorted or not, overlapping or not; n == 0 with keep_all == 0
  * keeps nothing. Offers the loan; on success *loan_id and token identify it. */
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,

@@ -28,6 +28,8 @@ from typing import Union
 import numpy as np
 import torch
 
+from . import _lib
+
 Keep = Union[None, torch.Tensor, np.ndarray, Iterable[torch.Tensor]]
 
 # Past this many runs in one layout group, inner dimensions are folded into wider runs that also
@@ -124,16 +126,13 @@ def _row_ranges(tensor: torch.Tensor, rows: np.ndarray, storage_ptr: int,
     if len(rows) == 0 or tensor.numel() == 0:
         return np.empty((0, 2), dtype=np.uint64)
     shape, strides = tuple(tensor.shape[1:]), tuple(tensor.stride()[1:])
-    if row_step > 0 and _is_dense(shape, strides, itemsize, row_step):
-        # Rows tile memory: a run of consecutive rows is one range.
-        first = np.empty(len(rows), dtype=bool)
-        first[0] = True
-        np.not_equal(rows[1:], rows[:-1] + 1, out=first[1:])
-        begin = np.flatnonzero(first)
-        count = np.diff(np.append(begin, len(rows)))
-        out = np.empty((len(begin), 2), dtype=np.uint64)
-        out[:, 0] = base + rows[begin] * row_step
-        out[:, 1] = count * row_step
+    if row_step > 0 and base >= 0 and _is_dense(shape, strides, itemsize, row_step):
+        # Rows tile memory: a run of consecutive rows is one range (one pass in libsublet).
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        out = np.empty((len(rows), 2), dtype=np.uint64)
+        n = _lib.rows_ranges(rows.ctypes.data, len(rows), tensor.shape[0], base, row_step,
+                             out.ctypes.data)
+        out = out[:n]
     else:
         starts, run = _runs(shape, strides, itemsize, base + rows * row_step)
         out = merge_ranges(starts, np.full(len(starts), run, np.int64))

@@ -225,6 +225,8 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_region_id": (c_uint64, [c_void_p]),
     "sublet_region_release": (c_int, [c_void_p]),
     "sublet_region_checksum": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
+    "sublet_rows_ranges": (c_int, [c_void_p, c_size_t, c_uint64, c_uint64, c_uint64, c_void_p,
+                                   POINTER(c_size_t)]),
     "sublet_lend": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_char_p,
                             POINTER(c_uint64), TOKEN]),
     "sublet_lend_local": (c_int, [c_void_p, c_void_p, c_size_t, c_int, POINTER(c_uint64)]),
@@ -541,6 +543,16 @@ class Client:
     def torch_bind(self, cuda_index: int, bound: bool) -> None:
         """Routes (or stops routing) the PyTorch hooks of a CUDA device index to this client."""
         check(lib().sublet_torch_bind(cuda_index, self.handle if bound else None))
+
+
+def rows_ranges(rows_addr: int, n: int, nrows: int, base: int, row_bytes: int,
+                out_addr: int) -> int:
+    """sublet_rows_ranges over the int64 rows at rows_addr into the ranges at out_addr (room
+    for n): how many it wrote."""
+    nout = c_size_t()
+    check(lib().sublet_rows_ranges(rows_addr, n, nrows, base, row_bytes, out_addr,
+                                   ctypes.byref(nout)))
+    return nout.value
 
 
 def host_bytes(addr: int, nbytes: int) -> ctypes.Array:

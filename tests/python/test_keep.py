@@ -301,3 +301,28 @@ def test_300k_scattered_rows_as_indices_and_as_a_mask():
         assert keep_ranges(keep, ptr, size, cache).tolist() == want.tolist()
     print(f"\n314,573 of 2**20 rows: indices {timings['indices'] * 1e3:.2f} ms, "
           f"mask {timings['mask'] * 1e3:.2f} ms (target 5 ms)")
+
+
+def test_libsublet_turns_rows_into_ranges_and_refuses_rows_out_of_order():
+    # sublet_rows_ranges, the C pass behind indices over rows that tile memory: runs of
+    # consecutive rows become one range; rows must ascend without repeats and lie below nrows.
+    from sublet import _lib
+
+    def ranges(rows, nrows=10, base=100, row_bytes=8):
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.empty((max(1, len(rows)), 2), dtype=np.uint64)
+        n = _lib.rows_ranges(rows.ctypes.data, len(rows), nrows, base, row_bytes,
+                             out.ctypes.data)
+        return out[:n].tolist()
+
+    assert ranges([]) == []
+    assert ranges([0]) == [[100, 8]]
+    assert ranges([0, 1, 2, 5, 7, 8, 9]) == [[100, 24], [140, 8], [156, 24]]
+    for rows, words in (([3, 2], "row 2 .index 1. is out of order"),
+                        ([1, 1], "row 1 .index 1. is out of order"),
+                        ([-1], "row -1 .index 0. is out of range"),
+                        ([0, 10], "row 10 .index 1. is out of range")):
+        with pytest.raises(_lib.SubletError, match=words):
+            ranges(rows)
+    with pytest.raises(_lib.SubletError, match="do not fit in 64 bits"):
+        ranges([0], nrows=1 << 40, row_bytes=1 << 30)
