@@ -46,6 +46,16 @@ def test_quickstart_runs_on_this_machine(native, tmp_path, runtime_dir):
         assert "no CUDA GPU here: running on sublet's memfd backend" in r.stdout
 
 
+def test_import_sublet_loads_no_torch_and_sublet_empty_loads_what_lending_needs(tmp_path):
+    # `sublet status` imports sublet without paying for torch; a process that makes sublet
+    # memory lends it, and its first loan must not pay for importing the loan modules.
+    r = run_python(["-c", "import sys, sublet; print('torch' in sys.modules); sublet.empty; "
+                    "print(all(f'sublet.{m}' in sys.modules for m in "
+                    "('_loan', '_keep', '_wait', '_torch')))"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]
+
+
 def test_own_daemon_start_error_reaches_the_exception(native, tmp_path, runtime_dir):
     r = run_python(["-c", "import sublet; sublet.empty(4, device='cpu')"], tmp_path,
                    SUBLET_BACKEND="memfd", SUBLET_MEMFD_TOTAL="lots", XDG_RUNTIME_DIR=runtime_dir)
