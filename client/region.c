@@ -140,9 +140,7 @@ static void release_local(struct sublet_region *r) {
 
   if (r->base != NULL) {
     sl_device_synchronize(dev, NULL);
-    for (uint64_t i = 0; i < r->npages; i++)
-      if (r->handles[i] != 0)
-        sl_device_unmap_idle(dev, (char *)r->base + i * r->page_size, r->page_size);
+    sl_device_unmap_pages(dev, r->base, r->npages); /* a failed map_region() left holes */
     sl_device_unreserve(dev, r->reserved, reserved_pages(r) * r->page_size);
   }
   for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)

@@ -244,15 +244,27 @@ void sl_window_drop_chunks(struct sl_window *w) {
   w->nchunks = 0;
 }
 
+static int mapped_here(const struct sl_window *w, uint64_t p) {
+  return w->mapped[p] >= 0 && !own_position(w, p);
+}
+
+/* The pages this window mapped, a run of adjacent ones at a time. */
+static void unmap_pages(struct sl_window *w) {
+  for (uint64_t p = 0, end; p < window_pages(w); p = end) {
+    for (end = p + 1; mapped_here(w, p) && end < window_pages(w) && mapped_here(w, end); end++)
+      ;
+    if (mapped_here(w, p))
+      sl_device_unmap_pages(w->dev, pos_addr(w, p), end - p);
+  }
+}
+
 void sl_window_free(struct sl_window *w) {
   if (w == NULL)
     return;
   if (w->base != NULL) {
     sl_window_drop_chunks(w);
     sl_device_synchronize(w->dev, NULL);
-    for (uint64_t p = 0; p < window_pages(w); p++)
-      if (w->mapped[p] >= 0 && !own_position(w, p))
-        sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
+    unmap_pages(w);
     if (w->own_to == 0) /* not aliased: the reservation is the window's */
       sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
   }

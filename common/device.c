@@ -146,6 +146,18 @@ int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size) {
   return d->ops->unmap_idle(d, addr, size);
 }
 
+/* Per page, one call over adjacent mappings costs what a call per mapping does on an H200
+ * (0.009 s per GiB of 2 MiB pages either way, sublet_bench_map): the driver's work is per page.
+ * One call is fewer trips into the driver all the same. */
+void sl_device_unmap_pages(struct sl_device *d, void *addr, uint64_t npages) {
+  uint64_t ps = d->info.page_size;
+
+  if (npages == 0 || sl_device_unmap_idle(d, addr, npages * ps) == 0)
+    return;
+  for (uint64_t i = 0; i < npages; i++)
+    sl_device_unmap_idle(d, (char *)addr + i * ps, ps);
+}
+
 int sl_device_synchronize(struct sl_device *d, struct sl_err *err) {
   return d->ops->synchronize(d, err);
 }

@@ -96,6 +96,9 @@ int sl_device_unmap(struct sl_device *d, void *addr, uint64_t size);
  * mappings at once; where that fails, unmap them one by one (unmapping what is no longer
  * mapped fails harmlessly). */
 int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size);
+/* Unmaps npages pages mapped one by one at addr, adjacent (after a synchronize): in one call
+ * where the device takes it, else page by page (what was not mapped is skipped). */
+void sl_device_unmap_pages(struct sl_device *d, void *addr, uint64_t npages);
 /* Waits until all work queued on the device by this process has finished. */
 int sl_device_synchronize(struct sl_device *d, struct sl_err *err);
 

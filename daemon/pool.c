@@ -105,12 +105,7 @@ static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r, ui
                                  uint64_t mapped) {
   if (mapped > 0)
     sl_device_synchronize(p->dev, NULL);
-  /* One call for the whole region where the driver takes it (adjacent mappings form one
-   * range): a call per page costs tens of microseconds, 1.3 s for 64 GiB. */
-  if (mapped == 0 || mapped < r->npages ||
-      sl_device_unmap_idle(p->dev, r->base, r->npages * p->page_size) != 0)
-    for (uint64_t i = 0; i < mapped; i++)
-      sl_device_unmap_idle(p->dev, (char *)r->base + i * p->page_size, p->page_size);
+  sl_device_unmap_pages(p->dev, r->base, mapped); /* pages [0, mapped) are */
   for (uint64_t i = 0; i < created; i++)
     sl_device_release(p->dev, r->pages[i]);
   if (r->base != NULL)
