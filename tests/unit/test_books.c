@@ -324,6 +324,36 @@ static void test_lend_layout(void) {
   sl_books_free(b);
 }
 
+/* A sorted keep list is checked, copied and merged in one pass, an unsorted one sorted first:
+ * both give the same loan, and a range out of the region is named by its index either way. */
+static void test_keep_sorted_or_not(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 8), loan;
+  struct sublet_range sorted[] = {{10, 5}, {12, 10}, {22, 0}, {22, 3}, {PS, 1}, {PS, 0},
+                                  {3 * PS - 1, 2}, {3 * PS, 1}, {6 * PS, PS}};
+  struct sublet_range reversed[9], bad[] = {{0, 1}, {PS, 1}, {8 * PS, 1}, {2 * PS, 1}};
+  const uint64_t unkept[] = {4, 5, 7}, kept[] = {0, 1, 2, 3, 6};
+  struct sl_err err = {0};
+
+  for (int i = 0; i < 9; i++)
+    reversed[i] = sorted[8 - i];
+  for (int pass = 0; pass < 2; pass++) {
+    loan = lend(b, owner, r, pass == 0 ? sorted : reversed, 9);
+    check_layout(b, loan, unkept, 3, kept, 5);
+    CHECK_EQ(info(b, loan).kept_bytes, 15 + 1 + 2 + PS); /* [10, 25), [P], [3P-1, 3P+1), ... */
+    CHECK_EQ(info(b, loan).keep_ranges, 4);
+    BOOKS_OK(b);
+    CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  }
+  CHECK_EQ(sl_books_lend(b, owner, r, bad, 3, 0, NULL, TOKEN, &loan, &err), SUBLET_EINVAL);
+  CHECK_MSG(err, "keep range 2 ");
+  bad[1].offset = 3 * PS; /* now out of order before the bad one */
+  CHECK_EQ(sl_books_lend(b, owner, r, bad, 4, 0, NULL, TOKEN, &loan, &err), SUBLET_EINVAL);
+  CHECK_MSG(err, "keep range 2 ");
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 /* ---- borrowing ---------------------------------------------------------------------------- */
 
 static void test_borrow_paths(void) {
@@ -2121,6 +2151,7 @@ int main(void) {
   test_lend_errors();
   test_lend_in_steps();
   test_lend_layout();
+  test_keep_sorted_or_not();
   test_borrow_paths();
   test_alloc_order();
   test_coalescing();
