@@ -164,14 +164,15 @@ int sl_client_read_notices(sublet_client *c) {
   return broken(c, rc, NULL);
 }
 
-/* Sends req (a request that waits in subletd, waits: one sublet_cancel() may give up). */
-static int send_request(sublet_client *c, Sublet__Request *req, int waits, int deadline_ms,
-                        struct sl_err *err) {
+/* Sends req with fd, if not -1 (a request that waits in subletd, waits: one sublet_cancel()
+ * may give up). */
+static int send_request(sublet_client *c, Sublet__Request *req, int fd, int waits,
+                        int deadline_ms, struct sl_err *err) {
   int rc;
 
   pthread_mutex_lock(&c->send_lock);
   req->id = ++c->next_id;
-  rc = sl_msg_send_request(c->sock, req, deadline_ms, err);
+  rc = sl_msg_send_request(c->sock, req, &fd, fd >= 0, deadline_ms, err);
   c->waiting_id = rc == 0 && waits ? req->id : 0;
   pthread_mutex_unlock(&c->send_lock);
   return rc;
@@ -180,8 +181,8 @@ static int send_request(sublet_client *c, Sublet__Request *req, int waits, int d
 /* Sends req and receives its reply frame: *rep unpacked, its fds in fds[0..*nfds) (no more
  * than capacity, else the conversation is broken and they are closed). Notices on the way
  * are noted (heard). */
-static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep, int *fds,
-                    size_t capacity, size_t *nfds, int waits, int deadline_ms) {
+static int exchange(sublet_client *c, Sublet__Request *req, int fd, Sublet__Reply **rep,
+                    int *fds, size_t capacity, size_t *nfds, int waits, int deadline_ms) {
   struct sl_frame_header h;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
@@ -189,7 +190,7 @@ static int exchange(sublet_client *c, Sublet__Request *req, Sublet__Reply **rep,
   int rc;
 
   *rep = NULL;
-  rc = send_request(c, req, waits, deadline_ms, &err);
+  rc = send_request(c, req, fd, waits, deadline_ms, &err);
   if (rc == 0) {
     rc = recv_reply(c, &h, rep, rxfds, ms_left(start, deadline_ms), &err);
     pthread_mutex_lock(&c->send_lock);
@@ -237,12 +238,13 @@ static int deadline_of(const sublet_client *c, int wait_ms) {
   return wait_ms > INT_MAX - c->timeout_ms ? INT_MAX : wait_ms + c->timeout_ms;
 }
 
-int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
-                   Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms) {
+int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
+                      Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                      size_t *nfds, int wait_ms) {
   size_t capacity = nfds != NULL ? *nfds : 0, got = 0;
   int none[1], *rxfds = fds != NULL ? fds : none;
   Sublet__Reply *rep = NULL;
-  int keep, rc = exchange(c, req, &rep, rxfds, capacity, &got, wait_ms != 0,
+  int keep, rc = exchange(c, req, fd, &rep, rxfds, capacity, &got, wait_ms != 0,
                           deadline_of(c, wait_ms));
 
   if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
@@ -261,6 +263,11 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
   if (out != NULL)
     *out = keep ? rep : NULL;
   return rc;
+}
+
+int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
+                   Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms) {
+  return sl_client_call_fd(c, req, -1, expect, out, fds, nfds, wait_ms);
 }
 
 int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect) {
@@ -335,7 +342,7 @@ SUBLET_EXPORT int sublet_cancel(sublet_client *c) {
     req.id = ++c->next_id;
     req.body_case = SUBLET__REQUEST__BODY_CANCEL;
     req.cancel = &m;
-    rc = sl_msg_send_request(c->sock, &req, c->timeout_ms, &err);
+    rc = sl_msg_send_request(c->sock, &req, NULL, 0, c->timeout_ms, &err);
   }
   pthread_mutex_unlock(&c->send_lock);
   return rc != 0 ? sl_client_fail_err(&err) : 0;
@@ -383,6 +390,7 @@ static int hello(sublet_client *c) {
   if (rc == 0) {
     c->can_cancel = rep->welcome->cancel;
     c->keep_ranges = rep->welcome->keep_ranges;
+    c->keep_fd_ok = rep->welcome->keep_fd;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -409,6 +417,7 @@ int sl_client_open(const char *path, sublet_client **out) {
   pthread_mutex_init(&c->send_lock, NULL);
   sl_wire_rx_init(&c->rx);
   c->wake_fd = -1;
+  c->keep_fd = -1;
   snprintf(c->path, sizeof(c->path), "%s", path);
   c->timeout_ms = timeout_from_env();
   rc = hello(c);
@@ -432,6 +441,8 @@ void sl_client_free(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_close(c->dev);
   sl_wire_rx_destroy(&c->rx);
+  if (c->keep_fd >= 0)
+    close(c->keep_fd);
   pthread_mutex_destroy(&c->send_lock);
   pthread_mutex_destroy(&c->lock);
   free(c->gone);

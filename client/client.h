@@ -36,6 +36,8 @@ struct sublet_client {
   uint64_t waiting_id;  /* the request sent that waits in subletd (wait_ms != 0), or 0 */
   int can_cancel;       /* Welcome.cancel */
   int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
+  int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
+  int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
   struct sl_wire_rx rx;
   uint64_t next_id;
   struct sublet_info info;
@@ -86,6 +88,10 @@ void sl_client_free(sublet_client *c);
  * the count of fds out, which the caller owns (a failure closes them and gives none). */
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
                    Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms);
+/* The same, with fd (not -1) sent along with req: a Lend's keep memfd. fd stays the caller's. */
+int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
+                      Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                      size_t *nfds, int wait_ms);
 /* Undoes a step that failed by the request req (the caller holds c->lock): its own outcome is
  * not reported (returns 0), the thread's last error stays the one that says why the step
  * failed. */

@@ -20,14 +20,14 @@ int sl_msg_pack(const ProtobufCMessage *m, uint8_t **buf, size_t *len, struct sl
   return 0;
 }
 
-int sl_msg_send_request(int sock, const Sublet__Request *req, int timeout_ms,
-                        struct sl_err *err) {
+int sl_msg_send_request(int sock, const Sublet__Request *req, const int *fds, size_t nfds,
+                        int timeout_ms, struct sl_err *err) {
   uint8_t *buf;
   size_t len;
   int rc = sl_msg_pack(&req->base, &buf, &len, err);
 
   if (rc == 0)
-    rc = sl_wire_send(sock, SL_WIRE_REQUEST, buf, len, NULL, 0, timeout_ms, err);
+    rc = sl_wire_send(sock, SL_WIRE_REQUEST, buf, len, fds, nfds, timeout_ms, err);
   free(buf);
   return rc;
 }

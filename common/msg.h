@@ -14,10 +14,10 @@
 
 /* Packs a message into a new buffer (*buf, freed by the caller), within the frame limit. */
 int sl_msg_pack(const ProtobufCMessage *m, uint8_t **buf, size_t *len, struct sl_err *err);
-/* Packs and sends a request (no fds: requests carry none), blocking for at most timeout_ms
- * (< 0: no limit). */
-int sl_msg_send_request(int sock, const Sublet__Request *req, int timeout_ms,
-                        struct sl_err *err);
+/* Packs and sends a request with fds[0..nfds) (only a Lend's keep memfd: PROTOCOL.md; they
+ * stay the caller's), blocking for at most timeout_ms (< 0: no limit). */
+int sl_msg_send_request(int sock, const Sublet__Request *req, const int *fds, size_t nfds,
+                        int timeout_ms, struct sl_err *err);
 
 /* Unpacked messages are freed with sublet__request__free_unpacked(m, NULL) (resp. reply). */
 Sublet__Request *sl_msg_unpack_request(const uint8_t *payload, size_t len, struct sl_err *err);

@@ -6,9 +6,11 @@
  * turn), when its timer fires, or when its client cancels it.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -22,6 +24,7 @@ struct ctx {
   struct sl_daemon *d;
   uint64_t id;
   struct sl_err err;
+  int keep_fd;  /* a Lend's keep memfd: the ctx's until on_lend takes it (-1: none) */
 };
 
 /* ---- loan names: UTF-8 of 1 to 63 bytes, no NUL (LoanName in sublet.proto) */
@@ -85,6 +88,7 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.client_id = x->c->client_id;
   w.has_cancel = w.cancel = 1;
   w.has_keep_ranges = w.keep_ranges = 1;
+  w.has_keep_fd = w.keep_fd = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -334,12 +338,43 @@ struct draft_job {
   uint64_t npages;
   uint64_t *keep;
   size_t nkeep;
+  int keep_fd;         /* the ranges are still in this memfd (owned), or -1 */
   struct sl_loan *draft;
 };
+
+/* Reads n keep ranges from the start of a client's memfd into a buffer of the daemon's own:
+ * the client could change the memfd meanwhile, and the draft must check what it uses. */
+static int keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
+  size_t len = n * sizeof(struct sublet_range), got = 0;
+  uint8_t *buf = malloc(len);
+
+  if (buf == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu keep ranges", n);
+  while (got < len) {
+    ssize_t r = pread(fd, buf + got, len - got, (off_t)got);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0) {
+      free(buf);
+      return sl_err_set(err, SUBLET_EPROTO, "the keep memfd ended after %zu of its %zu keep "
+                        "ranges (%s): write every range before the Lend", got / 16, n,
+                        r < 0 ? strerror(errno) : "end of file");
+    }
+    got += (size_t)r;
+  }
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+  for (size_t i = 0; i < 2 * n; i++)
+    ((uint64_t *)buf)[i] = __builtin_bswap64(((uint64_t *)buf)[i]);
+#endif
+  *out = (uint64_t *)buf;
+  return 0;
+}
 
 static void draft_run(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;
 
+  if (dj->keep_fd >= 0 && (j->rc = keep_read(dj->keep_fd, dj->nkeep, &dj->keep, &j->err)) != 0)
+    return;
   j->rc = sl_books_draft(&dj->cfg, dj->npages, (const struct sublet_range *)dj->keep,
                          dj->nkeep, 0, &dj->draft, &j->err);
 }
@@ -348,6 +383,8 @@ static void draft_done(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;
   struct sl_waiter *w = dj->w;
 
+  if (dj->keep_fd >= 0)
+    close(dj->keep_fd);
   free(dj->keep);
   if (w == NULL) {
     sl_books_draft_free(dj->draft);
@@ -366,6 +403,8 @@ static void draft_done(struct sl_job *j) {
 /* Keep lists up to this many ranges are drafted on the loop (about a millisecond). */
 #define LEND_INLINE_RANGES 65536
 
+/* The keep list goes with the job: the Lend's (protobuf-c allocated it with malloc), or the
+ * keep memfd's (x->keep_fd taken). */
 static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, uint64_t npages) {
   struct draft_job *dj = calloc(1, sizeof(*dj));
 
@@ -374,8 +413,10 @@ static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, u
   dj->w = w;
   dj->cfg = *sl_books_cfg(x->d->books);
   dj->npages = npages;
-  dj->keep = m->keep; /* taken over: protobuf-c allocated it with malloc */
-  dj->nkeep = m->n_keep / 2;
+  dj->keep_fd = x->keep_fd;
+  x->keep_fd = -1;
+  dj->keep = m->keep;
+  dj->nkeep = dj->keep_fd >= 0 ? m->keep_fd_ranges : m->n_keep / 2;
   m->keep = NULL;
   m->n_keep = 0;
   dj->job.run = draft_run;
@@ -415,6 +456,37 @@ static int keep_from_bytes(struct ctx *x, Sublet__Lend *m) {
   return 0;
 }
 
+/* Lists longer than a frame could carry as bytes are refused past this (256 MiB of ranges). */
+#define KEEP_FD_MAX_RANGES (1ull << 24)
+
+/* Lend.keep_fd_ranges: one keep list, in a memfd (fcntl's seals answer only for memfds and
+ * the like: a file whose reads could block the job is refused) that holds them all. */
+static int keep_fd_check(struct ctx *x, const Sublet__Lend *m) {
+  struct stat st;
+
+  if (!m->has_keep_fd_ranges)
+    return x->keep_fd < 0 ? 0 : sl_err_set(&x->err, SUBLET_EPROTO, "a Lend carries an fd only "
+                                           "with keep_fd_ranges");
+  if (m->n_keep > 0 || m->keep_all || m->has_keep_ranges)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "a Lend has keep, keep_all, keep_ranges or "
+                      "keep_fd_ranges, not more than one");
+  if (x->keep_fd < 0)
+    return sl_err_set(&x->err, SUBLET_EPROTO, "Lend.keep_fd_ranges without the memfd: send it "
+                      "with the frame");
+  if (m->keep_fd_ranges == 0 || m->keep_fd_ranges > KEEP_FD_MAX_RANGES)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep_fd_ranges is %llu: 1 to %llu ranges "
+                      "(merge adjacent ones)", (unsigned long long)m->keep_fd_ranges,
+                      KEEP_FD_MAX_RANGES);
+  if (fcntl(x->keep_fd, F_GET_SEALS) < 0 || fstat(x->keep_fd, &st) != 0 ||
+      !S_ISREG(st.st_mode))
+    return sl_err_set(&x->err, SUBLET_EPROTO, "the fd of Lend.keep_fd_ranges is not a memfd");
+  if ((uint64_t)st.st_size / sizeof(struct sublet_range) < m->keep_fd_ranges)
+    return sl_err_set(&x->err, SUBLET_EPROTO, "the keep memfd holds %lld bytes, fewer than %llu "
+                      "ranges of 16", (long long)st.st_size,
+                      (unsigned long long)m->keep_fd_ranges);
+  return 0;
+}
+
 /* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
  * comes (at once, most often), or when its timer fires, or dropped with its connection. */
 static int on_lend(struct ctx *x, Sublet__Lend *m) {
@@ -425,7 +497,7 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
 
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
-  if ((rc = keep_from_bytes(x, m)) != 0)
+  if ((rc = keep_from_bytes(x, m)) != 0 || (rc = keep_fd_check(x, m)) != 0)
     return rc;
   if (m->n_keep % 2 != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "
@@ -442,7 +514,7 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   memcpy(w->name, name, sizeof(w->name));
   w->lend = (struct sl_lend_wait){.region = m->region, .rescue = m->rescue, .local = m->local,
                                   .timeout_ms = lend_timeout(m), .serve = serve_lend};
-  if (!m->keep_all && m->n_keep / 2 > LEND_INLINE_RANGES)
+  if (x->keep_fd >= 0 || (!m->keep_all && m->n_keep / 2 > LEND_INLINE_RANGES))
     rc = draft_off_loop(x, w, m, npages);
   else if ((rc = sl_books_draft(sl_books_cfg(x->d->books), npages,
                                 (const struct sublet_range *)m->keep, m->n_keep / 2,
@@ -857,17 +929,23 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
 
 void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
                        size_t nfds) {
-  struct ctx x = {.c = c, .d = c->d, .id = req->id};
+  struct ctx x = {.c = c, .d = c->d, .id = req->id, .keep_fd = -1};
   double t0 = sl_clock_now();
   int rc;
 
-  /* No request carries fds: any that came are closed, and that is an error. */
-  if (nfds > 0) {
+  /* The one fd a request may carry is a Lend's keep memfd; any other that came is closed, and
+   * that is an error. */
+  if (nfds == 1 && req->body_case == SUBLET__REQUEST__BODY_LEND) {
+    x.keep_fd = fds[0];
+    rc = dispatch(&x, req);
+  } else if (nfds > 0) {
     sl_wire_close_fds((int *)fds, nfds);
-    rc = sl_err_set(&x.err, SUBLET_EPROTO, "requests carry no fds, this one had %zu", nfds);
+    rc = sl_err_set(&x.err, SUBLET_EPROTO, "this request carries no fds, it had %zu", nfds);
   } else {
     rc = dispatch(&x, req);
   }
+  if (x.keep_fd >= 0)
+    close(x.keep_fd); /* not taken: the Lend failed, or it was not one */
   if (rc != 0) {
     sl_debug("pid %d: request %llu failed: %s", (int)c->peer.pid, (unsigned long long)req->id,
              x.err.msg);

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -511,13 +512,13 @@ static void flood_without_reading(void) {
   hello.protocol = SUBLET_PROTOCOL_VERSION;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  if (fd < 0 || sl_msg_send_request(fd, &req, -1, NULL) != 0)
+  if (fd < 0 || sl_msg_send_request(fd, &req, NULL, 0, -1, NULL) != 0)
     _exit(2);
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &stats;
   for (uint64_t id = 2;; id++) {
     req.id = id;
-    if (sl_msg_send_request(fd, &req, -1, NULL) != 0)
+    if (sl_msg_send_request(fd, &req, NULL, 0, -1, NULL) != 0)
       _exit(0); /* the daemon hung up on us: what it should do */
   }
 }
@@ -553,7 +554,7 @@ static void test_waiter_of_a_client_gone_deaf(void) {
   req.id = 1;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  CHECK(sl_msg_send_request(fd, &req, -1, NULL) == 0);
+  CHECK(sl_msg_send_request(fd, &req, NULL, 0, -1, NULL) == 0);
   borrow.has_name = 1;
   borrow.name.data = (uint8_t *)"nobody";
   borrow.name.len = 6;
@@ -562,7 +563,7 @@ static void test_waiter_of_a_client_gone_deaf(void) {
   req.id = 2;
   req.body_case = SUBLET__REQUEST__BODY_BORROW;
   req.borrow = &borrow;
-  CHECK(sl_msg_send_request(fd, &req, -1, NULL) == 0);
+  CHECK(sl_msg_send_request(fd, &req, NULL, 0, -1, NULL) == 0);
   shutdown(fd, SHUT_RD); /* open, but no longer reading: the timeout's reply fails */
   usleep(300000);
   close(fd);
@@ -714,13 +715,13 @@ static void test_next_offer_taken_once(void) {
 
 /* Sends one raw request and returns its reply's Error code (0 for another reply, 1 when no
  * reply came). */
-static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
+static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req, int sendfd) {
   struct sl_frame_header h;
   const uint8_t *payload;
   int fds[SL_WIRE_MAX_FDS], code = 1;
   Sublet__Reply *rep;
 
-  if (sl_msg_send_request(fd, req, -1, NULL) != 0 ||
+  if (sl_msg_send_request(fd, req, &sendfd, sendfd >= 0, -1, NULL) != 0 ||
       sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
     return 1;
   sl_wire_close_fds(fds, h.nfds);
@@ -731,9 +732,9 @@ static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
   return code;
 }
 
-/* Says Hello, then sends lend, on a raw connection of its own: the Lend's Error code (0 for
- * another reply, 1 for none). */
-static int raw_lend(Sublet__Lend *lend) {
+/* Says Hello, then sends lend (with sendfd, if not -1), on a raw connection of its own: the
+ * Lend's Error code (0 for another reply, 1 for none). */
+static int raw_lend_fd(Sublet__Lend *lend, int sendfd) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Hello hello = SUBLET__HELLO__INIT;
   struct sl_wire_rx rx;
@@ -744,15 +745,19 @@ static int raw_lend(Sublet__Lend *lend) {
   req.id = 1;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  code = raw_call(fd, &rx, &req);
+  code = raw_call(fd, &rx, &req, -1);
   req.id = 2;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = lend;
   if (code == 0)
-    code = raw_call(fd, &rx, &req);
+    code = raw_call(fd, &rx, &req, sendfd);
   sl_wire_rx_destroy(&rx);
   close(fd);
   return code;
+}
+
+static int raw_lend(Sublet__Lend *lend) {
+  return raw_lend_fd(lend, -1);
 }
 
 /* A NUL cannot pass through the C API: it is sent raw. The name is checked first, so the
@@ -788,6 +793,43 @@ static void test_keep_ranges_shape(void) {
   CHECK(raw_lend_ranges(32, 1) == SUBLET_EINVAL);
   CHECK(raw_lend_ranges(32, 0) == SUBLET_ENOENT); /* no region 0 */
   CHECK(raw_lend_ranges(0, 0) == SUBLET_ENOENT);
+}
+
+/* A raw Lend of region 0 whose keep_fd_ranges says n (0: unset), with fd (-1: none), and
+ * keep too when both. */
+static int raw_lend_keep_fd(uint64_t n, int fd, int both) {
+  static uint64_t pairs[2] = {0, 4096};
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+
+  lend.has_keep_fd_ranges = n > 0;
+  lend.keep_fd_ranges = n;
+  lend.keep = both ? pairs : NULL;
+  lend.n_keep = both ? 2 : 0;
+  return raw_lend_fd(&lend, fd);
+}
+
+/* A long keep list goes in a memfd (Lend.keep_fd_ranges): lent from it, every kept byte comes
+ * back; a memfd too short for its count, an fd that is no memfd, a missing one, one sent
+ * without keep_fd_ranges, or keep beside it, are refused, and the daemon goes on. */
+static void test_keep_in_a_memfd(void) {
+  static struct sublet_range keep[100000]; /* more than the library sends as bytes */
+  uint64_t pairs[4] = {0, 4096, 65536, 100};
+  int mfd = memfd_create("keep", MFD_CLOEXEC), pipefd[2];
+
+  for (size_t i = 0; i < 100000; i++)
+    keep[i] = (struct sublet_range){i * 40, 3};
+  lend_in_process(keep, 100000, 0, 1);
+  CHECK(mfd >= 0 && pipe(pipefd) == 0);
+  CHECK(write(mfd, pairs, sizeof(pairs)) == (ssize_t)sizeof(pairs));
+  CHECK(raw_lend_keep_fd(2, mfd, 0) == SUBLET_ENOENT); /* read: no region 0 is what is left */
+  CHECK(raw_lend_keep_fd(3, mfd, 0) == SUBLET_EPROTO); /* 32 bytes hold 2 ranges */
+  CHECK(raw_lend_keep_fd(2, pipefd[0], 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(2, -1, 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(0, mfd, 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(2, mfd, 1) == SUBLET_EINVAL);
+  close(mfd);
+  close(pipefd[0]);
+  close(pipefd[1]);
 }
 
 /* A loan's name is UTF-8 of 1 to 63 bytes without NUL: any other is refused with EINVAL (so
@@ -1039,6 +1081,7 @@ int main(void) {
   sl_test_run("unkept pages first", test_unkept_first);
   sl_test_run("consecutive unkept pages in place", test_direct_runs);
   sl_test_run("keep ranges as bytes: shape checked", test_keep_ranges_shape);
+  sl_test_run("keep ranges in a memfd: read, and checked", test_keep_in_a_memfd);
   sl_test_run("random keep sets", test_random_keeps);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);

@@ -65,7 +65,7 @@ static int send_hello(int fd) {
   req.id = 1;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  return sl_msg_send_request(fd, &req, 2000, NULL);
+  return sl_msg_send_request(fd, &req, NULL, 0, 2000, NULL);
 }
 
 /* Reads one reply and closes its fds; returns the reply (freed by the caller) or NULL. */
@@ -105,7 +105,7 @@ static void deaf_flooder(const char *path, int ready_fd) {
   req.stats_get = &stats;
   for (uint64_t id = 2;; id++) {
     req.id = id;
-    if (sl_msg_send_request(fd, &req, 20000, NULL) != 0)
+    if (sl_msg_send_request(fd, &req, NULL, 0, 20000, NULL) != 0)
       _exit(0); /* hung up on: what it should do */
   }
 }
@@ -130,7 +130,7 @@ static void fd_hoarder(const char *path, int ready_fd) {
     req.id = 2;
     req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
     req.region_create = &rc;
-    if (sl_msg_send_request(fds[i], &req, 2000, NULL) != 0 ||
+    if (sl_msg_send_request(fds[i], &req, NULL, 0, 2000, NULL) != 0 ||
         (rep = read_reply(fds[i], &rx[i])) == NULL || rep->region_created == NULL)
       _exit(3);
     pg.region = rep->region_created->region;
@@ -141,7 +141,7 @@ static void fd_hoarder(const char *path, int ready_fd) {
     req.pages_get = &pg;
     for (int k = 0; k < 1229 / 4 + (i < 1229 % 4); k++) {
       req.id = 3 + (uint64_t)k;
-      if (sl_msg_send_request(fds[i], &req, 2000, NULL) != 0)
+      if (sl_msg_send_request(fds[i], &req, NULL, 0, 2000, NULL) != 0)
         break; /* hung up on already */
     }
   }
