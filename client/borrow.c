@@ -11,29 +11,49 @@
 
 /* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
  * with the last one's imported handles when they are of the same region. */
+uint64_t sl_borrow_known_layout(const sublet_client *c) {
+  return c->win != NULL ? c->win->layout_id : 0;
+}
+
+/* The loan's layout: Borrowed's, or, left out, the last window's, which the id names. */
+static const uint64_t *layout_of(const sublet_client *c, const Sublet__Borrowed *b) {
+  const struct sl_window *last = c->win;
+
+  if (b->n_layout > 0)
+    return b->n_layout == b->unkept_pages + b->kept_pages ? b->layout : NULL;
+  if (last == NULL || b->layout_id == 0 || last->layout_id != b->layout_id ||
+      last->pages_version != b->pages_version ||
+      last->unkept + last->kept != b->unkept_pages + b->kept_pages)
+    return NULL;
+  return last->layout;
+}
+
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
+  const uint64_t *layout = layout_of(c, b);
   struct sl_window_own mine = {0};
   struct sl_window *last = c->win;
   struct sl_err err = {0};
   int rc;
 
-  if (b->n_layout != b->unkept_pages + b->kept_pages)
-    return sl_client_fail(SUBLET_EPROTO, "subletd sent a layout of the wrong length");
+  if (layout == NULL)
+    return sl_client_fail(SUBLET_EPROTO, "subletd sent a layout of the wrong length, or left "
+                          "out one this client does not have");
   if (last != NULL && last->pages_version != b->pages_version) {
     sl_window_free(last); /* the region's pages were replaced since: its handles are stale */
     c->win = last = NULL;
   }
   if (last != NULL && sl_window_adopt(last, b->region, b->unkept_pages, b->fresh_pages,
-                                      b->kept_pages, b->layout)) {
+                                      b->kept_pages, layout)) {
     last->keep = own != NULL || b->keep_window;
+    last->layout_id = b->layout_id;
     return 0;
   }
   c->win = NULL;
   if (own != NULL)
     mine = (struct sl_window_own){own->handles, own->base, own->lead_pages, own->trail_pages};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
-                     b->fresh_pages, b->kept_pages, b->layout, own != NULL ? &mine : NULL,
+                     b->fresh_pages, b->kept_pages, layout, own != NULL ? &mine : NULL,
                      &c->win, &err);
   if (rc == 0 && last != NULL && b->keep_window)
     sl_window_take_handles(c->win, last);
@@ -42,6 +62,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
     return sl_client_fail_err(&err);
   c->win->keep = own != NULL || b->keep_window;
   c->win->pages_version = b->pages_version;
+  c->win->layout_id = b->layout_id;
   return 0;
 }
 
@@ -102,6 +123,8 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
   req.body_case = SUBLET__REQUEST__BODY_BORROW;
   req.borrow = &m;
   pthread_mutex_lock(&c->lock);
+  m.known_layout = sl_borrow_known_layout(c);
+  m.has_known_layout = m.known_layout != 0;
   rc = sl_client_ensure_device(c);
   if (rc == 0)
     rc = sl_borrow_check_idle(c);

@@ -161,6 +161,8 @@ int sl_borrow_check_idle(sublet_client *c);
  * the window and the watch of release_fd (-1: none; taken over either way), or gives the loan
  * straight back when it cannot (the caller holds c->lock). */
 int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd);
+/* Borrow.known_layout: the layout id of the window this client holds (0: none). */
+uint64_t sl_borrow_known_layout(const sublet_client *c);
 
 /* ------------------------------------------------------------------ torch.c */
 

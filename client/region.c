@@ -364,6 +364,8 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   m.name.len = name != NULL ? strlen(name) : 0;
   m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
   m.has_local = m.local = local != 0;
+  m.known_layout = local ? sl_borrow_known_layout(c) : 0;
+  m.has_known_layout = m.known_layout != 0;
   m.has_timeout_ms = timeout_ms != 0;
   m.timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
   req.body_case = SUBLET__REQUEST__BODY_LEND;

@@ -114,7 +114,8 @@ int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, ui
     if ((uint64_t)w->mapped[p] != layout[p < unkept ? p : p - fresh])
       return 0;
   /* Positions whose page changed are remapped lazily by sl_window_map_run. */
-  memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
+  if (layout != w->layout) /* else the layout is w's own, left out of Borrowed */
+    memcpy(w->layout, layout, (unkept + kept) * sizeof(*layout));
   return 1;
 }
 

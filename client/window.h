@@ -51,6 +51,7 @@ struct sl_window {
   int owns_handles;               /* imported for this window (another process's region) */
   int keep;                       /* kept after the loan for the region's next (Borrowed) */
   uint64_t pages_version;         /* of the region's pages it maps (Borrowed.pages_version) */
+  uint64_t layout_id;             /* Borrowed.layout_id of its layout, 0: none known */
   struct sl_window_chunk *chunks;
   size_t nchunks, chunkcap;
   struct sl_window_alloc *allocs;

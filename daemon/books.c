@@ -73,6 +73,7 @@ int sl_books_new(const struct sl_books_config *cfg, struct sl_books **out) {
     return SUBLET_ENOHOSTMEM;
   b->cfg = *cfg;
   b->next_client = b->next_region = b->next_loan = b->next_alloc = b->next_chunk = 1;
+  b->next_layout = 1;
   *out = b;
   return 0;
 }
@@ -93,6 +94,8 @@ void sl_books_free(struct sl_books *b) {
     return;
   loan_free(b->loan);
   free(b->clients);
+  for (size_t i = 0; i < b->nregions; i++)
+    free(b->regions[i].layout);
   free(b->regions);
   free(b->held);
   free(b);
@@ -156,6 +159,7 @@ static void region_delete(struct sl_books *b, struct sl_region *r) {
 
   sl_books_kept_retire(b, r);
   b->region_pages -= r->npages;
+  free(r->layout);
   memmove(r, r + 1, (b->nregions - i - 1) * sizeof(*r));
   b->nregions--;
 }
@@ -594,6 +598,12 @@ int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t reg
   return 0;
 }
 
+/* Is l's layout the one of r's last loan, over the same pages? */
+static int same_layout(const struct sl_region *r, const struct sl_loan *l) {
+  return r->layout != NULL && r->layout_unkept == l->unkept &&
+         memcmp(r->layout, l->pages, r->npages * sizeof(*l->pages)) == 0;
+}
+
 int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                         struct sl_loan *l, const char *name,
                         const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id,
@@ -614,6 +624,7 @@ int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_
   l->stats.loan_id = l->id;
   snprintf(l->name, sizeof(l->name), "%s", name ? name : "");
   memcpy(l->token, token, sizeof(l->token));
+  l->layout_id = same_layout(r, l) ? r->layout_id : b->next_layout++;
   r->loan_id = l->id;
   b->loan = l;
   if (loan_id != NULL)
@@ -644,10 +655,16 @@ static void loan_delete(struct sl_books *b) {
   struct sl_client *c = sl_books_find_client(b, l->borrower_client);
 
   sl_books_kept_loan_end(b, l);
-  if (r != NULL && l->owner_gone)
+  if (r != NULL && l->owner_gone) {
     region_delete(b, r);
-  else if (r != NULL)
+  } else if (r != NULL) {
     r->loan_id = 0;
+    free(r->layout); /* the loan's layout, for the next one's id */
+    r->layout = l->pages;
+    r->layout_unkept = l->unkept;
+    r->layout_id = l->layout_id;
+    l->pages = NULL;
+  }
   if (c != NULL && c->loan_id == l->id)
     c->loan_id = 0;
   loan_free(l);
@@ -1228,6 +1245,10 @@ void sl_books_pages_replaced(struct sl_books *b, const struct sl_loan_end *end,
   if (r != NULL) {
     r->replacing = 0;
     r->pages_version += replaced > 0;
+    if (replaced > 0) { /* a layout id names the pages too: the next loan's is new */
+      free(r->layout);
+      r->layout = NULL;
+    }
   }
   if (c != NULL)
     c->retained_pages += replaced;
@@ -1398,7 +1419,8 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
       .kept_pages = l->kept, .kept_bytes = l->kept_bytes, .keep_ranges = l->nkeep,
       .hwm = l->hwm,
       .live_allocs = l->nallocs, .live_bytes = l->live_bytes,
-      .fresh_chunk_pages = l->fresh_chunk_pages, .owner_gone = l->owner_gone,
+      .fresh_chunk_pages = l->fresh_chunk_pages, .layout_id = l->layout_id,
+      .owner_gone = l->owner_gone,
       .stats = l->stats};
   memcpy(li->name, l->name, sizeof(li->name));
   return 0;

@@ -140,6 +140,11 @@ struct sl_loan_info {
   uint64_t hwm;               /* window positions handed out so far */
   uint64_t live_allocs, live_bytes;
   uint64_t fresh_chunk_pages; /* fresh pages created so far */
+  uint64_t layout_id;         /* names the layout (the region pages of positions, U and K) and
+                                 the pages behind it: the next loan of the region gets the same
+                                 id when its layout is the same and none of the region's pages
+                                 was replaced in between, and no other loan ever does. So a
+                                 borrower whose window has this id needs no layout sent. */
   int owner_gone;
   struct sublet_loan_stats stats;
 };

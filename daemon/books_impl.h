@@ -36,6 +36,9 @@ struct sl_region {
   uint64_t last_fresh; /* the fresh zone of its last loan (books.c: steady_fresh) */
   uint64_t pages_version; /* how many times its lent pages were replaced (books.h) */
   int replacing;        /* its last loan's pages are being replaced: no Lend, no PagesGet */
+  uint64_t *layout;     /* its last loan's pages (sl_loan.pages), owned; NULL: none since its
+                           pages were last replaced */
+  uint64_t layout_unkept, layout_id; /* that loan's U and layout id (books.h) */
 };
 
 struct sl_alloc {
@@ -59,6 +62,7 @@ struct sl_loan {
   size_t nkeep;
   uint64_t kept_bytes;
   uint64_t *pages; /* unkept region pages, then kept ones, each ascending */
+  uint64_t layout_id; /* names pages and U (books.h, sl_loan_info.layout_id) */
   uint64_t unkept, fresh, kept;
   uint64_t hwm;
   struct sl_alloc *allocs; /* ascending pos */
@@ -83,7 +87,7 @@ struct sl_books {
   struct sl_loan *loan;
   struct sl_held *held; /* room for every keeper too: a region goes without allocating */
   size_t nheld, cap_held;
-  uint64_t next_client, next_region, next_loan, next_alloc, next_chunk;
+  uint64_t next_client, next_region, next_loan, next_alloc, next_chunk, next_layout;
   struct sl_books_totals counters; /* only the counters; the gauges are computed */
 };
 

@@ -70,6 +70,9 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
   if (r->replacing && r->loan_id != 0)
     return broken(ck, "region %" PRIu64 " is lent again while its pages are being replaced",
                   r->id);
+  if (r->layout != NULL && (r->layout_id == 0 || r->layout_id >= b->next_layout))
+    return broken(ck, "region %" PRIu64 " keeps a layout of bad id %" PRIu64, r->id,
+                  r->layout_id);
   if (sl_books_find_client(b, r->owner_client) != NULL)
     return 0;
   if (l == NULL || !l->owner_gone)
@@ -352,6 +355,14 @@ static int check_loan(const struct sl_books *b, struct check *ck) {
   rc = check_parties(b, l, r, ck);
   if (rc == 0)
     rc = check_layout(b, l, r->npages, ck);
+  if (rc == 0 && (l->layout_id == 0 || l->layout_id >= b->next_layout))
+    rc = broken(ck, "loan %" PRIu64 " has bad layout id %" PRIu64, l->id, l->layout_id);
+  /* One id, one layout: a borrower that holds the id is not sent the layout. */
+  if (rc == 0 && r->layout != NULL && r->layout_id == l->layout_id &&
+      (r->layout_unkept != l->unkept ||
+       memcmp(r->layout, l->pages, r->npages * sizeof(*l->pages)) != 0))
+    rc = broken(ck, "loan %" PRIu64 " has the layout id of its region's last loan, not its "
+                "layout", l->id);
   if (rc == 0)
     rc = check_allocs(b, l, ck);
   if (rc == 0)

@@ -129,6 +129,7 @@ struct sl_waiter {
   uint8_t token[SUBLET_TOKEN_SIZE];
   int has_token;
   int rescue;               /* Borrow.rescue */
+  uint64_t known_layout;    /* Borrow's or Lend's: the layout id of the client's window */
   char name[64];
   uv_timer_t timer;
   struct sl_waiter *next;

@@ -228,7 +228,8 @@ static int on_dropped(struct ctx *x, const Sublet__Dropped *m) {
 }
 
 static uint64_t fresh_pages_available(struct sl_daemon *d);
-static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b);
+static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout,
+                         Sublet__Borrowed *b);
 
 /* Lend.local: the caller borrows its own loan in the same step, so that it is never on
  * offer (a Borrow waiting for the next offer must not take it). Undone if it cannot. */
@@ -286,7 +287,7 @@ static int lend_now(struct ctx *x, struct sl_waiter *w) {
   lent.kept_pages = li.kept_pages;
   lent.kept_bytes = li.kept_bytes;
   if (m->local) { /* its release pipe goes with the rescue fds, as Borrowed's would */
-    fds[3] = fill_borrowed(x->c, loan, &b);
+    fds[3] = fill_borrowed(x->c, loan, w->known_layout, &b);
     lent.borrowed = &b;
   }
   rep.id = x->id;
@@ -512,6 +513,7 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   memcpy(w->name, name, sizeof(w->name));
+  w->known_layout = m->known_layout;
   w->lend = (struct sl_lend_wait){.region = m->region, .rescue = m->rescue, .local = m->local,
                                   .timeout_ms = lend_timeout(m), .serve = serve_lend};
   if (x->keep_fd >= 0 || (!m->keep_all && m->n_keep / 2 > LEND_INLINE_RANGES))
@@ -571,7 +573,9 @@ static uint64_t fresh_pages_available(struct sl_daemon *d) {
 
 /* The window's layout of a borrowed loan, for Borrowed (b points into the books: send it
  * before the books change); returns the release pipe's write end for the borrower (rescue). */
-static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) {
+/* Borrowed, for the borrower c: the layout left out when its window has it (known_layout). */
+static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout,
+                         Sublet__Borrowed *b) {
   struct sl_daemon *d = c->d;
   struct sl_region_info ri;
   struct sl_loan_info li;
@@ -585,8 +589,10 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) 
   b->region = li.region_id;
   b->region_pages = ri.npages;
   b->page_size = sl_device_info(d->dev)->page_size;
-  b->layout = (uint64_t *)layout;
-  b->n_layout = b->unkept_pages + b->kept_pages;
+  b->has_layout_id = 1;
+  b->layout_id = li.layout_id;
+  b->layout = known_layout != 0 && known_layout == li.layout_id ? NULL : (uint64_t *)layout;
+  b->n_layout = b->layout != NULL ? b->unkept_pages + b->kept_pages : 0;
   b->own_region = ri.owner_client == c->client_id;
   b->has_keep_window = 1;
   b->keep_window = sl_books_kept_window(d->books, c->client_id, li.region_id);
@@ -601,10 +607,11 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, Sublet__Borrowed *b) 
 }
 
 /* Answers a Borrow that succeeded with the window's layout. */
-static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int rescue) {
+static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int rescue,
+                           uint64_t known_layout) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Borrowed b = SUBLET__BORROWED__INIT;
-  int release_w = fill_borrowed(c, loan, &b);
+  int release_w = fill_borrowed(c, loan, known_layout, &b);
 
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_BORROWED;
@@ -614,40 +621,44 @@ static void reply_borrowed(struct sl_conn *c, uint64_t id, uint64_t loan, int re
     close(release_w); /* sent, or not asked for: the owner reads end-of-file then */
 }
 
-static int try_borrow(struct sl_conn *c, uint64_t id, uint64_t loan, const uint8_t *token,
-                      const char *name, int rescue, struct sl_err *err) {
+/* The Borrow w describes (parked or not): borrowed and answered, or why not. */
+static int try_borrow(struct sl_waiter *w, struct sl_err *err) {
+  struct sl_conn *c = w->conn;
   uint64_t got;
-  int rc = sl_books_borrow(c->d->books, c->client_id, loan, token, name,
+  int rc = sl_books_borrow(c->d->books, c->client_id, w->loan_id,
+                           w->has_token ? w->token : NULL, w->name,
                            fresh_pages_available(c->d), &got, err);
 
   if (rc == 0)
-    reply_borrowed(c, id, got, rescue);
+    reply_borrowed(c, w->req_id, got, w->rescue, w->known_layout);
   return rc;
 }
 
 static int on_borrow(struct ctx *x, const Sublet__Borrow *m) {
-  const uint8_t *token = m->has_token ? m->token.data : NULL;
-  struct sl_waiter *w;
-  char name[64];
+  struct sl_waiter ask = {.conn = x->c, .req_id = x->id, .loan_id = m->loan,
+                          .has_token = m->has_token, .rescue = m->rescue,
+                          .known_layout = m->known_layout}, *w;
   int rc;
 
   if (m->has_token && m->token.len != SUBLET_TOKEN_SIZE)
     return sl_err_set(&x->err, SUBLET_EINVAL, "a loan's token is %d bytes, not %zu",
                       SUBLET_TOKEN_SIZE, m->token.len);
-  if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
+  if ((rc = loan_name(x, m->has_name, m->name, ask.name)) != 0)
     return rc;
-  rc = try_borrow(x->c, x->id, m->loan, token, name, m->rescue, &x->err);
+  if (m->has_token)
+    memcpy(ask.token, m->token.data, SUBLET_TOKEN_SIZE);
+  rc = try_borrow(&ask, &x->err);
   if (rc != SUBLET_ENOOFFER || m->timeout_ms == 0)
     return rc;
   w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
-  w->loan_id = m->loan;
-  w->has_token = token != NULL;
-  w->rescue = m->rescue;
-  if (token != NULL)
-    memcpy(w->token, token, SUBLET_TOKEN_SIZE);
-  memcpy(w->name, name, sizeof(w->name));
+  w->loan_id = ask.loan_id;
+  w->has_token = ask.has_token;
+  w->rescue = ask.rescue;
+  w->known_layout = ask.known_layout;
+  memcpy(w->token, ask.token, SUBLET_TOKEN_SIZE);
+  memcpy(w->name, ask.name, sizeof(w->name));
   return 0;
 }
 
@@ -661,8 +672,7 @@ void sl_handle_offer_posted(struct sl_daemon *d) {
     next = w->next;
     if (w->kind != SL_WAIT_BORROW)
       continue;
-    int rc = try_borrow(w->conn, w->req_id, w->loan_id, w->has_token ? w->token : NULL,
-                        w->name, w->rescue, &err);
+    int rc = try_borrow(w, &err);
     if (rc == SUBLET_ENOOFFER)
       continue;
     if (rc != 0)

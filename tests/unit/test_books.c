@@ -354,6 +354,61 @@ static void test_keep_sorted_or_not(void) {
   sl_books_free(b);
 }
 
+static uint64_t layout_id_of(const struct sl_books *b, uint64_t loan) {
+  return info(b, loan).layout_id;
+}
+
+/* A loan's layout id: the same as the region's last loan's when the layout is the same and no
+ * page of the region was replaced since (then the borrower is not sent the layout), else one
+ * never given before. */
+static void test_layout_ids(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), root = client(b, 0, 0);
+  uint64_t r = region(b, owner, 8), r2 = region(b, owner, 8), loan, first, seen[8];
+  struct sublet_range k1 = {PS + 5, 10}, k2 = {3 * PS, 10};
+  struct sl_loan_end end = {0};
+  struct sl_grant g;
+  size_t n = 0;
+
+  loan = lend(b, owner, r, &k1, 1);
+  first = seen[n++] = layout_id_of(b, loan);
+  CHECK(first != 0);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, r, &(struct sublet_range){PS + 100, 1000}, 1); /* same pages kept */
+  CHECK_EQ(layout_id_of(b, loan), first);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, r, &k2, 1);
+  seen[n++] = layout_id_of(b, loan);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, r, &k1, 1); /* k1's again, but the last loan's was k2's */
+  seen[n++] = layout_id_of(b, loan);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, r2, &k1, 1); /* another region: never the same id */
+  seen[n++] = layout_id_of(b, loan);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  /* Another user borrows and is granted a page: it is replaced at the end, and the layout,
+   * the same, gets a new id all the same (the pages behind it are new). */
+  loan = lend(b, owner, r, &k1, 1);
+  CHECK_EQ(layout_id_of(b, loan), seen[2]);
+  borrow(b, root, loan, 0);
+  CHECK_EQ(sl_books_alloc_plan(b, root, PS, &g, NULL), 0);
+  CHECK_EQ(sl_books_alloc_commit(b, &g), 0);
+  CHECK_EQ(sl_books_return(b, root, 1, &end, NULL), SUBLET_ELEAK);
+  sl_grant_clear(&g);
+  CHECK(end.nreplace > 0);
+  sl_books_pages_replaced(b, &end, end.nreplace);
+  sl_loan_end_clear(&end);
+  loan = lend(b, owner, r, &k1, 1);
+  seen[n++] = layout_id_of(b, loan);
+  BOOKS_OK(b);
+  for (size_t i = 1; i < n; i++)
+    for (size_t j = 0; j < i; j++)
+      CHECK(seen[i] != seen[j]);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  sl_books_free(b);
+}
+
 /* ---- borrowing ---------------------------------------------------------------------------- */
 
 static void test_borrow_paths(void) {
@@ -2152,6 +2207,7 @@ int main(void) {
   test_lend_in_steps();
   test_lend_layout();
   test_keep_sorted_or_not();
+  test_layout_ids();
   test_borrow_paths();
   test_alloc_order();
   test_coalescing();
