@@ -832,6 +832,107 @@ static void test_keep_in_a_memfd(void) {
   close(pipefd[1]);
 }
 
+/* Sends req on a raw connection and returns its reply (the caller frees it; NULL when none
+ * came), fds closed. */
+static Sublet__Reply *raw_reply(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
+  static uint64_t next_id = 1;
+  struct sl_frame_header h;
+  const uint8_t *payload;
+  int fds[SL_WIRE_MAX_FDS];
+
+  req->id = next_id++;
+  if (sl_msg_send_request(fd, req, NULL, 0, -1, NULL) != 0 ||
+      sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
+    return NULL;
+  sl_wire_close_fds(fds, h.nfds);
+  return sl_msg_unpack_reply(payload, h.length, NULL);
+}
+
+/* A local Lend of region with one keep range, on a raw connection: Borrowed's layout length
+ * and id; then the loan is returned and reclaimed. */
+static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint64_t keep_at,
+                           uint64_t known, size_t *n_layout, uint64_t *layout_id) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  Sublet__Return ret = SUBLET__RETURN__INIT;
+  Sublet__Reclaim reclaim = SUBLET__RECLAIM__INIT;
+  uint64_t keep[2] = {keep_at, 100}, loan = 0;
+  Sublet__Reply *rep;
+
+  lend.region = region;
+  lend.keep = keep;
+  lend.n_keep = 2;
+  lend.has_local = lend.local = 1;
+  lend.has_known_layout = known != 0;
+  lend.known_layout = known;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  rep = raw_reply(fd, rx, &req);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed);
+  if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed) {
+    *n_layout = rep->lent->borrowed->n_layout;
+    *layout_id = rep->lent->borrowed->layout_id;
+    loan = rep->lent->loan;
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  req.body_case = SUBLET__REQUEST__BODY_RETURN;
+  req.return_ = &ret;
+  rep = raw_reply(fd, rx, &req);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_RETURNED);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  reclaim.loan = loan;
+  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
+  req.reclaim = &reclaim;
+  rep = raw_reply(fd, rx, &req);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_RECLAIMED);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+}
+
+/* A borrower whose window has the loan's layout (known_layout: the id it was given) is not
+ * sent it again; a loan with another layout, or a borrower that names another id, is. */
+static void test_layout_left_out_when_known(void) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Hello hello = SUBLET__HELLO__INIT;
+  Sublet__RegionCreate create = SUBLET__REGION_CREATE__INIT;
+  struct sl_wire_rx rx;
+  Sublet__Reply *rep;
+  uint64_t region = 0, id1 = 0, id2 = 0, id3 = 0, id4 = 0;
+  size_t n1 = 0, n2 = 9, n3 = 0, n4 = 0;
+  int fd = raw_connect();
+
+  CHECK(fd >= 0);
+  sl_wire_rx_init(&rx);
+  hello.protocol = SUBLET_PROTOCOL_VERSION;
+  req.body_case = SUBLET__REQUEST__BODY_HELLO;
+  req.hello = &hello;
+  rep = raw_reply(fd, &rx, &req);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_WELCOME);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  create.size = 4 * PAGE;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
+  req.region_create = &create;
+  rep = raw_reply(fd, &rx, &req);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED);
+  if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED)
+    region = rep->region_created->region;
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  raw_local_loan(fd, &rx, region, 0, 0, &n1, &id1);
+  CHECK(n1 == 4 && id1 != 0);
+  raw_local_loan(fd, &rx, region, 50, id1, &n2, &id2); /* the same pages kept: left out */
+  CHECK(n2 == 0 && id2 == id1);
+  raw_local_loan(fd, &rx, region, 50, id1 + 1000, &n3, &id3); /* it names another id */
+  CHECK(n3 == 4 && id3 == id1);
+  raw_local_loan(fd, &rx, region, 2 * PAGE, id1, &n4, &id4); /* another layout */
+  CHECK(n4 == 4 && id4 != id1);
+  sl_wire_rx_destroy(&rx);
+  close(fd);
+}
+
 /* A loan's name is UTF-8 of 1 to 63 bytes without NUL: any other is refused with EINVAL (so
  * that `sublet status` and the daemon's logs can always print it), and the daemon goes on. */
 static void test_loan_names(void) {
@@ -1082,6 +1183,7 @@ int main(void) {
   sl_test_run("consecutive unkept pages in place", test_direct_runs);
   sl_test_run("keep ranges as bytes: shape checked", test_keep_ranges_shape);
   sl_test_run("keep ranges in a memfd: read, and checked", test_keep_in_a_memfd);
+  sl_test_run("a layout the borrower has is left out", test_layout_left_out_when_known);
   sl_test_run("random keep sets", test_random_keeps);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);
