@@ -848,6 +848,17 @@ static Sublet__Reply *raw_reply(int fd, struct sl_wire_rx *rx, Sublet__Request *
   return sl_msg_unpack_reply(payload, h.length, NULL);
 }
 
+/* Sends req raw: was the reply want? */
+static int raw_expect(int fd, struct sl_wire_rx *rx, Sublet__Request *req,
+                      Sublet__Reply__BodyCase want) {
+  Sublet__Reply *rep = raw_reply(fd, rx, req);
+  int ok = rep != NULL && rep->body_case == want;
+
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return ok;
+}
+
 /* A local Lend of region with one keep range, on a raw connection: Borrowed's layout length
  * and id; then the loan is returned and reclaimed. */
 static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint64_t keep_at,
@@ -878,17 +889,11 @@ static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint6
     sublet__reply__free_unpacked(rep, NULL);
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &ret;
-  rep = raw_reply(fd, rx, &req);
-  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_RETURNED);
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RETURNED));
   reclaim.loan = loan;
   req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
   req.reclaim = &reclaim;
-  rep = raw_reply(fd, rx, &req);
-  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_RECLAIMED);
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
 }
 
 /* A borrower whose window has the loan's layout (known_layout: the id it was given) is not
@@ -908,10 +913,7 @@ static void test_layout_left_out_when_known(void) {
   hello.protocol = SUBLET_PROTOCOL_VERSION;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  rep = raw_reply(fd, &rx, &req);
-  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_WELCOME);
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
+  CHECK(raw_expect(fd, &rx, &req, SUBLET__REPLY__BODY_WELCOME));
   create.size = 4 * PAGE;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &create;
