@@ -1,7 +1,7 @@
 /* plan.c - where kept bytes go when their page is handed out (the contract is plan.h).
  *
- * Work is linear in the pieces a step makes, with one binary search per hole and per page:
- * a 64 GiB region keeping 300,000 scattered blocks makes about as many moves, once.
+ * Work is linear in the pieces a step makes and the pages it reaches, with one binary search
+ * per step: a 64 GiB region keeping 300,000 scattered blocks makes about as many moves, once.
  */
 #include "plan.h"
 
@@ -109,12 +109,42 @@ static uint64_t page_start(const struct sl_plan *p, uint64_t i) {
   return p->pages[i] * p->page_size;
 }
 
+static uint64_t keep_end(const struct sl_plan *p, size_t k) {
+  return p->keep[k].offset + p->keep[k].length;
+}
+
+/* sl_plan_keep_after(p, off) found from k, its answer for an offset at or above off: ranges
+ * end in ascending order, so it walks back over the few between (a binary search a page was
+ * most of a step's work: 4,600 pages of scattered blocks cost 0.7 ms in searches alone). */
+static size_t keep_after_below(const struct sl_plan *p, size_t k, uint64_t off) {
+  while (k > 0 && keep_end(p, k - 1) > off)
+    k--;
+  return k;
+}
+
+/* The same from k, its answer for an offset at or below off. */
+static size_t keep_after_above(const struct sl_plan *p, size_t k, uint64_t off) {
+  while (k < p->nkeep && keep_end(p, k) <= off)
+    k++;
+  return k;
+}
+
+/* The first keep range ending after x, the cursor's hole in its current page: known while it
+ * stays in one page, walked back to when it went down one page, searched otherwise. */
+static size_t cursor_keep(const struct sl_plan *p, const struct cursor *c, uint64_t x) {
+  if (c->k_sink == c->sink)
+    return c->k;
+  if (c->k_sink == c->sink + 1)
+    return keep_after_below(p, c->k, x);
+  return sl_plan_keep_after(p, x);
+}
+
 /* The next free hole at or after the cursor, as [*at, *at + *len); 0 when none is left above
  * the cursor's floor. Exhausted pages are left behind, downwards. */
 static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, uint64_t *len) {
   while (c->sink >= c->floor && c->sink < p->npages) {
     uint64_t start = page_start(p, c->sink), end = start + p->page_size, x = start + c->off;
-    size_t k = c->k_sink == c->sink ? c->k : sl_plan_keep_after(p, x);
+    size_t k = cursor_keep(p, c, x);
     if (k < p->nkeep && p->keep[k].offset <= x) { /* inside a kept range: skip it */
       x = p->keep[k].offset + p->keep[k].length;
       k++;
@@ -129,6 +159,8 @@ static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, ui
     }
     if (c->sink == 0)
       break;
+    c->k = k; /* an upper bound for the page below: cursor_keep walks back from it */
+    c->k_sink = c->sink;
     c->sink--;
     c->off = 0;
   }
@@ -167,9 +199,9 @@ static size_t moves_into(const struct sl_plan *p, uint64_t pg) {
 
 /* Page i holds moved bytes: its own kept bytes and the moved ones go to the host, merged in
  * address order so that a dense page copies in few long pieces. */
-static int save_dense(const struct sl_plan *p, uint64_t i, struct save_list *sl) {
+static int save_dense(const struct sl_plan *p, uint64_t i, size_t k, struct save_list *sl) {
   uint64_t start = page_start(p, i), end = start + p->page_size, pg = p->pages[i];
-  size_t k = sl_plan_keep_after(p, start), m = moves_into(p, pg);
+  size_t m = moves_into(p, pg);
   int rc = 0;
 
   while (rc == 0) {
@@ -189,17 +221,17 @@ static int save_dense(const struct sl_plan *p, uint64_t i, struct save_list *sl)
   return rc;
 }
 
-/* The kept bytes of page i leave it, moved above the floor or saved. */
-static int empty_page(const struct sl_plan *p, uint64_t i, struct cursor *c,
+/* The kept bytes of page i leave it, moved above the floor or saved; k is the first keep
+ * range ending after the page's start. */
+static int empty_page(const struct sl_plan *p, uint64_t i, size_t k, struct cursor *c,
                       struct move_list *ml, struct save_list *sl) {
   uint64_t start = page_start(p, i), end = start + p->page_size;
   uint64_t lowest_filled = p->sink_off > 0 ? p->sink : p->sink + 1;
   int rc = 0;
 
   if (i >= lowest_filled && p->nmoves > 0)
-    return save_dense(p, i, sl);
-  for (size_t k = sl_plan_keep_after(p, start); rc == 0 && k < p->nkeep && p->keep[k].offset < end;
-       k++) {
+    return save_dense(p, i, k, sl);
+  for (; rc == 0 && k < p->nkeep && p->keep[k].offset < end; k++) {
     uint64_t lo = p->keep[k].offset > start ? p->keep[k].offset : start;
     rc = place(p, c, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo, ml, sl);
   }
@@ -210,13 +242,18 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
   struct cursor c = {p->sink, p->sink_off, p->compact ? to : p->npages, 0, UINT64_MAX};
   struct move_list ml = {0};
   struct save_list sl = {.host_off = p->saved_bytes};
+  size_t k;
   int rc = 0;
 
   memset(s, 0, sizeof(*s));
   if (from != p->reached || to <= from || to > p->npages)
     return SUBLET_EINVAL;
-  for (uint64_t i = from; i < to && rc == 0; i++)
-    rc = empty_page(p, i, &c, &ml, &sl);
+  /* The kept zone's pages ascend, so the first range ending after each page's start does. */
+  k = sl_plan_keep_after(p, page_start(p, from));
+  for (uint64_t i = from; i < to && rc == 0; i++) {
+    k = keep_after_above(p, k, page_start(p, i));
+    rc = empty_page(p, i, k, &c, &ml, &sl);
+  }
   *s = (struct sl_plan_step){from, to, ml.v, ml.n, ml.bytes, sl.v, sl.n, sl.bytes, c.sink,
                              c.off};
   if (rc < 0)
