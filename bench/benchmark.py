@@ -39,7 +39,7 @@ client processes are fresh for every first cycle all the same. --daemon private 
 process start its own daemon (the package's default with no service set up).
 
     python3 bench/benchmark.py            # the full run
-    python3 bench/benchmark.py --quick    # the whole table at S = 64 GiB, 1 later cycle
+    python3 bench/benchmark.py --quick    # the whole table at S = 64 GiB, fewer cycles
     python3 bench/benchmark.py --quick --phases   # ... with where each case's time goes
     python3 bench/benchmark.py --report   # the table and targets again, from the JSON
     python3 bench/plot.py                 # the chart, from the JSON
@@ -1017,6 +1017,7 @@ class Settings:
     kept_fraction: float
     fractions: list[float]
     cycles: int
+    sublet_cycles: int  # sublet's later cycles take milliseconds: --quick keeps 3 of them
     patterns: list[str]
     methods: list[str]
     json_path: Path
@@ -1056,8 +1057,8 @@ def plan_cases(s: Settings, plan: dict[str, Any]) -> list[dict[str, Any]]:
             for p in s.patterns:
                 for kind, f in all_jobs(s):
                     if kind == "fill" or p == "blocks":
-                        cases.append({**common, "method": "sublet", "pattern": p,
-                                      "jobs": [(kind, f)], "size_bytes": size})
+                        cases.append({**common, "cycles": s.sublet_cycles, "method": "sublet",
+                                      "pattern": p, "jobs": [(kind, f)], "size_bytes": size})
     for case in cases:
         what = ", ".join(f"{k} {pct(f)}" for k, f in case["jobs"])
         case["label"] = f"{case['method']} {case['pattern']} {what} {gib(case['size_bytes'])}"
@@ -1094,7 +1095,7 @@ def child_timeout(s: Settings, case: dict[str, Any]) -> float:
     start-up."""
     if s.child_timeout:
         return s.child_timeout
-    return 300 + case["size_bytes"] / GiB * (0.7 + 0.2 * (s.cycles + 1) * len(case["jobs"]))
+    return 300 + case["size_bytes"] / GiB * (0.7 + 0.2 * (case["cycles"] + 1) * len(case["jobs"]))
 
 
 def run_benchmark(s: Settings) -> int:
@@ -1381,7 +1382,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fractions", type=_float_list, default=[0.25, 0.75, 1.0],
                         help="job sizes as fractions of S, comma-separated (25 or 0.25)")
     parser.add_argument("--cycles", type=int, default=None,
-                        help="later cycles per case, after the first (default 3, quick 1)")
+                        help="later cycles per case, after the first (default 3; quick: 1 "
+                             "for copy-all and tms, 3 for sublet)")
     parser.add_argument("--patterns", type=_choices(PATTERNS), default=list(PATTERNS),
                         help="keep patterns, comma-separated")
     parser.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
@@ -1422,8 +1424,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds before a case's process is killed (default: from S)")
     parser.add_argument("--quick", action="store_true",
                         help="the whole table fast (about 6 minutes on an H200): S = 64 "
-                             "GiB, 1 later cycle, a 1 GiB bandwidth buffer, 2 repetitions of "
-                             "the job alone (options given explicitly still win)")
+                             "GiB, 1 later cycle of copy-all and tms (seconds each; sublet's "
+                             "take milliseconds and keep 3, so that one slow exit does not "
+                             "make the figure), a 1 GiB bandwidth buffer, 2 repetitions of the "
+                             "job alone (options given explicitly still win)")
     parser.add_argument("--report", action="store_true",
                         help="print the table and targets of --json and exit (no GPU needed)")
     parser.add_argument("--child", choices=("probe", "case"), help=argparse.SUPPRESS)
@@ -1438,6 +1442,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         size_gib=size, free_gib=args.free if args.free is not None else 8.0,
         kept_fraction=args.kept_fraction, fractions=args.fractions,
         cycles=args.cycles if args.cycles is not None else (1 if quick else 3),
+        sublet_cycles=args.cycles if args.cycles is not None else 3,
         patterns=args.patterns, methods=args.methods, json_path=args.json.resolve(),
         append=args.append, uncapped_sublet=args.uncapped_sublet, daemon=args.daemon,
         daemon_pin_gib=args.daemon_pin, seed=args.seed,

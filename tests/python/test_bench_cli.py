@@ -136,3 +136,19 @@ def test_explicit_and_max_sizes():
     assert plan["copy_all_sizes"] == []  # its pinned buffer would not fit in host memory
     with pytest.raises(SystemExit, match="does not fit"):
         plan_sizes(139 * GiB, 118 * GiB, 200.0, 8, uncapped_sublet=False)
+
+
+def test_quick_keeps_three_later_cycles_of_sublet_and_one_of_the_slow_methods():
+    """--quick: copy-all and tms take seconds a cycle and run one later cycle; sublet's take
+    milliseconds, and one slow exit would be its whole later figure: it keeps three."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(BENCH))
+    plan = {"free_bytes": 8 * GiB, "copy_all_sizes": [64 * GiB], "sublet_sizes": [64 * GiB]}
+    for argv, slow, fast in ((["--quick"], 1, 3), (["--quick", "--cycles", "2"], 2, 2),
+                             ([], 3, 3)):
+        s = benchmark.settings_from(benchmark.build_parser().parse_args(argv))
+        cycles = {c["method"]: c["cycles"] for c in benchmark.plan_cases(s, plan)}
+        assert cycles == {"copy-all": slow, "tms": slow, "sublet": fast}, argv
