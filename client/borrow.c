@@ -9,8 +9,6 @@
 
 /* ------------------------------------------------------------------ borrowing */
 
-/* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
- * with the last one's imported handles when they are of the same region. */
 uint64_t sl_borrow_known_layout(const sublet_client *c) {
   return c->win != NULL ? c->win->layout_id : 0;
 }
@@ -28,6 +26,8 @@ static const uint64_t *layout_of(const sublet_client *c, const Sublet__Borrowed 
   return last->layout;
 }
 
+/* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
+ * with the last one's imported handles when they are of the same region. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
   const uint64_t *layout = layout_of(c, b);

@@ -358,7 +358,8 @@ static int keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
     if (r <= 0) {
       free(buf);
       return sl_err_set(err, SUBLET_EPROTO, "the keep memfd ended after %zu of its %zu keep "
-                        "ranges (%s): write every range before the Lend", got / 16, n,
+                        "ranges (%s): write every range before the Lend",
+                        got / sizeof(struct sublet_range), n,
                         r < 0 ? strerror(errno) : "end of file");
     }
     got += (size_t)r;
@@ -457,8 +458,10 @@ static int keep_from_bytes(struct ctx *x, Sublet__Lend *m) {
   return 0;
 }
 
-/* Lists longer than a frame could carry as bytes are refused past this (256 MiB of ranges). */
-#define KEEP_FD_MAX_RANGES (1ull << 24)
+/* The most ranges a keep memfd may hold: 64 MiB, what subletd reads of it into its own
+ * memory (in the draft job: one at a time). A 141 GiB GPU of 64 KiB blocks, every other one
+ * kept, is 1.1 million ranges. */
+#define KEEP_FD_MAX_RANGES (1ull << 22)
 
 /* Lend.keep_fd_ranges: one keep list, in a memfd (fcntl's seals answer only for memfds and
  * the like: a file whose reads could block the job is refused) that holds them all. */
