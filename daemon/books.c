@@ -153,13 +153,18 @@ int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
   return 0;
 }
 
-/* The region leaves the books; its keepers hold its pages until they let go (kept.c). */
-static void region_delete(struct sl_books *b, struct sl_region *r) {
-  size_t i = (size_t)(r - b->regions);
-
+/* What a region leaving the books leaves behind: its keepers hold its pages until they let go
+ * (kept.c). The caller takes it out of b->regions. */
+static void region_forget(struct sl_books *b, struct sl_region *r) {
   sl_books_kept_retire(b, r);
   b->region_pages -= r->npages;
   free(r->layout);
+}
+
+static void region_delete(struct sl_books *b, struct sl_region *r) {
+  size_t i = (size_t)(r - b->regions);
+
+  region_forget(b, r);
   memmove(r, r + 1, (b->nregions - i - 1) * sizeof(*r));
   b->nregions--;
 }
@@ -1371,9 +1376,8 @@ static void regions_drop_owner(struct sl_books *b, uint64_t client_id,
   for (size_t i = 0; i < b->nregions; i++) {
     struct sl_region *r = &b->regions[i];
     if (r->owner_client == client_id && r->loan_id == 0) {
-      sl_books_kept_retire(b, r);
       g->free_regions[g->nfree_regions++] = r->id;
-      b->region_pages -= r->npages;
+      region_forget(b, r);
     } else {
       b->regions[kept++] = *r;
     }
