@@ -116,6 +116,23 @@ def test_keep_variants_fill_everything_and_restore(keep_name):
                                                                   PAGE))
 
 
+def test_long_keep_lists_in_sequence_restore_every_kept_bit():
+    """A KV cache's live list, long (over 65,536 ranges: libsublet sends it in a memfd) and
+    changing from loan to loan, a loan repeating the last one's list too (its layout is then
+    not sent again): after every loan, filled to the last page, every kept bit is what it was
+    before that loan (the bytes a loan did not keep were the borrower's to overwrite)."""
+    cache, _ = patterned(524288, 32, seed=13)  # 16 MiB of 32-byte blocks
+    rng = np.random.default_rng(13)
+    lists = [np.sort(rng.choice(524288, size=n, replace=False)) for n in (150_000, 200_000)]
+    for rows in (lists[0], lists[1], lists[1], lists[0]):
+        keep, before = torch.from_numpy(rows), cache.clone()
+        assert len(kept_ranges_of(cache, keep)) > 65536
+        with sublet.lend(cache, keep=keep) as loan:
+            del_all(fill_loan(loan, seed=len(rows)))
+        assert_kept_intact(cache, before, keep)
+        assert loan.copied_bytes == len(rows) * 32  # every page was reached: all of it saved
+
+
 def sublet_regions_pages() -> list[int]:
     """Pages of all regions alive in this process (they are not free memory for a loan)."""
     from sublet import _memory
