@@ -38,6 +38,7 @@ struct sublet_client {
   int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
   int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
   int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
+  size_t keep_fd_bytes; /* its size */
   struct sl_wire_rx rx;
   uint64_t next_id;
   struct sublet_info info;

@@ -20,7 +20,8 @@
 #define KEEP_FD_MIN_RANGES 65536
 
 /* Writes the keep ranges at the start of the client's keep memfd (made at the first long
- * list, then reused: its pages are there already). */
+ * list, then reused: its pages are there already). It shrinks when it holds more than twice
+ * what this list needs: what a long list once took is not held for good. */
 static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size_t n) {
   const char *p = (const char *)keep;
   size_t left = n * sizeof(*keep);
@@ -28,6 +29,9 @@ static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size
 
   if (c->keep_fd < 0 && (c->keep_fd = memfd_create("sublet-keep", MFD_CLOEXEC)) < 0)
     return sl_client_fail(SUBLET_EIO, "memfd_create for the keep ranges: %s", strerror(errno));
+  if (c->keep_fd_bytes / 2 > left && ftruncate(c->keep_fd, (off_t)left) == 0)
+    c->keep_fd_bytes = left;
+  c->keep_fd_bytes = c->keep_fd_bytes > left ? c->keep_fd_bytes : left;
   while (left > 0) {
     ssize_t w = pwrite(c->keep_fd, p, left, at);
     if (w < 0 && errno == EINTR)
