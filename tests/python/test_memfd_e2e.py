@@ -263,6 +263,35 @@ def test_fifty_loans_in_a_row_do_not_grow():
     assert_kept_intact(cache, before, keep)
 
 
+def test_a_known_layout_with_less_free_memory_is_laid_out_again():
+    """The same keep list is the same layout (not sent again), but a region made between two
+    loans leaves less free memory, so a smaller fresh zone: the window is laid out anew from
+    its own copy of the layout, gathered (rows kept here and there) as in place (bytes of
+    every page kept). Once that region is freed the zone stays as it is (books.c,
+    steady_fresh). Every kept bit comes back each time."""
+    keeps = {"rows": lambda c: c[::3], "every page": lambda c: c.view(-1, PAGE)[:, :64]}
+    for name, keep_of in keeps.items():
+        cache, _ = patterned(16, 16 * PAGE, seed=14)  # rows of 16 pages, a region of its own
+        keep, extra, got = keep_of(cache), None, []
+        for step in ("as it is", "less free", "more free", "as it is"):
+            if step == "less free":
+                extra = sublet.empty(64 * PAGE, dtype=torch.uint8, device="cpu")
+            elif step == "more free":
+                del extra
+                gc.collect()
+            before = cache.clone()
+            with sublet.lend(cache, keep=keep) as loan:
+                tensors = fill_loan(loan, seed=len(step))
+                got.append(len(tensors))
+                del_all(tensors)
+            assert_kept_intact(cache, before, keep)
+        others = len(sublet_regions_pages()) - 256
+        assert got == [1024 - others, 1024 - others - 64, 1024 - others - 64,
+                       1024 - others - 64], name
+        del cache, keep, loan  # the loan holds the tensor: its region goes with all three
+        gc.collect()
+
+
 # --------------------------------------------------------------------------- two processes
 
 BORROWER = textwrap.dedent("""
