@@ -410,6 +410,8 @@ static int keep_take_sorted(struct sl_loan *l, const struct sublet_range *keep, 
 
   for (size_t i = 0; i < n; i++) {
     uint64_t lo = keep[i].offset, hi = lo + keep[i].length;
+    /* keep_validate's check, on the values loaded already (through a helper taking the
+     * range, the pass took 0.72 ms instead of 0.58) */
     if (lo > limit || keep[i].length > limit - lo)
       return keep_out_of_region(i, &keep[i], limit, err);
     if (keep[i].length == 0)

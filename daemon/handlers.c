@@ -437,9 +437,6 @@ static int lend_timeout(const Sublet__Lend *m) {
 static int keep_from_bytes(struct ctx *x, Sublet__Lend *m) {
   if (!m->has_keep_ranges)
     return 0;
-  if (m->n_keep > 0 || m->keep_all)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "a Lend has keep, keep_all or keep_ranges, not "
-                      "more than one");
   if (m->keep_ranges.len % sizeof(struct sublet_range) != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep_ranges holds 16 bytes a range, not "
                       "%zu bytes", m->keep_ranges.len);
@@ -471,9 +468,6 @@ static int keep_fd_check(struct ctx *x, const Sublet__Lend *m) {
   if (!m->has_keep_fd_ranges)
     return x->keep_fd < 0 ? 0 : sl_err_set(&x->err, SUBLET_EPROTO, "a Lend carries an fd only "
                                            "with keep_fd_ranges");
-  if (m->n_keep > 0 || m->keep_all || m->has_keep_ranges)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "a Lend has keep, keep_all, keep_ranges or "
-                      "keep_fd_ranges, not more than one");
   if (x->keep_fd < 0)
     return sl_err_set(&x->err, SUBLET_EPROTO, "Lend.keep_fd_ranges without the memfd: send it "
                       "with the frame");
@@ -491,6 +485,17 @@ static int keep_fd_check(struct ctx *x, const Sublet__Lend *m) {
   return 0;
 }
 
+/* keep_ranges and keep_fd_ranges stand alone: neither with the other, keep or keep_all (keep
+ * beside keep_all is ignored, as it always was). Checked before either is read. */
+static int keep_forms_check(struct ctx *x, const Sublet__Lend *m) {
+  int packed = m->has_keep_ranges + m->has_keep_fd_ranges;
+
+  if (packed > 1 || (packed == 1 && (m->n_keep > 0 || m->keep_all)))
+    return sl_err_set(&x->err, SUBLET_EINVAL, "a Lend has keep, keep_all, keep_ranges or "
+                      "keep_fd_ranges, not more than one");
+  return 0;
+}
+
 /* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
  * comes (at once, most often), or when its timer fires, or dropped with its connection. */
 static int on_lend(struct ctx *x, Sublet__Lend *m) {
@@ -501,7 +506,8 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
 
   if ((rc = loan_name(x, m->has_name, m->name, name)) != 0)
     return rc;
-  if ((rc = keep_from_bytes(x, m)) != 0 || (rc = keep_fd_check(x, m)) != 0)
+  if ((rc = keep_forms_check(x, m)) != 0 || (rc = keep_from_bytes(x, m)) != 0 ||
+      (rc = keep_fd_check(x, m)) != 0)
     return rc;
   if (m->n_keep % 2 != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "

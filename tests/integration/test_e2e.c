@@ -715,20 +715,29 @@ static void test_next_offer_taken_once(void) {
 
 /* Sends one raw request and returns its reply's Error code (0 for another reply, 1 when no
  * reply came). */
-static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req, int sendfd) {
+/* Sends req (with sendfd, if not -1, and the next id) on a raw connection and returns its
+ * reply (the caller frees it; NULL when none came), its fds closed. */
+static Sublet__Reply *raw_reply(int fd, struct sl_wire_rx *rx, Sublet__Request *req,
+                                int sendfd) {
+  static uint64_t next_id = 1;
   struct sl_frame_header h;
   const uint8_t *payload;
-  int fds[SL_WIRE_MAX_FDS], code = 1;
-  Sublet__Reply *rep;
+  int fds[SL_WIRE_MAX_FDS];
 
+  req->id = next_id++;
   if (sl_msg_send_request(fd, req, &sendfd, sendfd >= 0, -1, NULL) != 0 ||
       sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
-    return 1;
+    return NULL;
   sl_wire_close_fds(fds, h.nfds);
-  if ((rep = sl_msg_unpack_reply(payload, h.length, NULL)) != NULL) {
-    code = rep->body_case == SUBLET__REPLY__BODY_ERROR ? rep->error->code : 0;
+  return sl_msg_unpack_reply(payload, h.length, NULL);
+}
+
+static int raw_call(int fd, struct sl_wire_rx *rx, Sublet__Request *req, int sendfd) {
+  Sublet__Reply *rep = raw_reply(fd, rx, req, sendfd);
+  int code = rep == NULL ? 1 : rep->body_case == SUBLET__REPLY__BODY_ERROR ? rep->error->code : 0;
+
+  if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
-  }
   return code;
 }
 
@@ -742,11 +751,9 @@ static int raw_lend_fd(Sublet__Lend *lend, int sendfd) {
 
   sl_wire_rx_init(&rx);
   hello.protocol = SUBLET_PROTOCOL_VERSION;
-  req.id = 1;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
   code = raw_call(fd, &rx, &req, -1);
-  req.id = 2;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = lend;
   if (code == 0)
@@ -832,26 +839,10 @@ static void test_keep_in_a_memfd(void) {
   close(pipefd[1]);
 }
 
-/* Sends req on a raw connection and returns its reply (the caller frees it; NULL when none
- * came), fds closed. */
-static Sublet__Reply *raw_reply(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
-  static uint64_t next_id = 1;
-  struct sl_frame_header h;
-  const uint8_t *payload;
-  int fds[SL_WIRE_MAX_FDS];
-
-  req->id = next_id++;
-  if (sl_msg_send_request(fd, req, NULL, 0, -1, NULL) != 0 ||
-      sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
-    return NULL;
-  sl_wire_close_fds(fds, h.nfds);
-  return sl_msg_unpack_reply(payload, h.length, NULL);
-}
-
 /* Sends req raw: was the reply want? */
 static int raw_expect(int fd, struct sl_wire_rx *rx, Sublet__Request *req,
                       Sublet__Reply__BodyCase want) {
-  Sublet__Reply *rep = raw_reply(fd, rx, req);
+  Sublet__Reply *rep = raw_reply(fd, rx, req, -1);
   int ok = rep != NULL && rep->body_case == want;
 
   if (rep != NULL)
@@ -878,7 +869,7 @@ static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint6
   lend.known_layout = known;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &lend;
-  rep = raw_reply(fd, rx, &req);
+  rep = raw_reply(fd, rx, &req, -1);
   CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed);
   if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed) {
     *n_layout = rep->lent->borrowed->n_layout;
@@ -917,7 +908,7 @@ static void test_layout_left_out_when_known(void) {
   create.size = 4 * PAGE;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &create;
-  rep = raw_reply(fd, &rx, &req);
+  rep = raw_reply(fd, &rx, &req, -1);
   CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED);
   if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED)
     region = rep->region_created->region;
