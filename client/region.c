@@ -15,20 +15,19 @@
  * at most SL_WIRE_MAX_PAYLOAD. */
 #define KEEP_AS_BYTES (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
 #define KEEP_BYTES_MAX_RANGES (SL_WIRE_MAX_PAYLOAD / 2 / sizeof(struct sublet_range))
-/* Longer lists go in a memfd (Lend.keep_fd_ranges), the same pairs: through the socket,
- * 220,000 ranges took 3 to 4 ms of a Lend on an H200 host. */
-#define KEEP_FD_MIN_RANGES 65536
 
 /* Writes the keep ranges at the start of the client's keep memfd (made at the first long
  * list, then reused: its pages are there already). It shrinks when it holds more than twice
- * what this list needs: what a long list once took is not held for good. */
+ * what this list needs: what a long list once took is not held for good. Returns 0, or -1
+ * when the memfd cannot be made or written (no memory, no fd left): the list then goes
+ * through the socket, as it would to a subletd without keep_fd. */
 static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size_t n) {
   const char *p = (const char *)keep;
   size_t left = n * sizeof(*keep);
   off_t at = 0;
 
   if (c->keep_fd < 0 && (c->keep_fd = memfd_create("sublet-keep", MFD_CLOEXEC)) < 0)
-    return sl_client_fail(SUBLET_EIO, "memfd_create for the keep ranges: %s", strerror(errno));
+    return -1;
   if (c->keep_fd_bytes / 2 > left && ftruncate(c->keep_fd, (off_t)left) == 0)
     c->keep_fd_bytes = left;
   c->keep_fd_bytes = c->keep_fd_bytes > left ? c->keep_fd_bytes : left;
@@ -37,8 +36,7 @@ static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size
     if (w < 0 && errno == EINTR)
       continue;
     if (w <= 0)
-      return sl_client_fail(errno == ENOSPC || errno == ENOMEM ? SUBLET_ENOHOSTMEM : SUBLET_EIO,
-                            "writing %zu keep ranges to a memfd: %s", n, strerror(errno));
+      return -1;
     p += w;
     at += w;
     left -= (size_t)w;
@@ -46,16 +44,15 @@ static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size
   return 0;
 }
 
-/* Lend's keep: in the memfd (*fd set), as bytes, or as varints, by what subletd reads. */
-static int lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
-                     size_t n, int keep_all, int *fd) {
+/* Lend's keep: in the memfd (*fd set), as bytes, or as varints, by what subletd reads and how
+ * long the list is. */
+static void lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
+                      size_t n, int keep_all, int *fd) {
   *fd = -1;
   if (keep_all || n == 0)
-    return 0;
-  if (c->keep_fd_ok && KEEP_AS_BYTES && n > KEEP_FD_MIN_RANGES) {
-    int rc = keep_to_memfd(c, keep, n);
-    if (rc != 0)
-      return rc;
+    return;
+  if (c->keep_fd_ok && KEEP_AS_BYTES && n > SL_MSG_KEEP_SHORT_RANGES &&
+      n <= SL_MSG_KEEP_FD_MAX_RANGES && keep_to_memfd(c, keep, n) == 0) {
     m->has_keep_fd_ranges = 1;
     m->keep_fd_ranges = n;
     *fd = c->keep_fd;
@@ -67,7 +64,6 @@ static int lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_rang
     m->keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
     m->n_keep = 2 * n;
   }
-  return 0;
 }
 
 /* ------------------------------------------------------------------ regions */
@@ -359,8 +355,7 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
 
   *release_fd = -1;
   m.region = r->id;
-  if ((rc = lend_keep(c, &m, keep, n, keep_all, &keep_fd)) != 0)
-    return rc;
+  lend_keep(c, &m, keep, n, keep_all, &keep_fd);
   m.has_keep_all = 1;
   m.keep_all = keep_all != 0;
   m.has_name = name != NULL;

@@ -402,9 +402,6 @@ static void draft_done(struct sl_job *j) {
   free(dj);
 }
 
-/* Keep lists up to this many ranges are drafted on the loop (about a millisecond). */
-#define LEND_INLINE_RANGES 65536
-
 /* The keep list goes with the job: the Lend's (protobuf-c allocated it with malloc), or the
  * keep memfd's (x->keep_fd taken). */
 static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, uint64_t npages) {
@@ -417,10 +414,14 @@ static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, u
   dj->npages = npages;
   dj->keep_fd = x->keep_fd;
   x->keep_fd = -1;
-  dj->keep = m->keep;
-  dj->nkeep = dj->keep_fd >= 0 ? m->keep_fd_ranges : m->n_keep / 2;
-  m->keep = NULL;
-  m->n_keep = 0;
+  if (dj->keep_fd >= 0) { /* read in the job (keep_read) */
+    dj->nkeep = m->keep_fd_ranges;
+  } else {
+    dj->keep = m->keep;
+    dj->nkeep = m->n_keep / 2;
+    m->keep = NULL;
+    m->n_keep = 0;
+  }
   dj->job.run = draft_run;
   dj->job.done = draft_done;
   w->lend.drafter = &dj->w;
@@ -455,15 +456,12 @@ static int keep_from_bytes(struct ctx *x, Sublet__Lend *m) {
   return 0;
 }
 
-/* The most ranges a keep memfd may hold: 64 MiB, what subletd reads of it into its own
- * memory (in the draft job: one at a time). A 141 GiB GPU of 64 KiB blocks, every other one
- * kept, is 1.1 million ranges. */
-#define KEEP_FD_MAX_RANGES (1ull << 22)
-
-/* Lend.keep_fd_ranges: one keep list, in a memfd (fcntl's seals answer only for memfds and
- * the like: a file whose reads could block the job is refused) that holds them all. */
+/* Lend.keep_fd_ranges: one keep list, in a memfd that holds them all, open for reading.
+ * fcntl's seals answer only for shared memory (a memfd, a tmpfs or hugetlbfs file): a file
+ * whose reads could block the job is refused. */
 static int keep_fd_check(struct ctx *x, const Sublet__Lend *m) {
   struct stat st;
+  int fl;
 
   if (!m->has_keep_fd_ranges)
     return x->keep_fd < 0 ? 0 : sl_err_set(&x->err, SUBLET_EPROTO, "a Lend carries an fd only "
@@ -471,13 +469,17 @@ static int keep_fd_check(struct ctx *x, const Sublet__Lend *m) {
   if (x->keep_fd < 0)
     return sl_err_set(&x->err, SUBLET_EPROTO, "Lend.keep_fd_ranges without the memfd: send it "
                       "with the frame");
-  if (m->keep_fd_ranges == 0 || m->keep_fd_ranges > KEEP_FD_MAX_RANGES)
+  if (m->keep_fd_ranges == 0 || m->keep_fd_ranges > SL_MSG_KEEP_FD_MAX_RANGES)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep_fd_ranges is %llu: 1 to %llu ranges "
                       "(merge adjacent ones)", (unsigned long long)m->keep_fd_ranges,
-                      KEEP_FD_MAX_RANGES);
+                      SL_MSG_KEEP_FD_MAX_RANGES);
   if (fcntl(x->keep_fd, F_GET_SEALS) < 0 || fstat(x->keep_fd, &st) != 0 ||
       !S_ISREG(st.st_mode))
-    return sl_err_set(&x->err, SUBLET_EPROTO, "the fd of Lend.keep_fd_ranges is not a memfd");
+    return sl_err_set(&x->err, SUBLET_EPROTO, "the fd of Lend.keep_fd_ranges is not a memfd "
+                      "(nor other shared memory): send the ranges in a memfd_create file");
+  if ((fl = fcntl(x->keep_fd, F_GETFL)) < 0 || (fl & O_ACCMODE) == O_WRONLY)
+    return sl_err_set(&x->err, SUBLET_EPROTO, "the keep memfd is open for writing only: send "
+                      "an fd subletd can read");
   if ((uint64_t)st.st_size / sizeof(struct sublet_range) < m->keep_fd_ranges)
     return sl_err_set(&x->err, SUBLET_EPROTO, "the keep memfd holds %lld bytes, fewer than %llu "
                       "ranges of 16", (long long)st.st_size,
@@ -525,7 +527,7 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   w->known_layout = m->known_layout;
   w->lend = (struct sl_lend_wait){.region = m->region, .rescue = m->rescue, .local = m->local,
                                   .timeout_ms = lend_timeout(m), .serve = serve_lend};
-  if (x->keep_fd >= 0 || (!m->keep_all && m->n_keep / 2 > LEND_INLINE_RANGES))
+  if (x->keep_fd >= 0 || (!m->keep_all && m->n_keep / 2 > SL_MSG_KEEP_SHORT_RANGES))
     rc = draft_off_loop(x, w, m, npages);
   else if ((rc = sl_books_draft(sl_books_cfg(x->d->books), npages,
                                 (const struct sublet_range *)m->keep, m->n_keep / 2,
@@ -580,9 +582,9 @@ static uint64_t fresh_pages_available(struct sl_daemon *d) {
   return (free_bytes - d->cfg.reserve_bytes - d->building_bytes) / ps;
 }
 
-/* The window's layout of a borrowed loan, for Borrowed (b points into the books: send it
- * before the books change); returns the release pipe's write end for the borrower (rescue). */
-/* Borrowed, for the borrower c: the layout left out when its window has it (known_layout). */
+/* Borrowed, for the borrower c: the window's layout of the loan (b points into the books: send
+ * it before the books change), left out when c's window has it already (known_layout).
+ * Returns the release pipe's write end for the borrower (rescue). */
 static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout,
                          Sublet__Borrowed *b) {
   struct sl_daemon *d = c->d;

@@ -107,6 +107,27 @@ int sl_test_count_fds(pid_t pid) {
   return n;
 }
 
+int sl_test_count_memfds(pid_t pid, const char *name) {
+  char path[64], link[256], prefix[128];
+  struct dirent *e;
+  DIR *dir;
+  int n = 0;
+
+  snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+  snprintf(prefix, sizeof(prefix), "/memfd:%s", name);
+  if ((dir = opendir(path)) == NULL)
+    return -1;
+  while ((e = readdir(dir)) != NULL) {
+    char fd[sizeof(path) + 256];
+    ssize_t len;
+    snprintf(fd, sizeof(fd), "%s/%s", path, e->d_name);
+    len = readlink(fd, link, sizeof(link) - 1);
+    n += len > 0 && strncmp(link, prefix, strlen(prefix)) == 0;
+  }
+  closedir(dir);
+  return n;
+}
+
 long sl_test_rss_kib(pid_t pid) {
   char path[64], line[256];
   long kib = -1;

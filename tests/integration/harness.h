@@ -49,6 +49,8 @@ int sl_test_daemon_start_ex(struct sl_test_daemon *d, uint64_t page_size, uint64
 /* SIGTERM, then waits; returns its exit status (0 after a clean shutdown). */
 int sl_test_daemon_stop(struct sl_test_daemon *d);
 int sl_test_count_fds(pid_t pid);
+/* The fds of pid that are memfds whose name begins with name (-1: /proc cannot say). */
+int sl_test_count_memfds(pid_t pid, const char *name);
 long sl_test_rss_kib(pid_t pid);
 void sl_test_run(const char *name, void (*fn)(void));
 int sl_test_summary(const char *suite);

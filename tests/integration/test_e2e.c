@@ -2,6 +2,7 @@
  * processes through libsublet. Kept bytes must come back bit-identical whatever the borrower
  * does, and the bytes copied must equal the kept bytes of the kept pages handed out. */
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,6 +111,10 @@ static void lend_in_process(const struct sublet_range *keep, size_t nkeep, int k
   CHECK_RC(sublet_region_create(c, size, &r), 0);
   fill(sublet_region_addr(r), size);
   CHECK_RC(sublet_lend(r, keep, nkeep, keep_all, NULL, &loan, NULL), 0);
+  /* A long list went in the client's keep memfd (this subletd reads one); a short one, or one
+   * longer than a memfd may hold, through the socket. */
+  CHECK(sl_test_count_memfds(getpid(), "sublet-keep") ==
+        (!keep_all && nkeep > SL_MSG_KEEP_SHORT_RANGES && nkeep <= SL_MSG_KEEP_FD_MAX_RANGES));
   CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
   if (everything) {
     uint64_t taken = take_everything(c, ptrs, &n, 1024);
@@ -803,7 +808,7 @@ static void test_keep_ranges_shape(void) {
 }
 
 /* A raw Lend of region 0 whose keep_fd_ranges says n (0: unset), with fd (-1: none), and
- * keep too when both. */
+ * keep too when both: the shape is checked before the region. */
 static int raw_lend_keep_fd(uint64_t n, int fd, int both) {
   static uint64_t pairs[2] = {0, 4096};
   Sublet__Lend lend = SUBLET__LEND__INIT;
@@ -813,30 +818,6 @@ static int raw_lend_keep_fd(uint64_t n, int fd, int both) {
   lend.keep = both ? pairs : NULL;
   lend.n_keep = both ? 2 : 0;
   return raw_lend_fd(&lend, fd);
-}
-
-/* A long keep list goes in a memfd (Lend.keep_fd_ranges): lent from it, every kept byte comes
- * back; a memfd too short for its count, an fd that is no memfd, a missing one, one sent
- * without keep_fd_ranges, or keep beside it, are refused, and the daemon goes on. */
-static void test_keep_in_a_memfd(void) {
-  static struct sublet_range keep[100000]; /* more than the library sends as bytes */
-  uint64_t pairs[4] = {0, 4096, 65536, 100};
-  int mfd = memfd_create("keep", MFD_CLOEXEC), pipefd[2];
-
-  for (size_t i = 0; i < 100000; i++)
-    keep[i] = (struct sublet_range){i * 40, 3};
-  lend_in_process(keep, 100000, 0, 1);
-  CHECK(mfd >= 0 && pipe(pipefd) == 0);
-  CHECK(write(mfd, pairs, sizeof(pairs)) == (ssize_t)sizeof(pairs));
-  CHECK(raw_lend_keep_fd(2, mfd, 0) == SUBLET_ENOENT); /* read: no region 0 is what is left */
-  CHECK(raw_lend_keep_fd(3, mfd, 0) == SUBLET_EPROTO); /* 32 bytes hold 2 ranges */
-  CHECK(raw_lend_keep_fd(2, pipefd[0], 0) == SUBLET_EPROTO);
-  CHECK(raw_lend_keep_fd(2, -1, 0) == SUBLET_EPROTO);
-  CHECK(raw_lend_keep_fd(0, mfd, 0) == SUBLET_EPROTO);
-  CHECK(raw_lend_keep_fd(2, mfd, 1) == SUBLET_EINVAL);
-  close(mfd);
-  close(pipefd[0]);
-  close(pipefd[1]);
 }
 
 /* Sends req raw: was the reply want? */
@@ -887,33 +868,126 @@ static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint6
   CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
 }
 
-/* A borrower whose window has the loan's layout (known_layout: the id it was given) is not
- * sent it again; a loan with another layout, or a borrower that names another id, is. */
-static void test_layout_left_out_when_known(void) {
+/* A raw connection (*fd; rx initialised) that said Hello and made a region of npages (its id
+ * in *region, 0 when none was made). */
+static void raw_session(struct sl_wire_rx *rx, uint64_t npages, int *fd, uint64_t *region) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Hello hello = SUBLET__HELLO__INIT;
   Sublet__RegionCreate create = SUBLET__REGION_CREATE__INIT;
-  struct sl_wire_rx rx;
   Sublet__Reply *rep;
-  uint64_t region = 0, id1 = 0, id2 = 0, id3 = 0, id4 = 0;
-  size_t n1 = 0, n2 = 9, n3 = 0, n4 = 0;
-  int fd = raw_connect();
 
-  CHECK(fd >= 0);
-  sl_wire_rx_init(&rx);
+  sl_wire_rx_init(rx);
+  *region = 0;
+  CHECK((*fd = raw_connect()) >= 0);
   hello.protocol = SUBLET_PROTOCOL_VERSION;
   req.body_case = SUBLET__REQUEST__BODY_HELLO;
   req.hello = &hello;
-  CHECK(raw_expect(fd, &rx, &req, SUBLET__REPLY__BODY_WELCOME));
-  create.size = 4 * PAGE;
+  CHECK(raw_expect(*fd, rx, &req, SUBLET__REPLY__BODY_WELCOME));
+  create.size = npages * PAGE;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &create;
-  rep = raw_reply(fd, &rx, &req, -1);
+  rep = raw_reply(*fd, rx, &req, -1);
   CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED);
-  if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED)
-    region = rep->region_created->region;
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
+  *region = rep->region_created->region;
+  sublet__reply__free_unpacked(rep, NULL);
+}
+
+/* A local Lend of region whose n keep ranges are in memfd, on a raw connection: the Lend's
+ * Error code in *code (0: lent, Borrowed's kept pages in *kept, then returned and reclaimed;
+ * 1: no reply). */
+static void raw_local_lend_memfd(int fd, struct sl_wire_rx *rx, uint64_t region, int memfd,
+                                 uint64_t n, int *code, uint64_t *kept) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  Sublet__Return ret = SUBLET__RETURN__INIT;
+  Sublet__Reclaim reclaim = SUBLET__RECLAIM__INIT;
+  Sublet__Reply *rep;
+
+  *code = 1;
+  lend.region = region;
+  lend.has_keep_fd_ranges = 1;
+  lend.keep_fd_ranges = n;
+  lend.has_local = lend.local = 1;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  if ((rep = raw_reply(fd, rx, &req, memfd)) == NULL)
+    return;
+  if (rep->body_case == SUBLET__REPLY__BODY_ERROR)
+    *code = rep->error->code;
+  if (rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed != NULL) {
+    *code = 0;
+    *kept = rep->lent->borrowed->kept_pages;
+    reclaim.loan = rep->lent->loan;
+  }
+  sublet__reply__free_unpacked(rep, NULL);
+  if (*code != 0)
+    return;
+  req.body_case = SUBLET__REQUEST__BODY_RETURN;
+  req.return_ = &ret;
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RETURNED));
+  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
+  req.reclaim = &reclaim;
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
+}
+
+/* A long keep list goes in a memfd (Lend.keep_fd_ranges). Through the library, every kept
+ * byte comes back after a loan that takes the whole device, and a list too long for a memfd
+ * goes through the socket. Raw: subletd lends what the memfd holds (pages 0 and 2 of 4
+ * kept), checks it (a range past the region is EINVAL, from the draft job), and closes its
+ * copies; a memfd too short for its count, an fd that is no memfd or that it cannot read, a
+ * missing one, one sent without keep_fd_ranges, keep beside it, or too many ranges are
+ * refused, and subletd goes on. */
+static void test_keep_in_a_memfd(void) {
+  static struct sublet_range keep[100000], many[SL_MSG_KEEP_FD_MAX_RANGES + 1];
+  struct sublet_range two[2] = {{100, 50}, {2 * PAGE + 7, 9}};
+  char path[64];
+  struct sl_wire_rx rx;
+  uint64_t region, kept = 0;
+  int mfd = memfd_create("keep", MFD_CLOEXEC), pipefd[2], wronly, fd, code;
+
+  for (size_t i = 0; i < 100000; i++)
+    keep[i] = (struct sublet_range){i * 40, 3};
+  lend_in_process(keep, 100000, 0, 1);
+  for (size_t i = 0; i < SL_MSG_KEEP_FD_MAX_RANGES + 1; i++) /* overlapping: merged */
+    many[i] = (struct sublet_range){(i % 4096) * 1000, 10};
+  lend_in_process(many, SL_MSG_KEEP_FD_MAX_RANGES + 1, 0, 0);
+  raw_session(&rx, 4, &fd, &region);
+  CHECK(mfd >= 0 && pwrite(mfd, two, sizeof(two), 0) == (ssize_t)sizeof(two));
+  raw_local_lend_memfd(fd, &rx, region, mfd, 2, &code, &kept);
+  CHECK(code == 0 && kept == 2);
+  two[1].offset = 4 * PAGE;
+  CHECK(pwrite(mfd, two, sizeof(two), 0) == (ssize_t)sizeof(two));
+  raw_local_lend_memfd(fd, &rx, region, mfd, 2, &code, &kept);
+  CHECK(code == SUBLET_EINVAL);
+  CHECK(sl_test_count_memfds(daemon_.pid, "keep") == 0);
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", mfd);
+  CHECK(pipe(pipefd) == 0 && (wronly = open(path, O_WRONLY | O_CLOEXEC)) >= 0);
+  CHECK(raw_lend_keep_fd(3, mfd, 0) == SUBLET_EPROTO); /* 32 bytes hold 2 ranges */
+  CHECK(raw_lend_keep_fd(2, pipefd[0], 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(2, wronly, 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(2, -1, 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(0, mfd, 0) == SUBLET_EPROTO);
+  CHECK(raw_lend_keep_fd(2, mfd, 1) == SUBLET_EINVAL);
+  CHECK(raw_lend_keep_fd(SL_MSG_KEEP_FD_MAX_RANGES + 1, mfd, 0) == SUBLET_EINVAL);
+  CHECK(sl_test_count_memfds(daemon_.pid, "keep") == 0);
+  sl_wire_rx_destroy(&rx);
+  close(fd);
+  close(mfd);
+  close(wronly);
+  close(pipefd[0]);
+  close(pipefd[1]);
+}
+
+/* A borrower whose window has the loan's layout (known_layout: the id it was given) is not
+ * sent it again; a loan with another layout, or a borrower that names another id, is. */
+static void test_layout_left_out_when_known(void) {
+  struct sl_wire_rx rx;
+  uint64_t region, id1 = 0, id2 = 0, id3 = 0, id4 = 0;
+  size_t n1 = 0, n2 = 9, n3 = 0, n4 = 0;
+  int fd;
+
+  raw_session(&rx, 4, &fd, &region);
+
   raw_local_loan(fd, &rx, region, 0, 0, &n1, &id1);
   CHECK(n1 == 4 && id1 != 0);
   raw_local_loan(fd, &rx, region, 50, id1, &n2, &id2); /* the same pages kept: left out */

@@ -5,7 +5,6 @@
  * memory is back. Real subletd (memfd backend: a page is a memfd, so "let go" means no fd and
  * no mapping of one left in the borrower's process).
  */
-#include <dirent.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,23 +25,7 @@ static struct sl_test_daemon daemon_;
 
 /* The memfd pages (sublet-page) a process holds: open fds, and mappings. */
 static int memfd_fds(pid_t pid) {
-  char path[64], link[256];
-  struct dirent *e;
-  DIR *d;
-  int n = 0;
-
-  snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-  if ((d = opendir(path)) == NULL)
-    return -1;
-  while ((e = readdir(d)) != NULL) {
-    char fd[sizeof(path) + 256];
-    ssize_t len;
-    snprintf(fd, sizeof(fd), "%s/%s", path, e->d_name);
-    len = readlink(fd, link, sizeof(link) - 1);
-    n += len > 0 && strncmp(link, "/memfd:sublet-page", 18) == 0;
-  }
-  closedir(d);
-  return n;
+  return sl_test_count_memfds(pid, "sublet-page");
 }
 
 static int memfd_maps(pid_t pid) {
