@@ -831,41 +831,79 @@ static int raw_expect(int fd, struct sl_wire_rx *rx, Sublet__Request *req,
   return ok;
 }
 
-/* A local Lend of region with one keep range, on a raw connection: Borrowed's layout length
- * and id; then the loan is returned and reclaimed. */
-static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint64_t keep_at,
-                           uint64_t known, size_t *n_layout, uint64_t *layout_id) {
+/* What a raw test reads of Borrowed. */
+struct raw_borrowed {
+  size_t n_layout;
+  uint64_t layout_id, kept_pages;
+};
+
+/* Sends lend (made local here; with sendfd unless -1) on a raw connection, then ends the loan
+ * it made (Return, then Reclaim as its owner): the Lend's Error code in *code (0: lent, what
+ * Borrowed said in *got; 1: no reply). */
+static void raw_local_lend(int fd, struct sl_wire_rx *rx, Sublet__Lend *lend, int sendfd,
+                           int *code, struct raw_borrowed *got) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Lend lend = SUBLET__LEND__INIT;
   Sublet__Return ret = SUBLET__RETURN__INIT;
   Sublet__Reclaim reclaim = SUBLET__RECLAIM__INIT;
-  uint64_t keep[2] = {keep_at, 100}, loan = 0;
   Sublet__Reply *rep;
+
+  *code = 1;
+  lend->has_local = lend->local = 1;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = lend;
+  if ((rep = raw_reply(fd, rx, &req, sendfd)) == NULL)
+    return;
+  if (rep->body_case == SUBLET__REPLY__BODY_ERROR)
+    *code = rep->error->code;
+  if (rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed != NULL) {
+    *code = 0;
+    *got = (struct raw_borrowed){rep->lent->borrowed->n_layout, rep->lent->borrowed->layout_id,
+                                 rep->lent->borrowed->kept_pages};
+    reclaim.loan = rep->lent->loan;
+  }
+  sublet__reply__free_unpacked(rep, NULL);
+  if (*code != 0)
+    return;
+  req.body_case = SUBLET__REQUEST__BODY_RETURN;
+  req.return_ = &ret;
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RETURNED));
+  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
+  req.reclaim = &reclaim;
+  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
+}
+
+/* A local Lend of region with one keep range of 100 bytes at keep_at, naming known as the
+ * layout its window has: Borrowed's layout length and id. */
+static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint64_t keep_at,
+                           uint64_t known, size_t *n_layout, uint64_t *layout_id) {
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  uint64_t keep[2] = {keep_at, 100};
+  struct raw_borrowed got = {0};
+  int code;
 
   lend.region = region;
   lend.keep = keep;
   lend.n_keep = 2;
-  lend.has_local = lend.local = 1;
   lend.has_known_layout = known != 0;
   lend.known_layout = known;
-  req.body_case = SUBLET__REQUEST__BODY_LEND;
-  req.lend = &lend;
-  rep = raw_reply(fd, rx, &req, -1);
-  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed);
-  if (rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed) {
-    *n_layout = rep->lent->borrowed->n_layout;
-    *layout_id = rep->lent->borrowed->layout_id;
-    loan = rep->lent->loan;
-  }
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
-  req.body_case = SUBLET__REQUEST__BODY_RETURN;
-  req.return_ = &ret;
-  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RETURNED));
-  reclaim.loan = loan;
-  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
-  req.reclaim = &reclaim;
-  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
+  raw_local_lend(fd, rx, &lend, -1, &code, &got);
+  CHECK(code == 0);
+  *n_layout = got.n_layout;
+  *layout_id = got.layout_id;
+}
+
+/* A local Lend of region whose n keep ranges are in memfd: the Lend's Error code, and when
+ * lent, Borrowed's kept pages in *kept. */
+static void raw_local_lend_memfd(int fd, struct sl_wire_rx *rx, uint64_t region, int memfd,
+                                 uint64_t n, int *code, uint64_t *kept) {
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  struct raw_borrowed got = {0};
+
+  lend.region = region;
+  lend.has_keep_fd_ranges = 1;
+  lend.keep_fd_ranges = n;
+  raw_local_lend(fd, rx, &lend, memfd, code, &got);
+  *kept = got.kept_pages;
 }
 
 /* A raw connection (*fd; rx initialised) that said Hello and made a region of npages (its id
@@ -890,44 +928,6 @@ static void raw_session(struct sl_wire_rx *rx, uint64_t npages, int *fd, uint64_
   CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED);
   *region = rep->region_created->region;
   sublet__reply__free_unpacked(rep, NULL);
-}
-
-/* A local Lend of region whose n keep ranges are in memfd, on a raw connection: the Lend's
- * Error code in *code (0: lent, Borrowed's kept pages in *kept, then returned and reclaimed;
- * 1: no reply). */
-static void raw_local_lend_memfd(int fd, struct sl_wire_rx *rx, uint64_t region, int memfd,
-                                 uint64_t n, int *code, uint64_t *kept) {
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Lend lend = SUBLET__LEND__INIT;
-  Sublet__Return ret = SUBLET__RETURN__INIT;
-  Sublet__Reclaim reclaim = SUBLET__RECLAIM__INIT;
-  Sublet__Reply *rep;
-
-  *code = 1;
-  lend.region = region;
-  lend.has_keep_fd_ranges = 1;
-  lend.keep_fd_ranges = n;
-  lend.has_local = lend.local = 1;
-  req.body_case = SUBLET__REQUEST__BODY_LEND;
-  req.lend = &lend;
-  if ((rep = raw_reply(fd, rx, &req, memfd)) == NULL)
-    return;
-  if (rep->body_case == SUBLET__REPLY__BODY_ERROR)
-    *code = rep->error->code;
-  if (rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed != NULL) {
-    *code = 0;
-    *kept = rep->lent->borrowed->kept_pages;
-    reclaim.loan = rep->lent->loan;
-  }
-  sublet__reply__free_unpacked(rep, NULL);
-  if (*code != 0)
-    return;
-  req.body_case = SUBLET__REQUEST__BODY_RETURN;
-  req.return_ = &ret;
-  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RETURNED));
-  req.body_case = SUBLET__REQUEST__BODY_RECLAIM;
-  req.reclaim = &reclaim;
-  CHECK(raw_expect(fd, rx, &req, SUBLET__REPLY__BODY_RECLAIMED));
 }
 
 /* A long keep list goes in a memfd (Lend.keep_fd_ranges). Through the library, every kept
