@@ -77,10 +77,11 @@ def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None,
     block; returns the Loan.
 
     keep: what the owner gets back: None (default) all of it; [] nothing; a view of the tensor
-    (cache[3], cache[1::2], cache[:, 2:5]) or a list of views; or rows along dim 0 as an
-    integer tensor of indices or a boolean mask (the fast form for many blocks). A page is
-    kept when any kept byte lies in it, and only its kept bytes are copied. Anything the work leaves alive at the end
-    raises LeakError, after the kept data is restored.
+    (cache[3], cache[1::2], cache[:, 2:5]) or a list of views; or rows along dim 0 as integer
+    indices (a 1-D tensor, array or list) or a boolean mask (the fast form for many blocks). A
+    page is kept when any kept byte lies in it, and only its kept bytes are copied. A lent view
+    (cache[8:]) lends its own bytes only: the rest of its memory is kept. Anything the work
+    leaves alive at the end raises LeakError, after the kept data is restored.
 
     verify: checksum the kept bytes on the device before the loan and after it, and raise
     VerifyError naming the ranges that changed (bits, not values). None: $SUBLET_VERIFY=1.

@@ -30,7 +30,7 @@ import torch
 
 from . import _lib
 
-Keep = Union[None, torch.Tensor, np.ndarray, Iterable[torch.Tensor]]
+Keep = Union[None, torch.Tensor, np.ndarray, Iterable[torch.Tensor], Iterable[int]]
 
 # Past this many runs in one layout group, inner dimensions are folded into wider runs that also
 # cover the gaps between them (a superset of the kept bytes: still correct, since restoring bytes
@@ -106,11 +106,22 @@ def _as_rows(keep: Keep, storage_ptr: int, tensor: torch.Tensor | None) -> np.nd
             return None
         if keep.dtype.is_floating_point or keep.dtype.is_complex:
             return None  # not indices: _group_by_layout names the fix for a foreign view
+        if keep.dtype == torch.uint8:  # PyTorch indexes with a uint8 tensor as a mask
+            raise TypeError("keep as a uint8 tensor is ambiguous: pass a bool mask over the "
+                            "rows, or row indices as int64 (torch.tensor([...]))")
         keep = keep.detach().cpu().numpy()
+    elif isinstance(keep, (list, tuple, range)) and len(keep) > 0 and \
+            isinstance(keep[0], (int, np.integer)):  # row indices (or bools: a mask) as a list
+        keep = np.asarray(keep)
     elif not isinstance(keep, np.ndarray):
         return None
     if tensor is None or tensor.dim() == 0:
         raise TypeError("keep as indices or a mask needs a tensor with rows (dim 0) to lend")
+    if keep.ndim > 1:  # cache[[0, 5]] of an integer cache is a copy of rows, not indices
+        raise TypeError(f"keep as indices or a mask is one dimension (rows of the lent tensor), "
+                        f"not shape {tuple(keep.shape)}: pass torch.tensor([...]) of row "
+                        f"indices, or views of the lent tensor such as cache[3] (cache[[0, 5]] "
+                        f"copies the rows)")
     if keep.dtype == np.bool_:
         return _mask_rows(keep, tensor.shape[0])
     if not np.issubdtype(keep.dtype, np.integer):
@@ -127,6 +138,9 @@ def _mask_rows(mask: np.ndarray, nrows: int) -> np.ndarray:
 
 
 def _index_rows(index: np.ndarray, nrows: int) -> np.ndarray:
+    if index.dtype.kind == "u" and len(index) and int(index.max()) >= nrows:  # before int64
+        raise IndexError(f"keep index {int(index.max())} is out of range for the {nrows} rows "
+                         f"of the lent tensor")
     index = index.reshape(-1).astype(np.int64, copy=False)
     if len(index) == 0:
         return index
@@ -185,8 +199,9 @@ def _as_view_list(keep: Keep) -> list[torch.Tensor]:
         return [keep]
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
         raise TypeError(
-            f"keep must be a view of the lent tensor, a list of such views, [] or None; "
-            f"got {type(keep).__name__}")
+            f"keep must be a view of the lent tensor, a list of such views, row indices or a "
+            f"bool mask over its rows (a tensor, array or list), [] or None; got "
+            f"{type(keep).__name__}")
     return keep if isinstance(keep, list) else list(keep)
 
 
@@ -278,6 +293,32 @@ def merge_ranges(starts: np.ndarray, lengths: np.ndarray, presorted: bool = Fals
     out[:, 0] = starts[begin]
     out[:, 1] = reach[last] - starts[begin]
     return out
+
+
+def outside_ranges(tensor: torch.Tensor, storage_ptr: int, storage_bytes: int) -> np.ndarray:
+    """The bytes of the lent tensor's storage that are not the tensor's, as ranges: they are
+    kept, since a loan of a view lends that view only (lending cache[8:] lends rows 8 on, and
+    rows 0 to 7 stay the owner's). The tensor's bytes must be one block (any order of its
+    dimensions): a view with gaps, such as cache[:, :4], is refused, naming the fix."""
+    if tensor.numel() == 0:
+        return np.array([[0, storage_bytes]], dtype=np.uint64)
+    dims = sorted((step, n) for n, step in zip(tensor.shape, tensor.stride()) if n > 1)
+    expected = 1
+    for step, n in dims:
+        if step != expected:
+            raise ValueError(
+                f"a lent tensor's bytes must be one block of its memory: a tensor from "
+                f"sublet.empty(), a slice of it along a dimension whose elements are whole rows "
+                f"(cache[8:]), or a permutation of those; shape {tuple(tensor.shape)} with "
+                f"strides {tensor.stride()} has gaps. Lend the whole tensor and choose what "
+                f"survives with keep=")
+        expected *= n
+    start = tensor.data_ptr() - storage_ptr
+    end = start + tensor.numel() * tensor.element_size()
+    out = [(0, start)] if start > 0 else []
+    if end < storage_bytes:
+        out.append((end, storage_bytes - end))
+    return np.array(out, dtype=np.uint64).reshape(-1, 2)
 
 
 def kept_bytes_in_pages(ranges: np.ndarray, page_size: int, pages: Iterable[int] | None = None

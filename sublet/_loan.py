@@ -59,6 +59,10 @@ class Loan:
         self._returned = False
         self._final_stats: LoanStats | None = None
         self.leaks: list[LeakedBlock | tuple[int, int]] = []
+        # Allocations of an earlier loan of this client that died during this one: freed once
+        # this one has ended (_allocation_died says why).
+        self._late_frees: list[tuple[Client, int]] = []
+        self._failure: BaseException | None = None  # raised by _finish before the Return
 
     # ---------------------------------------------------------------- results
     @property
@@ -105,15 +109,20 @@ class Loan:
         return wrap(ptr, nbytes, self.device, _Allocation(self, ptr), shape, dtype)
 
     def _allocation_died(self, ptr: int) -> None:
-        # Runs wherever the tensor died (any thread, inside the GC).
+        # Runs wherever the tensor died (any thread, inside the GC): no lock is taken here.
         self._live.discard(ptr)
         if self.active:
             self._to_free.append(ptr)  # freed at the next safe point (after a synchronize)
         elif self._client is not None:
-            try:  # a leak outliving its loan: let the library drop its forfeit mapping
-                self._client.free(ptr)
-            except SubletError:
-                pass
+            # A leak outliving its loan: the library drops its forfeit mapping. The library
+            # frees by address, and a later loan of the same client may have handed out the
+            # same one (a tensor lent in place is mapped where it lives): while such a loan
+            # is active, the free waits for its end.
+            later = _active.get(self.device)
+            if later is not None and later is not self and later._client is self._client:
+                later._late_frees.append((self._client, ptr))
+            else:
+                _free_quietly(self._client, ptr)
 
     def _free_dead_allocations(self) -> None:
         if not self._to_free:
@@ -129,6 +138,12 @@ class Loan:
                     raise  # with the daemon gone, the library let go of the loan's memory
 
     # ---------------------------------------------------------------- borrowing mechanics
+    def _check_unused(self) -> None:
+        if self._client is not None:
+            raise RuntimeError("this loan was already used in a `with` block: a loan object "
+                               "serves one loan; call sublet.lend() or sublet.borrow() again "
+                               "for the next")
+
     def _start(self, client: Client, device: torch.device) -> None:
         """Claims the device for this loan and starts routing PyTorch into it (CUDA)."""
         with _active_lock:
@@ -146,20 +161,31 @@ class Loan:
 
     def _finish(self) -> ReturnResult:
         """Stops routing, frees what can be freed, returns the loan (by force when something
-        is still alive, so that the owner's kept data comes back all the same)."""
+        is still alive, so that the owner's kept data comes back all the same). A failure
+        before the Return does not keep the loan from being returned: it is raised after."""
+        failure: BaseException | None = None
+        torch_leaks: list[LeakedBlock] = []
         try:
-            torch_leaks = self._router.end() if self._router is not None else []
-            if self._live:
-                gc.collect()  # tensors held only by reference cycles are not leaks
-            self._free_dead_allocations()
-            result = self._client.return_loan(force=bool(torch_leaks))
-            if result.code == _ELEAK and not torch_leaks:
+            try:
+                torch_leaks = self._router.end() if self._router is not None else []
+                if self._live:
+                    gc.collect()  # tensors held only by reference cycles are not leaks
+                self._free_dead_allocations()
+            except BaseException as error:  # noqa: BLE001 - raised once the loan is back
+                failure = error
+            force = bool(torch_leaks) or failure is not None
+            result = self._client.return_loan(force=force)
+            if result.code == _ELEAK and not force:
                 result = self._client.return_loan(force=True)
             self._returned = True
             self.leaks = list(torch_leaks) + ([] if torch_leaks else result.leaks)
+            self._failure = failure
             return result
         finally:
             self._unbind()
+            for client, ptr in self._late_frees:
+                _free_quietly(client, ptr)
+            self._late_frees.clear()
 
     def _unbind(self) -> None:
         if self.device is not None and self.device.type == "cuda" and self._client:
@@ -185,6 +211,13 @@ def _prepare(device: torch.device, routing: bool) -> None:
     side (routing) or the owner's of an offer (PyTorch's cache given back only)."""
     if device.type == "cuda":
         (prepare_routing if routing else release_cached)(device.index)
+
+
+def _free_quietly(client: Client, ptr: int) -> None:
+    try:
+        client.free(ptr)
+    except SubletError:
+        pass  # the daemon or the client went: the forfeit mapping went with it
 
 
 def _check_device_free(device: torch.device) -> None:
@@ -223,6 +256,7 @@ class LocalLoan(Loan):
 
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
+        self._check_unused()
         _check_device_free(region.device)
         _prepare(region.device, routing=True)
         _claim(region)
@@ -264,6 +298,8 @@ class LocalLoan(Loan):
                 if leak is not None:
                     _add_note(error, str(leak))
                 raise  # the block's own exception, if any, is its __context__
+        if self._failure is not None:  # the loan came back all the same
+            raise self._failure
         if leak is not None:
             if exc is None:
                 raise leak
@@ -271,10 +307,16 @@ class LocalLoan(Loan):
 
 
 def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.ndarray | None:
-    """keep as region byte ranges; None keeps the whole region."""
+    """keep as region byte ranges; None keeps the whole region. The bytes of the tensor's
+    memory outside a lent view are kept too (_keep.outside_ranges)."""
     if keep is None:
         return None
-    ranges = _keep.keep_ranges(keep, tensor.untyped_storage().data_ptr(), region.size, tensor)
+    storage = tensor.untyped_storage()
+    ranges = _keep.keep_ranges(keep, storage.data_ptr(), region.size, tensor)
+    outside = _keep.outside_ranges(tensor, storage.data_ptr(), storage.nbytes())
+    if len(outside):
+        both = np.concatenate([ranges, outside]).astype(np.int64)
+        ranges = _keep.merge_ranges(both[:, 0], both[:, 1])
     return np.ascontiguousarray(ranges, np.uint64)
 
 
@@ -376,6 +418,7 @@ class BorrowedLoan(Loan):
         self._loan_id, self._token = loan_id, token
 
     def __enter__(self) -> "BorrowedLoan":
+        self._check_unused()
         device, client = resolve_device(self._want_device)
         _check_device_free(device)
         _prepare(device, routing=True)
@@ -401,6 +444,8 @@ class BorrowedLoan(Loan):
     def __exit__(self, exc_type, exc, tb) -> None:
         result = self._finish()
         self._final_stats = result.stats
+        if self._failure is not None:  # the loan went back all the same
+            raise self._failure
         if exc is not None:
             if self.leaks:
                 _add_note(exc, str(self._leak_error(result.stats)))
@@ -420,8 +465,12 @@ def _in_slices(call: Callable[[int], T], timeout: float | None, timeout_message:
     seconds (None: forever) have passed; Ctrl-C lands between slices."""
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     while True:
+        # A slice of 0 ms asks "at once" (another error); a positive timeout's last slice,
+        # rounded down, is 1 ms.
         left = _WAIT_SLICE_MS if deadline is None else \
             int(max(0.0, deadline - time.monotonic()) * 1000)
+        if deadline is not None and timeout > 0:
+            left = max(1, left)
         try:
             return call(min(left, _WAIT_SLICE_MS))
         except SubletTimeoutError:

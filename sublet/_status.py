@@ -22,7 +22,8 @@ from typing import Any
 
 from . import _daemon, _lib
 
-EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE = 0, 1, 2, 3
+# EXIT_ERROR: this machine's own trouble (the output cannot be written, libsublet is missing).
+EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE, EXIT_ERROR = 0, 1, 2, 3, 4
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 
 
@@ -216,11 +217,27 @@ def write_atomically(path: str, text: str) -> None:
 # --------------------------------------------------------------------------- main
 
 
+class _VersionAction(argparse.Action):
+    """--version, reading libsublet's version only when asked (so that --help works without
+    the library)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from . import __version__
+        print(f"sublet {__version__}")  # to standard output, as argparse's own does
+        parser.exit()
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    from . import __version__  # libsublet's: loaded only when a command runs
-    parser = argparse.ArgumentParser(prog="sublet", description="sublet: lend GPU memory")
-    parser.add_argument("-V", "--version", action="version",
-                        version=f"sublet {__version__}")
+    parser = argparse.ArgumentParser(
+        prog="sublet", description="sublet: lend GPU memory",
+        epilog="exit status: 0 every daemon answered, 1 some did not, 2 usage error, 3 no "
+               "daemon found, 4 the output could not be written or libsublet is missing")
+    parser.add_argument("-V", "--version", action=_VersionAction,
+                        help="show the version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="show what each device's subletd is doing")
     form = status.add_mutually_exclusive_group()
@@ -237,6 +254,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except (FileNotFoundError, OSError) as e:  # libsublet missing, or --output not writable
+        print(f"sublet: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def run(argv: list[str] | None) -> int:
     try:
         args = parse(argv)
     except SystemExit as e:
@@ -263,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
               f"starts your own; or start the service: systemctl start subletd@0.socket)",
               file=sys.stderr)
     if args.output:
-        write_atomically(args.output, text)
+        try:
+            write_atomically(args.output, text)
+        except OSError as e:
+            raise OSError(f"cannot write {args.output}: {e.strerror or e}: give --output a "
+                          f"file in a directory that exists and that you may write") from e
     else:
         sys.stdout.write(text)
     if not statuses:

@@ -191,6 +191,93 @@ def test_leak_error_restores_the_kept_data():
         loan.empty(PAGE)
 
 
+def test_a_leak_dying_in_the_next_loan_frees_nothing_of_it():
+    """A Loan.empty() tensor left alive at a loan's end (LeakError) that dies during the next
+    loan of the same client: the library frees by address, and the next loan, lent in place,
+    may have handed out that address again. Its free waits for that loan's end, which then
+    frees none of its own allocations and ends without a LeakError."""
+    cache, before = patterned(16, 65536, seed=31)
+    with pytest.raises(sublet.LeakError):
+        with sublet.lend(cache, keep=[]) as loan:
+            leaked = loan.empty(PAGE, dtype=torch.uint8).fill_(7)
+    with sublet.lend(cache, keep=[]) as loan:
+        mine = fill_loan(loan, seed=32)
+        assert any(t.data_ptr() == leaked.data_ptr() for t in mine), "the same address"
+        copies = [t.clone() for t in mine]
+        del leaked
+        gc.collect()
+        assert fill_loan(loan, seed=33) == [], "nothing of this loan was freed"
+        assert all(torch.equal(t, c) for t, c in zip(mine, copies))
+        del_all(mine)
+    assert_kept_intact(cache, before, [])
+
+
+def test_a_failure_before_the_return_still_returns_the_loan(monkeypatch):
+    """Freeing a dead Loan.empty() allocation fails at the end of the block: the loan goes
+    back all the same (the kept bytes are restored, the device is free), then it is raised."""
+    from sublet import _client
+    cache, before = patterned(16, 65536, seed=34)
+    with pytest.raises(sublet.SubletError, match="injected"):
+        with sublet.lend(cache, keep=cache[:4]) as loan:
+            tensors = fill_loan(loan, seed=35)
+            monkeypatch.setattr(_client.Client, "free", lambda self, ptr: (_ for _ in ()).throw(
+                sublet.SubletError("injected", -5)))
+            del tensors  # freed at the block's end, where the first free fails
+    monkeypatch.undo()
+    assert_kept_intact(cache, before, cache[:4])
+    with sublet.lend(cache, keep=[]) as loan:  # returned: the device is free
+        loan.empty(PAGE)
+
+
+def test_a_loan_object_serves_one_loan():
+    cache, _ = patterned(4, 65536, seed=36)
+    loan = sublet.lend(cache, keep=[])
+    with loan:
+        pass
+    with pytest.raises(RuntimeError, match="one loan"):
+        with loan:
+            pass
+    with sublet.lend(cache, keep=[]):  # the tensor was not left lent
+        pass
+
+
+def test_a_lent_view_lends_only_its_own_bytes():
+    """Lending cache[8:] lends rows 8 on: rows 0 to 7 are kept whatever keep says (keep
+    speaks of the view's rows), through a loan filled to its last page. A view with gaps
+    cannot be lent with a keep: its bytes are not one block."""
+    cache, before = patterned(16, 65536, seed=37)
+    for keep, kept_rows in (([], range(8)), (torch.tensor([0, 1]), range(10)),
+                            (lambda v: v[3], [*range(8), 11])):
+        lent = cache[8:]
+        with sublet.lend(lent, keep=keep(lent) if callable(keep) else keep) as loan:
+            del_all(fill_loan(loan, seed=38))
+        assert_kept_intact(cache, before, [cache[r] for r in kept_rows])
+        before = cache.clone()
+    with pytest.raises(ValueError, match="one block"):
+        sublet.lend(cache[:, :4096], keep=[])
+    with sublet.lend(cache.t(), keep=[]):  # every byte, in another order: one block
+        pass
+
+
+def test_keep_indices_are_one_dimension_and_not_uint8():
+    """An integer tensor of more than one dimension (cache[[0, 5]] of an integer cache is a
+    copy of rows) or a uint8 one (PyTorch reads it as a mask) is refused, naming the fix; a
+    list of row indices keeps what the same indices as a tensor keep."""
+    cache, before = patterned(16, 16384, dtype=torch.int32, seed=39)
+    for keep, words in ((cache[[0, 5]], "copies the rows"),
+                        (torch.tensor([3, 7], dtype=torch.uint8), "bool mask"),
+                        (np.array([[1, 2]]), "one dimension")):
+        with pytest.raises(TypeError, match=words):
+            sublet.lend(cache, keep=keep)
+    with pytest.raises(IndexError, match="out of range"):
+        sublet.lend(cache, keep=np.array([2**64 - 1], dtype=np.uint64))
+    assert kept_ranges_of(cache, [9, 0, 5]).tolist() == \
+        kept_ranges_of(cache, torch.tensor([9, 0, 5])).tolist()
+    with sublet.lend(cache, keep=[9, 0, 5]) as loan:
+        del_all(fill_loan(loan, seed=40))
+    assert_kept_intact(cache, before, [cache[9], cache[0], cache[5]])
+
+
 def test_an_exception_in_the_block_still_restores():
     cache, before = patterned(4, 65536, seed=8)
     with pytest.raises(KeyError):
@@ -526,6 +613,17 @@ def test_status_exit_codes(tmp_path):
                            env=dict(os.environ, **CHILD_ENV), capture_output=True,
                            text=True, timeout=60)
     assert usage.returncode == 2
+    unwritable = sublet_status("--output", str(tmp_path / "no" / "such" / "dir" / "f.prom"))
+    assert unwritable.returncode == 4 and "cannot write" in unwritable.stderr
+    assert "Traceback" not in unwritable.stderr
+    no_lib = dict(os.environ, **CHILD_ENV, SUBLET_LIB=str(tmp_path / "none.so"))
+    helped = subprocess.run([sys.executable, "-m", "sublet", "--help"], env=no_lib,
+                            capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "exit status" in helped.stdout
+    version = subprocess.run([sys.executable, "-m", "sublet", "--version"], env=no_lib,
+                             capture_output=True, text=True, timeout=60)
+    assert version.returncode == 4 and "SUBLET_LIB" in version.stderr
+    assert "Traceback" not in version.stderr
 
 
 OWNER = textwrap.dedent("""
