@@ -26,8 +26,21 @@ static const uint64_t *layout_of(const sublet_client *c, const Sublet__Borrowed 
   return last->layout;
 }
 
+/* Does a forfeit window of region (a loan that ended with allocations alive) hold on? If it
+ * was served in place, its leaked allocations have addresses of the region's own mapping:
+ * a new window there would hand them out again, and a free by address could not tell the
+ * two apart (nor could the fresh zone be mapped where the forfeit's still is). */
+static int region_has_forfeit(const sublet_client *c, uint64_t region) {
+  for (size_t i = 0; i < c->nforfeit; i++)
+    if (c->forfeit[i]->region_id == region)
+      return 1;
+  return 0;
+}
+
 /* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
- * with the last one's imported handles when they are of the same region. */
+ * with the last one's imported handles when they are of the same region. A window in the
+ * owner's process is served in place when its layout allows and no forfeit window of the
+ * region holds on; else it is gathered at addresses of its own. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
   const uint64_t *layout = layout_of(c, b);
@@ -51,7 +64,8 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   }
   c->win = NULL;
   if (own != NULL)
-    mine = (struct sl_window_own){own->handles, own->base, own->lead_pages, own->trail_pages};
+    mine = (struct sl_window_own){own->handles, own->base, own->lead_pages, own->trail_pages,
+                                  !region_has_forfeit(c, b->region)};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
                      b->fresh_pages, b->kept_pages, layout, own != NULL ? &mine : NULL,
                      &c->win, &err);

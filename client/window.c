@@ -56,9 +56,11 @@ static void alias(struct sl_window *w, void *base, uint64_t from, uint64_t to) {
 static void try_alias(struct sl_window *w, const struct sl_window_own *own) {
   char *region = own != NULL ? own->base : NULL;
 
-  if (own != NULL && lead_alias(w, own))
+  if (own == NULL || !own->in_place)
+    return;
+  if (lead_alias(w, own))
     alias(w, region - w->fresh * w->page_size, w->fresh, window_pages(w));
-  else if (own != NULL && tail_alias(w, own))
+  else if (tail_alias(w, own))
     alias(w, region + (w->region_pages - w->unkept) * w->page_size, 0, w->unkept);
 }
 
@@ -80,7 +82,7 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   w->unkept = unkept;
   w->fresh = fresh;
   w->kept = kept;
-  w->region_base = own != NULL ? own->base : NULL;
+  w->region_base = own != NULL && own->in_place ? own->base : NULL; /* direct runs too */
   w->layout = malloc((unkept + kept + 1) * sizeof(*w->layout));
   w->mapped = malloc((total + 1) * sizeof(*w->mapped));
   w->owns_handles = handles == NULL;

@@ -65,6 +65,8 @@ struct sl_window_own {
   void *base;                     /* its mapping */
   uint64_t lead_pages;            /* address space reserved below base */
   uint64_t trail_pages;           /* ... and above its last page */
+  int in_place;                   /* may the window hand out base's addresses (lie over base
+                                     and its reservation, or serve runs of it directly)? */
 };
 
 /* A window for a loan's layout. own: the region when this process owns it, else NULL (the

@@ -59,9 +59,6 @@ class Loan:
         self._returned = False
         self._final_stats: LoanStats | None = None
         self.leaks: list[LeakedBlock | tuple[int, int]] = []
-        # Allocations of an earlier loan of this client that died during this one: freed once
-        # this one has ended (_allocation_died says why).
-        self._late_frees: list[tuple[Client, int]] = []
         self._failure: BaseException | None = None  # raised by _finish before the Return
 
     # ---------------------------------------------------------------- results
@@ -109,20 +106,17 @@ class Loan:
         return wrap(ptr, nbytes, self.device, _Allocation(self, ptr), shape, dtype)
 
     def _allocation_died(self, ptr: int) -> None:
-        # Runs wherever the tensor died (any thread, inside the GC): no lock is taken here.
+        # Runs wherever the tensor died (any thread, inside the GC).
         self._live.discard(ptr)
         if self.active:
             self._to_free.append(ptr)  # freed at the next safe point (after a synchronize)
         elif self._client is not None:
-            # A leak outliving its loan: the library drops its forfeit mapping. The library
-            # frees by address, and a later loan of the same client may have handed out the
-            # same one (a tensor lent in place is mapped where it lives): while such a loan
-            # is active, the free waits for its end.
-            later = _active.get(self.device)
-            if later is not None and later is not self and later._client is self._client:
-                later._late_frees.append((self._client, ptr))
-            else:
-                _free_quietly(self._client, ptr)
+            # A leak outliving its loan: the library drops its forfeit mapping (a later loan
+            # of the region is laid out away from it, so the address is this one's alone).
+            try:
+                self._client.free(ptr)
+            except SubletError:
+                pass  # the daemon or the client went: the forfeit mapping went with it
 
     def _free_dead_allocations(self) -> None:
         if not self._to_free:
@@ -183,9 +177,6 @@ class Loan:
             return result
         finally:
             self._unbind()
-            for client, ptr in self._late_frees:
-                _free_quietly(client, ptr)
-            self._late_frees.clear()
 
     def _unbind(self) -> None:
         if self.device is not None and self.device.type == "cuda" and self._client:
@@ -211,13 +202,6 @@ def _prepare(device: torch.device, routing: bool) -> None:
     side (routing) or the owner's of an offer (PyTorch's cache given back only)."""
     if device.type == "cuda":
         (prepare_routing if routing else release_cached)(device.index)
-
-
-def _free_quietly(client: Client, ptr: int) -> None:
-    try:
-        client.free(ptr)
-    except SubletError:
-        pass  # the daemon or the client went: the forfeit mapping went with it
 
 
 def _check_device_free(device: torch.device) -> None:

@@ -193,22 +193,27 @@ def test_leak_error_restores_the_kept_data():
 
 def test_a_leak_dying_in_the_next_loan_frees_nothing_of_it():
     """A Loan.empty() tensor left alive at a loan's end (LeakError) that dies during the next
-    loan of the same client: the library frees by address, and the next loan, lent in place,
-    may have handed out that address again. Its free waits for that loan's end, which then
-    frees none of its own allocations and ends without a LeakError."""
+    loan of the region. The first loan was served in place, so the leak has an address of the
+    region's own mapping; the library frees by address. The next loan is laid out away from
+    it, so the leak's death frees none of that loan's allocations, and that loan ends without
+    a LeakError."""
     cache, before = patterned(16, 65536, seed=31)
     with pytest.raises(sublet.LeakError):
         with sublet.lend(cache, keep=[]) as loan:
-            leaked = loan.empty(PAGE, dtype=torch.uint8).fill_(7)
+            first = loan.empty(PAGE, dtype=torch.uint8)
+            leaked = first.fill_(7)
+    in_place = leaked.data_ptr()
     with sublet.lend(cache, keep=[]) as loan:
         mine = fill_loan(loan, seed=32)
-        assert any(t.data_ptr() == leaked.data_ptr() for t in mine), "the same address"
+        assert not any(t.data_ptr() == in_place for t in mine), "laid out away from the leak"
         copies = [t.clone() for t in mine]
-        del leaked
+        del first, leaked
         gc.collect()
         assert fill_loan(loan, seed=33) == [], "nothing of this loan was freed"
         assert all(torch.equal(t, c) for t, c in zip(mine, copies))
         del_all(mine)
+    with sublet.lend(cache, keep=[]) as loan:  # the region lends on
+        del_all(fill_loan(loan, seed=34))
     assert_kept_intact(cache, before, [])
 
 
