@@ -408,11 +408,9 @@ int sl_borrow_keeps(const sublet_client *c) {
 /* Lets go of the region's kept window unless a loan of it is borrowed now; returns whether
  * nothing of it is left (a forfeit window of it goes only with its last allocation). */
 static int let_go_region(sublet_client *c, uint64_t region) {
-  if (c->win != NULL && c->win->region_id == region && c->loan_id != 0)
+  if ((c->win != NULL && c->win->region_id == region && c->loan_id != 0) ||
+      region_has_forfeit(c, region))
     return 0;
-  for (size_t i = 0; i < c->nforfeit; i++)
-    if (c->forfeit[i]->region_id == region)
-      return 0;
   if (c->win != NULL && c->win->region_id == region) {
     sl_window_free(c->win); /* waits for the device first: nothing touches it then */
     c->win = NULL;

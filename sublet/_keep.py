@@ -67,9 +67,19 @@ def keep_ranges(keep: Keep, storage_ptr: int, region_size: int,
         return np.empty((0, 2), dtype=np.uint64)
     ranges = merged[0] if len(merged) == 1 else merge_ranges(
         *np.concatenate(merged).astype(np.int64).T)
+    return _within_region(ranges, region_size)
+
+
+def _within_region(ranges: np.ndarray, region_size: int) -> np.ndarray:
+    """ranges (sorted) as they are, unless they reach past the region."""
     if len(ranges) and int(ranges[-1, 0] + ranges[-1, 1]) > region_size:
         raise ValueError("a keep view reaches past the end of the lent tensor's memory")
     return ranges
+
+
+def _not_a_view(i: int, v: object) -> TypeError:
+    return TypeError(f"keep[{i}] is a {type(v).__name__}, not a view of the lent tensor: pass "
+                     f"slices of it, such as cache[3] or cache[:, 2:5]")
 
 
 def _one_view_ranges(view: torch.Tensor, storage_ptr: int, region_size: int) -> np.ndarray:
@@ -81,8 +91,7 @@ def _one_view_ranges(view: torch.Tensor, storage_ptr: int, region_size: int) -> 
         shape, strides, itemsize = tuple(view.shape), view.stride(), view.element_size()
         ptr = view.data_ptr()
     except AttributeError:
-        raise TypeError(f"keep[0] is a {type(view).__name__}, not a view of the lent tensor: "
-                        f"pass slices of it, such as cache[3] or cache[:, 2:5]") from None
+        raise _not_a_view(0, view) from None
     if 0 in shape:
         return np.empty((0, 2), dtype=np.uint64)
     starts, run = _runs(shape, strides, itemsize, _offsets_in_region([ptr], storage_ptr,
@@ -93,9 +102,7 @@ def _one_view_ranges(view: torch.Tensor, storage_ptr: int, region_size: int) -> 
     else:
         ranges = np.empty((len(starts), 2), dtype=np.uint64)
         ranges[:, 0], ranges[:, 1] = starts, run
-    if int(ranges[-1, 0] + ranges[-1, 1]) > region_size:
-        raise ValueError("a keep view reaches past the end of the lent tensor's memory")
-    return ranges
+    return _within_region(ranges, region_size)
 
 
 def _as_rows(keep: Keep, storage_ptr: int, tensor: torch.Tensor | None) -> np.ndarray | None:
@@ -138,16 +145,14 @@ def _mask_rows(mask: np.ndarray, nrows: int) -> np.ndarray:
 
 
 def _index_rows(index: np.ndarray, nrows: int) -> np.ndarray:
-    if index.dtype.kind == "u" and len(index) and int(index.max()) >= nrows:  # before int64
-        raise IndexError(f"keep index {int(index.max())} is out of range for the {nrows} rows "
-                         f"of the lent tensor")
-    index = index.reshape(-1).astype(np.int64, copy=False)
+    index = index.reshape(-1)
     if len(index) == 0:
-        return index
-    lo, hi = int(index.min()), int(index.max())
+        return index.astype(np.int64)
+    lo, hi = int(index.min()), int(index.max())  # before int64, where a uint64 would wrap
     if lo < -nrows or hi >= nrows:
         raise IndexError(f"keep index {lo if lo < -nrows else hi} is out of range for the "
                          f"{nrows} rows of the lent tensor")
+    index = index.astype(np.int64, copy=False)
     if lo < 0:
         index = np.where(index < 0, index + nrows, index)
     elif len(index) < 2 or bool((index[1:] > index[:-1]).all()):
@@ -222,8 +227,7 @@ def _group_by_layout(views: list[torch.Tensor], storage_ptr: int,
             try:
                 groups[(v.shape, v.stride(), v.element_size())].append(v.data_ptr())
             except AttributeError:
-                raise TypeError(f"keep[{i}] is a {type(v).__name__}, not a view of the lent "
-                                f"tensor: pass slices of it, such as cache[3] or cache[:, 2:5]")
+                raise _not_a_view(i, v)
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -256,7 +256,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
-    except (FileNotFoundError, OSError) as e:  # libsublet missing, or --output not writable
+    except OSError as e:  # libsublet missing (FileNotFoundError), or --output not writable
         print(f"sublet: {e}", file=sys.stderr)
         return EXIT_ERROR
 
