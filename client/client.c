@@ -391,6 +391,7 @@ static int hello(sublet_client *c) {
     c->can_cancel = rep->welcome->cancel;
     c->keep_ranges = rep->welcome->keep_ranges;
     c->keep_fd_ok = rep->welcome->keep_fd;
+    c->grow_ok = rep->welcome->grow;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

@@ -1,6 +1,6 @@
 /* client.h - libsublet's internals: the client and region structs and each layer's functions
- * for the layers above it (client.c at the bottom, then region.c, borrow.c, torch.c; connect.c
- * on top). */
+ * for the layers above it (client.c at the bottom, then region.c, borrow.c, pool.c, torch.c;
+ * connect.c on top). */
 #ifndef SL_CLIENT_H
 #define SL_CLIENT_H
 
@@ -23,6 +23,8 @@ struct sublet_region {
                           trail_pages */
   uint64_t lead_pages; /* room for a loan's fresh zone right below base (window.c: aliased) */
   uint64_t trail_pages; /* ... and for its fresh and kept zones above the last page */
+  uint64_t cap_pages;  /* pages it may grow to: npages, or (growable) the device's memory;
+                          handles has room for them all, and trail_pages shrinks as it grows */
   struct sl_rescue *rescue; /* of the loan in progress: restoring without subletd (rescue.c) */
   struct sublet_region *next;
 };
@@ -37,6 +39,7 @@ struct sublet_client {
   int can_cancel;       /* Welcome.cancel */
   int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
   int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
+  int grow_ok;          /* Welcome.grow: growable regions */
   int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
   size_t keep_fd_bytes; /* its size */
   struct sl_wire_rx rx;
@@ -44,6 +47,7 @@ struct sublet_client {
   struct sublet_info info;
   struct sl_device *dev; /* opened at the first region or borrow */
   struct sublet_region *regions;
+  struct sl_arena *arena; /* pool.c: the tags' segments in one growable region; NULL: none */
   struct sl_window *win;  /* the current or last loan's window */
   struct sl_window **forfeit; /* windows of loans ended with live allocations */
   size_t nforfeit;
@@ -164,6 +168,11 @@ int sl_borrow_check_idle(sublet_client *c);
 int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd);
 /* Borrow.known_layout: the layout id of the window this client holds (0: none). */
 uint64_t sl_borrow_known_layout(const sublet_client *c);
+
+/* ------------------------------------------------------------------ pool.c */
+
+/* Frees the arena's books (its region goes with the others: sl_region_forget_all). */
+void sl_pool_forget(sublet_client *c);
 
 /* ------------------------------------------------------------------ torch.c */
 

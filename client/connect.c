@@ -1,5 +1,6 @@
 /* connect.c - the top of libsublet: making a client and tearing it down, layer by layer from
- * the top (torch.c, the connection, borrow.c's windows, region.c's mappings, client.c). */
+ * the top (torch.c, the connection, borrow.c's windows, pool.c's arena, region.c's mappings,
+ * client.c). */
 #include "client.h"
 
 SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out) {
@@ -15,6 +16,7 @@ SUBLET_EXPORT void sublet_disconnect(sublet_client *c) {
    * this client leaves (regions freed; a loan it borrows ends once this process has exited). */
   sl_client_hang_up(c);
   sl_borrow_forget(c);
+  sl_pool_forget(c);
   sl_region_forget_all(c);
   sl_client_free(c);
 }

@@ -206,14 +206,16 @@ static void release_local(struct sublet_region *r) {
 /* Maps every page of the region at r->base, in order, with room for the device's whole memory
  * reserved below it and, beside the region's size, above it (address space only): a loan's
  * fresh zone can then be mapped right below the region or right after it, and a loan that
- * keeps bytes of every page, or its head, is served in place (window.h). */
+ * keeps bytes of every page, or its head, is served in place (window.h). A growable region
+ * reserves room to grow to r->cap_pages too, and a trail that is lead + cap_pages still once
+ * it has: growing maps the new pages in the trail's first pages. */
 static int map_region(sublet_client *c, struct sublet_region *r) {
   struct sl_err err = {0};
   uint64_t ps = r->page_size, total = c->info.total_bytes; /* the daemon's device */
   int rc;
 
   r->lead_pages = total / ps + 1;
-  r->trail_pages = r->lead_pages + r->npages;
+  r->trail_pages = r->lead_pages + 2 * r->cap_pages - r->npages;
   rc = sl_device_reserve(c->dev, reserved_pages(r) * ps, &r->reserved, &err);
   if (rc == 0)
     r->base = (char *)r->reserved + r->lead_pages * ps;
@@ -227,13 +229,15 @@ static int map_region(sublet_client *c, struct sublet_region *r) {
   return rc != 0 ? sl_client_fail_err(&err) : 0;
 }
 
-static int region_create_request(sublet_client *c, uint64_t size, struct sublet_region *r) {
+static int region_create_request(sublet_client *c, uint64_t size, int growable,
+                                 struct sublet_region *r) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__RegionCreate m = SUBLET__REGION_CREATE__INIT;
   Sublet__Reply *rep;
   int rc;
 
   m.size = size;
+  m.has_growable = m.growable = growable != 0;
   req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
   req.region_create = &m;
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_REGION_CREATED, &rep, NULL, NULL, 0);
@@ -259,7 +263,12 @@ static int region_release_request(sublet_client *c, uint64_t id, int undo) {
               : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
 }
 
-SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
+/* The pages a growable region may reach: the device's whole memory (the daemon refuses more). */
+static uint64_t cap_for(const sublet_client *c, const struct sublet_region *r, int growable) {
+  return growable ? c->info.total_bytes / r->page_size + 1 : r->npages;
+}
+
+static int region_create(sublet_client *c, uint64_t size, int growable, sublet_region **out) {
   struct sublet_region *r = calloc(1, sizeof(*r));
   int rc;
 
@@ -268,9 +277,15 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
   r->client = c;
   pthread_mutex_lock(&c->lock);
   rc = sl_client_ensure_device(c);
+  if (rc == 0 && growable && !c->grow_ok)
+    rc = sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot grow regions: upgrade it, or "
+                        "create the region at its full size");
   if (rc == 0)
-    rc = region_create_request(c, size, r);
-  if (rc == 0 && (r->handles = calloc(r->npages, sizeof(sl_handle))) == NULL)
+    rc = region_create_request(c, size, growable, r);
+  if (rc == 0 && (r->cap_pages = cap_for(c, r, growable)) < r->npages)
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd made region %llu larger than its device",
+                        (unsigned long long)r->id);
+  if (rc == 0 && (r->handles = calloc(r->cap_pages, sizeof(sl_handle))) == NULL)
     rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   if (rc == 0)
     rc = sl_region_fetch_pages(c, r->id, 0, r->npages, r->handles);
@@ -286,6 +301,105 @@ SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_r
     region_release_request(c, id, 1);
   } else {
     free(r);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_region_create(sublet_client *c, uint64_t size, sublet_region **out) {
+  return region_create(c, size, 0, out);
+}
+
+SUBLET_EXPORT int sublet_region_create_growable(sublet_client *c, uint64_t size,
+                                                sublet_region **out) {
+  return region_create(c, size, 1, out);
+}
+
+/* ---- growing */
+
+/* May r grow now, as this process sees it? Not while a loan of it is in progress or not yet
+ * reclaimed (the window to drop would be the loan's), nor while a loan that ended with live
+ * allocations was served in place: those may lie where the new pages go. */
+static int grow_check(sublet_client *c, const struct sublet_region *r) {
+  if (!c->grow_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot grow regions: upgrade it");
+  if (r->rescue != NULL)
+    return sl_client_fail(SUBLET_EBUSY, "region %llu is lent: it grows once its loan has "
+                          "ended (reclaim it first)", (unsigned long long)r->id);
+  for (size_t i = 0; i < c->nforfeit; i++)
+    if (c->forfeit[i]->region_id == r->id && c->forfeit[i]->own_to > 0)
+      return sl_client_fail(SUBLET_EBUSY, "region %llu has allocations of a loan that ended "
+                            "with them alive, in its address space: free them before it grows",
+                            (unsigned long long)r->id);
+  return 0;
+}
+
+static int region_grow_request(sublet_client *c, struct sublet_region *r, uint64_t size,
+                               uint64_t *npages) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionGrow m = SUBLET__REGION_GROW__INIT;
+  Sublet__Reply *rep;
+  int rc;
+
+  m.region = r->id;
+  m.size = size;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_GROW;
+  req.region_grow = &m;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_REGION_CREATED, &rep, NULL, NULL, 0);
+  if (rc == 0)
+    *npages = rep->region_created->pages;
+  if (rc == 0 && (rep->region_created->region != r->id || *npages <= r->npages ||
+                  *npages > r->cap_pages))
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd grew region %llu to %llu pages, which this "
+                        "process cannot map (it has %llu, room for %llu): release it",
+                        (unsigned long long)r->id, (unsigned long long)*npages,
+                        (unsigned long long)r->npages, (unsigned long long)r->cap_pages);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+/* Imports and maps pages [r->npages, npages) after the others, granting access once over
+ * them. On failure undoes what it did here (the daemon's region has the pages all the same). */
+static int map_new_pages(sublet_client *c, struct sublet_region *r, uint64_t npages) {
+  uint64_t ps = r->page_size, from = r->npages, mapped = from;
+  struct sl_err err = {0};
+  int rc = sl_region_fetch_pages(c, r->id, from, npages - from, r->handles);
+
+  for (; rc == 0 && mapped < npages; mapped++)
+    if (sl_device_map(c->dev, (char *)r->base + mapped * ps, ps, r->handles[mapped], &err) != 0)
+      break;
+  if (rc == 0 && (mapped < npages || sl_device_set_access(c->dev, (char *)r->base + from * ps,
+                                                          (npages - from) * ps, &err) != 0))
+    rc = sl_client_fail(err.code, "region %llu grew, but its new pages could not be mapped "
+                        "here (%s): release it", (unsigned long long)r->id, err.msg);
+  if (rc == 0)
+    return 0;
+  sl_device_unmap_pages(c->dev, (char *)r->base + from * ps, mapped - from);
+  for (uint64_t i = from; i < npages; i++) {
+    if (r->handles[i] != 0)
+      sl_device_release(c->dev, r->handles[i]);
+    r->handles[i] = 0;
+  }
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_region_grow(sublet_region *r, uint64_t size) {
+  sublet_client *c = r->client;
+  uint64_t npages = 0;
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  rc = grow_check(c, r);
+  if (rc == 0) {
+    drop_window_of(c, r); /* it was laid out for the old pages, in the trail the new ones take */
+    rc = region_grow_request(c, r, size, &npages);
+  }
+  if (rc == 0)
+    rc = map_new_pages(c, r, npages);
+  if (rc == 0) {
+    r->trail_pages -= npages - r->npages;
+    r->npages = npages;
   }
   pthread_mutex_unlock(&c->lock);
   return rc;

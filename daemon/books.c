@@ -131,6 +131,11 @@ void sl_client_gone_clear(struct sl_client_gone *gone) {
 
 int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
                         uint64_t *region_id, struct sl_err *err) {
+  return sl_books_region_new(b, client_id, npages, 0, region_id, err);
+}
+
+int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages, int growable,
+                        uint64_t *region_id, struct sl_err *err) {
   struct sl_client *c = sl_books_find_client(b, client_id);
   struct sl_region *v;
 
@@ -145,7 +150,8 @@ int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
     return out_of_memory(err);
   b->regions = v;
   v[b->nregions] = (struct sl_region){
-      .id = b->next_region++, .owner_client = c->id, .owner = c->peer, .npages = npages};
+      .id = b->next_region++, .owner_client = c->id, .owner = c->peer, .npages = npages,
+      .growable = growable != 0};
   if (region_id != NULL)
     *region_id = v[b->nregions].id;
   b->nregions++;
@@ -191,6 +197,47 @@ static int replacing_error(const struct sl_region *r, struct sl_err *err) {
   return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is getting fresh pages after a loan "
                     "to another user: reclaim the loan first (its reply comes once they are in "
                     "place)", r->id);
+}
+
+int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                      uint64_t npages, struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, region_id);
+
+  if (r == NULL)
+    return no_region(err, region_id);
+  if (r->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to client %" PRIu64 "; "
+                      "only its owner may grow it", region_id, r->owner_client);
+  if (!r->growable)
+    return sl_err_set(err, SUBLET_EINVAL, "region %" PRIu64 " was not made growable: create "
+                      "it growable to grow it", region_id);
+  if (r->loan_id != 0)
+    return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is lent: it grows once its loan "
+                      "has ended (reclaim loan %" PRIu64 " first)", region_id, r->loan_id);
+  if (r->replacing)
+    return replacing_error(r, err);
+  if (npages <= r->npages || npages > UINT64_MAX / b->cfg.page_size)
+    return sl_err_set(err, SUBLET_EINVAL, "region %" PRIu64 " has %" PRIu64 " pages and "
+                      "cannot have %" PRIu64 ": a region only grows; ask for more than it has",
+                      region_id, r->npages, npages);
+  return 0;
+}
+
+int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         uint64_t npages, struct sl_err *err) {
+  struct sl_region *r = sl_books_find_region(b, region_id);
+  int rc = sl_books_may_grow(b, client_id, region_id, npages, err);
+
+  if (rc != 0)
+    return rc;
+  b->region_pages += npages - r->npages;
+  r->npages = npages;
+  /* The last loan's layout covered the old pages only: the next loan's id must be new, or a
+   * borrower's window of the old layout would be taken for it. */
+  free(r->layout);
+  r->layout = NULL;
+  r->layout_pages = 0;
+  return 0;
 }
 
 int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
@@ -265,7 +312,8 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
 
 static void region_fill_info(const struct sl_region *r, struct sl_region_info *ri) {
   *ri = (struct sl_region_info){.id = r->id, .owner_client = r->owner_client,
-                                .owner = r->owner, .npages = r->npages, .loan_id = r->loan_id,
+                                .owner = r->owner, .npages = r->npages,
+                                .growable = r->growable, .loan_id = r->loan_id,
                                 .pages_version = r->pages_version, .replacing = r->replacing};
 }
 
@@ -607,7 +655,7 @@ int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t reg
 
 /* Is l's layout the one of r's last loan, over the same pages? */
 static int same_layout(const struct sl_region *r, const struct sl_loan *l) {
-  return r->layout != NULL && r->layout_unkept == l->unkept &&
+  return r->layout != NULL && r->layout_pages == r->npages && r->layout_unkept == l->unkept &&
          memcmp(r->layout, l->pages, r->npages * sizeof(*l->pages)) == 0;
 }
 
@@ -670,6 +718,7 @@ static void loan_delete(struct sl_books *b) {
     r->layout = l->pages;
     r->layout_unkept = l->unkept;
     r->layout_id = l->layout_id;
+    r->layout_pages = l->unkept + l->kept;
     l->pages = NULL;
   }
   if (c != NULL && c->loan_id == l->id)

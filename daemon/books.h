@@ -122,6 +122,7 @@ struct sl_region_info {
   uint64_t owner_client;
   struct sl_peer owner;
   uint64_t npages;
+  int growable;               /* RegionCreate.growable */
   uint64_t loan_id;           /* 0: not lent */
   uint64_t pages_version;     /* bumped whenever some of its pages were replaced */
   int replacing;              /* its pages are being replaced (the last loan is ending) */
@@ -177,6 +178,17 @@ void sl_client_gone_clear(struct sl_client_gone *gone);
 /* Regions */
 int sl_books_region_add(struct sl_books *b, uint64_t client_id, uint64_t npages,
                         uint64_t *region_id, struct sl_err *err);
+/* The same, growable or not. */
+int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages, int growable,
+                        uint64_t *region_id, struct sl_err *err);
+/* A growable region of client_id's gets npages pages in all, more than it has (the daemon
+ * checks them against the device first). Only its owner's, never while lent or while its last
+ * loan's pages are being replaced. Its last layout goes: the next loan's layout id is new.
+ * may_grow: the same checks, changing nothing (before the device work). */
+int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                      uint64_t npages, struct sl_err *err);
+int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         uint64_t npages, struct sl_err *err);
 /* Only the owner, and only while not lent. */
 int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err);

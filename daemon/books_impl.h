@@ -32,6 +32,7 @@ struct sl_region {
   uint64_t owner_client;
   struct sl_peer owner;
   uint64_t npages;
+  int growable;         /* made to grow (sl_books_region_grow) */
   uint64_t loan_id;
   uint64_t last_fresh; /* the fresh zone of its last loan (books.c: steady_fresh) */
   uint64_t pages_version; /* how many times its lent pages were replaced (books.h) */
@@ -39,6 +40,7 @@ struct sl_region {
   uint64_t *layout;     /* its last loan's pages (sl_loan.pages), owned; NULL: none since its
                            pages were last replaced */
   uint64_t layout_unkept, layout_id; /* that loan's U and layout id (books.h) */
+  uint64_t layout_pages; /* that loan's U + K: npages, or the layout went (a growth drops it) */
 };
 
 struct sl_alloc {

@@ -73,6 +73,9 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
   if (r->layout != NULL && (r->layout_id == 0 || r->layout_id >= b->next_layout))
     return broken(ck, "region %" PRIu64 " keeps a layout of bad id %" PRIu64, r->id,
                   r->layout_id);
+  if (r->layout != NULL && r->layout_pages != r->npages) /* it grew: the layout must have gone */
+    return broken(ck, "region %" PRIu64 " of %" PRIu64 " pages keeps a layout of %" PRIu64,
+                  r->id, r->npages, r->layout_pages);
   if (sl_books_find_client(b, r->owner_client) != NULL)
     return 0;
   if (l == NULL || !l->owner_gone)

@@ -1,9 +1,9 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), transport.c
  * (connections below the protocol: frames, output queues, bounds), conn.c (one client's
- * conversation on its transport), handlers.c (requests), waiters.c (requests answered later),
- * endings.c (how loans end, what a client leaves), retire.c (a region leaves, its keepers
- * told), status.c (the Status reply), idle.c
- * (--idle-exit), jobs.c (copies off the loop).
+ * conversation on its transport), handlers.c (requests; regions.c the region ones), waiters.c
+ * (requests answered later), endings.c (how loans end, what a client leaves), retire.c (a
+ * region leaves, its keepers told), status.c (the Status reply), idle.c (--idle-exit), jobs.c
+ * (copies off the loop).
  *
  * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, retire.c, status.c ->
  * conn.c -> transport.c. The lower ones reach the upper ones only through the callbacks they
@@ -269,6 +269,19 @@ void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
  * when they stay for their holders). */
 void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
                           uint64_t req_id);
+
+/* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
+ * a job with the connection paused), else an error in err for the caller to send. */
+int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
+                      struct sl_err *err);
+int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
+                    struct sl_err *err);
+int sl_regions_pages_get(struct sl_conn *c, uint64_t id, const Sublet__PagesGet *m,
+                         struct sl_err *err);
+int sl_regions_release(struct sl_conn *c, uint64_t id, const Sublet__RegionRelease *m,
+                       struct sl_err *err);
+int sl_regions_dropped(struct sl_conn *c, uint64_t id, const Sublet__Dropped *m,
+                       struct sl_err *err);
 
 /* The request layer's side of a connection (handlers.c): requests and the connection's end. */
 extern const struct sl_conn_ops sl_handlers;

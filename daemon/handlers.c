@@ -1,4 +1,5 @@
-/* handlers.c - what subletd does for each request, between the books and the pool.
+/* handlers.c - what subletd does for each request, between the books and the pool (the
+ * region requests are regions.c's).
  *
  * Each handler checks its arguments, asks the books, does the device work the books name, and
  * answers. Requests that wait (Borrow with a timeout, Reclaim, every Lend) park a waiter
@@ -89,141 +90,11 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.has_cancel = w.cancel = 1;
   w.has_keep_ranges = w.keep_ranges = 1;
   w.has_keep_fd = w.keep_fd = 1;
+  w.has_grow = w.grow = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
   sl_conn_send(x->c, &rep, NULL, 0);
-  return 0;
-}
-
-/* Creating a region's pages takes the device seconds for tens of GiB (2 s for 64 GiB on an
- * H200, most of it mapping them in the daemon): a job, off the loop, with the connection paused
- * meanwhile. The books hold the pages from the start, and building_bytes keeps them out of the
- * free memory that a loan measures meanwhile. */
-struct region_job {
-  struct sl_job job; /* first member */
-  uint64_t req_id, region, npages, bytes;
-  struct sl_pool_region *built;
-};
-
-static void region_build_run(struct sl_job *j) {
-  struct region_job *rj = (struct region_job *)j;
-
-  j->rc = sl_pool_region_build(j->d->pool, rj->region, rj->npages, &rj->built, &j->err);
-}
-
-static void reply_region_created(struct sl_conn *c, const struct region_job *rj) {
-  uint64_t ps = sl_device_info(c->d->dev)->page_size;
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__RegionCreated m = SUBLET__REGION_CREATED__INIT;
-  char a[16];
-
-  m.region = rj->region;
-  m.pages = rj->npages;
-  m.page_size = ps;
-  rep.id = rj->req_id;
-  rep.body_case = SUBLET__REPLY__BODY_REGION_CREATED;
-  rep.region_created = &m;
-  sl_info("region %llu: %s for pid %d", (unsigned long long)rj->region,
-          sl_format_size(a, rj->npages * ps), (int)c->peer.pid);
-  sl_conn_send(c, &rep, NULL, 0);
-}
-
-static void region_built(struct sl_job *j) {
-  struct region_job *rj = (struct region_job *)j;
-  struct sl_conn *c = j->conn;
-  struct sl_daemon *d = j->d;
-
-  d->building_bytes -= rj->bytes;
-  if (j->rc == 0) {
-    sl_pool_region_add(d->pool, rj->built);
-    if (c != NULL)
-      reply_region_created(c, rj);
-    else /* its client went meanwhile, and the region left the books with it */
-      sl_retire_region(d, rj->region);
-  } else if (c != NULL) {
-    sl_books_region_remove(d->books, c->client_id, rj->region, NULL);
-    sl_conn_send_error(c, rj->req_id, &j->err);
-  }
-  if (c != NULL)
-    sl_conn_resume(c);
-  free(rj);
-}
-
-static int on_region_create(struct ctx *x, const Sublet__RegionCreate *m) {
-  uint64_t ps = sl_device_info(x->d->dev)->page_size, total = sl_device_info(x->d->dev)->total_bytes;
-  struct region_job *rj;
-  char a[16], b[16];
-  int rc;
-
-  if (m->size == 0 || m->size > total)
-    return sl_err_set(&x->err, m->size == 0 ? SUBLET_EINVAL : SUBLET_ENOMEM,
-                      "a region of %s cannot be made on a device of %s",
-                      sl_format_size(a, m->size), sl_format_size(b, total));
-  rj = calloc(1, sizeof(*rj));
-  if (rj == NULL)
-    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
-  rj->npages = (m->size + ps - 1) / ps;
-  rj->bytes = rj->npages * ps;
-  rc = sl_books_region_add(x->d->books, x->c->client_id, rj->npages, &rj->region, &x->err);
-  if (rc != 0) {
-    free(rj);
-    return rc;
-  }
-  rj->req_id = x->id;
-  rj->job.run = region_build_run;
-  rj->job.done = region_built;
-  rj->job.conn = x->c;
-  x->d->building_bytes += rj->bytes;
-  sl_job_submit(x->d, &rj->job);
-  return 0;
-}
-
-static int on_pages_get(struct ctx *x, const Sublet__PagesGet *m) {
-  Sublet__Reply rep = SUBLET__REPLY__INIT;
-  Sublet__Pages pages = SUBLET__PAGES__INIT;
-  int fds[SL_WIRE_MAX_FDS];
-  int rc;
-
-  if (m->count == 0 || m->count > SL_WIRE_MAX_FDS)
-    return sl_err_set(&x->err, SUBLET_E2BIG, "PagesGet asks for %u pages: 1 to %d per request",
-                      m->count, SL_WIRE_MAX_FDS);
-  rc = sl_books_pages_granted(x->d->books, x->c->client_id, m->region, m->first, m->count,
-                              &x->err);
-  if (rc == 0)
-    rc = sl_pool_export_pages(x->d->pool, m->region, m->first, m->count, fds, &x->err);
-  if (rc != 0)
-    return rc;
-  pages.region = m->region;
-  pages.first = m->first;
-  pages.count = m->count;
-  rep.id = x->id;
-  rep.body_case = SUBLET__REPLY__BODY_PAGES;
-  rep.pages = &pages;
-  sl_conn_send(x->c, &rep, fds, m->count);
-  sl_wire_close_fds(fds, m->count); /* sent: the client has its own copies now */
-  return 0;
-}
-
-static int on_region_release(struct ctx *x, const Sublet__RegionRelease *m) {
-  int rc = sl_books_region_remove(x->d->books, x->c->client_id, m->region, &x->err);
-
-  if (rc != 0)
-    return rc;
-  sl_retire_region_for(x->d, m->region, x->c, x->id);
-  return 0;
-}
-
-static int on_dropped(struct ctx *x, const Sublet__Dropped *m) {
-  int last, rc = sl_books_kept_drop(x->d->books, x->c->client_id, m->region, &last, &x->err);
-
-  if (rc != 0)
-    return rc;
-  sl_debug("pid %d let go of region %llu%s", (int)x->c->peer.pid,
-           (unsigned long long)m->region, last ? ", its last holder: its pages go" : "");
-  if (last)
-    sl_retire_region(x->d, m->region); /* nobody holds its pages now */
-  sl_conn_send_ok(x->c, x->id);
   return 0;
 }
 
@@ -930,9 +801,14 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
                       "still waiting: wait for its reply (or cancel it) before sending more");
   switch (r->body_case) {
     case SUBLET__REQUEST__BODY_HELLO: return on_hello(x, r->hello);
-    case SUBLET__REQUEST__BODY_REGION_CREATE: return on_region_create(x, r->region_create);
-    case SUBLET__REQUEST__BODY_PAGES_GET: return on_pages_get(x, r->pages_get);
-    case SUBLET__REQUEST__BODY_REGION_RELEASE: return on_region_release(x, r->region_release);
+    case SUBLET__REQUEST__BODY_REGION_CREATE:
+      return sl_regions_create(x->c, x->id, r->region_create, &x->err);
+    case SUBLET__REQUEST__BODY_REGION_GROW:
+      return sl_regions_grow(x->c, x->id, r->region_grow, &x->err);
+    case SUBLET__REQUEST__BODY_PAGES_GET:
+      return sl_regions_pages_get(x->c, x->id, r->pages_get, &x->err);
+    case SUBLET__REQUEST__BODY_REGION_RELEASE:
+      return sl_regions_release(x->c, x->id, r->region_release, &x->err);
     case SUBLET__REQUEST__BODY_LEND: return on_lend(x, r->lend); /* may take its keep */
     case SUBLET__REQUEST__BODY_RECLAIM: return on_reclaim(x, r->reclaim);
     case SUBLET__REQUEST__BODY_WITHDRAW: return on_withdraw(x, r->withdraw);
@@ -941,7 +817,8 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_FREE: return on_free(x, r->free);
     case SUBLET__REQUEST__BODY_RETURN: return on_return(x, r->return_);
     case SUBLET__REQUEST__BODY_STATS_GET: return sl_status_reply(x->c, x->id, &x->err);
-    case SUBLET__REQUEST__BODY_DROPPED: return on_dropped(x, r->dropped);
+    case SUBLET__REQUEST__BODY_DROPPED:
+      return sl_regions_dropped(x->c, x->id, r->dropped, &x->err);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);

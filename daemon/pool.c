@@ -24,6 +24,9 @@
 struct sl_pool_region {
   uint64_t id;
   uint64_t npages;
+  uint64_t cap_pages; /* address space reserved at base, and room in pages: npages, or (a
+                         growable region) the device's whole memory, so that growing maps only
+                         the new pages and never moves the old ones */
   sl_handle *pages;
   void *base;   /* the daemon's own mapping of all pages, contiguous */
   int busy;     /* transfers that hold it: destroying waits for the last */
@@ -101,55 +104,95 @@ static struct sl_pool_region *find_region(const struct sl_pool *p, uint64_t id) 
   return NULL;
 }
 
-static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r, uint64_t created,
-                                 uint64_t mapped) {
-  if (mapped > 0)
+/* Undoes pages_add's work on pages [from, ...): unmaps those mapped, releases those created. */
+static void pages_undo(struct sl_pool *p, struct sl_pool_region *r, uint64_t from,
+                       uint64_t created, uint64_t mapped) {
+  if (mapped > from) {
     sl_device_synchronize(p->dev, NULL);
-  sl_device_unmap_pages(p->dev, r->base, mapped); /* pages [0, mapped) are */
-  for (uint64_t i = 0; i < created; i++)
+    sl_device_unmap_pages(p->dev, (char *)r->base + from * p->page_size, mapped - from);
+  }
+  for (uint64_t i = from; i < created; i++) {
     sl_device_release(p->dev, r->pages[i]);
+    r->pages[i] = 0;
+  }
+}
+
+static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r) {
+  pages_undo(p, r, 0, r->npages, r->npages);
   if (r->base != NULL)
-    sl_device_unreserve(p->dev, r->base, r->npages * p->page_size);
+    sl_device_unreserve(p->dev, r->base, r->cap_pages * p->page_size);
   free(r->pages);
   free(r);
 }
 
-/* Creates the pages and maps them; on failure undoes exactly what was done. */
-static int region_build(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err) {
-  uint64_t ps = p->page_size, created = 0, mapped = 0;
-  int rc;
+/* Creates pages [from, to) of r and maps them after the others, in r's reservation; touches
+ * nothing else of r. On failure undoes exactly what it did. */
+static int pages_add(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
+                     struct sl_err *err) {
+  uint64_t ps = p->page_size, created = from, mapped = from;
+  int rc = 0;
 
-  rc = sl_device_reserve(p->dev, r->npages * ps, &r->base, err);
-  for (; rc == 0 && created < r->npages; created++)
-    rc = sl_device_create(p->dev, ps, &r->pages[created], err);
-  if (rc != 0 && created > 0)
-    created--; /* the last create failed */
-  for (; rc == 0 && mapped < r->npages; mapped++)
-    rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped], err);
-  if (rc != 0 && mapped > 0)
-    mapped--;
-  if (rc == 0)
-    rc = sl_device_set_access(p->dev, r->base, r->npages * ps, err);
+  for (; created < to; created++)
+    if ((rc = sl_device_create(p->dev, ps, &r->pages[created], err)) != 0)
+      break;
+  for (; rc == 0 && mapped < to; mapped++)
+    if ((rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped],
+                            err)) != 0)
+      break;
+  if (rc == 0) /* once over the new span: a call per page costs far more */
+    rc = sl_device_set_access(p->dev, (char *)r->base + from * ps, (to - from) * ps, err);
   if (rc != 0)
-    region_unmap_release(p, r, created, mapped);
+    pages_undo(p, r, from, created, mapped);
   return rc;
 }
 
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                         struct sl_pool_region **out, struct sl_err *err) {
+                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
   struct sl_pool_region *r = calloc(1, sizeof(*r));
   int rc;
 
-  if (r == NULL || (r->pages = calloc(npages, sizeof(sl_handle))) == NULL) {
+  cap_pages = cap_pages > npages ? cap_pages : npages;
+  if (r == NULL || (r->pages = calloc(cap_pages, sizeof(sl_handle))) == NULL) {
     free(r);
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a region's page table");
   }
   r->id = region_id;
-  r->npages = npages;
-  rc = region_build(p, r, err);
+  r->cap_pages = cap_pages;
+  rc = sl_device_reserve(p->dev, cap_pages * p->page_size, &r->base, err);
+  if (rc == 0 && (rc = pages_add(p, r, 0, npages, err)) == 0)
+    r->npages = npages;
   if (rc == 0)
     *out = r;
-  return rc; /* on failure region_build freed r */
+  else
+    region_unmap_release(p, r); /* npages 0: only the reservation */
+  return rc;
+}
+
+struct sl_pool_region *sl_pool_region_hold(struct sl_pool *p, uint64_t region_id) {
+  struct sl_pool_region *r = find_region(p, region_id);
+
+  if (r != NULL)
+    r->busy++;
+  return r;
+}
+
+int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                        struct sl_err *err) {
+  if (npages <= r->npages || npages > r->cap_pages)
+    return sl_err_set(err, SUBLET_EINVAL, "region %llu has room for %llu pages, not %llu: "
+                      "create it growable to grow it", (unsigned long long)r->id,
+                      (unsigned long long)r->cap_pages, (unsigned long long)npages);
+  return pages_add(p, r, r->npages, npages, err);
+}
+
+void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                          int keep) {
+  if (keep)
+    r->npages = npages;
+  else
+    pages_undo(p, r, r->npages, npages, npages);
+  if (--r->busy == 0 && r->doomed)
+    region_unmap_release(p, r);
 }
 
 void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r) {
@@ -178,7 +221,7 @@ uint64_t sl_pool_region_bytes(const struct sl_pool *p, const struct sl_pool_regi
 
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r) {
   if (r != NULL)
-    region_unmap_release(p, r, r->npages, r->npages);
+    region_unmap_release(p, r);
 }
 
 int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, uint32_t count,
@@ -442,7 +485,7 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
 
 /* Maps the new pages where the old ones were (the device idle: the borrower let go, and the
  * daemon's own copies wait for each other), then grants access once over the whole region, as
- * region_build does (a call per page costs far more). */
+ * pages_add does (a call per page costs far more). */
 static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   struct sl_device *dev = t->pool->dev;
   uint64_t ps = t->pool->page_size;
@@ -548,7 +591,7 @@ void sl_pool_transfer_free(struct sl_pool_transfer *t) {
   r = t->region;
   settle_replace(t);
   if (--r->busy == 0 && r->doomed)
-    region_unmap_release(t->pool, r, r->npages, r->npages);
+    region_unmap_release(t->pool, r);
   if (--t->area->busy == 0 && t->area->doomed)
     area_free(t->pool->dev, t->area);
   free(t->copies);

@@ -25,8 +25,21 @@ void sl_pool_free(struct sl_pool *p);
  * only the region and the device (any thread); add and take, the pool's list (the loop). take
  * returns NULL for a region it does not have, or one a transfer still holds (freed with it). */
 struct sl_pool_region;
+/* cap_pages: the pages it may grow to (address space reserved now, in the daemon's mapping);
+ * npages or less for a region that never grows. */
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                         struct sl_pool_region **out, struct sl_err *err);
+                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
+/* Growing a region in the same halves. hold (the loop): the region is kept from being freed
+ * until grown (NULL: not in the pool). grow (any thread, with the region held): pages
+ * [its npages, npages) are created and mapped after the others, npages at most its cap_pages;
+ * nothing else of the region is touched, and on failure nothing is left. grown (the loop):
+ * the new pages become the region's (keep), or are undone; the hold ends (a region taken
+ * meanwhile is freed now, with them). */
+struct sl_pool_region *sl_pool_region_hold(struct sl_pool *p, uint64_t region_id);
+int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                        struct sl_err *err);
+void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                          int keep);
 void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r);
 struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id);
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r);

@@ -143,6 +143,15 @@ SUBLET_EXPORT void *sublet_region_addr(const sublet_region *r);
 SUBLET_EXPORT uint64_t sublet_region_size(const sublet_region *r);
 SUBLET_EXPORT uint64_t sublet_region_id(const sublet_region *r);
 SUBLET_EXPORT int sublet_region_release(sublet_region *r);
+/* A region that may grow: sublet_region_grow() makes it size bytes in all (rounded up to
+ * pages; more than it has, at most the device's total). Its address and its bytes stay; the
+ * new pages follow the old ones. Not while it is lent (SUBLET_EBUSY: reclaim first);
+ * SUBLET_EINVAL for a region made by sublet_region_create() or a size not above its own,
+ * SUBLET_ENOMEM past the device's memory, SUBLET_ENOTSUP from a subletd that cannot grow
+ * regions. */
+SUBLET_EXPORT int sublet_region_create_growable(sublet_client *c, uint64_t size,
+                                                sublet_region **out);
+SUBLET_EXPORT int sublet_region_grow(sublet_region *r, uint64_t size);
 
 /* A 64-bit checksum of each range of the region into sums[i], computed on the device (one GPU
  * kernel for all ranges, at memory bandwidth). It depends on every bit of the range and on
@@ -160,6 +169,17 @@ SUBLET_EXPORT int sublet_region_checksum(sublet_region *r, const struct sublet_r
 SUBLET_EXPORT int sublet_rows_ranges(const int64_t *rows, size_t n, uint64_t nrows,
                                      uint64_t base, uint64_t row_bytes,
                                      struct sublet_range *out, size_t *nout);
+/* The same rows of many tables of one shape (a pool: one KV cache tensor per layer, its K and
+ * V halves), table i's row r at bases[i] + r * row_bytes: their ranges, sorted and merged as a
+ * Lend wants them (ascending, disjoint, not touching; a table's last range and the next one's
+ * first are one range when they touch), into out (room for cap); *nout gets their count.
+ * bases in any order (sorted here; a repeat adds nothing), and the rows of one table must
+ * not overlap another's (else SUBLET_EINVAL). rows as for sublet_rows_ranges. With cap too
+ * small: SUBLET_E2BIG and *nout says how many ranges it takes (cap 0 asks). At most n * nbases
+ * ranges; a large output is written by several threads. */
+SUBLET_EXPORT int sublet_blocks_ranges(const int64_t *rows, size_t n, uint64_t nrows,
+                                       const uint64_t *bases, size_t nbases, uint64_t row_bytes,
+                                       struct sublet_range *out, size_t cap, size_t *nout);
 
 /* Lending, owner's side. keep: sorted or not, overlapping or not; n == 0 with keep_all == 0
  * keeps nothing. Offers the loan; on success *loan_id and token identify it. */
@@ -214,10 +234,30 @@ SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *
 SUBLET_EXPORT int sublet_status_json(sublet_client *c, char **json);
 SUBLET_EXPORT void sublet_string_free(char *s);
 
+/* Pools: memory sub-allocated by tag (any number but 0, the caller's names) from one growable
+ * region of the client, its arena, so that many tensors cost no region each and one loan of
+ * that region lends any set of tags (the pages of the others kept). An allocation is whole
+ * pages, first fit; the region grows when no gap holds it (made at the first). While the
+ * arena is lent, allocating fails with SUBLET_EBUSY. A free leaves its pages free in the
+ * region: the next allocation, or a loan, takes them; the last free releases the region. */
+SUBLET_EXPORT int sublet_pool_alloc(sublet_client *c, uint32_t tag, uint64_t size, void **ptr);
+SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr);
+/* 1 when ptr is the start of a live pool allocation of c, else 0. */
+SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr);
+/* The arena (lend it as any region), or NULL before the first pool allocation. */
+SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c);
+/* The live allocations of tag (0: of every tag) as byte ranges of the arena, ascending: the
+ * first n into out, their count into *count. */
+SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct sublet_range *out,
+                                       size_t n, size_t *count);
+
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
- * device index of this process to a client that is borrowing; NULL unbinds. They never call
+ * device index of this process to a client that is borrowing; NULL unbinds. With no loan
+ * bound, sublet_torch_bind_pool() routes allocations to the client's pool of that tag (c NULL
+ * or tag 0: none); frees of pool allocations reach the pool whatever is bound. They never call
  * Python; on failure alloc returns NULL and sublet_last_error() says why. */
 SUBLET_EXPORT int sublet_torch_bind(int device, sublet_client *c);
+SUBLET_EXPORT int sublet_torch_bind_pool(int device, sublet_client *c, uint32_t tag);
 SUBLET_EXPORT void *sublet_torch_alloc(ssize_t size, int device, void *stream);
 SUBLET_EXPORT void sublet_torch_free(void *ptr, ssize_t size, int device, void *stream);
 

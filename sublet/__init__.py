@@ -28,14 +28,17 @@ from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
 if TYPE_CHECKING:
     import torch
 
-    from ._keep import Keep
+    from ._keep import Blocks, Keep, blocks
     from ._loan import BorrowedLoan, Loan, LocalLoan, Offer
+    from ._lent import Lendable
     from ._memory import empty
+    from ._pool import Pool, pool
     from ._torch import LeakedBlock
 
 
 __all__ = [
-    "empty", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats", "DaemonInfo",
+    "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats",
+    "DaemonInfo", "blocks", "Blocks",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonDiedError", "ProtocolError",
     "BusyError",
@@ -44,11 +47,13 @@ __all__ = [
 
 # What needs torch is imported on first use, so that `sublet status` (and `import sublet`)
 # does not pay for importing torch.
-_LAZY = {"empty": "._memory", "Loan": "._loan", "Offer": "._loan", "LocalLoan": "._loan",
-         "BorrowedLoan": "._loan", "LeakedBlock": "._torch"}
+_LAZY = {"empty": "._memory", "pool": "._pool", "Pool": "._pool", "Loan": "._loan",
+         "Offer": "._loan", "LocalLoan": "._loan",
+         "BorrowedLoan": "._loan", "LeakedBlock": "._torch", "blocks": "._keep",
+         "Blocks": "._keep"}
 # A process that makes sublet memory is about to lend it: the lending modules load with
 # sublet.empty, not in the first loan's time (13 to 19 ms of imports, on the H200 and here).
-_LOADED_WITH = {"empty": ("._loan",)}
+_LOADED_WITH = {"empty": ("._loan",), "pool": ("._loan",)}
 
 
 def __dir__() -> list[str]:
@@ -71,15 +76,22 @@ def __getattr__(name: str):
     return value
 
 
-def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None,
+def lend(what: Lendable, keep: Keep = None, verify: bool | None = None,
          timeout: float | None = None) -> LocalLoan:
-    """Lends the memory of `tensor` (from sublet.empty) to this process's work in a `with`
-    block; returns the Loan.
+    """Lends memory to this process's work in a `with` block; returns the Loan.
+
+    what: a tensor from sublet.empty(), a pool's tag ("kv": every tensor made inside
+    `with sublet.pool("kv")`) or Pool, a tensor of a pool, or a list of those. One loan lends
+    one region: one sublet.empty() tensor, or the pools of one device (all their tags share
+    it). What the region holds beside what is lent is kept.
 
     keep: what the owner gets back: None (default) all of it; [] nothing; a view of the tensor
     (cache[3], cache[1::2], cache[:, 2:5]) or a list of views; or rows along dim 0 as integer
-    indices (a 1-D tensor, array or list) or a boolean mask (the fast form for many blocks). A
-    page is kept when any kept byte lies in it, and only its kept bytes are copied. A lent view
+    indices (a 1-D tensor, array or list) or a boolean mask (the fast form for many blocks);
+    or sublet.blocks(tensors, ids, dim): the same rows of many tensors, as a pool's per-layer
+    KV caches (sublet.blocks(layers, live, dim=1) keeps every layer's cache[:, live]), alone or
+    in a list with views.
+    A page is kept when any kept byte lies in it, and only its kept bytes are copied. A lent view
     (cache[8:]) lends its own bytes only: the rest of its memory is kept. Anything the work
     leaves alive at the end raises LeakError, after the kept data is restored.
 
@@ -91,18 +103,18 @@ def lend(tensor: torch.Tensor, keep: Keep = None, verify: bool | None = None,
     BusyError at once), then SubletTimeoutError and nothing is lent. Ctrl-C works meanwhile.
     """
     from ._loan import LocalLoan
-    return LocalLoan(tensor, keep, verify, timeout)
+    return LocalLoan(what, keep, verify, timeout)
 
 
-def offer(tensor: torch.Tensor, keep: Keep = None, name: str | None = None,
+def offer(what: Lendable, keep: Keep = None, name: str | None = None,
           verify: bool | None = None, timeout: float | None = None) -> Offer:
-    """Offers the memory of `tensor` to another process (which calls sublet.borrow(name=...))
+    """Offers memory (what: as for lend()) to another process (which calls sublet.borrow(name=...))
     and returns an Offer as soon as it is made; Offer.wait() blocks until it comes back. In a
     `with` block, leaving it withdraws an untaken offer or waits for the borrower to finish.
     verify: as for lend(), checked when wait() sees the loan back. timeout: as for lend(), the
     wait for the device while another loan runs on it."""
     from ._loan import Offer
-    return Offer(tensor, keep, name, verify, timeout)
+    return Offer(what, keep, name, verify, timeout)
 
 
 def borrow(name: str | None = None, device: torch.device | str | int | None = None,

@@ -224,9 +224,13 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_region_size": (c_uint64, [c_void_p]),
     "sublet_region_id": (c_uint64, [c_void_p]),
     "sublet_region_release": (c_int, [c_void_p]),
+    "sublet_region_create_growable": (c_int, [c_void_p, c_uint64, POINTER(c_void_p)]),
+    "sublet_region_grow": (c_int, [c_void_p, c_uint64]),
     "sublet_region_checksum": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p]),
     "sublet_rows_ranges": (c_int, [c_void_p, c_size_t, c_uint64, c_uint64, c_uint64, c_void_p,
                                    POINTER(c_size_t)]),
+    "sublet_blocks_ranges": (c_int, [c_void_p, c_size_t, c_uint64, c_void_p, c_size_t, c_uint64,
+                                     c_void_p, c_size_t, POINTER(c_size_t)]),
     "sublet_lend": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_char_p,
                             POINTER(c_uint64), TOKEN]),
     "sublet_lend_local": (c_int, [c_void_p, c_void_p, c_size_t, c_int, POINTER(c_uint64)]),
@@ -248,6 +252,13 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_torch_bind": (c_int, [c_int, c_void_p]),
     "sublet_torch_alloc": (c_void_p, [c_ssize_t, c_int, c_void_p]),
     "sublet_torch_free": (None, [c_void_p, c_ssize_t, c_int, c_void_p]),
+    "sublet_torch_bind_pool": (c_int, [c_int, c_void_p, c_uint32]),
+    "sublet_pool_alloc": (c_int, [c_void_p, c_uint32, c_uint64, POINTER(c_void_p)]),
+    "sublet_pool_free": (c_int, [c_void_p, c_void_p]),
+    "sublet_pool_owns": (c_int, [c_void_p, c_void_p]),
+    "sublet_pool_region": (c_void_p, [c_void_p]),
+    "sublet_pool_segments": (c_int, [c_void_p, c_uint32, c_void_p, c_size_t,
+                                     POINTER(c_size_t)]),
 }
 
 # --------------------------------------------------------------------------- loading
@@ -445,6 +456,21 @@ class Client:
         return RegionHandle(region, l.sublet_region_addr(region), l.sublet_region_size(region),
                             l.sublet_region_id(region))
 
+    def region_create_growable(self, size: int) -> RegionHandle:
+        """A region that region_grow can make larger in place (its address stays)."""
+        region, l = c_void_p(), lib()
+        check(l.sublet_region_create_growable(self.handle, size, ctypes.byref(region)))
+        return RegionHandle(region, l.sublet_region_addr(region), l.sublet_region_size(region),
+                            l.sublet_region_id(region))
+
+    @staticmethod
+    def region_grow(region: RegionHandle, size: int) -> int:
+        """Grows a growable region to size bytes in all (rounded up to pages); returns its new
+        size. The handle's size stays the old one (it is frozen): use the result."""
+        l = lib()
+        check(l.sublet_region_grow(region.handle, size))
+        return int(l.sublet_region_size(region.handle))
+
     @staticmethod
     def region_release(region: RegionHandle) -> None:
         check(lib().sublet_region_release(region.handle))
@@ -544,6 +570,42 @@ class Client:
         """Routes (or stops routing) the PyTorch hooks of a CUDA device index to this client."""
         check(lib().sublet_torch_bind(cuda_index, self.handle if bound else None))
 
+    # ---- pools (one growable region per client, its arena, sub-allocated by tag)
+    def torch_bind_pool(self, cuda_index: int, tag: int) -> None:
+        """Routes the PyTorch hooks of a CUDA device index to this client's pool of tag (0:
+        none), while no loan is bound."""
+        check(lib().sublet_torch_bind_pool(cuda_index, self.handle, tag))
+
+    def pool_alloc(self, tag: int, size: int) -> int:
+        ptr = c_void_p()
+        check(lib().sublet_pool_alloc(self.handle, tag, size, ctypes.byref(ptr)))
+        return ptr.value or 0
+
+    def pool_free(self, ptr: int) -> None:
+        check(lib().sublet_pool_free(self.handle, c_void_p(ptr)))
+
+    def pool_region(self) -> RegionHandle | None:
+        """The arena as it is now (it grows), or None before the first pool allocation."""
+        l = lib()
+        region = l.sublet_pool_region(self.handle)
+        if not region:
+            return None
+        region = c_void_p(region)
+        return RegionHandle(region, l.sublet_region_addr(region), l.sublet_region_size(region),
+                            l.sublet_region_id(region))
+
+    def pool_segments(self, tag: int) -> Any:
+        """The live allocations of tag (0: every tag) as an (n, 2) uint64 array of (offset,
+        length) byte ranges of the arena, ascending."""
+        import numpy as np
+        count = c_size_t()
+        while True:
+            out = np.empty((max(count.value, 16), 2), np.uint64)
+            check(lib().sublet_pool_segments(self.handle, tag, out.ctypes.data, len(out),
+                                             ctypes.byref(count)))
+            if count.value <= len(out):
+                return out[:count.value]
+
 
 def rows_ranges(rows_addr: int, n: int, nrows: int, base: int, row_bytes: int,
                 out_addr: int) -> int:
@@ -552,6 +614,29 @@ def rows_ranges(rows_addr: int, n: int, nrows: int, base: int, row_bytes: int,
     nout = c_size_t()
     check(lib().sublet_rows_ranges(rows_addr, n, nrows, base, row_bytes, out_addr,
                                    ctypes.byref(nout)))
+    return nout.value
+
+
+def blocks_ranges(rows_addr: int, n: int, nrows: int, bases_addr: int, nbases: int,
+                  row_bytes: int, out_addr: int, cap: int) -> int:
+    """sublet_blocks_ranges: the int64 rows at rows_addr of the tables at the nbases uint64
+    bases at bases_addr, sorted and merged, into the ranges at out_addr (room for cap): how
+    many it wrote. cap too small: SubletError (E2BIG); blocks_ranges_count says how many."""
+    nout = c_size_t()
+    check(lib().sublet_blocks_ranges(rows_addr, n, nrows, bases_addr, nbases, row_bytes,
+                                     out_addr, cap, ctypes.byref(nout)))
+    return nout.value
+
+
+def blocks_ranges_count(rows_addr: int, n: int, nrows: int, bases_addr: int, nbases: int,
+                        row_bytes: int) -> int:
+    """How many ranges blocks_ranges writes for these rows and bases (checking them)."""
+    nout = c_size_t()
+    rc = lib().sublet_blocks_ranges(rows_addr, n, nrows, bases_addr, nbases, row_bytes, None, 0,
+                                    ctypes.byref(nout))
+    if rc == ERROR_CODES["E2BIG"]:
+        return nout.value
+    check(rc)
     return nout.value
 
 

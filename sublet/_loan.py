@@ -17,15 +17,14 @@ import time
 import weakref
 from typing import Callable, TypeVar
 
-import numpy as np
 import torch
 
-from . import _keep, _lib, _verify, _wait
+from . import _keep, _lent, _lib, _pool, _verify, _wait
 from ._client import Client, LoanStats, ReturnResult
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
                    LeakError,
                    NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
-from ._memory import Region, nbytes_of, parse_size, region_of, resolve_device, wrap
+from ._memory import nbytes_of, parse_size, resolve_device, wrap
 from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
 
 _WAIT_SLICE_MS = 200
@@ -197,9 +196,16 @@ class Loan:
               "before the `with` block ends.", _ELEAK, list(self.leaks), stats)
 
 
-def _prepare(device: torch.device, routing: bool) -> None:
+def _prepare(device: torch.device, routing: bool, region: object = None) -> None:
     """Before the daemon measures the free memory of a loan on a CUDA device: the borrower's
-    side (routing) or the owner's of an offer (PyTorch's cache given back only)."""
+    side (routing) or the owner's of an offer (PyTorch's cache given back only). Refuses a
+    loan beside an entered pool when the pool's allocations would go astray: to the pool while
+    routing (PyTorch serves the pool entered first), or into the arena while it is lent."""
+    entered = _pool.entered(device)
+    if entered is not None and (routing or isinstance(region, _pool.Arena)):
+        raise RuntimeError(f"sublet.pool({entered.tag!r}) is entered on {device}: a loan does "
+                           f"not start inside a pool; leave the `with sublet.pool(...)` block "
+                           f"first")
     if device.type == "cuda":
         (prepare_routing if routing else release_cached)(device.index)
 
@@ -227,13 +233,14 @@ def _add_note(exc: BaseException, note: str) -> None:
 class LocalLoan(Loan):
     """sublet.lend(): the process lends its own tensor's memory to its own work."""
 
-    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None,
+    def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None,
                  verify: bool | None = None, timeout: float | None = None):
         super().__init__()
-        self.tensor = tensor
+        self.tensor = what  # what is lent, as given (a tensor, a tag, a list)
         self._timeout = timeout
-        self._region = region_of(tensor)
-        self._ranges = _ranges_for(self._region, tensor, keep)
+        self._lent = _lent.resolve(what)
+        self._region = self._lent.region
+        self._ranges = _lent.keep_ranges(self._lent, keep)
         self._loan_id = 0
         self._verify = _verify.enabled(verify)
         self._snapshot: _verify.Snapshot | None = None
@@ -242,11 +249,11 @@ class LocalLoan(Loan):
         region, client = self._region, self._region.client
         self._check_unused()
         _check_device_free(region.device)
-        _prepare(region.device, routing=True)
+        _prepare(region.device, routing=True, region=region)
         _claim(region)
         try:
             if self._verify:
-                self._snapshot = _verify.Snapshot(region, self.tensor, self._ranges)
+                self._snapshot = _verify.Snapshot(region, self._lent.tensor, self._ranges)
             # One request: the loan is never on offer, so no borrow() elsewhere can take it.
             self._loan_id = _wait.lend_local(client, region.handle, self._ranges,
                                              self._timeout)
@@ -290,23 +297,10 @@ class LocalLoan(Loan):
             _add_note(exc, str(leak))
 
 
-def _ranges_for(region: Region, tensor: torch.Tensor, keep: _keep.Keep) -> np.ndarray | None:
-    """keep as region byte ranges; None keeps the whole region. The bytes of the tensor's
-    memory outside a lent view are kept too (_keep.outside_ranges)."""
-    if keep is None:
-        return None
-    storage = tensor.untyped_storage()
-    ranges = _keep.keep_ranges(keep, storage.data_ptr(), region.size, tensor)
-    outside = _keep.outside_ranges(tensor, storage.data_ptr(), storage.nbytes())
-    if len(outside):
-        both = np.concatenate([ranges, outside]).astype(np.int64)
-        ranges = _keep.merge_ranges(both[:, 0], both[:, 1])
-    return np.ascontiguousarray(ranges, np.uint64)
-
-
-def _claim(region: Region) -> None:
+def _claim(region: _lent.Region | _pool.Arena) -> None:
     if region.lent:
-        raise BusyError("this tensor is already lent: one loan of a tensor at a time")
+        raise BusyError("this memory is already lent: one loan of a region (a sublet.empty() "
+                        "tensor, or the pools of a device) at a time")
     region.lent = True
 
 
@@ -320,16 +314,17 @@ class Offer:
     offer nobody took, or waits for the borrower to return it.
     """
 
-    def __init__(self, tensor: torch.Tensor, keep: _keep.Keep = None, name: str | None = None,
+    def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None, name: str | None = None,
                  verify: bool | None = None, timeout: float | None = None):
-        self.tensor = tensor
+        self.tensor = what  # what is lent, as given (a tensor, a tag, a list)
         self.name = name
-        self._region = region_of(tensor)
-        ranges = _ranges_for(self._region, tensor, keep)
-        _prepare(self._region.device, routing=False)
+        lent = _lent.resolve(what)
+        self._region = lent.region
+        ranges = _lent.keep_ranges(lent, keep)
+        _prepare(self._region.device, routing=False, region=self._region)
         _claim(self._region)
         try:
-            self._snapshot = (_verify.Snapshot(self._region, tensor, ranges)
+            self._snapshot = (_verify.Snapshot(self._region, lent.tensor, ranges)
                               if _verify.enabled(verify) else None)
             self.loan_id, self.token = _wait.lend(self._region.client, self._region.handle,
                                                   ranges, name, timeout)

@@ -33,6 +33,7 @@ class Region:
         self.device = device
         self.handle = handle = client.region_create(nbytes)
         self.addr, self.size, self.id = handle.addr, handle.size, handle.id  # size: whole pages
+        self.nbytes = nbytes  # the tensor's; the last page's tail past it is nobody's
         self.lent = False  # one loan of a region at a time; set by the lending side
         with _registry_lock:
             _registry[self.addr] = weakref.ref(self)

@@ -32,7 +32,7 @@ def enabled(verify: bool | None) -> bool:
 class Snapshot:
     """The checksums of a tensor's kept ranges, taken before a loan."""
 
-    def __init__(self, region: Region, tensor: torch.Tensor, ranges: np.ndarray | None):
+    def __init__(self, region: Region, tensor: torch.Tensor | None, ranges: np.ndarray | None):
         self.region, self.tensor = region, tensor
         self.ranges = (np.array([[0, region.size]], np.uint64) if ranges is None
                        else np.ascontiguousarray(ranges, np.uint64))
@@ -50,7 +50,10 @@ class Snapshot:
         if len(changed) == 0:
             return
         ranges = [(int(o), int(n)) for o, n in self.ranges[changed]]
-        described = [describe(self.tensor, o, n) for o, n in ranges[:_SHOWN]]
+        # describe() speaks of the tensor's storage, which lies anywhere in a pool's arena.
+        base = 0 if self.tensor is None else \
+            self.tensor.untyped_storage().data_ptr() - self.region.addr
+        described = [describe(self.tensor, o - base, n) for o, n in ranges[:_SHOWN]]
         more = f"\n  ... and {len(ranges) - _SHOWN} more" if len(ranges) > _SHOWN else ""
         raise VerifyError(
             f"verify: {len(ranges)} of {len(self.ranges)} kept ranges did not come back as "
@@ -60,9 +63,12 @@ class Snapshot:
               "the loan: report it with the daemon's log.", ranges, described)
 
 
-def describe(tensor: torch.Tensor, offset: int, length: int) -> str:
-    """A byte range of the tensor's storage in the tensor's terms, where that is easy."""
+def describe(tensor: torch.Tensor | None, offset: int, length: int) -> str:
+    """A byte range of the tensor's storage in the tensor's terms, where that is easy (one
+    tensor lent); the offset alone otherwise."""
     text = f"bytes [{offset}, {offset + length})"
+    if tensor is None:
+        return text
     size = tensor.element_size()
     first = offset // size - tensor.storage_offset()
     if tensor.is_contiguous() and 0 <= first < tensor.numel():

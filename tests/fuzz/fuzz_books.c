@@ -80,6 +80,28 @@ static void op_region_add(struct script *s) {
     sl_books_region_add(s->b, c, npages, &id, NULL);
 }
 
+static void op_region_add_growable(struct script *s) {
+  uint64_t c = client_of(s), npages = arg(s), id;
+
+  if (npages <= DEVICE_PAGES || npages > UINT64_MAX / PAGE)
+    sl_books_region_new(s->b, c, npages, 1, &id, NULL);
+}
+
+/* A growth must leave the region at exactly the pages asked, or as it was. */
+static void op_region_grow(struct script *s) {
+  uint64_t c = client_of(s), r = arg(s), npages = arg(s);
+  struct sl_region_info ri;
+
+  if (npages > DEVICE_PAGES && npages <= UINT64_MAX / PAGE)
+    return;
+  if (sl_books_region_grow(s->b, c, r, npages, NULL) == 0 &&
+      (sl_books_region_info(s->b, r, &ri) != 0 || ri.npages != npages || !ri.growable)) {
+    fprintf(stderr, "fuzz_books: region %llu grew to other than %llu pages\n",
+            (unsigned long long)r, (unsigned long long)npages);
+    abort();
+  }
+}
+
 static void op_region_remove(struct script *s) {
   uint64_t c = client_of(s);
 
@@ -204,7 +226,7 @@ static void (*const ops[])(struct script *) = {
     op_connect, op_connect, op_disconnect, op_region_add, op_region_add, op_region_remove,
     op_pages,   op_lend,    op_lend,       op_withdraw,   op_borrow,     op_borrow,
     op_alloc,   op_alloc,   op_alloc,      op_free,       op_free,       op_return,
-    op_finish,  op_look,    op_drop};
+    op_finish,  op_look,    op_drop,       op_region_add_growable,       op_region_grow};
 #define OPS (sizeof(ops) / sizeof(ops[0]))
 
 /* $SUBLET_FUZZ_TRACE: what each step left, to read a script (a crash's, a seed). */

@@ -1168,6 +1168,225 @@ static void test_owner_killed_mid_loan(void) {
 }
 
 /* Another user: kept out by the socket's mode, and refused by the books if let in. */
+/* ------------------------------------------------------------------ growable regions */
+
+/* Grows r to npages, in place: its address stays, its first old_pages keep their pattern, and
+ * the new pages are written with theirs. */
+static void grow_and_fill(sublet_region *r, uint64_t old_pages, uint64_t npages) {
+  struct sublet_range old = {0, old_pages * PAGE};
+  uint8_t *base = sublet_region_addr(r);
+  uint64_t i;
+
+  CHECK_RC(sublet_region_grow(r, npages * PAGE - PAGE / 2), 0); /* rounded up to pages */
+  CHECK(sublet_region_addr(r) == base);
+  CHECK(sublet_region_size(r) == npages * PAGE);
+  CHECK(kept_intact(base, &old, 1));
+  for (i = old_pages * PAGE; i < npages * PAGE; i++)
+    base[i] = pattern(i);
+}
+
+/* A local loan of r that takes the whole device (overwriting every byte it gets), then its
+ * end: every kept byte comes back, and only kept bytes were copied. r is filled anew after. */
+static void lend_everything(sublet_client *c, sublet_region *r, const struct sublet_range *keep,
+                            size_t n) {
+  struct sublet_loan_stats st;
+  void *ptrs[1024];
+  uint64_t loan;
+  size_t got;
+
+  CHECK_RC(sublet_lend_local(r, keep, n, 0, &loan), 0);
+  CHECK_RC(sublet_region_grow(r, 2 * sublet_region_size(r)), SUBLET_EBUSY); /* borrowed */
+  CHECK(strstr(sublet_last_error(), "grows once its loan has ended") != NULL);
+  CHECK(take_everything(c, ptrs, &got, 1024) == TOTAL);
+  free_all(c, ptrs, got);
+  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, &st), 0);
+  CHECK(st.copied_out_bytes == kept_bytes(keep, n, sublet_region_size(r)));
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  CHECK(kept_intact(sublet_region_addr(r), keep, n));
+  fill(sublet_region_addr(r), sublet_region_size(r)); /* the loan wrote over the unkept bytes */
+}
+
+/* A region grows several times in place, its bytes intact and the new pages writable; a loan
+ * keeps bytes across old and new pages and gives them back; after another growth the next
+ * loan (a new layout over more pages) does too, and the region can still grow to the whole
+ * device. */
+static void test_growable_region(void) {
+  struct sublet_range keep[3] = {{2 * PAGE + 100, 10 * PAGE}, {29 * PAGE + 5, 300},
+                                 {3 * PAGE, 7}};
+  struct sublet_range more[2] = {{PAGE - 3, 6}, {40 * PAGE + 9, 2 * PAGE}};
+  sublet_client *c;
+  sublet_region *r;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create_growable(c, 3 * PAGE + 1, &r), 0);
+  CHECK(sublet_region_size(r) == 4 * PAGE);
+  fill(sublet_region_addr(r), 4 * PAGE);
+  grow_and_fill(r, 4, 5);
+  grow_and_fill(r, 5, 13);
+  grow_and_fill(r, 13, 32);
+  lend_everything(c, r, keep, 3);
+  grow_and_fill(r, 32, 48);
+  lend_everything(c, r, more, 2);
+  grow_and_fill(r, 48, TOTAL / PAGE);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+/* The borrower of test_growable_kept_window: two loans by name, each taken whole. */
+static void grown_borrower(void) {
+  sublet_client *c;
+  void *ptrs[1024];
+  size_t n;
+
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    _exit(2);
+  for (int i = 0; i < 2; i++) {
+    if (sublet_borrow(c, 0, NULL, "grown", 10000) != 0)
+      _exit(3);
+    if (take_everything(c, ptrs, &n, 1024) != TOTAL)
+      _exit(4);
+    free_all(c, ptrs, n);
+    if (sublet_return(c, 0, NULL, NULL, 0, NULL) != 0)
+      _exit(5);
+  }
+  _exit(0);
+}
+
+/* A borrower in another process keeps its window of the region after a loan; the region
+ * grows; the next loan (a new layout, over more pages) is served from a new window all the
+ * same, and every kept byte, old pages' and new ones', comes back. */
+static void test_growable_kept_window(void) {
+  struct sublet_range first = {2 * PAGE + 9, 100};
+  struct sublet_range second[2] = {{3 * PAGE, 50}, {20 * PAGE + 1, 7}};
+  struct sublet_loan_stats st;
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t loan;
+  int status;
+  pid_t pid;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create_growable(c, 8 * PAGE, &r), 0);
+  fill(sublet_region_addr(r), 8 * PAGE);
+  if ((pid = fork()) == 0)
+    grown_borrower();
+  CHECK_RC(sublet_lend(r, &first, 1, 0, "grown", &loan, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 10000, &st), 0);
+  CHECK(kept_intact(sublet_region_addr(r), &first, 1));
+  CHECK_RC(sublet_region_grow(r, 24 * PAGE), 0);
+  fill(sublet_region_addr(r), 24 * PAGE);
+  CHECK_RC(sublet_lend(r, second, 2, 0, "grown", &loan, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 10000, &st), 0);
+  CHECK(st.copied_out_bytes == kept_bytes(second, 2, 24 * PAGE));
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  CHECK(kept_intact(sublet_region_addr(r), second, 2));
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+/* RegionGrow on a raw connection: its Error code (0 for another reply, 1 for none). */
+static int raw_grow(int fd, struct sl_wire_rx *rx, uint64_t region, uint64_t size) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionGrow grow = SUBLET__REGION_GROW__INIT;
+
+  grow.region = region;
+  grow.size = size;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_GROW;
+  req.region_grow = &grow;
+  return raw_call(fd, rx, &req, -1);
+}
+
+/* Releases a raw connection's region: answered once its pages are free again. */
+static void raw_release(int fd, struct sl_wire_rx *rx, uint64_t region) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__RegionRelease release = SUBLET__REGION_RELEASE__INIT;
+
+  release.region = region;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
+  req.region_release = &release;
+  CHECK(raw_call(fd, rx, &req, -1) == 0);
+}
+
+/* subletd refuses a growth while the region is offered (the library refuses it before it
+ * asks), and another client's growth of a region not its own. */
+static void raw_grow_refusals(sublet_region *theirs) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  Sublet__Withdraw withdraw = SUBLET__WITHDRAW__INIT;
+  Sublet__RegionCreate create = SUBLET__REGION_CREATE__INIT;
+  struct sl_wire_rx rx;
+  Sublet__Reply *rep;
+  uint64_t region, mine;
+  int fd;
+
+  raw_session(&rx, 2, &fd, &region);
+  CHECK(region != 0);
+  CHECK(raw_grow(fd, &rx, sublet_region_id(theirs), 8 * PAGE) == SUBLET_EPERM);
+  CHECK(raw_grow(fd, &rx, region, 8 * PAGE) == SUBLET_EINVAL); /* not growable */
+  create.size = 2 * PAGE;
+  create.has_growable = create.growable = 1;
+  req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
+  req.region_create = &create;
+  rep = raw_reply(fd, &rx, &req, -1);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_REGION_CREATED);
+  mine = rep->region_created->region;
+  sublet__reply__free_unpacked(rep, NULL);
+  lend.region = mine;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &lend;
+  rep = raw_reply(fd, &rx, &req, -1);
+  CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_LENT);
+  withdraw.loan = rep->lent->loan;
+  sublet__reply__free_unpacked(rep, NULL);
+  CHECK(raw_grow(fd, &rx, mine, 8 * PAGE) == SUBLET_EBUSY);
+  req.body_case = SUBLET__REQUEST__BODY_WITHDRAW;
+  req.withdraw = &withdraw;
+  CHECK(raw_call(fd, &rx, &req, -1) == 0);
+  CHECK(raw_grow(fd, &rx, mine, 8 * PAGE) == 0);
+  CHECK(raw_grow(fd, &rx, mine, 0) == SUBLET_EINVAL);
+  raw_release(fd, &rx, mine);
+  raw_release(fd, &rx, region);
+  close(fd);
+  sl_wire_rx_destroy(&rx);
+}
+
+/* What may not grow: a region made without growable, a size not above the region's, one past
+ * the device, one the free memory cannot give (the region stays as it was, and grows later),
+ * a lent region; and another client's region (raw). */
+static void test_growable_refusals(void) {
+  struct sublet_range all = {0, 4 * PAGE};
+  sublet_client *c;
+  sublet_region *r, *fixed, *big;
+  uint64_t loan;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &fixed), 0);
+  CHECK_RC(sublet_region_grow(fixed, 8 * PAGE), SUBLET_EINVAL);
+  CHECK(strstr(sublet_last_error(), "growable") != NULL);
+  CHECK(sublet_region_size(fixed) == 4 * PAGE);
+  CHECK_RC(sublet_region_create_growable(c, 4 * PAGE, &r), 0);
+  fill(sublet_region_addr(r), 4 * PAGE);
+  CHECK_RC(sublet_region_grow(r, 4 * PAGE), SUBLET_EINVAL); /* not larger */
+  CHECK_RC(sublet_region_grow(r, 2 * PAGE), SUBLET_EINVAL); /* a shrink */
+  CHECK_RC(sublet_region_grow(r, TOTAL + 1), SUBLET_ENOMEM);
+  CHECK(strstr(sublet_last_error(), "device") != NULL);
+  CHECK_RC(sublet_region_grow(r, TOTAL), SUBLET_ENOMEM); /* the other region takes 4 pages */
+  CHECK(sublet_region_size(r) == 4 * PAGE && kept_intact(sublet_region_addr(r), &all, 1));
+  CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, NULL), 0);
+  CHECK_RC(sublet_region_grow(r, 8 * PAGE), SUBLET_EBUSY); /* offered */
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  raw_grow_refusals(r);
+  CHECK_RC(sublet_region_grow(r, TOTAL - 4 * PAGE), 0); /* all that is free */
+  CHECK(kept_intact(sublet_region_addr(r), &all, 1));
+  CHECK_RC(sublet_region_create_growable(c, PAGE, &big), SUBLET_ENOMEM); /* nothing free */
+  CHECK_RC(sublet_region_release(r), 0);
+  CHECK_RC(sublet_region_release(fixed), 0);
+  sublet_disconnect(c);
+}
+
 static int other_user_child(uint64_t loan, const uint8_t token[16]) {
   sublet_client *c;
   int rc;
@@ -1270,6 +1489,9 @@ int main(void) {
   sl_test_run("the next offer is taken once", test_next_offer_taken_once);
   sl_test_run("local lends are never offers", test_local_lends_are_never_offers);
   sl_test_run("other user refused", test_other_user_refused);
+  sl_test_run("a growable region grows in place", test_growable_region);
+  sl_test_run("a kept window of a region that grew", test_growable_kept_window);
+  sl_test_run("growth refused", test_growable_refusals);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);
   if (sl_test_daemon_stop(&daemon_) != 0) {

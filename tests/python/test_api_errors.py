@@ -19,7 +19,8 @@ class _FakeRegion:
     """Stands for a daemon's region so that lend() argument checks run without a daemon."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.size = tensor.untyped_storage().nbytes()
+        self.size = self.nbytes = tensor.untyped_storage().nbytes()
+        self.addr = tensor.untyped_storage().data_ptr()
         self.lent = False
 
 

@@ -409,6 +409,126 @@ static void test_layout_ids(void) {
   sl_books_free(b);
 }
 
+/* ---- growable regions --------------------------------------------------------------------- */
+
+static uint64_t growable(struct sl_books *b, uint64_t owner, uint64_t npages) {
+  uint64_t id = 0;
+
+  CHECK_EQ(sl_books_region_new(b, owner, npages, 1, &id, NULL), 0);
+  return id;
+}
+
+static uint64_t region_pages(const struct sl_books *b) {
+  struct sl_books_totals t;
+
+  sl_books_totals(b, &t);
+  return t.region_pages;
+}
+
+/* Each refusal of RegionGrow, and what a growth leaves: the region's pages and the total. */
+static void test_grow_rules(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), other = client(b, 1000, 1000);
+  uint64_t g = growable(b, owner, 4), fixed = region(b, owner, 4), loan;
+  struct sl_region_info ri;
+  struct sl_err err = {0};
+
+  CHECK_EQ(sl_books_region_info(b, g, &ri), 0);
+  CHECK(ri.growable);
+  CHECK_EQ(sl_books_region_info(b, fixed, &ri), 0);
+  CHECK(!ri.growable);
+  CHECK_EQ(sl_books_region_grow(b, owner, 999, 8, &err), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_region_grow(b, other, g, 8, &err), SUBLET_EPERM);
+  CHECK_MSG(err, "only its owner may grow it");
+  CHECK_EQ(sl_books_region_grow(b, owner, fixed, 8, &err), SUBLET_EINVAL);
+  CHECK_MSG(err, "create it growable");
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 4, &err), SUBLET_EINVAL); /* not larger */
+  CHECK_MSG(err, "ask for more than it has");
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 3, &err), SUBLET_EINVAL); /* a shrink */
+  CHECK_EQ(sl_books_region_grow(b, owner, g, UINT64_MAX, &err), SUBLET_EINVAL);
+  CHECK_EQ(region_pages(b), 8);
+  loan = lend(b, owner, g, NULL, 0);
+  CHECK_EQ(sl_books_may_grow(b, owner, g, 8, &err), SUBLET_EBUSY);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "is lent: it grows once its loan has ended");
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  CHECK_EQ(sl_books_may_grow(b, owner, g, 8, &err), 0);
+  CHECK_EQ(region_pages(b), 8); /* may_grow changes nothing */
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, &err), 0);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 9, &err), 0);
+  CHECK_EQ(sl_books_region_info(b, g, &ri), 0);
+  CHECK_EQ(ri.npages, 9);
+  CHECK_EQ(region_pages(b), 13);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_region_remove(b, owner, g, NULL), 0);
+  CHECK_EQ(region_pages(b), 4);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* While the last loan's pages are being replaced (a borrower of another user), no growth. */
+static void test_grow_while_replacing(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), root = client(b, 0, 0);
+  uint64_t g = growable(b, owner, 4), loan = lend(b, owner, g, NULL, 0);
+  struct sl_loan_end end = {0};
+  struct sl_err err = {0};
+
+  borrow(b, root, loan, 0);
+  CHECK(alloc(b, root, PS, NULL) != 0);
+  CHECK_EQ(sl_books_return(b, root, 1, &end, NULL), SUBLET_ELEAK);
+  CHECK(end.nreplace > 0);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "reclaim the loan first");
+  sl_books_pages_replaced(b, &end, end.nreplace);
+  sl_loan_end_clear(&end);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, &err), 0);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* A loan after growth lays out every page, old and new, and never has a layout id of before:
+ * a borrower's window of the old layout must not be taken for it. The layout is the same
+ * from one loan to the next again once the region stays as it is. */
+static void test_grow_then_lend(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), g = growable(b, owner, 4), loan, before, after;
+  struct sublet_range keep[2] = {{PS + 1, 10}, {5 * PS + 7, 3}};
+  struct sl_loan_end end = {0};
+  const uint64_t *pages;
+  uint64_t u, f, k;
+
+  loan = lend(b, owner, g, keep, 1);
+  before = layout_id_of(b, loan);
+  borrow(b, owner, loan, 2);
+  CHECK(alloc(b, owner, 3 * PS, NULL) != 0);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, NULL), SUBLET_EBUSY); /* borrowed */
+  CHECK_EQ(sl_books_return(b, owner, 1, &end, NULL), SUBLET_ELEAK);
+  CHECK_EQ(end.nreplace, 0); /* its own user's: nothing replaced */
+  sl_loan_end_clear(&end);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 8, NULL), 0);
+  BOOKS_OK(b);
+  loan = lend(b, owner, g, keep, 1); /* the same keep: a layout of 4 pages, had it not grown */
+  after = layout_id_of(b, loan);
+  CHECK(after != before);
+  CHECK_EQ(sl_books_loan_layout(b, loan, &pages, &u, &f, &k), 0);
+  CHECK_EQ(u + k, 8);
+  CHECK_EQ(k, 1);
+  CHECK_EQ(pages[u], 1); /* the kept page */
+  CHECK_EQ(pages[u - 1], 7); /* a new page among the unkept */
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, g, keep, 1);
+  CHECK_EQ(layout_id_of(b, loan), after); /* no growth since: the same id */
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend(b, owner, g, keep, 2); /* keeps a byte of a new page */
+  CHECK(layout_id_of(b, loan) != after && layout_id_of(b, loan) != before);
+  CHECK_EQ(info(b, loan).kept_pages, 2);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  sl_books_free(b);
+}
+
 /* ---- borrowing ---------------------------------------------------------------------------- */
 
 static void test_borrow_paths(void) {
@@ -2208,6 +2328,9 @@ int main(void) {
   test_lend_layout();
   test_keep_sorted_or_not();
   test_layout_ids();
+  test_grow_rules();
+  test_grow_while_replacing();
+  test_grow_then_lend();
   test_borrow_paths();
   test_alloc_order();
   test_coalescing();

@@ -1,0 +1,225 @@
+/* pool.c - libsublet: pools, a process's memory sub-allocated by tag from one growable region.
+ *
+ * Engines and trainers make the memory worth lending as many tensors (a KV cache tensor per
+ * layer, an optimizer's state per parameter). Inside `sublet.pool(tag)` every segment PyTorch's
+ * allocator asks for comes here (torch.c) and is carved out of the client's arena: one growable
+ * region, whose pages every tag shares. One region for all tags, because a loan lends one
+ * region (one Lend, one window): lending tag "kv" keeps the pages of tag "weights" whole, and
+ * lending both is one loan. A segment is a run of whole pages, first fit; when no gap holds it
+ * the region grows by what its free tail lacks, so many small tensors cost no region each at
+ * the driver and nothing is taken ahead of need. Freed segments leave free pages inside the
+ * region: later segments reuse them, and a loan of any tag lends them as unkept; an arena
+ * left with no segment gives its region back.
+ *
+ * Locking: pool_lock guards every arena; it is taken before the client's lock (region growth
+ * and the lent check take that), never after it.
+ */
+#include "client.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct pool_seg {
+  uint64_t first, npages; /* region pages [first, first + npages) */
+  uint32_t tag;
+};
+
+struct sl_arena {
+  sublet_region *region; /* NULL until the first segment */
+  struct pool_seg *segs; /* ascending first, disjoint */
+  size_t nsegs, cap;
+};
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t pages_for(const sublet_client *c, uint64_t size) {
+  return size / c->info.page_size + (size % c->info.page_size != 0);
+}
+
+/* The first gap of at least npages pages below the region's end, or the start of the free
+ * tail (the region then grows to fit) when none is. */
+static uint64_t first_fit(const struct sl_arena *a, uint64_t npages, size_t *at) {
+  uint64_t start = 0;
+  size_t i;
+
+  for (i = 0; i < a->nsegs; i++) {
+    if (a->segs[i].first - start >= npages)
+      break;
+    start = a->segs[i].first + a->segs[i].npages;
+  }
+  *at = i;
+  return start;
+}
+
+/* Is the arena's region lent (a loan of it is in progress, or not yet reclaimed)? Then no
+ * page of it is this process's to hand out. */
+static int arena_lent(sublet_client *c, const struct sl_arena *a) {
+  int lent;
+
+  if (a->region == NULL)
+    return 0;
+  pthread_mutex_lock(&c->lock);
+  lent = a->region->rescue != NULL;
+  pthread_mutex_unlock(&c->lock);
+  return lent;
+}
+
+/* Makes the region hold pages [0, end): created at the first segment, grown after. */
+static int arena_reach(sublet_client *c, struct sl_arena *a, uint64_t end) {
+  uint64_t bytes = end * c->info.page_size;
+
+  if (a->region == NULL)
+    return sublet_region_create_growable(c, bytes, &a->region);
+  if (end <= a->region->npages)
+    return 0;
+  return sublet_region_grow(a->region, bytes);
+}
+
+static int arena_insert(struct sl_arena *a, size_t at, struct pool_seg seg) {
+  if (a->nsegs == a->cap) {
+    size_t cap = a->cap ? 2 * a->cap : 16;
+    struct pool_seg *segs = realloc(a->segs, cap * sizeof(*segs));
+    if (segs == NULL)
+      return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory for a pool's segments");
+    a->segs = segs;
+    a->cap = cap;
+  }
+  memmove(&a->segs[at + 1], &a->segs[at], (a->nsegs - at) * sizeof(*a->segs));
+  a->segs[at] = seg;
+  a->nsegs++;
+  return 0;
+}
+
+static int arena_get(sublet_client *c, struct sl_arena **out) {
+  if (c->arena == NULL && (c->arena = calloc(1, sizeof(*c->arena))) == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  *out = c->arena;
+  return 0;
+}
+
+static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void **ptr) {
+  struct sl_arena *a = NULL;
+  uint64_t npages = pages_for(c, size), first;
+  size_t at;
+  int rc;
+
+  if ((rc = arena_get(c, &a)) != 0)
+    return rc;
+  if (arena_lent(c, a))
+    return sl_client_fail(SUBLET_EBUSY, "the pool's memory (region %llu) is lent: it serves "
+                          "allocations again once the loan has ended; allocate before "
+                          "lending, or outside sublet.pool()",
+                          (unsigned long long)a->region->id);
+  first = first_fit(a, npages, &at);
+  if ((rc = arena_reach(c, a, first + npages)) != 0)
+    return rc;
+  if ((rc = arena_insert(a, at, (struct pool_seg){first, npages, tag})) != 0)
+    return rc;
+  *ptr = (char *)a->region->base + first * c->info.page_size;
+  return 0;
+}
+
+SUBLET_EXPORT int sublet_pool_alloc(sublet_client *c, uint32_t tag, uint64_t size, void **ptr) {
+  int rc;
+
+  *ptr = NULL;
+  if (tag == 0 || size == 0)
+    return sl_client_fail(SUBLET_EINVAL, "a pool allocation needs a tag (not 0) and a size "
+                          "(not 0): got tag %u, %llu bytes", tag, (unsigned long long)size);
+  pthread_mutex_lock(&pool_lock);
+  rc = pool_alloc_locked(c, tag, size, ptr);
+  pthread_mutex_unlock(&pool_lock);
+  return rc;
+}
+
+/* The segment that starts at ptr, or -1. */
+static ssize_t seg_at(const sublet_client *c, const void *ptr) {
+  const struct sl_arena *a = c->arena;
+  uint64_t off, page;
+  size_t lo = 0, hi;
+
+  if (a == NULL || a->region == NULL || (const char *)ptr < (const char *)a->region->base)
+    return -1;
+  off = (uint64_t)((const char *)ptr - (const char *)a->region->base);
+  page = off / c->info.page_size;
+  if (off % c->info.page_size != 0 || page >= a->region->npages)
+    return -1;
+  for (hi = a->nsegs; lo < hi;) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (a->segs[mid].first < page)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < a->nsegs && a->segs[lo].first == page ? (ssize_t)lo : -1;
+}
+
+/* An arena that holds no segment gives its region back (the device memory goes back to the
+ * driver), unless it is lent: then the next segment after the loan finds it. */
+static void arena_settle(sublet_client *c, struct sl_arena *a) {
+  if (a->nsegs > 0 || a->region == NULL || arena_lent(c, a))
+    return;
+  if (sublet_region_release(a->region) == 0)
+    a->region = NULL;
+}
+
+SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr) {
+  ssize_t i;
+
+  pthread_mutex_lock(&pool_lock);
+  i = seg_at(c, ptr);
+  if (i >= 0) { /* its pages stay in the region, free: the next segment or loan takes them */
+    struct sl_arena *a = c->arena;
+    memmove(&a->segs[i], &a->segs[i + 1], (a->nsegs - (size_t)i - 1) * sizeof(*a->segs));
+    a->nsegs--;
+    arena_settle(c, a);
+  }
+  pthread_mutex_unlock(&pool_lock);
+  return i >= 0 ? 0 : sl_client_fail(SUBLET_ENOENT, "%p is no sublet pool allocation", ptr);
+}
+
+SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr) {
+  int owns;
+
+  pthread_mutex_lock(&pool_lock);
+  owns = seg_at(c, ptr) >= 0;
+  pthread_mutex_unlock(&pool_lock);
+  return owns;
+}
+
+SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c) {
+  sublet_region *r;
+
+  pthread_mutex_lock(&pool_lock);
+  r = c->arena != NULL ? c->arena->region : NULL;
+  pthread_mutex_unlock(&pool_lock);
+  return r;
+}
+
+SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct sublet_range *out,
+                                       size_t n, size_t *count) {
+  const struct sl_arena *a;
+  size_t m = 0;
+
+  pthread_mutex_lock(&pool_lock);
+  a = c->arena;
+  for (size_t i = 0; a != NULL && i < a->nsegs; i++) {
+    if (tag != 0 && a->segs[i].tag != tag)
+      continue;
+    if (m < n)
+      out[m] = (struct sublet_range){a->segs[i].first * c->info.page_size,
+                                     a->segs[i].npages * c->info.page_size};
+    m++;
+  }
+  pthread_mutex_unlock(&pool_lock);
+  *count = m;
+  return 0;
+}
+
+void sl_pool_forget(sublet_client *c) {
+  /* The region itself goes with the client's other regions (sl_region_forget_all). */
+  if (c->arena != NULL)
+    free(c->arena->segs);
+  free(c->arena);
+  c->arena = NULL;
+}

@@ -1,0 +1,253 @@
+"""Pools: the tensors engines and trainers make, in sublet memory, by tag.
+
+    with sublet.pool("kv"):            # every CUDA allocation of the process on the device
+        engine = build_engine()         # (any thread, any stream) is sublet memory of tag "kv"
+    with sublet.lend("kv", keep=sublet.blocks(engine.caches, live, dim=1)):
+        train_step()
+
+The tensors are ordinary PyTorch tensors: PyTorch's caching allocator carves them out of the
+segments it asks a ``torch.cuda.MemPool`` for, and that pool's allocator is libsublet's, which
+takes the segments from the process's arena on the device: one growable region of subletd,
+shared by every tag (a loan lends one region, so lending a tag keeps the other tags' pages
+whole, and lending several tags is one loan). As with PyTorch's own pools, freeing a tensor
+returns its block to the pool, where later allocations inside the context reuse it.
+
+Like a loan, the context routes the whole process: every thread and stream (through
+``_cuda_beginAllocateToPool``). CUDA graphs captured inside take their memory from the pool too,
+as they would from a PyTorch pool entered first. Pools do not nest (one tag at a time per
+device; entering the same tag again is fine), a loan does not start inside one, and no pool is
+entered inside a loan. On the memfd backend (no GPU: tests) nothing routes CPU allocations;
+``Pool.empty()`` allocates from the pool directly, on either backend.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from . import _lib
+from ._client import Client
+from ._memory import nbytes_of, parse_size, resolve_device, wrap
+
+_lock = threading.RLock()
+_pools: dict[tuple[str, torch.device], "Pool"] = {}
+_tag_ids: dict[str, int] = {}
+_entered: dict[torch.device, "Pool"] = {}  # the pool routing each device now
+_arenas: dict[torch.device, "Arena"] = {}
+
+
+class Arena:
+    """The process's pool memory on one device, as lending sees a region: one growable region
+    of subletd that libsublet sub-allocates by tag. Its size grows with the pools."""
+
+    def __init__(self, client: Client, device: torch.device):
+        self.client, self.device = client, device
+        self.lent = False  # one loan of a region at a time; set by the lending side
+
+    @property
+    def handle(self) -> _lib.RegionHandle:
+        handle = self.client.pool_region()
+        if handle is None:
+            raise ValueError(f"no sublet pool holds memory on {self.device}: allocate inside "
+                             f"`with sublet.pool(tag)` before lending it")
+        return handle
+
+    @property
+    def addr(self) -> int:
+        return self.handle.addr
+
+    @property
+    def size(self) -> int:
+        return self.handle.size
+
+    @property
+    def id(self) -> int:
+        return self.handle.id
+
+    def holds(self, ptr: int) -> bool:
+        handle = self.client.pool_region()
+        return handle is not None and handle.addr <= ptr < handle.addr + handle.size
+
+    def segments(self, tag: int = 0) -> np.ndarray:
+        """The live segments of tag (0: every tag) as (offset, length) ranges, ascending."""
+        return self.client.pool_segments(tag)
+
+    def __repr__(self) -> str:
+        handle = self.client.pool_region()
+        held = f"{handle.size} bytes, region {handle.id}" if handle else "empty"
+        return f"<sublet arena on {self.device}: {held}{', lent' if self.lent else ''}>"
+
+
+def arena_for(client: Client, device: torch.device) -> Arena:
+    with _lock:
+        arena = _arenas.get(device)
+        if arena is None or arena.client is not client:  # a daemon restarted: a new arena
+            arena = _arenas[device] = Arena(client, device)
+        return arena
+
+
+def arena_of(tensor: torch.Tensor) -> Arena | None:
+    """The arena holding the tensor's memory, or None."""
+    ptr = tensor.untyped_storage().data_ptr()
+    arena = _arenas.get(tensor.device)
+    return arena if arena is not None and arena.holds(ptr) else None
+
+
+def entered(device: torch.device) -> "Pool | None":
+    return _entered.get(device)
+
+
+class Pool:
+    """Sublet memory of one tag on one device (sublet.pool): a context manager that routes the
+    process's CUDA allocations there, and a name that sublet.lend() and sublet.offer() take."""
+
+    def __init__(self, tag: str, device: torch.device, client: Client):
+        self.tag, self.device = tag, device
+        self._client = client
+        self._arena = arena_for(client, device)
+        with _lock:
+            self._tag_id = _tag_ids.setdefault(tag, len(_tag_ids) + 1)
+        self._mempool: torch.cuda.MemPool | None = None
+        self._depth = 0
+
+    @property
+    def arena(self) -> Arena:
+        return self._arena
+
+    @property
+    def tag_id(self) -> int:
+        return self._tag_id
+
+    def segments(self) -> np.ndarray:
+        """The tag's live segments as (offset, length) byte ranges of the arena."""
+        return self._arena.segments(self._tag_id)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tag holds now (whole segments, cached blocks in them included)."""
+        return int(self.segments()[:, 1].sum())
+
+    def empty(self, *size, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor allocated from the pool directly (whole pages), on any backend; its memory
+        goes back to the pool when the tensor dies."""
+        shape = parse_size(size)
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        nbytes = nbytes_of(shape, dtype)
+        ptr = _retry_after_empty_cache(
+            lambda: self._client.pool_alloc(self._tag_id, nbytes), self.device)
+        return wrap(ptr, nbytes, self.device, _Segment(self._client, ptr), shape, dtype)
+
+    # ---------------------------------------------------------------- routing
+    def __enter__(self) -> "Pool":
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                f"sublet.pool() routes CUDA allocations, and {self.device} is not a CUDA "
+                f"device (no allocator hook exists for CPU tensors): allocate with "
+                f"pool.empty(...) instead")
+        with _lock:
+            self._check_can_enter()
+            if self._depth == 0:
+                self._begin()
+                _entered[self.device] = self
+            self._depth += 1
+        return self
+
+    def _check_can_enter(self) -> None:
+        from ._loan import _active  # the loans of this process
+        if self.device in _active:
+            raise RuntimeError(f"a loan is active on {self.device}: no pool is entered inside "
+                               f"a loan (its allocations belong to the loan); enter "
+                               f"sublet.pool({self.tag!r}) before or after it")
+        other = _entered.get(self.device)
+        if other is not None and other is not self:
+            raise RuntimeError(f"sublet.pool({other.tag!r}) is entered on {self.device}: pools "
+                               f"do not nest; leave it before entering "
+                               f"sublet.pool({self.tag!r})")
+
+    def _begin(self) -> None:
+        from ._torch import check_routing_possible, pluggable_allocator
+        check_routing_possible(self.device.index)
+        if self._mempool is None:
+            self._mempool = torch.cuda.MemPool(
+                pluggable_allocator(_lib.library_path())._allocator)
+        self._client.torch_bind_pool(self.device.index, self._tag_id)
+        torch._C._cuda_beginAllocateToPool(self.device.index, self._mempool.id)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with _lock:
+            self._depth -= 1
+            if self._depth > 0:
+                return
+            del _entered[self.device]
+            torch._C._cuda_endAllocateToPool(self.device.index, self._mempool.id)
+            # begin took a reference to the pool, as use_mem_pool's does: given back here, the
+            # MemPool object's own keeps it until empty_cache() drops that.
+            torch._C._cuda_releasePool(self.device.index, self._mempool.id)
+            self._client.torch_bind_pool(self.device.index, 0)
+
+    def empty_cache(self) -> None:
+        """Gives the pool's cached, unused segments back, as torch.cuda.empty_cache() does for
+        PyTorch's own cache (which leaves pools alone): the tensors alive keep theirs, and the
+        arena's region goes back to the driver once no tag holds any. Not while entered."""
+        with _lock:
+            if self._depth:
+                raise RuntimeError(f"sublet.pool({self.tag!r}) is entered: leave it before "
+                                   f"emptying its cache")
+            mempool, self._mempool = self._mempool, None  # the next entry makes a new one
+        if mempool is not None:
+            del mempool  # PyTorch frees its unused segments (sublet_torch_free) ...
+            gc.collect()
+            torch.cuda.empty_cache()  # ... and those it frees later once their blocks are
+
+    def __repr__(self) -> str:
+        return (f"<sublet.Pool {self.tag!r} on {self.device}: {self.nbytes} bytes"
+                f"{', entered' if self._depth else ''}>")
+
+
+class _Segment:
+    """Owner of one Pool.empty() allocation: its death hands the pages back to the pool."""
+
+    def __init__(self, client: Client, ptr: int):
+        weakref.finalize(self, _free_segment, client, ptr).atexit = False
+
+
+def _free_segment(client: Client, ptr: int) -> None:
+    try:
+        client.pool_free(ptr)
+    except _lib.SubletError:
+        pass  # the client went, and the arena with it
+
+
+def _retry_after_empty_cache(call, device: torch.device) -> int:
+    try:
+        return call()
+    except _lib.SubletOutOfMemoryError:
+        if device.type != "cuda":
+            raise
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()  # as PyTorch does on running out
+        return call()
+
+
+def pool(tag: str = "default", device: torch.device | str | int | None = None) -> Pool:
+    """The sublet pool of `tag` on `device` (default: the current CUDA device): the same object
+    for the same tag and device. `with sublet.pool("kv"):` makes every CUDA allocation of the
+    process on the device sublet memory of that tag; sublet.lend("kv") lends it."""
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"a pool's tag is a non-empty str, not {tag!r}")
+    device, client = resolve_device(device)
+    with _lock:
+        found = _pools.get((tag, device))
+        if found is None or found._client is not client:  # none yet, or its daemon restarted
+            found = _pools[(tag, device)] = Pool(tag, device, client)
+        return found
+
+
+def pools_of(tag: str) -> list[Pool]:
+    """The pools of this process with that tag, on any device."""
+    with _lock:
+        return [p for (t, _), p in _pools.items() if t == tag]
