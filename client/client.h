@@ -40,6 +40,7 @@ struct sublet_client {
   int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
   int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
   int grow_ok;          /* Welcome.grow: growable regions */
+  int pinned_ok;        /* Welcome.pinned: Lend.pinned */
   int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
   size_t keep_fd_bytes; /* its size */
   struct sl_wire_rx rx;

@@ -455,11 +455,77 @@ void sl_region_forget_all(sublet_client *c) {
 
 /* ------------------------------------------------------------------ lending */
 
+/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
+struct lend_args {
+  const struct sublet_range *keep;
+  size_t nkeep;
+  int keep_all;
+  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
+  size_t npinned;   /* pairs */
+  int local;
+  const char *name;
+  int timeout_ms;
+};
+
+static int cmp_pair(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+
+  return (x > y) - (x < y);
+}
+
+static int pinned_bad(const struct sublet_region *r, size_t i, const struct sublet_range *p) {
+  return sl_client_fail(SUBLET_EINVAL, "pinned range %zu (offset %llu, length %llu) is not whole "
+                        "pages of the region (%llu pages of %llu bytes): pin page-aligned "
+                        "ranges of it", i, (unsigned long long)p->offset,
+                        (unsigned long long)p->length, (unsigned long long)r->npages,
+                        (unsigned long long)r->page_size);
+}
+
+/* The pinned byte ranges as the daemon wants them: (first page, count) pairs, sorted and
+ * merged (any order and overlap is fine here; empty ranges pin nothing). *out: malloc'd. */
+static int pinned_pages(const struct sublet_region *r, const struct sublet_range *pinned,
+                        size_t n, uint64_t **out, size_t *nout) {
+  uint64_t ps = r->page_size, *v = n > 0 ? malloc(2 * n * sizeof(*v)) : NULL;
+  size_t m = 0;
+
+  *out = NULL;
+  *nout = 0;
+  if (n > 0 && pinned == NULL)
+    return sl_client_fail(SUBLET_EINVAL, "%zu pinned ranges announced but none given", n);
+  if (n > 0 && v == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory for %zu pinned ranges", n);
+  for (size_t i = 0; i < n; i++) {
+    const struct sublet_range *p = &pinned[i];
+    if (p->offset % ps != 0 || p->length % ps != 0 || p->offset / ps > r->npages ||
+        p->length / ps > r->npages - p->offset / ps) {
+      free(v);
+      return pinned_bad(r, i, p);
+    }
+    if (p->length > 0) {
+      v[2 * m] = p->offset / ps;
+      v[2 * m++ + 1] = p->length / ps;
+    }
+  }
+  if (m > 1)
+    qsort(v, m, 2 * sizeof(*v), cmp_pair);
+  for (size_t i = 0; i < m; i++) {
+    uint64_t *last = *nout > 0 ? &v[2 * (*nout - 1)] : NULL;
+    if (last != NULL && v[2 * i] <= last[0] + last[1]) {
+      uint64_t end = v[2 * i] + v[2 * i + 1];
+      last[1] = end > last[0] + last[1] ? end - last[0] : last[1];
+    } else {
+      v[2 * *nout] = v[2 * i];
+      v[2 * (*nout)++ + 1] = v[2 * i + 1];
+    }
+  }
+  *out = v;
+  return 0;
+}
+
 /* Sends Lend (local: borrowed by this client in the same step) and takes Lent's fds: the three
  * of the rescue (kept in r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
-static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t n,
-                       int keep_all, const char *name, int local, int timeout_ms,
-                       Sublet__Reply **rep, int *release_fd) {
+static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Reply **rep,
+                       int *release_fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
@@ -468,19 +534,25 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   int rc;
 
   *release_fd = -1;
+  /* An older subletd would ignore the pinned pages and lend them: the owner's bytes. */
+  if (a->npinned > 0 && !c->pinned_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin pages of a loan (it is "
+                          "older than this library): update subletd, or lend without pinned");
   m.region = r->id;
-  lend_keep(c, &m, keep, n, keep_all, &keep_fd);
+  lend_keep(c, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
   m.has_keep_all = 1;
-  m.keep_all = keep_all != 0;
-  m.has_name = name != NULL;
-  m.name.data = (uint8_t *)name;
-  m.name.len = name != NULL ? strlen(name) : 0;
+  m.keep_all = a->keep_all != 0;
+  m.pinned = a->pinned;
+  m.n_pinned = 2 * a->npinned;
+  m.has_name = a->name != NULL;
+  m.name.data = (uint8_t *)a->name;
+  m.name.len = a->name != NULL ? strlen(a->name) : 0;
   m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
-  m.has_local = m.local = local != 0;
-  m.known_layout = local ? sl_borrow_known_layout(c) : 0;
+  m.has_local = m.local = a->local != 0;
+  m.known_layout = a->local ? sl_borrow_known_layout(c) : 0;
   m.has_known_layout = m.known_layout != 0;
-  m.has_timeout_ms = timeout_ms != 0;
-  m.timeout_ms = timeout_ms < 0 ? -1 : timeout_ms;
+  m.has_timeout_ms = a->timeout_ms != 0;
+  m.timeout_ms = a->timeout_ms < 0 ? -1 : a->timeout_ms;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
@@ -488,11 +560,11 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   /* The daemon answers by the timeout: the deadline only guards against a lost daemon. */
   rc = sl_client_call_fd(c, &req, keep_fd, SUBLET__REPLY__BODY_LENT, rep, fds, &nfds,
                          m.timeout_ms);
-  if (rc == 0 && (nfds < 3 || nfds > 3u + (local != 0) ||
-                  (local && (*rep)->lent->borrowed == NULL))) {
+  if (rc == 0 && (nfds < 3 || nfds > 3u + (a->local != 0) ||
+                  (a->local && (*rep)->lent->borrowed == NULL))) {
     sl_wire_close_fds(fds, nfds);
     return sl_client_fail(SUBLET_EPROTO, "subletd answered Lend with %zu fds%s: is it older "
-                          "than this library?", nfds, local ? " and no window" : "");
+                          "than this library?", nfds, a->local ? " and no window" : "");
   }
   if (rc != 0)
     return rc;
@@ -501,6 +573,65 @@ static int lend_locked(sublet_region *r, const struct sublet_range *keep, size_t
   r->rescue = NULL;
   if ((rc = sl_rescue_new((*rep)->lent->loan, fds, &r->rescue)) != 0)
     sl_wire_close_fds(fds, 3);
+  return rc;
+}
+
+/* An offer: the loan's id and token. */
+static int lend_offer(sublet_region *r, const struct lend_args *a, uint64_t *loan_id,
+                      uint8_t token[16]) {
+  Sublet__Reply *rep = NULL;
+  int release_fd, rc = lend_locked(r, a, &rep, &release_fd);
+
+  if (rc == 0) {
+    *loan_id = rep->lent->loan;
+    if (token != NULL)
+      memcpy(token, rep->lent->token.data, SUBLET_TOKEN_SIZE);
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+/* A local loan, borrowed at once: *lent is its id once lent, even when the borrow failed. */
+static int lend_local(sublet_region *r, const struct lend_args *a, uint64_t *lent) {
+  Sublet__Reply *rep = NULL;
+  int release_fd = -1, rc = sl_borrow_check_idle(r->client);
+
+  if (rc == 0)
+    rc = lend_locked(r, a, &rep, &release_fd);
+  if (rc == 0) {
+    *lent = rep->lent->loan;
+    rc = sl_borrow_take(r->client, rep->lent->borrowed, release_fd);
+  } else if (release_fd >= 0) {
+    close(release_fd);
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
+                                     size_t n, int keep_all, const struct sublet_range *pinned,
+                                     size_t npinned, int local, const char *name,
+                                     int timeout_ms, uint64_t *loan_id, uint8_t token[16]) {
+  sublet_client *c = r->client;
+  struct lend_args a = {keep, n, keep_all, NULL, 0, local, name, timeout_ms};
+  uint64_t lent = 0;
+  int rc = pinned_pages(r, pinned, npinned, &a.pinned, &a.npinned);
+
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&c->lock);
+  rc = local ? lend_local(r, &a, &lent) : lend_offer(r, &a, loan_id, token);
+  pthread_mutex_unlock(&c->lock);
+  free(a.pinned);
+  if (local && rc == 0)
+    *loan_id = lent;
+  else if (local && lent != 0) { /* lent, then given straight back: its end is ours to take */
+    struct sl_err saved = *sl_client_last_error();
+    sublet_reclaim(c, lent, -1, NULL);
+    *sl_client_last_error() = saved;
+  }
   return rc;
 }
 
@@ -513,21 +644,7 @@ SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep,
 SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *keep, size_t n,
                                    int keep_all, const char *name, int timeout_ms,
                                    uint64_t *loan_id, uint8_t token[16]) {
-  sublet_client *c = r->client;
-  Sublet__Reply *rep = NULL;
-  int release_fd, rc;
-
-  pthread_mutex_lock(&c->lock);
-  rc = lend_locked(r, keep, n, keep_all, name, 0, timeout_ms, &rep, &release_fd);
-  if (rc == 0) {
-    *loan_id = rep->lent->loan;
-    if (token != NULL)
-      memcpy(token, rep->lent->token.data, SUBLET_TOKEN_SIZE);
-  }
-  pthread_mutex_unlock(&c->lock);
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
-  return rc;
+  return sublet_lend_pinned(r, keep, n, keep_all, NULL, 0, 0, name, timeout_ms, loan_id, token);
 }
 
 SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
@@ -538,32 +655,7 @@ SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range 
 SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
                                          size_t n, int keep_all, int timeout_ms,
                                          uint64_t *loan_id) {
-  sublet_client *c = r->client;
-  Sublet__Reply *rep = NULL;
-  uint64_t lent = 0;
-  int release_fd = -1, rc;
-
-  pthread_mutex_lock(&c->lock);
-  rc = sl_borrow_check_idle(c);
-  if (rc == 0)
-    rc = lend_locked(r, keep, n, keep_all, NULL, 1, timeout_ms, &rep, &release_fd);
-  if (rc == 0) {
-    lent = rep->lent->loan;
-    rc = sl_borrow_take(c, rep->lent->borrowed, release_fd);
-  } else if (release_fd >= 0) {
-    close(release_fd);
-  }
-  pthread_mutex_unlock(&c->lock);
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
-  if (rc == 0)
-    *loan_id = lent;
-  else if (lent != 0) { /* lent, then given straight back: its end is ours to take */
-    struct sl_err saved = *sl_client_last_error();
-    sublet_reclaim(c, lent, -1, NULL);
-    *sl_client_last_error() = saved;
-  }
-  return rc;
+  return sublet_lend_pinned(r, keep, n, keep_all, NULL, 0, 1, NULL, timeout_ms, loan_id, NULL);
 }
 
 /* A range that does not lie in the region, or -1. */

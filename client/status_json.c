@@ -126,14 +126,15 @@ static json_t *loan_json(const Sublet__LoanStatus *l, uint64_t page_size) {
 
   if (l == NULL)
     return json_null();
-  loan = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b}",
+  loan = json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:b}",
                    "id", count_json(l->loan), "region", count_json(l->region),
                    "state", text_json(l->state), "name", text_json(l->name),
                    "borrower_pid", count_json(l->has_borrower_pid ? l->borrower_pid : 0),
                    "borrower_uid", count_json(l->has_borrower_uid ? l->borrower_uid : 0),
                    "unkept_pages", count_json(l->unkept_pages),
                    "fresh_pages", count_json(l->fresh_pages),
-                   "kept_pages", count_json(l->kept_pages), "page_size", count_json(page_size),
+                   "kept_pages", count_json(l->kept_pages),
+                   "pinned_pages", count_json(l->pinned_pages), "page_size", count_json(page_size),
                    "live_bytes", count_json(l->live_bytes), "local", (int)l->local);
   if (loan != NULL && json_object_update_new(loan, loan_stats_json(l->stats)) != 0) {
     json_decref(loan);

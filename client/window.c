@@ -19,9 +19,12 @@ static int own_position(const struct sl_window *w, uint64_t p) {
 }
 
 /* Served below the region: the kept zone is the region's pages 0..n-1 in order, with nothing
- * unkept before it, and the fresh zone fits in the address space reserved below. */
+ * unkept before it, and the fresh zone fits in the address space reserved below. The region's
+ * last pages may be pinned (in no window): the window ends before their addresses, so no
+ * allocation can land on them. */
 static int lead_alias(const struct sl_window *w, const struct sl_window_own *own) {
-  if (w->unkept != 0 || w->kept != w->region_pages || w->fresh > own->lead_pages)
+  if (w->unkept != 0 || w->kept == 0 || w->kept > w->region_pages ||
+      w->fresh > own->lead_pages)
     return 0;
   for (uint64_t i = 0; i < w->kept; i++)
     if (w->layout[i] != i)

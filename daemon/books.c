@@ -84,6 +84,7 @@ static void loan_free(struct sl_loan *l) {
   sl_plan_release(&l->plan);
   free(l->keep);
   free(l->pages);
+  free(l->pinned);
   free(l->allocs);
   free(l->chunks);
   free(l);
@@ -273,13 +274,16 @@ static size_t lower_bound_u64(const uint64_t *a, size_t n, uint64_t v) {
 }
 
 /* The window position of region page p in loan l (pages[] holds the unkept pages, then the
- * kept ones, each ascending). */
+ * kept ones, each ascending), or UINT64_MAX for a pinned page: in no window, never granted. */
 static uint64_t page_position(const struct sl_loan *l, uint64_t p) {
   size_t i = lower_bound_u64(l->pages, l->unkept, p);
 
   if (i < l->unkept && l->pages[i] == p)
     return i;
-  return l->unkept + l->fresh + lower_bound_u64(l->pages + l->unkept, l->kept, p);
+  i = lower_bound_u64(l->pages + l->unkept, l->kept, p);
+  if (i < l->kept && l->pages[l->unkept + i] == p)
+    return l->unkept + l->fresh + i;
+  return UINT64_MAX;
 }
 
 int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
@@ -529,24 +533,33 @@ void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
   }
 }
 
+/* flags[p] = SL_PAGE_PINNED for every pinned page ((first, count) pairs, checked). */
+void sl_books_mark_pinned_pages(const uint64_t *pinned, size_t npinned, uint8_t *flags) {
+  for (size_t i = 0; i < npinned; i++)
+    memset(flags + pinned[2 * i], SL_PAGE_PINNED, pinned[2 * i + 1]);
+}
+
+/* The window's pages: the unkept ones, then the kept ones; pinned pages are in neither (the
+ * keep was checked to lie outside them, so marking kept pages leaves them pinned). */
 static int loan_set_layout(const struct sl_books_config *cfg, struct sl_loan *l,
                            uint64_t npages, struct sl_err *err) {
   uint8_t *flags = calloc(npages, 1);
-  uint64_t u = 0, k = 0;
+  uint64_t u = 0, k = 0, n = npages - l->pinned_pages;
 
-  l->pages = npages <= SIZE_MAX / sizeof(*l->pages) ? malloc(npages * sizeof(*l->pages)) : NULL;
+  l->pages = n <= SIZE_MAX / sizeof(*l->pages) ? malloc((n + 1) * sizeof(*l->pages)) : NULL;
   if (flags == NULL || l->pages == NULL) {
     free(flags);
     return out_of_memory(err);
   }
+  sl_books_mark_pinned_pages(l->pinned, l->npinned, flags);
   sl_books_mark_kept_pages(l->keep, l->nkeep, cfg->page_size, flags);
   for (uint64_t p = 0; p < npages; p++)
-    u += !flags[p];
-  for (uint64_t p = 0; p < npages; p++) {
-    if (flags[p])
+    u += flags[p] == SL_PAGE_UNKEPT;
+  for (uint64_t p = 0, i = 0; p < npages; p++) {
+    if (flags[p] == SL_PAGE_KEPT)
       l->pages[u + k++] = p;
-    else
-      l->pages[p - k] = p;
+    else if (flags[p] == SL_PAGE_UNKEPT)
+      l->pages[i++] = p;
   }
   l->unkept = u;
   l->kept = k;
@@ -598,9 +611,105 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
   return 0;
 }
 
+static int bad_pinned(size_t i, uint64_t first, uint64_t count, uint64_t end, uint64_t npages,
+                      struct sl_err *err) {
+  const char *why = count == 0 ? "empty"
+                    : i > 0 && first < end ? "out of order or overlapping the one before"
+                                           : "not within the region";
+
+  return sl_err_set(err, SUBLET_EINVAL, "pinned pair %zu (first page %" PRIu64 ", %" PRIu64
+                    " pages) is %s: pin ascending, disjoint (first, count) pairs of the "
+                    "region's %" PRIu64 " pages", i, first, count, why, npages);
+}
+
+/* The pinned pages checked and taken: (first, count) pairs, ascending and disjoint (adjacent
+ * pairs are fine), within the region. */
+static int loan_set_pinned(struct sl_loan *l, const uint64_t *pinned, size_t npinned,
+                           uint64_t npages, struct sl_err *err) {
+  uint64_t end = 0;
+
+  if (npinned == 0)
+    return 0;
+  if (pinned == NULL || npinned > SIZE_MAX / (2 * sizeof(*pinned)))
+    return sl_err_set(err, SUBLET_EINVAL, "%zu pinned pairs announced but not given", npinned);
+  for (size_t i = 0; i < npinned; i++) {
+    uint64_t first = pinned[2 * i], count = pinned[2 * i + 1];
+    if (count == 0 || first >= npages || count > npages - first || (i > 0 && first < end))
+      return bad_pinned(i, first, count, end, npages, err);
+    end = first + count;
+    l->pinned_pages += count;
+  }
+  if (l->pinned_pages == npages)
+    return sl_err_set(err, SUBLET_EINVAL, "every page of the region is pinned: nothing is "
+                      "lent; pin fewer pages, or lend nothing");
+  if ((l->pinned = malloc(npinned * 2 * sizeof(*pinned))) == NULL)
+    return out_of_memory(err);
+  memcpy(l->pinned, pinned, npinned * 2 * sizeof(*pinned));
+  l->npinned = npinned;
+  return 0;
+}
+
+/* keep_all with pinned pages keeps every byte of the other pages: the pinned ones are the
+ * owner's alone. The complement of the pairs, as byte ranges (*out: malloc'd, or NULL when
+ * every page is pinned). */
+static int unpinned_ranges(const struct sl_loan *l, uint64_t npages, uint64_t ps,
+                           struct sublet_range **out, size_t *n, struct sl_err *err) {
+  struct sublet_range *v = malloc((l->npinned + 1) * sizeof(*v));
+  uint64_t at = 0;
+
+  if (v == NULL)
+    return out_of_memory(err);
+  *n = 0;
+  for (size_t i = 0; i <= l->npinned; i++) {
+    uint64_t first = i < l->npinned ? l->pinned[2 * i] : npages;
+    if (first > at)
+      v[(*n)++] = (struct sublet_range){at * ps, (first - at) * ps};
+    at = i < l->npinned ? first + l->pinned[2 * i + 1] : at;
+  }
+  *out = v;
+  return 0;
+}
+
+/* A kept byte in a pinned page is refused: the loan saves, moves and restores kept bytes,
+ * and a pinned page is the owner's alone. Both lists are sorted: one pass. */
+static int keep_pinned_check(const struct sl_loan *l, uint64_t ps, struct sl_err *err) {
+  size_t j = 0;
+
+  for (size_t i = 0; i < l->nkeep && j < l->npinned; i++) {
+    uint64_t lo = l->keep[i].offset, hi = lo + l->keep[i].length;
+    while (j < l->npinned && l->pinned[2 * j] + l->pinned[2 * j + 1] <= lo / ps)
+      j++;
+    if (j < l->npinned && l->pinned[2 * j] <= (hi - 1) / ps)
+      return sl_err_set(err, SUBLET_EINVAL, "kept bytes [%" PRIu64 ", %" PRIu64 ") lie in "
+                        "pinned pages %" PRIu64 " to %" PRIu64 " (pinned pair %zu): a page is "
+                        "kept or pinned, not both; keep no byte of a pinned page (the loan "
+                        "never touches it anyway)", lo, hi, l->pinned[2 * j],
+                        l->pinned[2 * j] + l->pinned[2 * j + 1] - 1, j);
+  }
+  return 0;
+}
+
+static int draft_keep(const struct sl_books_config *cfg, struct sl_loan *l, uint64_t npages,
+                      const struct sublet_range *keep, size_t nkeep, int keep_all,
+                      struct sl_err *err) {
+  struct sublet_range *unpinned = NULL;
+  int rc;
+
+  if (keep_all && l->npinned > 0) {
+    if ((rc = unpinned_ranges(l, npages, cfg->page_size, &unpinned, &nkeep, err)) != 0)
+      return rc;
+    keep = unpinned;
+    keep_all = 0;
+  }
+  rc = loan_set_keep(l, keep, nkeep, keep_all, npages * cfg->page_size, err);
+  free(unpinned);
+  return rc != 0 ? rc : keep_pinned_check(l, cfg->page_size, err);
+}
+
 int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
                    const struct sublet_range *keep, size_t nkeep, int keep_all,
-                   struct sl_loan **out, struct sl_err *err) {
+                   const uint64_t *pinned, size_t npinned, struct sl_loan **out,
+                   struct sl_err *err) {
   struct sl_loan *l;
   int rc;
 
@@ -609,7 +718,9 @@ int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
                       npages);
   if ((l = calloc(1, sizeof(*l))) == NULL)
     return out_of_memory(err);
-  rc = loan_set_keep(l, keep, nkeep, keep_all, npages * cfg->page_size, err);
+  rc = loan_set_pinned(l, pinned, npinned, npages, err);
+  if (rc == 0)
+    rc = draft_keep(cfg, l, npages, keep, nkeep, keep_all, err);
   if (rc == 0)
     rc = loan_set_layout(cfg, l, npages, err);
   if (rc < 0) {
@@ -653,10 +764,12 @@ int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t reg
   return 0;
 }
 
-/* Is l's layout the one of r's last loan, over the same pages? */
+/* Is l's layout the one of r's last loan, over the same pages? The region has the same pages
+ * as then (a growth drops the layout), so the same window pages mean the same pinned ones. */
 static int same_layout(const struct sl_region *r, const struct sl_loan *l) {
-  return r->layout != NULL && r->layout_pages == r->npages && r->layout_unkept == l->unkept &&
-         memcmp(r->layout, l->pages, r->npages * sizeof(*l->pages)) == 0;
+  return r->layout != NULL && r->layout_pages == l->unkept + l->kept &&
+         r->layout_unkept == l->unkept &&
+         memcmp(r->layout, l->pages, r->layout_pages * sizeof(*l->pages)) == 0;
 }
 
 int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_id,
@@ -666,10 +779,10 @@ int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_
   struct sl_region *r = sl_books_find_region(b, region_id);
   int rc = lend_check(b, client_id, r, region_id, name, token, err);
 
-  if (rc == 0 && r->npages != l->unkept + l->kept)
+  if (rc == 0 && r->npages != l->unkept + l->kept + l->pinned_pages)
     rc = sl_err_set(err, SUBLET_EINVAL, "internal error: a loan drafted for %" PRIu64 " pages "
-                    "lends region %" PRIu64 " of %" PRIu64, l->unkept + l->kept, region_id,
-                    r->npages);
+                    "lends region %" PRIu64 " of %" PRIu64, l->unkept + l->kept + l->pinned_pages,
+                    region_id, r->npages);
   if (rc < 0)
     return rc;
   l->id = b->next_loan++;
@@ -690,12 +803,21 @@ int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
                   const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err) {
+  return sl_books_lend_pinned(b, client_id, region_id, keep, nkeep, keep_all, NULL, 0, name,
+                              token, loan_id, err);
+}
+
+int sl_books_lend_pinned(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         const struct sublet_range *keep, size_t nkeep, int keep_all,
+                         const uint64_t *pinned, size_t npinned, const char *name,
+                         const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id,
+                         struct sl_err *err) {
   struct sl_region *r = sl_books_find_region(b, region_id);
   struct sl_loan *l = NULL;
   int rc = lend_check(b, client_id, r, region_id, name, token, err);
 
   if (rc == 0)
-    rc = sl_books_draft(&b->cfg, r->npages, keep, nkeep, keep_all, &l, err);
+    rc = sl_books_draft(&b->cfg, r->npages, keep, nkeep, keep_all, pinned, npinned, &l, err);
   if (rc == 0 && (rc = sl_books_lend_draft(b, client_id, region_id, l, name, token, loan_id,
                                            err)) != 0)
     loan_free(l);
@@ -1471,7 +1593,8 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
       .id = l->id, .region_id = l->region_id, .state = l->state,
       .owner_client = l->owner_client, .borrower_client = l->borrower_client,
       .borrower = l->borrower, .unkept_pages = l->unkept, .fresh_pages = l->fresh,
-      .kept_pages = l->kept, .kept_bytes = l->kept_bytes, .keep_ranges = l->nkeep,
+      .kept_pages = l->kept, .pinned_pages = l->pinned_pages, .kept_bytes = l->kept_bytes,
+      .keep_ranges = l->nkeep,
       .hwm = l->hwm,
       .live_allocs = l->nallocs, .live_bytes = l->live_bytes,
       .fresh_chunk_pages = l->fresh_chunk_pages, .layout_id = l->layout_id,

@@ -7,6 +7,9 @@
  *   loan      a region lent with a set of kept byte ranges. A page is kept when any kept byte
  *             lies in it. One loan per device at a time. Lend makes it OFFERED; a borrower (the
  *             owner's own client, or another client holding the token) makes it ACTIVE.
+ *   pinned    a page of the region the loan never touches (Lend.pinned): the owner keeps using
+ *             it during the loan. Not in the window, never granted, moved into, saved or
+ *             restored; no kept byte may lie in one. So U + K = npages - pinned pages.
  *   window    the loan's pages in lending order, which is also the order of the borrower's
  *             address window: positions [0, U) are the unkept pages (ascending region index),
  *             [U, U+F) fresh pages from free device memory, [U+F, U+F+K) the kept pages
@@ -136,6 +139,7 @@ struct sl_loan_info {
   struct sl_peer borrower;
   char name[64];
   uint64_t unkept_pages, fresh_pages, kept_pages; /* U, F, K */
+  uint64_t pinned_pages;      /* region pages in no window (Lend.pinned) */
   uint64_t kept_bytes;        /* all kept bytes of the region */
   uint64_t keep_ranges;       /* merged keep ranges */
   uint64_t hwm;               /* window positions handed out so far */
@@ -209,8 +213,17 @@ int sl_books_region_next(const struct sl_books *b, uint64_t after, struct sl_reg
 int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                   const struct sublet_range *keep, size_t nkeep, int keep_all, const char *name,
                   const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id, struct sl_err *err);
+/* The same with pinned pages: npinned (first, count) pairs of region pages, ascending,
+ * disjoint, within the region, not every page; no kept byte in them (keep_all keeps every
+ * byte of the other pages). */
+int sl_books_lend_pinned(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         const struct sublet_range *keep, size_t nkeep, int keep_all,
+                         const uint64_t *pinned, size_t npinned, const char *name,
+                         const uint8_t token[SUBLET_TOKEN_SIZE], uint64_t *loan_id,
+                         struct sl_err *err);
 /* The same in steps, so that a long keep list is worked out off the event loop. A draft:
- * the keep list sorted and merged and the window's layout for a region of npages pages; pure
+ * the pinned pages and keep list checked, the keep sorted and merged, and the window's
+ * layout for a region of npages pages; pure
  * (reads only its arguments: any thread may make one). may_lend: the checks that do not
  * depend on the device being free (the caller owns the region, which is not lent, and borrows
  * nothing), giving its npages. lend_draft: the loan enters the books (it checks everything
@@ -218,7 +231,8 @@ int sl_books_lend(struct sl_books *b, uint64_t client_id, uint64_t region_id,
 struct sl_loan;
 int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
                    const struct sublet_range *keep, size_t nkeep, int keep_all,
-                   struct sl_loan **draft, struct sl_err *err);
+                   const uint64_t *pinned, size_t npinned, struct sl_loan **draft,
+                   struct sl_err *err);
 void sl_books_draft_free(struct sl_loan *draft);
 const struct sl_books_config *sl_books_cfg(const struct sl_books *b);
 int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t region_id,

@@ -40,7 +40,8 @@ struct sl_region {
   uint64_t *layout;     /* its last loan's pages (sl_loan.pages), owned; NULL: none since its
                            pages were last replaced */
   uint64_t layout_unkept, layout_id; /* that loan's U and layout id (books.h) */
-  uint64_t layout_pages; /* that loan's U + K: npages, or the layout went (a growth drops it) */
+  uint64_t layout_pages; /* that loan's U + K: npages less its pinned pages (a growth drops
+                            the layout) */
 };
 
 struct sl_alloc {
@@ -63,7 +64,11 @@ struct sl_loan {
   struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
   size_t nkeep;
   uint64_t kept_bytes;
-  uint64_t *pages; /* unkept region pages, then kept ones, each ascending */
+  uint64_t *pages; /* unkept region pages, then kept ones, each ascending: U + K of them */
+  uint64_t *pinned; /* (first, count) pairs of region pages the loan never touches (the
+                       owner's, in use during the loan): ascending, disjoint, none kept */
+  size_t npinned;   /* pairs */
+  uint64_t pinned_pages; /* their pages: U + K + pinned_pages is the region's npages */
   uint64_t layout_id; /* names pages and U (books.h, sl_loan_info.layout_id) */
   uint64_t unkept, fresh, kept;
   uint64_t hwm;
@@ -138,8 +143,13 @@ void sl_books_kept_client_gone(struct sl_books *b, uint64_t client_id, uint64_t 
                                size_t *nfreed);
 size_t sl_books_kept_keepers(const struct sl_books *b);
 
-/* flags[p] = 1 for every page holding a kept byte (books.c). */
+/* A page of a loan's region: in the window unkept or kept, or pinned (in no window). */
+enum { SL_PAGE_UNKEPT = 0, SL_PAGE_KEPT = 1, SL_PAGE_PINNED = 2 };
+
+/* flags[p] = SL_PAGE_KEPT for every page holding a kept byte (books.c). */
 void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
                               uint64_t page_size, uint8_t *flags);
+/* flags[p] = SL_PAGE_PINNED for every page of the (first, count) pairs (books.c). */
+void sl_books_mark_pinned_pages(const uint64_t *pinned, size_t npinned, uint8_t *flags);
 
 #endif

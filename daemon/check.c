@@ -73,7 +73,8 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
   if (r->layout != NULL && (r->layout_id == 0 || r->layout_id >= b->next_layout))
     return broken(ck, "region %" PRIu64 " keeps a layout of bad id %" PRIu64, r->id,
                   r->layout_id);
-  if (r->layout != NULL && r->layout_pages != r->npages) /* it grew: the layout must have gone */
+  /* U + K of its last loan: npages less the pinned pages (a growth must have dropped it) */
+  if (r->layout != NULL && (r->layout_pages > r->npages || r->layout_unkept > r->layout_pages))
     return broken(ck, "region %" PRIu64 " of %" PRIu64 " pages keeps a layout of %" PRIu64,
                   r->id, r->npages, r->layout_pages);
   if (sl_books_find_client(b, r->owner_client) != NULL)
@@ -122,6 +123,33 @@ static int check_parties(const struct sl_books *b, const struct sl_loan *l,
   return 0;
 }
 
+/* The pinned pairs: ascending, disjoint, within the region, counted right. */
+static int check_pinned(const struct sl_loan *l, uint64_t npages, struct check *ck) {
+  uint64_t end = 0, pages = 0;
+
+  for (size_t i = 0; i < l->npinned; i++) {
+    uint64_t first = l->pinned[2 * i], count = l->pinned[2 * i + 1];
+    if (count == 0 || first < end || first >= npages || count > npages - first)
+      return broken(ck, "loan %" PRIu64 " pinned pair %zu is empty, out of order or outside "
+                    "the region", l->id, i);
+    end = first + count;
+    pages += count;
+  }
+  if (pages != l->pinned_pages || (l->npinned > 0 && l->pinned == NULL))
+    return broken(ck, "loan %" PRIu64 " counts %" PRIu64 " pinned pages, not %" PRIu64, l->id,
+                  l->pinned_pages, pages);
+  return 0;
+}
+
+/* Does a kept byte lie in a page flags marks pinned? */
+static int keep_in_pinned(const struct sl_loan *l, uint64_t ps, const uint8_t *flags) {
+  for (size_t i = 0; i < l->nkeep && l->npinned > 0; i++)
+    for (uint64_t p = l->keep[i].offset / ps; p * ps < l->keep[i].offset + l->keep[i].length; p++)
+      if (flags[p] == SL_PAGE_PINNED)
+        return 1;
+  return 0;
+}
+
 static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint64_t npages,
                         struct check *ck) {
   uint64_t bytes = 0, limit = npages * b->cfg.page_size;
@@ -137,16 +165,23 @@ static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint6
                     l->id, i);
     bytes += k->length;
   }
-  if (bytes != l->kept_bytes || l->unkept + l->kept != npages)
+  if (bytes != l->kept_bytes || l->unkept + l->kept + l->pinned_pages != npages)
     return broken(ck, "loan %" PRIu64 " kept bytes or page counts are off", l->id);
+  if ((rc = check_pinned(l, npages, ck)) != 0)
+    return rc;
   flags = calloc(npages, 1);
   if (flags == NULL)
     return broken(ck, "out of memory while checking");
+  sl_books_mark_pinned_pages(l->pinned, l->npinned, flags);
+  if (keep_in_pinned(l, b->cfg.page_size, flags))
+    rc = broken(ck, "loan %" PRIu64 " keeps bytes of a pinned page", l->id);
   sl_books_mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
-  for (uint64_t i = 0; i < npages && rc == 0; i++) {
+  /* Pinned pages are in no window position: each position's page is unkept or kept as its
+   * zone says, ascending in its zone; with the counts, every other page is in the window. */
+  for (uint64_t i = 0; i < l->unkept + l->kept && rc == 0; i++) {
     uint64_t p = l->pages[i];
-    int want_kept = i >= l->unkept;
-    if (p >= npages || flags[p] != want_kept || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
+    int want = i >= l->unkept ? SL_PAGE_KEPT : SL_PAGE_UNKEPT;
+    if (p >= npages || flags[p] != want || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
       rc = broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
   }
   free(flags);
@@ -362,8 +397,8 @@ static int check_loan(const struct sl_books *b, struct check *ck) {
     rc = broken(ck, "loan %" PRIu64 " has bad layout id %" PRIu64, l->id, l->layout_id);
   /* One id, one layout: a borrower that holds the id is not sent the layout. */
   if (rc == 0 && r->layout != NULL && r->layout_id == l->layout_id &&
-      (r->layout_unkept != l->unkept ||
-       memcmp(r->layout, l->pages, r->npages * sizeof(*l->pages)) != 0))
+      (r->layout_unkept != l->unkept || r->layout_pages != l->unkept + l->kept ||
+       memcmp(r->layout, l->pages, r->layout_pages * sizeof(*l->pages)) != 0))
     rc = broken(ck, "loan %" PRIu64 " has the layout id of its region's last loan, not its "
                 "layout", l->id);
   if (rc == 0)

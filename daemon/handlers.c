@@ -91,6 +91,7 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.has_keep_ranges = w.keep_ranges = 1;
   w.has_keep_fd = w.keep_fd = 1;
   w.has_grow = w.grow = 1;
+  w.has_pinned = w.pinned = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -211,6 +212,8 @@ struct draft_job {
   uint64_t *keep;
   size_t nkeep;
   int keep_fd;         /* the ranges are still in this memfd (owned), or -1 */
+  uint64_t *pinned;    /* Lend.pinned, taken over: (first, count) pairs */
+  size_t npinned;
   struct sl_loan *draft;
 };
 
@@ -249,7 +252,7 @@ static void draft_run(struct sl_job *j) {
   if (dj->keep_fd >= 0 && (j->rc = keep_read(dj->keep_fd, dj->nkeep, &dj->keep, &j->err)) != 0)
     return;
   j->rc = sl_books_draft(&dj->cfg, dj->npages, (const struct sublet_range *)dj->keep,
-                         dj->nkeep, 0, &dj->draft, &j->err);
+                         dj->nkeep, 0, dj->pinned, dj->npinned, &dj->draft, &j->err);
 }
 
 static void draft_done(struct sl_job *j) {
@@ -259,6 +262,7 @@ static void draft_done(struct sl_job *j) {
   if (dj->keep_fd >= 0)
     close(dj->keep_fd);
   free(dj->keep);
+  free(dj->pinned);
   if (w == NULL) {
     sl_books_draft_free(dj->draft);
   } else if (j->rc != 0) {
@@ -285,6 +289,10 @@ static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, u
   dj->npages = npages;
   dj->keep_fd = x->keep_fd;
   x->keep_fd = -1;
+  dj->pinned = m->pinned;
+  dj->npinned = m->n_pinned / 2;
+  m->pinned = NULL;
+  m->n_pinned = 0;
   if (dj->keep_fd >= 0) { /* read in the job (keep_read) */
     dj->nkeep = m->keep_fd_ranges;
   } else {
@@ -385,6 +393,9 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   if (m->n_keep % 2 != 0)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.keep holds (offset, length) pairs: "
                       "an even count, not %zu", m->n_keep);
+  if (m->n_pinned % 2 != 0)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.pinned holds (first page, count) pairs: "
+                      "an even count, not %zu", m->n_pinned);
   if (lend_timeout(m) < -1)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.timeout_ms is 0 (at once), -1 (forever) "
                       "or milliseconds above 0, not %d", lend_timeout(m));
@@ -402,7 +413,8 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
     rc = draft_off_loop(x, w, m, npages);
   else if ((rc = sl_books_draft(sl_books_cfg(x->d->books), npages,
                                 (const struct sublet_range *)m->keep, m->n_keep / 2,
-                                m->keep_all, &w->lend.draft, &x->err)) == 0)
+                                m->keep_all, m->pinned, m->n_pinned / 2, &w->lend.draft,
+                                &x->err)) == 0)
     lend_drafted(w);
   if (rc != 0)
     sl_waiter_done(w);

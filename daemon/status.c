@@ -126,6 +126,8 @@ static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__Lo
   ls->unkept_pages = li->unkept_pages;
   ls->fresh_pages = li->fresh_pages;
   ls->kept_pages = li->kept_pages;
+  ls->has_pinned_pages = li->pinned_pages != 0;
+  ls->pinned_pages = li->pinned_pages;
   ls->live_bytes = li->live_bytes;
   ls->stats = stats;
   ls->has_local = 1;

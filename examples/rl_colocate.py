@@ -15,13 +15,13 @@ asynchronous RL) trains with AdamW. Neither frees its memory between phases:
 
 Each phase prints the bytes that crossed the host link (kept bytes copied out and back: twice
 loan.copied_bytes), the kept bytes moved on the GPU instead, and its seconds. Another job holds
-the rest of the GPU (a stand-in tensor) but `free GiB` (default 0.5): with the whole GPU free a
+the rest of the GPU (a stand-in tensor) but `free GiB` (default 4): with the whole GPU free a
 loan would find all it needs in free memory and move nothing. The weights are random (no
 download): the tokens mean nothing, the memory is the point.
 
-The optimizer state is one sublet.empty() tensor, not a pool: during a loan the owner touches
-nothing of the lent memory's region, and all pools of a process share one region (lending "kv"
-keeps the other tags' pages, which the borrower may use meanwhile, restored at the end).
+The optimizer state is one tensor of pool "optim", made ahead: all pools of a process share one
+region, and what a loan does not lend is pinned, so the learner's state stays untouched while
+"kv" is lent, and the actor's weights while "optim" is.
 """
 import copy
 import sys
@@ -45,7 +45,7 @@ def main() -> None:
     except ImportError:
         print("rl_colocate: needs transformers (pip install transformers)")
         return
-    free_left = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
+    free_left = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -99,7 +99,10 @@ def main() -> None:
 
 def generate(model, prompts, cache, new_tokens, sample=False):
     with torch.no_grad():
-        return model.generate(prompts, cache=cache, max_new_tokens=new_tokens, do_sample=sample)
+        # Eager (no torch.compile): compiling the static cache's step inside a loan would make
+        # CUDA graphs there, whose pools sublet does not route.
+        return model.generate(prompts, cache=cache, max_new_tokens=new_tokens, do_sample=sample,
+                              disable_compile=True)
 
 
 def score(model, ids) -> float:
@@ -121,11 +124,11 @@ def train_step(model, opt, ids) -> None:
 
 
 def adamw_state_in_sublet_memory(opt) -> torch.Tensor:
-    """AdamW's state made ahead, as views of one sublet.empty() tensor (AdamW would make it
+    """AdamW's state made ahead, as views of one tensor of pool "optim" (AdamW would make it
     lazily at its first step), each view 512-byte aligned."""
     params = [p for group in opt.param_groups for p in group["params"]]
     sizes = [-(-p.numel() // 256) * 256 for p in params]
-    flat = sublet.empty(2, sum(sizes), dtype=params[0].dtype).zero_()
+    flat = sublet.pool("optim").empty(2, sum(sizes), dtype=params[0].dtype).zero_()
     offset = 0
     for p, n in zip(params, sizes):
         exp_avg, exp_avg_sq = (flat[i, offset:offset + p.numel()].view_as(p) for i in (0, 1))

@@ -203,6 +203,17 @@ SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *
 SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
                                          size_t n, int keep_all, int timeout_ms,
                                          uint64_t *loan_id);
+/* Any of the above (local: sublet_lend_local_wait's loan, name and token unused then), with
+ * pinned pages: byte ranges of the region, whole pages (offset and length multiples of the
+ * page size, else SUBLET_EINVAL), in any order. The loan never touches them: not lent, not in
+ * the borrower's window, never saved, moved into or restored, so the owner may read and write
+ * them all through the loan (a pool's other tags). keep may not name a byte of a pinned page
+ * (SUBLET_EINVAL); keep_all keeps every byte of the other pages. SUBLET_ENOTSUP from a subletd
+ * that cannot pin. npinned 0 is the plain call. */
+SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
+                                     size_t n, int keep_all, const struct sublet_range *pinned,
+                                     size_t npinned, int local, const char *name,
+                                     int timeout_ms, uint64_t *loan_id, uint8_t token[16]);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
  * its kept bytes are back. After a loan to another user, the pages that borrower was granted
  * are fresh ones, mapped here at the same addresses (stats->replaced_pages); use the region only

@@ -2,9 +2,11 @@
 of those, as one region and the byte ranges of it that are lent.
 
 One loan lends one region (one Lend, one window). Every byte of the region that is not lent
-is kept: lending a view (cache[8:]) keeps the rest of its tensor's memory, and lending tag "kv"
-of the arena keeps the pages of every other tag. `keep` speaks only of what is lent; the
-Lend's keep list is then `keep` plus everything not lent.
+is kept: lending a view (cache[8:]) keeps the rest of its tensor's memory. Lending tag "kv" of
+the arena pins the pages that hold no lent byte (the other tags', which the owner goes on using
+during the loan: the loan never touches them) and keeps the other tags' bytes in pages shared
+with lent bytes. `keep` speaks only of what is lent; the Lend's keep list is then `keep` plus
+everything not lent and not pinned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class Lent:
     spans: np.ndarray              # the lent byte ranges of the region: (n, 2) uint64, merged
     tensor: torch.Tensor | None    # the one tensor lent, when it is one (keep as its rows)
     what: str                      # for messages
+    # An arena's pages holding no lent byte, as (n, 2) uint64 byte ranges: pinned in the Lend,
+    # so that the loan never saves, moves into or restores them while the owner uses them.
+    pinned: np.ndarray | None = None
 
     @property
     def device(self) -> torch.device:
@@ -50,7 +55,20 @@ def resolve(what: Lendable) -> Lent:
     spans = np.concatenate([r[1] for r in resolved] + [_unowned(region)]).astype(np.int64)
     merged = _keep.merge_ranges(spans[:, 0], spans[:, 1])
     tensor = parts[0] if len(parts) == 1 and isinstance(parts[0], torch.Tensor) else None
-    return Lent(region, merged, tensor, ", ".join(r[2] for r in resolved))
+    pinned = (_idle_pages(merged, region.size, region.client.info.page_size)
+              if isinstance(region, _pool.Arena) else None)
+    return Lent(region, merged, tensor, ", ".join(r[2] for r in resolved), pinned)
+
+
+def _idle_pages(spans: np.ndarray, size: int, page: int) -> np.ndarray:
+    """The whole pages of [0, size) that no span touches, as ascending (offset, length) byte
+    ranges. Spans are merged, so the gaps are apart and so are their whole pages."""
+    gaps = _complement(spans.astype(np.int64), size)
+    first = -(-gaps[:, 0] // page)
+    end = (gaps[:, 0] + gaps[:, 1]) // page
+    whole = end > first
+    return np.ascontiguousarray(
+        np.stack([first[whole] * page, (end - first)[whole] * page], axis=1), np.uint64)
 
 
 def _unowned(region: Region | _pool.Arena) -> np.ndarray:
@@ -122,17 +140,29 @@ def block_bytes(tensor: torch.Tensor) -> int:
 
 def keep_ranges(lent: Lent, keep: _keep.Keep) -> np.ndarray | None:
     """The Lend's keep list: `keep` (which must lie in what is lent) and every byte of the
-    region that is not lent; None keeps the whole region."""
-    if keep is None:
-        return None
+    region that is neither lent nor pinned; None keeps the whole region (but pinned pages,
+    which are not kept but left alone: the list is then every other page)."""
     region_size = lent.region.size
+    pinned = _pinned_of(lent)
+    if keep is None:
+        return None if not len(pinned) else \
+            np.ascontiguousarray(_complement(pinned, region_size), np.uint64)
     ranges = _keep.keep_ranges(keep, lent.region.addr, region_size, lent.tensor)
     _check_inside(ranges, lent)
-    outside = _complement(lent.spans, region_size)
+    taken = np.concatenate([lent.spans.astype(np.int64), pinned])  # disjoint: not lent
+    taken = taken[np.argsort(taken[:, 0], kind="stable")]
+    outside = _complement(taken, region_size)
     if len(outside):
         both = np.concatenate([ranges.astype(np.int64), outside])
         ranges = _keep.merge_ranges(both[:, 0], both[:, 1])
     return np.ascontiguousarray(ranges, np.uint64)
+
+
+def _pinned_of(lent: Lent) -> np.ndarray:
+    """lent.pinned as (n, 2) int64 ranges (none for a region that is not an arena)."""
+    if lent.pinned is None:
+        return np.zeros((0, 2), np.int64)
+    return lent.pinned.astype(np.int64).reshape(-1, 2)
 
 
 def _complement(spans: np.ndarray, size: int) -> np.ndarray:

@@ -238,6 +238,8 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                                  POINTER(c_uint64), TOKEN]),
     "sublet_lend_local_wait": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_int,
                                        POINTER(c_uint64)]),
+    "sublet_lend_pinned": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t,
+                                   c_int, c_char_p, c_int, POINTER(c_uint64), TOKEN]),
     "sublet_cancel": (c_int, [c_void_p]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
@@ -401,6 +403,23 @@ class RegionHandle:
     id: int
 
 
+def _pinned(pinned: Any) -> Any:
+    """Pinned byte ranges for C: an (n, 2) C-contiguous uint64 array (empty for None)."""
+    import numpy as np  # here: the ctypes layer loads without it
+
+    if pinned is None or len(pinned) == 0:
+        return np.zeros((0, 2), np.uint64)
+    pins = np.ascontiguousarray(pinned, np.uint64)
+    if pins.ndim != 2 or pins.shape[1] != 2:
+        raise ValueError(f"pinned is (offset, length) byte ranges, an (n, 2) array, not shape "
+                         f"{pins.shape}: pass one row per range of whole pages")
+    return pins
+
+
+def _data(ranges: Any) -> int | None:
+    return ranges.ctypes.data if len(ranges) else None
+
+
 def _name(name: str | None) -> bytes | None:
     """A loan name for C: a C string cannot hold a NUL, so such a name is refused here as the
     daemon refuses it (rather than being cut short)."""
@@ -477,26 +496,32 @@ class Client:
 
     # ---- owner's side
     def lend(self, region: RegionHandle, ranges: Any, name: str | None,
-             timeout_ms: int = 0) -> tuple[int, bytes]:
+             timeout_ms: int = 0, pinned: Any = None) -> tuple[int, bytes]:
         """Offers a region; ranges (a C-contiguous (n, 2) uint64 numpy array: a row has the
-        layout of struct sublet_range) None keeps all of it. Waits up to timeout_ms (-1:
-        forever; 0: BusyError at once) for the device. Returns (loan id, token)."""
+        layout of struct sublet_range) None keeps all of it. pinned: byte ranges of whole
+        pages the loan never touches (the same kind of array), or None. Waits up to
+        timeout_ms (-1: forever; 0: BusyError at once) for the device. Returns (loan id,
+        token)."""
         loan_id, token = c_uint64(), TOKEN()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
-        check(lib().sublet_lend_wait(region.handle, ranges.ctypes.data if n else None, n,
-                                     int(keep_all), _name(name), timeout_ms,
-                                     ctypes.byref(loan_id), token))
+        pins = _pinned(pinned)  # held here: C reads it during the call
+        check(lib().sublet_lend_pinned(region.handle, ranges.ctypes.data if n else None, n,
+                                       int(keep_all), _data(pins), len(pins), 0, _name(name),
+                                       timeout_ms, ctypes.byref(loan_id), token))
         return loan_id.value, bytes(token)
 
-    def lend_local(self, region: RegionHandle, ranges: Any, timeout_ms: int = 0) -> int:
+    def lend_local(self, region: RegionHandle, ranges: Any, timeout_ms: int = 0,
+                   pinned: Any = None) -> int:
         """Lends a region to this client itself in one step (never on offer) and borrows it;
-        ranges and timeout_ms as for lend. Returns the loan id."""
+        ranges, timeout_ms and pinned as for lend. Returns the loan id."""
         loan_id = c_uint64()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
-        check(lib().sublet_lend_local_wait(region.handle, ranges.ctypes.data if n else None, n,
-                                           int(keep_all), timeout_ms, ctypes.byref(loan_id)))
+        pins = _pinned(pinned)  # held here: C reads it during the call
+        check(lib().sublet_lend_pinned(region.handle, ranges.ctypes.data if n else None, n,
+                                       int(keep_all), _data(pins), len(pins), 1, None, timeout_ms,
+                                       ctypes.byref(loan_id), TOKEN()))
         return loan_id.value
 
     def cancel(self) -> None:

@@ -256,7 +256,7 @@ class LocalLoan(Loan):
                 self._snapshot = _verify.Snapshot(region, self._lent.tensor, self._ranges)
             # One request: the loan is never on offer, so no borrow() elsewhere can take it.
             self._loan_id = _wait.lend_local(client, region.handle, self._ranges,
-                                             self._timeout)
+                                             self._timeout, self._lent.pinned)
         except BaseException:
             region.lent = False
             raise
@@ -327,7 +327,7 @@ class Offer:
             self._snapshot = (_verify.Snapshot(self._region, lent.tensor, ranges)
                               if _verify.enabled(verify) else None)
             self.loan_id, self.token = _wait.lend(self._region.client, self._region.handle,
-                                                  ranges, name, timeout)
+                                                  ranges, name, timeout, lent.pinned)
         except BaseException:
             self._region.lent = False
             raise

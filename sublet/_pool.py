@@ -13,8 +13,8 @@ whole, and lending several tags is one loan). As with PyTorch's own pools, freei
 returns its block to the pool, where later allocations inside the context reuse it.
 
 Like a loan, the context routes the whole process: every thread and stream (through
-``_cuda_beginAllocateToPool``). CUDA graphs captured inside take their memory from the pool too,
-as they would from a PyTorch pool entered first. Pools do not nest (one tag at a time per
+``_cuda_beginAllocateToPool``). A CUDA graph captured inside takes its memory from its own
+graph pool, as PyTorch gives it (torch 2.11, on an H200): not sublet memory. Pools do not nest (one tag at a time per
 device; entering the same tag again is fine), a loan does not start inside one, and no pool is
 entered inside a loan. On the memfd backend (no GPU: tests) nothing routes CPU allocations;
 ``Pool.empty()`` allocates from the pool directly, on either backend.

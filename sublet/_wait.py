@@ -32,16 +32,17 @@ def timeout_ms(timeout: float | None) -> int:
 
 
 def lend(client: Client, region: RegionHandle, ranges: Any, name: str | None,
-         timeout: float | None) -> tuple[int, bytes]:
-    """Offers the region, waiting up to timeout seconds for the device: (loan id, token)."""
-    return _lend(lambda ms: client.lend(region, ranges, name, ms), client, timeout,
+         timeout: float | None, pinned: Any = None) -> tuple[int, bytes]:
+    """Offers the region, waiting up to timeout seconds for the device: (loan id, token).
+    pinned: byte ranges of pages the loan never touches (Client.lend), or None."""
+    return _lend(lambda ms: client.lend(region, ranges, name, ms, pinned), client, timeout,
                  lambda lent: _withdraw(client, lent[0]))
 
 
 def lend_local(client: Client, region: RegionHandle, ranges: Any,
-               timeout: float | None) -> int:
+               timeout: float | None, pinned: Any = None) -> int:
     """Lends the region to this client, waiting up to timeout seconds: the loan id."""
-    return _lend(lambda ms: client.lend_local(region, ranges, ms), client, timeout,
+    return _lend(lambda ms: client.lend_local(region, ranges, ms, pinned), client, timeout,
                  lambda loan: _give_back(client, loan))
 
 

@@ -19,6 +19,7 @@
 #define CLIENTS 8
 #define PAGE 64
 #define MAX_KEEP 16
+#define MAX_PINNED 4
 
 struct script {
   const uint8_t *p, *end;
@@ -130,11 +131,19 @@ static void op_lend(struct script *s) {
   size_t n = byte(s) % (MAX_KEEP + 1);
   uint8_t flags = byte(s);
 
+  uint64_t pinned[2 * MAX_PINNED];
+  size_t npinned = flags & 4 ? byte(s) % (MAX_PINNED + 1) : 0;
+
   for (size_t i = 0; i < n; i++) {
     keep[i].offset = arg(s);
     keep[i].length = arg(s);
   }
-  sl_books_lend(s->b, c, r, keep, n, flags & 1, flags & 2 ? "kv" : NULL, token, &loan, NULL);
+  /* Pairs the script chooses: out of order, overlapping, empty, past the region, over kept
+   * bytes, all of them to be refused; or pages the loan must then never touch. */
+  for (size_t i = 0; i < 2 * npinned; i++)
+    pinned[i] = arg(s);
+  sl_books_lend_pinned(s->b, c, r, keep, n, flags & 1, pinned, npinned,
+                       flags & 2 ? "kv" : NULL, token, &loan, NULL);
 }
 
 static void op_withdraw(struct script *s) {

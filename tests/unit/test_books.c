@@ -259,21 +259,21 @@ static void test_lend_in_steps(void) {
   CHECK_EQ(sl_books_may_lend(b, other, r, &npages, &err), SUBLET_EPERM);
   CHECK_EQ(sl_books_may_lend(b, owner, r, &npages, &err), 0);
   CHECK_EQ(npages, 4);
-  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, keep, 2, 0, &draft, &err), 0);
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, keep, 2, 0, NULL, 0, &draft, &err), 0);
   CHECK_EQ(sl_books_current_loan(b), 0);
   CHECK_EQ(sl_books_lend_draft(b, owner, r, draft, NULL, TOKEN, &loan, &err), 0);
   CHECK_EQ(info(b, loan).kept_pages, 3); /* pages 0, 1 and 3 */
   CHECK_EQ(info(b, loan).kept_bytes, PS + 10);
   BOOKS_OK(b);
   CHECK_EQ(sl_books_may_lend(b, other, r2, &npages, &err), 0); /* busy: it may wait */
-  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, NULL, 0, 1, &busy, &err), 0);
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), npages, NULL, 0, 1, NULL, 0, &busy, &err), 0);
   CHECK_EQ(sl_books_lend_draft(b, other, r2, busy, NULL, TOKEN, &loan, &err), SUBLET_EBUSY);
   CHECK_EQ(sl_books_may_lend(b, owner, r, &npages, &err), SUBLET_EBUSY);
   CHECK_MSG(err, "lent already");
   borrow(b, owner, loan, 0); /* its own loan: waiting, it could never return it */
   CHECK_EQ(sl_books_may_lend(b, owner, r3, &npages, &err), SUBLET_EBUSY);
   CHECK_MSG(err, "return it");
-  CHECK_EQ(sl_books_draft(sl_books_cfg(b), 0, NULL, 0, 1, &draft, &err), SUBLET_EINVAL);
+  CHECK_EQ(sl_books_draft(sl_books_cfg(b), 0, NULL, 0, 1, NULL, 0, &draft, &err), SUBLET_EINVAL);
   sl_books_draft_free(busy);
   BOOKS_OK(b);
   sl_books_free(b);
@@ -2208,6 +2208,142 @@ static void test_pages_granted(void) {
   sl_books_free(b);
 }
 
+/* ---- pinned pages ------------------------------------------------------------------------- */
+
+static uint64_t lend_pinned(struct sl_books *b, uint64_t owner, uint64_t rid,
+                            const struct sublet_range *keep, size_t n, const uint64_t *pinned,
+                            size_t npinned) {
+  uint64_t id = 0;
+  struct sl_err err = {0};
+
+  CHECK_EQ(sl_books_lend_pinned(b, owner, rid, keep, n, 0, pinned, npinned, "test", TOKEN, &id,
+                                &err), 0);
+  return id;
+}
+
+/* A pool's arena of 10 pages: "w" in pages 0-2 and 7 (pinned), "kv" in 3-6 sharing pages 3
+ * and 6 with kept bytes of another tag, 8-9 free (lent). The window is the other 6 pages; a
+ * borrower asking for all memory gets them and the fresh ones, never a pinned page, and
+ * reaching kept page 3 moves its bytes into page 6's holes, never into a pinned page. */
+static void test_pinned_layout_and_grants(void) {
+  struct sl_books_config cfg = {.page_size = 64}; /* compacting: the plan moves kept bytes */
+  struct sl_books *b = NULL;
+  uint64_t owner, user, r, loan, fresh = 2;
+  const uint64_t pinned[] = {0, 3, 7, 1}, unkept[] = {4, 5, 8, 9}, kept[] = {3, 6};
+  struct sublet_range keep[] = {{3 * 64, 4}, {6 * 64 + 60, 4}};
+  struct sl_loan_end end;
+  struct sl_grant g;
+  struct sl_err err = {0};
+
+  CHECK_EQ(sl_books_new(&cfg, &b), 0);
+  owner = client(b, 1000, 1000);
+  user = client(b, 0, 0); /* another user: its granted pages are replaced at the end */
+  r = region(b, owner, 10);
+  loan = lend_pinned(b, owner, r, keep, 2, pinned, 2);
+  check_layout(b, loan, unkept, 4, kept, 2);
+  CHECK_EQ(info(b, loan).pinned_pages, 4);
+  BOOKS_OK(b);
+  borrow(b, user, loan, fresh);
+  CHECK_EQ(info(b, loan).unkept_pages + info(b, loan).fresh_pages + info(b, loan).kept_pages,
+           6 + fresh);
+  /* U + F, then kept page 3: its bytes move into page 6's holes */
+  alloc(b, user, (4 + fresh + 1) * 64, &g);
+  CHECK_EQ(g.nmove, 1);
+  CHECK(g.nmove == 1 && g.move[0].src_off / 64 == 3 && g.move[0].dst_off / 64 == 6);
+  CHECK_EQ(g.nsave, 0);
+  sl_grant_clear(&g);
+  /* The rest: the loan is full after U + F + K pages, 4 short of the region and the fresh. */
+  alloc(b, user, 64, &g);
+  for (size_t i = 0; i < g.nsave; i++)
+    CHECK_EQ(g.save[i].dev_off / 64, 6);
+  CHECK_EQ(g.nmove, 0);
+  sl_grant_clear(&g);
+  CHECK_EQ(sl_books_alloc_plan(b, user, 1, &g, &err), SUBLET_ENOMEM);
+  BOOKS_OK(b);
+  for (uint64_t p = 0; p < 10; p++) /* the borrower may have fds of granted pages only */
+    CHECK_EQ(sl_books_pages_granted(b, user, r, p, 1, NULL),
+             p < 3 || p == 7 ? SUBLET_EPERM : 0);
+  CHECK_EQ(sl_books_pages_granted(b, owner, r, 0, 10, NULL), 0);
+  CHECK_EQ(sl_books_return(b, user, 1, &end, NULL), SUBLET_ELEAK);
+  for (size_t i = 0; i < end.nreplace; i++) /* another user: its granted pages only */
+    CHECK(end.replace[i] >= 3 && end.replace[i] != 7);
+  CHECK_EQ(end.nreplace, 6);
+  for (size_t i = 0; i < end.nrestore; i++) /* the restore, too, touches kept pages only */
+    CHECK_EQ(end.restore[i].dev_off / 64, 6);
+  CHECK(end.nunmove == 1 && end.unmove[0].dst_off / 64 == 3);
+  sl_books_pages_replaced(b, &end, end.nreplace);
+  sl_loan_end_clear(&end);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* keep and pinned are disjoint by page; keep_all keeps the unpinned pages whole. */
+static void test_pinned_refusals(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 8), loan = 0;
+  const uint64_t pinned[] = {2, 2, 6, 1}, all_kept[] = {0, 1, 4, 5, 7};
+  const uint64_t bad[][4] = {{3, 1, 2, 1}, {2, 2, 3, 1}, {2, 0, 0, 0}, {8, 1, 0, 0},
+                             {7, 2, 0, 0}, {UINT64_MAX, 2, 0, 0}, {0, 8, 0, 0}};
+  const char *why[] = {"pinned pair 1 (first page 2, 1 pages) is out of order",
+                       "pinned pair 1 (first page 3, 1 pages) is out of order",
+                       "pinned pair 0 (first page 2, 0 pages) is empty",
+                       "pinned pair 0 (first page 8, 1 pages) is not within",
+                       "pinned pair 0 (first page 7, 2 pages) is not within",
+                       "is not within", "every page of the region is pinned"};
+  struct sublet_range in_pin = {3 * PS + 10, 1}, across = {PS + 100, PS}, fine = {5 * PS, PS};
+  struct sl_err err = {0};
+
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    CHECK_EQ(sl_books_lend_pinned(b, owner, r, NULL, 0, 0, bad[i], bad[i][2] ? 2 : 1, NULL,
+                                  TOKEN, &loan, &err), SUBLET_EINVAL);
+    check_at(strstr(err.msg, why[i]) != NULL, why[i], __FILE__, __LINE__);
+  }
+  CHECK_EQ(sl_books_lend_pinned(b, owner, r, &in_pin, 1, 0, pinned, 2, NULL, TOKEN, &loan,
+                                &err), SUBLET_EINVAL);
+  CHECK_MSG(err, "kept bytes [12298, 12299) lie in pinned pages 2 to 3 (pinned pair 0)");
+  CHECK_EQ(sl_books_lend_pinned(b, owner, r, &across, 1, 0, pinned, 2, NULL, TOKEN, &loan,
+                                &err), SUBLET_EINVAL); /* from page 1 into pinned page 2 */
+  CHECK_MSG(err, "pinned pages 2 to 3");
+  CHECK_EQ(sl_books_current_loan(b), 0);
+  BOOKS_OK(b);
+  loan = lend_pinned(b, owner, r, &fine, 1, (const uint64_t[]){2, 2, 4, 1}, 2); /* adjacent */
+  check_layout(b, loan, (const uint64_t[]){0, 1, 6, 7}, 4, (const uint64_t[]){5}, 1);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  CHECK_EQ(sl_books_lend_pinned(b, owner, r, NULL, 0, 1, pinned, 2, NULL, TOKEN, &loan, &err),
+           0);
+  check_layout(b, loan, NULL, 0, all_kept, 5);
+  CHECK_EQ(info(b, loan).kept_bytes, 5 * PS);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
+/* The pinned set is part of the layout: another set, another id; the same again, the same. */
+static void test_pinned_layout_ids(void) {
+  struct sl_books *b = books_new(PS, (gid_t)-1);
+  uint64_t owner = client(b, 1000, 1000), r = region(b, owner, 8), loan, none, p1, p2;
+  const uint64_t pin1[] = {6, 2}, pin2[] = {5, 1};
+  struct sublet_range keep = {PS, 1};
+
+  loan = lend_pinned(b, owner, r, &keep, 1, NULL, 0);
+  none = layout_id_of(b, loan);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend_pinned(b, owner, r, &keep, 1, pin1, 1);
+  p1 = layout_id_of(b, loan);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend_pinned(b, owner, r, &keep, 1, pin1, 1);
+  CHECK_EQ(layout_id_of(b, loan), p1);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend_pinned(b, owner, r, &keep, 1, pin2, 1); /* same U? no: same K, other pages */
+  p2 = layout_id_of(b, loan);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_withdraw(b, owner, loan, NULL), 0);
+  loan = lend_pinned(b, owner, r, &keep, 1, NULL, 0);
+  CHECK(layout_id_of(b, loan) != none); /* the last loan's was p2's */
+  CHECK(none != p1 && p1 != p2 && none != p2);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 /* ---- kept windows (kept.c) ---------------------------------------------------------------- */
 
 /* A borrower's loan of the region: borrowed, nothing allocated, returned. */
@@ -2328,6 +2464,9 @@ int main(void) {
   test_lend_layout();
   test_keep_sorted_or_not();
   test_layout_ids();
+  test_pinned_layout_and_grants();
+  test_pinned_refusals();
+  test_pinned_layout_ids();
   test_grow_rules();
   test_grow_while_replacing();
   test_grow_then_lend();

@@ -169,7 +169,7 @@ static void test_loan_in_progress(void) {
   CHECK(text != NULL && strstr(text, "\"loan\": {\"id\": 9, \"region\": 1, "
       "\"state\": \"active\", \"name\": \"kv-cache\", \"borrower_pid\": 4343, "
       "\"borrower_uid\": 1001, \"unkept_pages\": 2, \"fresh_pages\": 0, \"kept_pages\": 1, "
-      "\"page_size\": 2097152, \"live_bytes\": 1048576, \"local\": true, "
+      "\"pinned_pages\": 0, \"page_size\": 2097152, \"live_bytes\": 1048576, \"local\": true, "
       "\"copied_out_bytes\": 2097152, \"copied_in_bytes\": 0, \"served_unkept_bytes\": 0, "
       "\"served_fresh_bytes\": 0, \"served_kept_bytes\": 0, \"peak_bytes\": 4194304, "
       "\"allocations\": 5, \"copy_out_seconds\": 0.001234, \"moved_bytes\": 0}, ") != NULL);
