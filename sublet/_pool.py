@@ -22,6 +22,7 @@ entered inside a loan. On the memfd backend (no GPU: tests) nothing routes CPU a
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import threading
 import weakref
@@ -172,8 +173,8 @@ class Pool:
         from ._torch import check_routing_possible, pluggable_allocator
         check_routing_possible(self.device.index)
         if self._mempool is None:
-            self._mempool = torch.cuda.MemPool(
-                pluggable_allocator(_lib.library_path())._allocator)
+            self._mempool = _keep_alive(torch.cuda.MemPool(
+                pluggable_allocator(_lib.library_path())._allocator))
         self._client.torch_bind_pool(self.device.index, self._tag_id)
         torch._C._cuda_beginAllocateToPool(self.device.index, self._mempool.id)
 
@@ -190,22 +191,35 @@ class Pool:
             self._client.torch_bind_pool(self.device.index, 0)
 
     def empty_cache(self) -> None:
-        """Gives the pool's cached, unused segments back, as torch.cuda.empty_cache() does for
-        PyTorch's own cache (which leaves pools alone): the tensors alive keep theirs, and the
-        arena's region goes back to the driver once no tag holds any. Not while entered."""
+        """Gives the pool's segments back once no tensor of it lives (as torch.cuda.empty_cache()
+        does for PyTorch's own cache, which leaves pools alone); the arena's region goes back
+        to the driver once no tag holds any. While tensors of it live, nothing is given back
+        (PyTorch frees a pool's segments only with the pool). Not while entered."""
+        gc.collect()
         with _lock:
             if self._depth:
                 raise RuntimeError(f"sublet.pool({self.tag!r}) is entered: leave it before "
                                    f"emptying its cache")
-            mempool, self._mempool = self._mempool, None  # the next entry makes a new one
-        if mempool is not None:
-            del mempool  # PyTorch frees its unused segments (sublet_torch_free) ...
-            gc.collect()
-            torch.cuda.empty_cache()  # ... and those it frees later once their blocks are
+            mempool = self._mempool
+            if mempool is None or not torch._C._cuda_checkPoolLiveAllocations(
+                    self.device.index, mempool.id, set()):
+                return  # tensors of it live: see _keep_alive
+            self._mempool = None  # the next entry makes a new one
+        ctypes.pythonapi.Py_DecRef(ctypes.py_object(mempool))
+        del mempool  # PyTorch frees its segments (sublet_torch_free)
+        torch.cuda.empty_cache()
 
     def __repr__(self) -> str:
         return (f"<sublet.Pool {self.tag!r} on {self.device}: {self.nbytes} bytes"
                 f"{', entered' if self._depth else ''}>")
+
+
+def _keep_alive(mempool: torch.cuda.MemPool) -> torch.cuda.MemPool:
+    """A MemPool destroyed while tensors of it live breaks their frees (torch 2.11 on the
+    H200: "invalid device pointer", an abort, at the interpreter's exit too): a reference
+    nobody holds keeps it until empty_cache() finds it empty, or for the process's life."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(mempool))
+    return mempool
 
 
 class _Segment:
