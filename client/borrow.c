@@ -39,8 +39,9 @@ static int region_has_forfeit(const sublet_client *c, uint64_t region) {
 
 /* Sets up c->win for the loan: the last window when it fits (mapping paid once), else anew,
  * with the last one's imported handles when they are of the same region. A window in the
- * owner's process is served in place when its layout allows and no forfeit window of the
- * region holds on; else it is gathered at addresses of its own. */
+ * owner's process is served in place when its layout allows, no forfeit window of the
+ * region holds on and PyTorch's blocks do not live at its addresses (a pool's arena); else it
+ * is gathered at addresses of its own. */
 static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   struct sublet_region *own = b->own_region ? sl_region_find(c, b->region) : NULL;
   const uint64_t *layout = layout_of(c, b);
@@ -65,7 +66,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
   c->win = NULL;
   if (own != NULL)
     mine = (struct sl_window_own){own->handles, own->base, own->lead_pages, own->trail_pages,
-                                  !region_has_forfeit(c, b->region)};
+                                  !region_has_forfeit(c, b->region) && !own->torch_blocks};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
                      b->fresh_pages, b->kept_pages, layout, own != NULL ? &mine : NULL,
                      &c->win, &err);

@@ -26,6 +26,9 @@ struct sublet_region {
   uint64_t cap_pages;  /* pages it may grow to: npages, or (growable) the device's memory;
                           handles has room for them all, and trail_pages shrinks as it grows */
   struct sl_rescue *rescue; /* of the loan in progress: restoring without subletd (rescue.c) */
+  int torch_blocks;    /* its pages back PyTorch's blocks (a pool's arena: pool.c): a loan's
+                          window never hands out their addresses, or PyTorch would see two
+                          live blocks at one address (it aborts: "invalid device pointer") */
   struct sublet_region *next;
 };
 

@@ -68,8 +68,13 @@ static int arena_lent(sublet_client *c, const struct sl_arena *a) {
 static int arena_reach(sublet_client *c, struct sl_arena *a, uint64_t end) {
   uint64_t bytes = end * c->info.page_size;
 
-  if (a->region == NULL)
-    return sublet_region_create_growable(c, bytes, &a->region);
+  int rc;
+
+  if (a->region == NULL) {
+    if ((rc = sublet_region_create_growable(c, bytes, &a->region)) == 0)
+      a->region->torch_blocks = 1;
+    return rc;
+  }
   if (end <= a->region->npages)
     return 0;
   return sublet_region_grow(a->region, bytes);

@@ -211,3 +211,28 @@ def test_the_last_free_gives_the_arena_back():
     assert client.pool_segments(0).size == 0, "a tensor of an earlier test is still alive"
     assert client.pool_region() is None
     assert arena.id not in {r["region"] for r in client.status()["regions"]}
+
+
+@pytest.mark.parametrize("keep", ["nothing", "all", "head"])
+def test_a_loan_of_the_arena_hands_out_none_of_its_addresses(keep):
+    """PyTorch's blocks live at the arena's addresses (its tensors stay alive while lent): a
+    borrower's block at one of them would be a second live block at one address, which
+    PyTorch's allocator does not survive (an abort, seen on the H200). So a loan of the arena
+    is never served in place, whatever its layout (keeping nothing, all, or the head would
+    each be served over the region's own mapping otherwise)."""
+    kv = sublet.pool("no-alias", device="cpu")
+    a, b = layers(kv, 2, (32, 1024), seed=21)
+    arena = kv.arena.client.pool_region()
+    lo, hi = arena.addr, arena.addr + arena.size
+    chosen = {"nothing": [], "all": None, "head": [a]}[keep]
+    with sublet.lend("no-alias", keep=chosen) as loan:
+        held = []
+        while True:
+            try:
+                held.append(loan.empty(PAGE, dtype=torch.uint8))
+            except sublet.SubletOutOfMemoryError:
+                break
+        inside = [t.data_ptr() for t in held if lo <= t.data_ptr() < hi]
+        del held
+    assert not inside, f"{len(inside)} loan allocations at the arena's own addresses"
+    del a, b
