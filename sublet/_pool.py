@@ -215,9 +215,10 @@ class Pool:
 
 
 def _keep_alive(mempool: torch.cuda.MemPool) -> torch.cuda.MemPool:
-    """A MemPool destroyed while tensors of it live breaks their frees (torch 2.11 on the
-    H200: "invalid device pointer", an abort, at the interpreter's exit too): a reference
-    nobody holds keeps it until empty_cache() finds it empty, or for the process's life."""
+    """A reference nobody holds keeps the MemPool until empty_cache() finds it empty, or for
+    the process's life: destroying a pool under live tensors of it (at the interpreter's exit,
+    the registry goes in any order) is nothing PyTorch documents as safe. (The aborts first
+    blamed on it, on the H200, were two live blocks at one address: see borrow.c.)"""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(mempool))
     return mempool
 

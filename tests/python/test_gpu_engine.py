@@ -335,7 +335,9 @@ def test_optimizer_state_in_a_pool_lent_to_generation(keep_what):
           f"{seconds:.2f} s")
     assert torch.equal(got, want.cpu())
     assert ew.same_bits(got_scores, want_scores.cpu())
-    assert loan.stats.served_kept_bytes > 0
+    # Keeping all, the generation must have reached kept pages; keeping the layers' state
+    # only, the rest (1.1 GiB unkept, seen on the H200) may serve all of it.
+    assert (loan.stats.served_kept_bytes if keep is None else loan.stats.served_unkept_bytes) > 0
     bad = ew.changed(kept_states, before)
     assert not bad, f"kept optimizer state changed: {bad}"
 
