@@ -67,7 +67,6 @@ static int arena_lent(sublet_client *c, const struct sl_arena *a) {
 /* Makes the region hold pages [0, end): created at the first segment, grown after. */
 static int arena_reach(sublet_client *c, struct sl_arena *a, uint64_t end) {
   uint64_t bytes = end * c->info.page_size;
-
   int rc;
 
   if (a->region == NULL) {
@@ -102,6 +101,15 @@ static int arena_get(sublet_client *c, struct sl_arena **out) {
   return 0;
 }
 
+/* An arena that holds no segment gives its region back (the device memory goes back to the
+ * driver), unless it is lent: then the next segment after the loan finds it. */
+static void arena_settle(sublet_client *c, struct sl_arena *a) {
+  if (a->nsegs > 0 || a->region == NULL || arena_lent(c, a))
+    return;
+  if (sublet_region_release(a->region) == 0)
+    a->region = NULL;
+}
+
 static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void **ptr) {
   struct sl_arena *a = NULL;
   uint64_t npages = pages_for(c, size), first;
@@ -116,10 +124,15 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
                           "lending, or outside sublet.pool()",
                           (unsigned long long)a->region->id);
   first = first_fit(a, npages, &at);
+  if (npages > UINT64_MAX / c->info.page_size - first) /* its end in bytes would wrap */
+    return sl_client_fail(SUBLET_ENOMEM, "a pool allocation of %llu bytes is past any "
+                          "device's memory", (unsigned long long)size);
   if ((rc = arena_reach(c, a, first + npages)) != 0)
     return rc;
-  if ((rc = arena_insert(a, at, (struct pool_seg){first, npages, tag})) != 0)
+  if ((rc = arena_insert(a, at, (struct pool_seg){first, npages, tag})) != 0) {
+    arena_settle(c, a); /* a region made for this segment alone goes back */
     return rc;
+  }
   *ptr = (char *)a->region->base + first * c->info.page_size;
   return 0;
 }
@@ -157,15 +170,6 @@ static ssize_t seg_at(const sublet_client *c, const void *ptr) {
       hi = mid;
   }
   return lo < a->nsegs && a->segs[lo].first == page ? (ssize_t)lo : -1;
-}
-
-/* An arena that holds no segment gives its region back (the device memory goes back to the
- * driver), unless it is lent: then the next segment after the loan finds it. */
-static void arena_settle(sublet_client *c, struct sl_arena *a) {
-  if (a->nsegs > 0 || a->region == NULL || arena_lent(c, a))
-    return;
-  if (sublet_region_release(a->region) == 0)
-    a->region = NULL;
 }
 
 SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr) {
@@ -222,9 +226,12 @@ SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct su
 }
 
 void sl_pool_forget(sublet_client *c) {
-  /* The region itself goes with the client's other regions (sl_region_forget_all). */
+  /* The region itself goes with the client's other regions (sl_region_forget_all). Under
+   * pool_lock: a pool free that another thread began before sl_torch_forget finishes first. */
+  pthread_mutex_lock(&pool_lock);
   if (c->arena != NULL)
     free(c->arena->segs);
   free(c->arena);
   c->arena = NULL;
+  pthread_mutex_unlock(&pool_lock);
 }

@@ -104,7 +104,8 @@ def _resolve_tag(part: str | _pool.Pool) -> tuple[_pool.Arena, np.ndarray, str]:
     segments = pool.segments().astype(np.int64)
     if len(segments) == 0:
         raise ValueError(f"sublet pool {pool.tag!r} on {pool.device} holds nothing: allocate "
-                         f"its tensors inside `with sublet.pool({pool.tag!r})` before lending")
+                         f"its tensors inside `with sublet.pool({pool.tag!r})` (or with "
+                         f"Pool.empty()) before lending")
     return pool.arena, segments, f"pool {pool.tag!r}"
 
 

@@ -24,7 +24,7 @@ from ._client import Client, LoanStats, ReturnResult
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
                    LeakError,
                    NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
-from ._memory import nbytes_of, parse_size, resolve_device, wrap
+from ._memory import Region, nbytes_of, parse_size, resolve_device, wrap
 from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
 
 _WAIT_SLICE_MS = 200
@@ -297,7 +297,7 @@ class LocalLoan(Loan):
             _add_note(exc, str(leak))
 
 
-def _claim(region: _lent.Region | _pool.Arena) -> None:
+def _claim(region: Region | _pool.Arena) -> None:
     if region.lent:
         raise BusyError("this memory is already lent: one loan of a region (a sublet.empty() "
                         "tensor, or the pools of a device) at a time")

@@ -14,10 +14,10 @@ returns its block to the pool, where later allocations inside the context reuse 
 
 Like a loan, the context routes the whole process: every thread and stream (through
 ``_cuda_beginAllocateToPool``). A CUDA graph captured inside takes its memory from its own
-graph pool, as PyTorch gives it (torch 2.11, on an H200): not sublet memory. Pools do not nest (one tag at a time per
-device; entering the same tag again is fine), a loan does not start inside one, and no pool is
-entered inside a loan. On the memfd backend (no GPU: tests) nothing routes CPU allocations;
-``Pool.empty()`` allocates from the pool directly, on either backend.
+graph pool, as PyTorch gives it (torch 2.11, on an H200): not sublet memory. Pools do not nest
+(one tag at a time per device; entering the same tag again is fine), a loan does not start
+inside one, and no pool is entered inside a loan. On the memfd backend (no GPU: tests) nothing
+routes CPU allocations; ``Pool.empty()`` allocates from the pool directly, on either backend.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Arena:
         handle = self.client.pool_region()
         if handle is None:
             raise ValueError(f"no sublet pool holds memory on {self.device}: allocate inside "
-                             f"`with sublet.pool(tag)` before lending it")
+                             f"`with sublet.pool(tag)` (or with Pool.empty()) before lending "
+                             f"it")
         return handle
 
     @property

@@ -7,6 +7,9 @@
 - `gpu` tests skip cleanly without CUDA.
 - `native` finds build/subletd and build/libsublet.so (built by CMake; nothing is built here)
   and skips the tests that need them, with the reason, when they are missing.
+- `memfd_daemon` gives a module a user daemon on the memfd backend (no GPU) with PAGE-byte
+  pages and TOTAL bytes in all, so that a loan is easy to fill completely: a module asks for
+  it with `pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]`.
 - The session has a runtime directory of its own ($XDG_RUNTIME_DIR): the user's daemons that
   sublet starts on demand are the session's, shared with no other session nor with the real
   user's, and they are stopped at its end.
@@ -96,6 +99,27 @@ def native() -> Native:
     os.environ.setdefault("SUBLETD", str(found.subletd))
     os.environ.setdefault("SUBLET_LIB", str(found.libsublet))
     return found
+
+
+PAGE = 64 * 1024            # the memfd daemon's page: SUBLET_MEMFD_PAGE_SIZE=64K
+TOTAL = 64 * 1024 * 1024    # and its memory in all: SUBLET_MEMFD_TOTAL=64M
+
+
+@pytest.fixture(scope="module")
+def memfd_daemon(native):
+    """The module's environment points sublet at a memfd daemon of PAGE-byte pages and TOTAL
+    bytes (SUBLET_SOCKET unset, so the session's user daemon for that backend is started on
+    demand); yields its sublet.info("cpu"). Module-scoped: the environment is restored when
+    the module ends."""
+    import sublet
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SUBLET_BACKEND", "memfd")
+        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
+        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
+        mp.delenv("SUBLET_SOCKET", raising=False)
+        info = sublet.info("cpu")
+        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
+        yield info
 
 
 def kept_ranges_of(t, keep):

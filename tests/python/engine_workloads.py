@@ -120,6 +120,41 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int):
     return out.sequences, torch.stack(out.scores)
 
 
+# --------------------------------------------------------------------------- continuous batching
+
+def continuous_batching(model, gen, cb, inputs: list[list[int]], max_new_tokens: int,
+                        lend=None, lend_at_step: int = 0,
+                        timeout: float = 30) -> tuple[list[list[int]], dict]:
+    """Continuous batching of `inputs` (all queued before the loop starts) to the end; with
+    `lend`, the loop is paused once it reaches batch `lend_at_step` and lend(cache) runs while
+    it is paused (the cache is then the live requests' only copy). Returns every request's
+    generated tokens, in the order of `inputs`, and what lend returned ({} without it).
+    `timeout` bounds each wait for a result and the stop."""
+    manager = model.init_continuous_batching(generation_config=gen,
+                                             continuous_batching_config=cb)
+    ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens)
+    manager.start()
+    report = {}
+    try:
+        if lend is not None:
+            while getattr(manager, "current_batch", 0) < lend_at_step:
+                assert manager.is_running(), "the generation loop died"
+                time.sleep(0.001)
+            with manager.pause():
+                report = lend(manager.batch_processor.cache)
+        results = {}
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=timeout)
+            assert r is not None, f"continuous batching gave no result within {timeout} s"
+            if r.is_finished():
+                assert r.error is None, r.error
+                results[r.request_id] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=timeout)
+        manager.destroy()
+    return [results[i] for i in ids], report
+
+
 # --------------------------------------------------------------------------- bits
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

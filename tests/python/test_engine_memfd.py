@@ -23,25 +23,10 @@ import torch
 
 import sublet
 
-from conftest import CHILD_ENV, REPO
+from conftest import CHILD_ENV, PAGE, REPO
 import engine_workloads as ew  # noqa: E402  (skips the module, saying why, without transformers)
 
-PAGE = 64 * 1024
-TOTAL = 64 * 1024 * 1024
-
-pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        info = sublet.info("cpu")
-        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
-        yield info
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 @pytest.fixture(autouse=True)
@@ -185,31 +170,6 @@ def test_paged_cache_live_blocks_kept_while_continuous_batching_is_paused(model,
                                   allow_block_sharing=False, use_cuda_graph=False,
                                   auto_switch_to_flash=False)
 
-    def run(lend_at_step: int | None):
-        manager = model.init_continuous_batching(generation_config=gen,
-                                                 continuous_batching_config=cb)
-        ids = manager.add_requests(inputs, max_new_tokens=48)  # queued before the loop starts
-        manager.start()
-        report = {}
-        try:
-            if lend_at_step is not None:
-                while getattr(manager, "current_batch", 0) < lend_at_step:
-                    assert manager.is_running()
-                    time.sleep(0.001)
-                with manager.pause():
-                    report = lend_paged(manager.batch_processor.cache)
-            results = {}
-            while len(results) < len(ids):
-                r = manager.get_result(timeout=30)
-                assert r is not None, "continuous batching gave no result within 30 s"
-                if r.is_finished():
-                    assert r.error is None, r.error
-                    results[r.request_id] = list(r.generated_tokens)
-        finally:
-            manager.stop(block=True, timeout=30)
-            manager.destroy()
-        return [results[i] for i in ids], report
-
     def lend_paged(cache) -> dict:
         assert made and cache is made[-1]
         allocator = cache.cache_allocators["full_attention"]
@@ -226,8 +186,9 @@ def test_paged_cache_live_blocks_kept_while_continuous_batching_is_paused(model,
         assert loan.copied_bytes >= len(keep_ids) * table.shape[1]
         return {"live": len(live), "copied": loan.copied_bytes}
 
-    reference, _ = run(lend_at_step=None)
-    got, report = run(lend_at_step=10)
+    reference, _ = ew.continuous_batching(model, gen, cb, inputs, max_new_tokens=48)
+    got, report = ew.continuous_batching(model, gen, cb, inputs, max_new_tokens=48,
+                                         lend=lend_paged, lend_at_step=10)
     print(f"paged: {report['live']} live blocks kept, {report['copied']} B copied")
     assert got == reference
 

@@ -19,7 +19,6 @@ both runs, and they are the first thing this module makes.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import time
@@ -30,21 +29,11 @@ import torch
 import sublet
 
 import engine_workloads as ew  # noqa: E402  (skips the module, saying why, without transformers)
+from test_gpu import cuda_daemon, free_memory_left  # noqa: F401 (fixture)
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_daemon(native):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("SUBLET_BACKEND", raising=False)
-        info = sublet.info()
-        assert info.backend == "cuda"
-        yield info
 
 
 @pytest.fixture(autouse=True)
@@ -76,33 +65,6 @@ def warm_up(model) -> None:
     ew.greedy(model, ew.prompts(model, 2, 8, seed=99), ew.static_cache(model, 2, 64), 2)
     ew.collect()
     torch.cuda.empty_cache()
-
-
-def settled_free_memory() -> int:
-    """The device's free memory once it has stopped changing (as in test_gpu.py)."""
-    torch.cuda.empty_cache()
-    free, steady = torch.cuda.mem_get_info()[0], 0
-    for _ in range(50):
-        time.sleep(0.2)
-        now = torch.cuda.mem_get_info()[0]
-        steady = steady + 1 if now == free else 0
-        free = now
-        if steady == 3:
-            break
-    return free
-
-
-@contextlib.contextmanager
-def free_memory_left(nbytes: int):
-    """Takes all but about nbytes of the device's free memory for the duration: what the loan
-    needs beyond that comes from the lent memory, kept pages included."""
-    free = settled_free_memory()
-    hog = torch.empty(max(0, free - nbytes), dtype=torch.uint8, device="cuda")
-    try:
-        yield
-    finally:
-        del hog
-        torch.cuda.empty_cache()
 
 
 def train_in_loan(template, side_stream, steps: int = 4, batch: int = 4, seq: int = 256,
@@ -245,33 +207,10 @@ def test_paged_cache_in_a_pool_lent_while_continuous_batching_is_paused(model, s
         return {"live": len(live), "blocks": len(table), "copied": loan.copied_bytes,
                 "moved": loan.moved_bytes, "kept": loan.stats.served_kept_bytes}
 
-    def run(lend_at_step: int | None):
-        manager = model.init_continuous_batching(generation_config=gen,
-                                                 continuous_batching_config=cb)
-        ids = manager.add_requests(inputs, max_new_tokens=96)  # queued before the loop starts
-        manager.start()
-        report = {}
-        try:
-            if lend_at_step is not None:
-                while getattr(manager, "current_batch", 0) < lend_at_step:
-                    assert manager.is_running(), "the generation loop died"
-                    time.sleep(0.001)
-                with manager.pause():
-                    report = lend_paged(manager.batch_processor.cache)
-            results = {}
-            while len(results) < len(ids):
-                r = manager.get_result(timeout=120)
-                assert r is not None, "continuous batching gave no result within 120 s"
-                if r.is_finished():
-                    assert r.error is None, r.error
-                    results[r.request_id] = list(r.generated_tokens)
-        finally:
-            manager.stop(block=True, timeout=60)
-            manager.destroy()
-        return [results[i] for i in ids], report
-
-    reference, _ = run(lend_at_step=None)
-    got, report = run(lend_at_step=8)
+    reference, _ = ew.continuous_batching(model, gen, cb, inputs, max_new_tokens=96,
+                                          timeout=120)
+    got, report = ew.continuous_batching(model, gen, cb, inputs, max_new_tokens=96,
+                                         lend=lend_paged, lend_at_step=8, timeout=120)
     print(f"paged: {report['live']} of {report['blocks']} blocks live and kept; copied "
           f"{report['copied'] / MiB:.1f} MiB x2, moved {report['moved'] / MiB:.1f} MiB")
     assert got == reference

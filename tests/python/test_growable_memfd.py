@@ -12,22 +12,9 @@ import sublet
 from sublet._client import client_for
 from sublet._lib import BusyError, SubletError, SubletOutOfMemoryError
 
-PAGE = 64 * 1024
-TOTAL = 64 * 1024 * 1024
+from conftest import PAGE, TOTAL
 
-pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        info = sublet.info("cpu")
-        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
-        yield info
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 def view(addr: int, size: int):

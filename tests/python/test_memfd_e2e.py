@@ -23,24 +23,9 @@ import torch
 import sublet
 from sublet._keep import kept_bytes_in_pages, kept_pages
 
-from conftest import CHILD_ENV, kept_ranges_of
+from conftest import CHILD_ENV, PAGE, TOTAL, kept_ranges_of
 
-PAGE = 64 * 1024
-TOTAL = 64 * 1024 * 1024
-
-pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        info = sublet.info("cpu")
-        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
-        yield info
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 def patterned(*size, dtype=torch.uint8, seed=0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,56 +17,10 @@ import torch
 
 import sublet
 
-PAGE = 64 * 1024
-TOTAL = 64 * 1024 * 1024
+from conftest import PAGE
+from pool_helpers import bits, fill_loan, layers, random_bytes
 
-pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        info = sublet.info("cpu")
-        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
-        yield info
-
-
-def random_bytes(t: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    raw = t.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return t
-
-
-def layers(pool: sublet.Pool, n: int, shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
-    """n per-layer tensors of a pool, each filled with its own random bytes."""
-    return [random_bytes(pool.empty(*shape, dtype=torch.bfloat16), seed + i) for i in range(n)]
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes (bits, not values: a NaN the borrower left is not equal to itself)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy().copy()
-
-
-def fill_loan(loan: sublet.Loan, seed: int) -> int:
-    """Loan.empty() pages until the loan is full, each written with noise; returns the bytes.
-    The tensors die before the block ends."""
-    noise = torch.randint(0, 256, (PAGE,), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(seed))
-    held = []
-    while True:
-        try:
-            held.append(loan.empty(PAGE, dtype=torch.uint8).copy_(noise))
-        except sublet.SubletOutOfMemoryError:
-            break
-    n = len(held) * PAGE
-    del held
-    gc.collect()
-    return n
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 def test_one_pool_object_per_tag_and_segments_of_whole_pages():

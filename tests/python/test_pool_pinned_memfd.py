@@ -9,58 +9,16 @@ pages, so every page of the other tags is pinned here.
 
 from __future__ import annotations
 
-import gc
-
 import numpy as np
 import pytest
 import torch
 
 import sublet
 
-PAGE = 64 * 1024
-TOTAL = 64 * 1024 * 1024
+from conftest import PAGE
+from pool_helpers import bits, fill_loan, random_bytes
 
-pytestmark = pytest.mark.daemon
-
-
-@pytest.fixture(scope="module", autouse=True)
-def memfd_daemon(native):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SUBLET_BACKEND", "memfd")
-        mp.setenv("SUBLET_MEMFD_PAGE_SIZE", "64K")
-        mp.setenv("SUBLET_MEMFD_TOTAL", "64M")
-        mp.delenv("SUBLET_SOCKET", raising=False)
-        info = sublet.info("cpu")
-        assert (info.backend, info.page_size, info.total_bytes) == ("memfd", PAGE, TOTAL)
-        yield info
-
-
-def noise(t: torch.Tensor, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    raw = t.view(-1).view(torch.uint8)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return t
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(-1).view(torch.uint8).numpy().copy()
-
-
-def fill_loan(loan: sublet.Loan, seed: int) -> int:
-    """Loan.empty() pages, each written with noise, until the loan is full; returns the bytes
-    (the tensors die before the block ends)."""
-    page = torch.randint(0, 256, (PAGE,), dtype=torch.uint8,
-                         generator=torch.Generator().manual_seed(seed))
-    held = []
-    while True:
-        try:
-            held.append(loan.empty(PAGE, dtype=torch.uint8).copy_(page))
-        except sublet.SubletOutOfMemoryError:
-            break
-    n = len(held) * PAGE
-    del held
-    gc.collect()
-    return n
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 def pool_bytes(pool: sublet.Pool) -> int:
@@ -72,20 +30,20 @@ def test_the_owners_writes_to_another_tag_during_a_full_loan_survive(keep_rows):
     """Weights written before the borrower fills the loan are intact in it; written again
     while it is full, they hold those writes after the loan (no restore over them)."""
     kv, weights = sublet.pool("pin-kv", device="cpu"), sublet.pool("pin-w", device="cpu")
-    caches = [noise(kv.empty(4, 16, 1024, dtype=torch.bfloat16), i) for i in range(6)]
-    w = [noise(weights.empty(40, 1024, dtype=torch.bfloat16), 50 + i) for i in range(3)]
-    more = noise(kv.empty(16, 1024, dtype=torch.bfloat16), 9)  # kv after w: w in the middle
+    caches = [random_bytes(kv.empty(4, 16, 1024, dtype=torch.bfloat16), i) for i in range(6)]
+    w = [random_bytes(weights.empty(40, 1024, dtype=torch.bfloat16), 50 + i) for i in range(3)]
+    more = random_bytes(kv.empty(16, 1024, dtype=torch.bfloat16), 9)  # kv after w: w in the middle
     keep = [c[1] for c in caches] if keep_rows else None
     kept_before = [bits(v) for v in keep] if keep else [bits(c) for c in caches + [more]]
     with sublet.lend("pin-kv", keep=keep) as loan:
         for i, t in enumerate(w):
-            noise(t, 500 + i)
+            random_bytes(t, 500 + i)
         during = [bits(t) for t in w]
         assert fill_loan(loan, seed=1) > 0
         assert all(np.array_equal(bits(t), b) for t, b in zip(w, during)), \
             "the borrower's pages overlap the owner's pinned weights"
         for i, t in enumerate(w):
-            noise(t, 900 + i)
+            random_bytes(t, 900 + i)
         after = [bits(t) for t in w]
     assert all(np.array_equal(bits(t), b) for t, b in zip(w, after)), \
         "the loan's end wrote over the owner's writes to pinned pages"
@@ -99,8 +57,8 @@ def test_pinned_pages_never_appear_in_the_loan():
     """The loan's status counts the other tag's pages as pinned, and what the borrower was
     served of the region (unkept and kept pages) leaves them out."""
     kv, weights = sublet.pool("pin2-kv", device="cpu"), sublet.pool("pin2-w", device="cpu")
-    w = [noise(weights.empty(3 * PAGE, dtype=torch.uint8), 70 + i) for i in range(2)]
-    caches = [noise(kv.empty(2 * PAGE, dtype=torch.uint8), i) for i in range(4)]
+    w = [random_bytes(weights.empty(3 * PAGE, dtype=torch.uint8), 70 + i) for i in range(2)]
+    caches = [random_bytes(kv.empty(2 * PAGE, dtype=torch.uint8), i) for i in range(4)]
     arena = kv.arena
     region, pinned = arena.size, pool_bytes(weights)
     before = [bits(t) for t in w]
@@ -121,7 +79,7 @@ def test_lending_every_tag_pins_nothing():
     from sublet import _lent
 
     only = sublet.pool("pin3", device="cpu")
-    t = noise(only.empty(2 * PAGE, dtype=torch.uint8), 3)
+    t = random_bytes(only.empty(2 * PAGE, dtype=torch.uint8), 3)
     lent = _lent.resolve("pin3")
     others = [s for s in lent.region.segments() if int(s[0]) not in
               {int(x) for x in only.segments()[:, 0]}]

@@ -22,9 +22,8 @@ import sublet
 from sublet import _client
 
 from conftest import CHILD_ENV
-from test_memfd_e2e import memfd_daemon  # noqa: F401 (the module's private memfd daemon)
 
-pytestmark = pytest.mark.daemon
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
 OWNER = textwrap.dedent("""
