@@ -7,12 +7,14 @@
 #include <errno.h>
 #include <poll.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -293,6 +295,29 @@ static int connect_until(int fd, const struct sockaddr_un *addr, int64_t deadlin
   return 0;
 }
 
+/* A daemon is there but its socket's mode (0660, the daemon's group) or directory keeps us
+ * out: "start it" would be wrong advice, and so would taking the socket for stale (a second
+ * daemon on the same GPU). The fix is the socket's group, or, when $SUBLET_SOCKET chose this
+ * socket, unsetting it so that the Python package finds or starts the user's own daemon. */
+static int denied(const char *path) {
+  const char *env = getenv("SUBLET_SOCKET");
+  const char *own = env != NULL && strcmp(env, path) == 0
+                        ? " (or use your own daemon: unset SUBLET_SOCKET, and sublet finds the "
+                          "system's or starts yours)"
+                        : "";
+  struct stat st;
+  struct group *g;
+
+  if (stat(path, &st) != 0) /* its directory is closed to us: another user's own daemon */
+    return sl_client_fail(SUBLET_EACCES, "permission denied on %s: it is in a directory of "
+                          "another user's; ask its owner, or use a daemon of your own%s",
+                          path, own);
+  g = getgrgid(st.st_gid);
+  return sl_client_fail(SUBLET_EACCES, "permission denied on %s: ask to be added to group %s "
+                        "(usermod -aG %s USER, then log in again)%s", path,
+                        g != NULL ? g->gr_name : "sublet", g != NULL ? g->gr_name : "sublet", own);
+}
+
 static int connect_socket(const char *path) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   int fd, rc;
@@ -310,6 +335,8 @@ static int connect_socket(const char *path) {
   if (rc == SUBLET_ETIMEDOUT)
     return sl_client_fail(rc, "subletd at %s did not accept the connection within %d s; is it "
                           "stopped (SIGSTOP) or overloaded?", path, SL_CLIENT_CONNECT_MS / 1000);
+  if (rc == -EACCES || rc == -EPERM)
+    return denied(path);
   return sl_client_fail(SUBLET_ECONNREFUSED,
                         "cannot reach subletd at %s (%s): start it (subletd --device N, or "
                         "systemctl start subletd@N.socket) or set $SUBLET_SOCKET",

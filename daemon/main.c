@@ -3,9 +3,12 @@
 #include <getopt.h>
 #include <grp.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -13,6 +16,9 @@
 #include "log.h"
 
 #define EXIT_USAGE 2
+/* The socket path holds something subletd will not remove (a file, a live daemon's socket):
+ * its own status, so that a supervisor or script can tell "pick another path" from a fault. */
+#define EXIT_SOCKET_TAKEN 3
 
 static void usage(FILE *out) {
   fprintf(out,
@@ -46,7 +52,8 @@ static void usage(FILE *out) {
           "SIGTERM and SIGINT shut down cleanly (loans end, kept bytes restored); SIGHUP\n"
           "is logged and ignored.\n"
           "\n"
-          "Exit status: 0 after a clean shutdown, 1 on a runtime error, 2 on a usage error.\n");
+          "Exit status: 0 after a clean shutdown, 1 on a runtime error, 2 on a usage error,\n"
+          "3 when the socket path holds something other than a stale socket (left as it is).\n");
 }
 
 static int hex_digit(char c) {
@@ -211,6 +218,34 @@ static void default_socket(struct sl_daemon_config *cfg, char *buf, size_t n) {
   cfg->socket_path = buf;
 }
 
+/* --pin runs before READY=1 (the socket is made after it, and loans must not race the pin or
+ * pay for it), and pinning takes seconds per 10 GiB: under systemd's start timeout (90 s by
+ * default) a large pin would fail the start. So it pins PIN_STEP at a time and, before each,
+ * asks systemd for PIN_STEP_TIMEOUT_USEC more (EXTEND_TIMEOUT_USEC counts from when it is
+ * received): a step that slow would be a pin of under 5 MiB/s. */
+#define PIN_STEP (256ull << 20)
+#define PIN_STEP_TIMEOUT_USEC (60ull * 1000 * 1000)
+
+/* One sd_notify(3) datagram to $NOTIFY_SOCKET; failures are ignored, as sd_notify's are. */
+static void notify(const char *msg) {
+  const char *path = getenv("NOTIFY_SOCKET");
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  int fd;
+
+  if (path == NULL || path[0] == '\0' || strlen(path) >= sizeof(addr.sun_path))
+    return;
+  strcpy(addr.sun_path, path);
+  if (addr.sun_path[0] == '@')
+    addr.sun_path[0] = '\0'; /* abstract namespace */
+  fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0)
+    return;
+  /* The address's length is the name's: an abstract name is not padded with zeros. */
+  sendto(fd, msg, strlen(msg), 0, (struct sockaddr *)&addr,
+         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path)));
+  close(fd);
+}
+
 static int open_device(struct sl_daemon *d, struct sl_err *err) {
   struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device,
                                .uuid = d->cfg.by_uuid ? d->cfg.uuid : NULL,
@@ -232,9 +267,18 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
   if (d->cfg.pin_bytes > 0) {
     double t0 = sl_clock_now();
     sl_info("pinning %s of host memory (--pin)", sl_format_size(a, d->cfg.pin_bytes));
-    rc = sl_pool_host_reserve(d->pool, d->cfg.pin_bytes, err);
-    if (rc != 0)
-      return rc;
+    /* A step at a time, each announced to systemd first (PIN_STEP). */
+    for (uint64_t done = 0; done < d->cfg.pin_bytes;) {
+      char msg[96];
+      done = d->cfg.pin_bytes - done > PIN_STEP ? done + PIN_STEP : d->cfg.pin_bytes;
+      snprintf(msg, sizeof(msg), "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=pinning host memory (--pin)",
+               (unsigned long long)PIN_STEP_TIMEOUT_USEC);
+      if (d->cfg.notify)
+        notify(msg);
+      rc = sl_pool_host_reserve(d->pool, done, err);
+      if (rc != 0)
+        return rc;
+    }
     sl_info("pinned %s of host memory in %.1f s", sl_format_size(a, d->cfg.pin_bytes),
             sl_clock_now() - t0);
   }
@@ -278,12 +322,14 @@ int main(int argc, char **argv) {
   signal(SIGHUP, SIG_IGN);
   rc = open_device(&d, &err);
   default_socket(&d.cfg, path, sizeof(path));
-  if (rc == 0)
-    rc = sl_server_start(&d, &err);
+  if (rc == 0 && (rc = sl_server_start(&d, &err)) == SUBLET_EBUSY)
+    rc = EXIT_SOCKET_TAKEN; /* only the socket path's check says busy (server.c) */
+  else if (rc != 0)
+    rc = 1;
   if (rc != 0) {
     sl_error("%s", err.msg);
     cleanup(&d);
-    return 1;
+    return rc;
   }
   sl_info("subletd %s serving device %d on %s", SUBLET_VERSION_STRING, d.cfg.device,
           d.cfg.listen_fd >= 0 ? "a socket from systemd" : d.cfg.socket_path);

@@ -14,16 +14,48 @@
 #include "daemon.h"
 #include "log.h"
 
-/* A socket file whose daemon is gone is stale; one that answers belongs to a live daemon. */
-static int socket_in_use(const struct sockaddr_un *addr) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int live;
+static const char *file_kind(mode_t mode) {
+  return S_ISDIR(mode) ? "a directory" : S_ISREG(mode) ? "a regular file" : "not a socket";
+}
+
+/* 0 when a daemon answers at addr, else connect's errno. */
+static int knock(const struct sockaddr_un *addr) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  int rc;
 
   if (fd < 0)
-    return 0;
-  live = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0;
+    return errno;
+  rc = connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) == 0 ? 0 : errno;
   close(fd);
-  return live;
+  return rc;
+}
+
+/* What is at the socket path decides whether we may take it: nothing, or a socket that nobody
+ * answers (ECONNREFUSED: its daemon is gone) is ours to replace. Anything else stays: a typo'd
+ * --socket run as root must not delete a file, and a live daemon must not lose its socket.
+ * Refusals are SUBLET_EBUSY, which main.c turns into its own exit status. */
+static int check_socket_path(const struct sockaddr_un *addr, struct sl_err *err) {
+  const char *path = addr->sun_path;
+  struct stat st;
+  int rc;
+
+  if (lstat(path, &st) != 0)
+    return errno == ENOENT ? 0 : sl_err_set(err, SUBLET_EBUSY, "cannot look at %s: %s; choose "
+                                            "another path with --socket", path, strerror(errno));
+  if (!S_ISSOCK(st.st_mode))
+    return sl_err_set(err, SUBLET_EBUSY, "%s is %s: subletd replaces only a stale socket, so "
+                      "it stays; remove it yourself, or choose another path with --socket",
+                      path, file_kind(st.st_mode));
+  rc = knock(addr);
+  if (rc == ECONNREFUSED) /* nobody listens: the socket of a daemon that is gone */
+    return unlink(path) == 0 || errno == ENOENT ? 0 : sl_err_set(err, SUBLET_EBUSY,
+        "cannot remove the stale socket %s: %s; remove it yourself", path, strerror(errno));
+  if (rc == 0 || rc == EAGAIN) /* EAGAIN: a daemon whose backlog is full is alive too */
+    return sl_err_set(err, SUBLET_EBUSY, "another subletd is serving %s: stop it first, or "
+                      "give this one another path with --socket", path);
+  return sl_err_set(err, SUBLET_EBUSY, "cannot tell whether a daemon serves %s (%s), so it "
+                    "stays; remove it yourself if it is stale, or choose another path with "
+                    "--socket", path, strerror(rc));
 }
 
 static int bind_socket(const char *path, struct sl_err *err) {
@@ -34,10 +66,8 @@ static int bind_socket(const char *path, struct sl_err *err) {
     return sl_err_set(err, SUBLET_EINVAL, "socket path %s is too long (%zu bytes at most)",
                       path, sizeof(addr.sun_path) - 1);
   strcpy(addr.sun_path, path);
-  if (socket_in_use(&addr))
-    return sl_err_set(err, SUBLET_EBUSY,
-                      "another subletd already serves %s; stop it first or use --socket", path);
-  unlink(path);
+  if ((fd = check_socket_path(&addr, err)) != 0)
+    return fd;
   fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0)
     return sl_err_set(err, SUBLET_EIO, "socket: %s", strerror(errno));

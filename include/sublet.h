@@ -41,6 +41,7 @@ extern "C" {
   X(ETIMEDOUT, -110, "timed out")                                                              \
   X(ECANCELED, -125, "canceled")                                                               \
   X(ECONNREFUSED, -111, "cannot reach subletd")                                                \
+  X(EACCES, -13, "permission denied on subletd's socket")                                      \
   X(EPIPE, -32, "connection to subletd lost")                                                  \
   X(EIO, -5, "I/O error")                                                                      \
   X(E2BIG, -7, "request too large")                                                            \

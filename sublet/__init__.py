@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
-                   DaemonUnavailableError, LeakError, LoanStats, NoOfferError, OwnerGoneError,
-                   ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError,
+                   DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
+                   NoOfferError, OwnerGoneError, ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError,
                    VerifyError)
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ __all__ = [
     "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats",
     "DaemonInfo", "blocks", "Blocks",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
-    "BorrowerDiedError", "DaemonUnavailableError", "DaemonDiedError", "ProtocolError",
-    "BusyError",
+    "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
+    "ProtocolError", "BusyError",
     "SubletTimeoutError", "SubletOutOfMemoryError", "VerifyError", "info",
 ]
 

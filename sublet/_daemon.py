@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import _lib
-from ._lib import DaemonUnavailableError
+from ._lib import DaemonPermissionError, DaemonUnavailableError
 
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 START_TIMEOUT_S = float(os.environ.get("SUBLET_DAEMON_START_TIMEOUT", "30"))
@@ -61,22 +61,43 @@ def connect(device: int, backend: str) -> _lib.Client:
 
 
 def _system_daemon(device: int) -> _lib.Client | None:
-    """A connection to the system daemon serving this process's CUDA device `device`."""
+    """A connection to the system daemon serving this process's CUDA device `device`; None
+    when none does. A system socket we may not open may be this GPU's daemon: its denial is
+    raised rather than a daemon of ours started beside it (two daemons lending one GPU)."""
     ours = SYSTEM_SOCKET_DIR / f"gpu{device}.sock"
     uuid = _cuda_uuid(device)
     # Without our GPU's UUID only gpuN.sock can be trusted to be it.
     others = sorted(SYSTEM_SOCKET_DIR.glob("gpu*.sock")) if uuid is not None else []
+    denied: DaemonPermissionError | None = None
     for path in [ours] + [p for p in others if p != ours]:
         if not path.exists():
             continue
         try:
-            client = _lib.Client.open(str(path))
-        except DaemonUnavailableError:
-            continue  # a stale socket
+            client = _open_live(path)
+        except DaemonPermissionError as e:
+            denied = denied or e
+            continue
+        if client is None:
+            continue
         if uuid is None or client.info.device_uuid == uuid:
             return client
         client.close()
+    if denied is not None:
+        raise DaemonPermissionError(
+            f"{denied}; sublet starts no daemon of yours while a system one may serve this "
+            f"GPU", denied.code) from None
     return None
+
+
+def _open_live(path: Path) -> _lib.Client | None:
+    """A connection to the daemon at path; None when nobody answers there (no socket, or a
+    stale one). A denied socket (DaemonPermissionError) is raised: a daemon lives there."""
+    try:
+        return _lib.Client.open(str(path))
+    except DaemonPermissionError:
+        raise
+    except DaemonUnavailableError:
+        return None
 
 
 def _cuda_uuid(device: int) -> bytes | None:
@@ -149,13 +170,13 @@ def user_socket(device: int, backend: str) -> Path:
 
 def _user_daemon(device: int, backend: str) -> _lib.Client:
     sock = user_socket(device, backend)
-    with contextlib.suppress(DaemonUnavailableError):
-        return _lib.Client.open(str(sock))
+    client = _open_live(sock)
+    if client is not None:
+        return client
     with _locked(sock.with_suffix(".lock")):
         # Whoever held the lock before us may have started it.
-        with contextlib.suppress(DaemonUnavailableError):
-            return _lib.Client.open(str(sock))
-        return _start(device, backend, sock)
+        client = _open_live(sock)
+        return client if client is not None else _start(device, backend, sock)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ ERROR_CODES: dict[str, int] = {
     "ETIMEDOUT": -errno.ETIMEDOUT,
     "ECANCELED": -errno.ECANCELED,
     "ECONNREFUSED": -errno.ECONNREFUSED,
+    "EACCES": -errno.EACCES,
     "EPIPE": -errno.EPIPE,
     "EIO": -errno.EIO,
     "E2BIG": -errno.E2BIG,
@@ -100,6 +101,11 @@ class DaemonUnavailableError(SubletError):
     """subletd cannot be reached, or the connection to it was lost."""
 
 
+class DaemonPermissionError(DaemonUnavailableError):
+    """A subletd listens on the socket but this user may not open it (code EACCES): the
+    message names the group to join. Never a stale socket: nothing starts a daemon beside it."""
+
+
 class DaemonDiedError(DaemonUnavailableError):
     """subletd died during the loan. The owner's library restored the kept bytes itself from
     the host save area (the message says how many); ``stats`` has them (copied_in_bytes) when
@@ -146,6 +152,7 @@ _EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
     ERROR_CODES["EOWNERGONE"]: OwnerGoneError,
     ERROR_CODES["EBORROWERDIED"]: BorrowerDiedError,
     ERROR_CODES["ECONNREFUSED"]: DaemonUnavailableError,
+    ERROR_CODES["EACCES"]: DaemonPermissionError,
     ERROR_CODES["EPIPE"]: DaemonUnavailableError,
     ERROR_CODES["EDAEMONDIED"]: DaemonDiedError,
     ERROR_CODES["EPROTO"]: ProtocolError,

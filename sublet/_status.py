@@ -7,7 +7,8 @@ sublet_status_json) and prints it, or writes it to --output FILE atomically (for
 exporter's textfile collector). It does not import torch: it answers in a blink.
 
 Exit status: 0 when every daemon answered; 1 when some did not (the others are still shown);
-2 on a usage error; 3 when no daemon was found at all.
+2 on a usage error; 3 when no daemon was found at all; 4 on this machine's own trouble; 5
+when no daemon answered and one at least refused this user (permission denied).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from . import _daemon, _lib
 
 # EXIT_ERROR: this machine's own trouble (the output cannot be written, libsublet is missing).
 EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE, EXIT_ERROR = 0, 1, 2, 3, 4
+# A daemon answers but may not be asked (its socket's group): not "none found", whose advice
+# is to start one, which would put a second daemon on the GPU.
+EXIT_DENIED = 5
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 
 
@@ -267,7 +271,7 @@ def run(argv: list[str] | None) -> int:
     except SystemExit as e:
         return EXIT_USAGE if e.code else EXIT_OK
     paths, leftovers = sockets(args.socket)
-    statuses, unreachable = [], []
+    statuses, unreachable, denied = [], [], False
     for path in paths + leftovers:
         try:
             statuses.append(query(path))
@@ -276,6 +280,7 @@ def run(argv: list[str] | None) -> int:
                 continue  # left by a daemon of ours that was killed: nothing to show
             print(f"sublet status: {path}: {e}", file=sys.stderr)
             unreachable.append(path)
+            denied = denied or isinstance(e, _lib.DaemonPermissionError)
     if args.json:
         text = json.dumps(statuses, indent=None) + "\n"
     elif args.prometheus:
@@ -296,5 +301,5 @@ def run(argv: list[str] | None) -> int:
     else:
         sys.stdout.write(text)
     if not statuses:
-        return EXIT_NONE
+        return EXIT_DENIED if denied else EXIT_NONE
     return EXIT_PARTIAL if unreachable else EXIT_OK

@@ -4,9 +4,11 @@ when stderr is the journal, and --device takes a GPU UUID as nvidia-smi prints i
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +159,54 @@ def test_device_by_uuid_serves_that_gpu(native, tmp_path):
                             "--socket", str(tmp_path / "w.sock")], capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 1 and "nvidia-smi -L" in wrong.stderr
+
+
+def test_pin_extends_systemds_start_timeout_until_ready(native, tmp_path):
+    # --pin runs before READY=1; under systemd's start timeout (90 s by default) a large pin
+    # would fail the start, so each step of it asks for more time (EXTEND_TIMEOUT_USEC). The
+    # notify socket is one of ours: 768 MiB pinned at 1 GiB/s, three steps of 256 MiB.
+    import socket
+    import tempfile
+    short = Path(tempfile.mkdtemp(prefix="sl-notify-"))  # tmp_path may outgrow sun_path
+    notify_path = short / "notify"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(notify_path))
+    listener.settimeout(10)
+    proc = subprocess.Popen([str(native.subletd), "--backend", "memfd", "--socket",
+                             str(tmp_path / "d.sock"), "--pin", "768M"],
+                            stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M",
+                                     SUBLET_MEMFD_PIN="1G", NOTIFY_SOCKET=str(notify_path)))
+    try:
+        messages = []
+        while not any("READY=1" in m for m in messages):
+            messages.append(listener.recv(4096).decode())
+        extends = [m for m in messages if "EXTEND_TIMEOUT_USEC=" in m]
+        assert len(extends) == 3, messages
+        assert messages[-1].startswith("READY=1") and len(messages) == 4, messages
+        usec = int(re.search(r"EXTEND_TIMEOUT_USEC=(\d+)", extends[0]).group(1))
+        assert usec >= 30_000_000, usec  # room for a slow step, not a hair's breadth
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        listener.close()
+        notify_path.unlink()
+        short.rmdir()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_man_page_lists_every_option_of_help(native):
+    from conftest import REPO
+    helptext = subprocess.run([str(native.subletd), "--help"], capture_output=True, text=True,
+                              check=True).stdout
+    options = set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z-]*)", helptext, re.M))
+    assert {"--pin", "--idle-exit", "--max-connections", "--check", "--version"} <= options
+    # roff writes a '-' in an option's name as '\-'.
+    man = (REPO / "man" / "subletd.8").read_text().replace("\\-", "-")
+    section = man.split("\n.SH OPTIONS\n", 1)[1].split("\n.SH ", 1)[0]
+    # An option is listed when it heads an entry: the line after a .TP.
+    heads = re.findall(r"^\.TP\n(.*)$", section, re.M)
+    listed = {o for head in heads for o in re.findall(r"--[a-z][a-z-]*", head)}
+    assert options - listed == set(), "in subletd --help but not in man/subletd.8"

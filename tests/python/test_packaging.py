@@ -4,6 +4,7 @@ installed wheel, SUBLET_TEST_INSTALLED=1) a manylinux wheel that carries its C l
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -49,6 +50,21 @@ def test_declared_torch_range_is_the_checked_one():
     assert set(specifiers.split(",")) == {f">={lo_major}.{lo_minor}", f"<{hi_major}.{hi_minor + 1}"}
 
 
+# What the tests import that the README's `pip install '.[test]'` must bring, or they are
+# skipped for a newcomer (module: distribution). Left out on purpose: mypy (the type check
+# skips cleanly without it), matplotlib (bench plots), triton (GPU tests).
+TEST_IMPORTS = {"pytest": "pytest", "yaml": "pyyaml", "transformers": "transformers",
+                "scikit_build_core": "scikit-build-core"}
+
+
+def test_test_extra_brings_what_the_tests_import():
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["test"]
+    names = {re.match(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*", r).group(0).lower() for r in extra}
+    assert set(TEST_IMPORTS.values()) <= names, extra
+
+
 def test_py_typed_is_shipped():
     assert (Path(sublet.__file__).parent / "py.typed").is_file()
 
@@ -66,9 +82,27 @@ with sublet.borrow(name="kv", timeout=1.0) as borrowed:
 """
 
 
+def mypy_available() -> bool:
+    """Whether the run below can work: it is `sys.executable -m mypy`, so what counts is this
+    interpreter's mypy, not a `mypy` on PATH (another venv's, pipx's), which it never runs."""
+    return _has_module("mypy")
+
+
+def test_mypy_skip_asks_the_interpreter_that_runs_it(tmp_path, monkeypatch):
+    # A mypy on PATH that this Python cannot import (tests/run in a venv, another mypy on
+    # PATH) is a skip, not a failure of `python -m mypy`.
+    (tmp_path / "mypy").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "mypy").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    monkeypatch.setitem(sys.modules, "mypy", None)  # find_spec then answers None
+    assert shutil.which("mypy") is not None
+    assert not mypy_available()
+
+
 def test_the_api_type_checks(tmp_path):
-    if shutil.which("mypy") is None and not _has_module("mypy"):
-        pytest.skip("mypy is not installed (pip install mypy; CI installs it)")
+    if not mypy_available():
+        pytest.skip(f"mypy is not installed for {sys.executable} "
+                    "(python3 -m pip install mypy; CI installs it)")
     (tmp_path / "use.py").write_text(TYPED_USE)
     # What is checked is the user's code against sublet's signatures: errors inside sublet are
     # not reported (as for any installed package), and torch is not analysed (slow): Any.
@@ -117,3 +151,47 @@ def test_installed_metadata_is_complete():
     assert not meta.get_all("Project-URL")
     classifiers = meta.get_all("Classifier")
     assert "Typing :: Typed" in classifiers and "Operating System :: POSIX :: Linux" in classifiers
+
+
+# What building and testing leave in a checkout (the README's .venv first): none of it belongs
+# in an sdist or a Docker build context.
+LEFTOVERS = (".venv", "venv", "build", "dist", ".pytest_cache", ".mypy_cache")
+
+
+@pytest.mark.skipif(INSTALLED or not (REPO / ".git").exists(), reason="needs the git checkout")
+def test_sdist_leaves_out_a_venv_and_build_trees(tmp_path):
+    pytest.importorskip("scikit_build_core")
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    src = tmp_path / "src"
+    for name in filter(None, tracked):
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    for leftover in LEFTOVERS:  # as the README's steps and tests/run leave them
+        (src / leftover / "lib").mkdir(parents=True)
+        (src / leftover / "lib" / "leftover.py").write_text("# not sublet's\n")
+    out = tmp_path / "dist-out"
+    out.mkdir()
+    subprocess.run([sys.executable, "-c", "import sys; from scikit_build_core.build import "
+                    "build_sdist; print(build_sdist(sys.argv[1]))", str(out)], cwd=src,
+                   check=True, capture_output=True, timeout=300)
+    import tarfile
+    (sdist,) = out.glob("sublet-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert "daemon/main.c" in names and "pyproject.toml" in names  # it is the sources
+    assert [n for n in names if "leftover" in n] == []
+
+
+def test_git_and_docker_ignore_what_building_leaves():
+    if (REPO / ".git").exists():
+        for leftover in LEFTOVERS:
+            r = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index",
+                                f"{leftover}/lib/x.py"])
+            assert r.returncode == 0, f".gitignore does not ignore {leftover}/"
+    import fnmatch
+    docker = [p.removeprefix("**/") for p in (REPO / ".dockerignore").read_text().split()
+              if not p.startswith("#")]
+    for leftover in LEFTOVERS:
+        assert any(fnmatch.fnmatch(leftover, p) for p in docker), f".dockerignore misses {leftover}"
