@@ -187,6 +187,8 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
 /* Removes the socket file at exit, if it is still the one this daemon bound. */
 void sl_server_unlink_socket(struct sl_daemon *d);
+/* One sd_notify(3) message (READY=1, EXTEND_TIMEOUT_USEC=...) to $NOTIFY_SOCKET, if set. */
+void sl_server_notify(const char *msg);
 /* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
 void sl_idle_start(struct sl_daemon *d);
 void sl_idle_stop(struct sl_daemon *d);

@@ -226,26 +226,6 @@ static void default_socket(struct sl_daemon_config *cfg, char *buf, size_t n) {
 #define PIN_STEP (256ull << 20)
 #define PIN_STEP_TIMEOUT_USEC (60ull * 1000 * 1000)
 
-/* One sd_notify(3) datagram to $NOTIFY_SOCKET; failures are ignored, as sd_notify's are. */
-static void notify(const char *msg) {
-  const char *path = getenv("NOTIFY_SOCKET");
-  struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int fd;
-
-  if (path == NULL || path[0] == '\0' || strlen(path) >= sizeof(addr.sun_path))
-    return;
-  strcpy(addr.sun_path, path);
-  if (addr.sun_path[0] == '@')
-    addr.sun_path[0] = '\0'; /* abstract namespace */
-  fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0)
-    return;
-  /* The address's length is the name's: an abstract name is not padded with zeros. */
-  sendto(fd, msg, strlen(msg), 0, (struct sockaddr *)&addr,
-         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path)));
-  close(fd);
-}
-
 static int open_device(struct sl_daemon *d, struct sl_err *err) {
   struct sl_device_params p = {.backend = d->cfg.backend, .ordinal = d->cfg.device,
                                .uuid = d->cfg.by_uuid ? d->cfg.uuid : NULL,
@@ -274,7 +254,7 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
       snprintf(msg, sizeof(msg), "EXTEND_TIMEOUT_USEC=%llu\nSTATUS=pinning host memory (--pin)",
                (unsigned long long)PIN_STEP_TIMEOUT_USEC);
       if (d->cfg.notify)
-        notify(msg);
+        sl_server_notify(msg);
       rc = sl_pool_host_reserve(d->pool, done, err);
       if (rc != 0)
         return rc;

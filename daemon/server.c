@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -134,13 +135,13 @@ static int watch_parent(struct sl_daemon *d, struct sl_err *err) {
   return 0;
 }
 
-static void notify_ready(void) {
+/* One sd_notify(3) datagram to $NOTIFY_SOCKET; failures are ignored, as sd_notify's are. */
+void sl_server_notify(const char *msg) {
   const char *path = getenv("NOTIFY_SOCKET");
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  static const char msg[] = "READY=1\nSTATUS=serving";
   int fd;
 
-  if (path == NULL || strlen(path) >= sizeof(addr.sun_path))
+  if (path == NULL || path[0] == '\0' || strlen(path) >= sizeof(addr.sun_path))
     return;
   strcpy(addr.sun_path, path);
   if (addr.sun_path[0] == '@')
@@ -148,7 +149,9 @@ static void notify_ready(void) {
   fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0)
     return;
-  sendto(fd, msg, sizeof(msg) - 1, 0, (struct sockaddr *)&addr, sizeof(addr));
+  /* The address's length is the name's: an abstract name is not padded with zeros. */
+  sendto(fd, msg, strlen(msg), 0, (struct sockaddr *)&addr,
+         (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(path)));
   close(fd);
 }
 
@@ -189,7 +192,7 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
     return rc;
   sl_idle_start(d);
   if (d->cfg.notify)
-    notify_ready();
+    sl_server_notify("READY=1\nSTATUS=serving");
   return 0;
 }
 

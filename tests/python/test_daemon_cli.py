@@ -197,6 +197,29 @@ def test_pin_extends_systemds_start_timeout_until_ready(native, tmp_path):
             proc.wait()
 
 
+def test_ready_reaches_an_abstract_notify_socket(native, tmp_path):
+    # systemd may name an abstract socket ("@name"): its address is the name's length, not
+    # padded with zeros (READY=1 once went to a padded name nobody listened on).
+    import socket
+    name = f"sl-notify-{os.getpid()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind("\0" + name)
+    listener.settimeout(10)
+    proc = subprocess.Popen([str(native.subletd), "--backend", "memfd", "--socket",
+                             str(tmp_path / "d.sock")], stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M",
+                                     NOTIFY_SOCKET="@" + name))
+    try:
+        assert listener.recv(4096).decode().startswith("READY=1")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        listener.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_man_page_lists_every_option_of_help(native):
     from conftest import REPO
     helptext = subprocess.run([str(native.subletd), "--help"], capture_output=True, text=True,
