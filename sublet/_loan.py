@@ -60,6 +60,14 @@ class Loan:
         self.leaks: list[LeakedBlock | tuple[int, int]] = []
         self._failure: BaseException | None = None  # raised by _finish before the Return
 
+    def __repr__(self) -> str:
+        state = ("active" if self.active else "returned" if self._returned else
+                 "not started")
+        stats = self._final_stats
+        moved = (f", {stats.copied_out_bytes} bytes to the host, {stats.moved_bytes} moved"
+                 if stats is not None else "")
+        return f"<sublet.{type(self).__name__} on {self.device or '?'}: {state}{moved}>"
+
     # ---------------------------------------------------------------- results
     @property
     def active(self) -> bool:
@@ -332,6 +340,11 @@ class Offer:
             self._region.lent = False
             raise
         self.stats: LoanStats | None = None
+
+    def __repr__(self) -> str:
+        state = "back" if self.done else "lent"
+        name = f"{self.name!r}, " if self.name else ""
+        return f"<sublet.Offer {name}loan {self.loan_id} on {self._region.device}: {state}>"
 
     @property
     def done(self) -> bool:

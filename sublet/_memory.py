@@ -144,15 +144,17 @@ def _as_device(device: torch.device | str | int | None, backend: str) -> torch.d
 
 # --------------------------------------------------------------------------- sublet.empty
 
-def empty(*size, dtype: torch.dtype = torch.float32,
+def empty(*size, dtype: torch.dtype | None = None,
           device: torch.device | str | int | None = None) -> torch.Tensor:
     """A tensor whose memory is a region from subletd, ready to be lent with sublet.lend().
+    dtype: torch.get_default_dtype() when None, as for torch.empty.
 
     Like torch.empty: the contents are undefined. device: a CUDA device (default: the current
     one); 'cpu' only with the memfd test backend. Freeing the tensor (and all its views)
     releases the region.
     """
     shape = parse_size(size)
+    dtype = torch.get_default_dtype() if dtype is None else dtype
     nbytes = nbytes_of(shape, dtype)
     device, client = resolve_device(device)
     try:

@@ -190,3 +190,22 @@ def test_a_loan_of_the_arena_hands_out_none_of_its_addresses(keep):
         del held
     assert not inside, f"{len(inside)} loan allocations at the arena's own addresses"
     del a, b
+
+
+def test_sublet_empty_follows_the_default_dtype_and_loans_read_well():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        t = sublet.empty(8, device="cpu")
+    finally:
+        torch.set_default_dtype(previous)
+    assert t.dtype == torch.float64
+    loan = sublet.lend(t)
+    assert "not started" in repr(loan)
+    with loan:
+        assert "active" in repr(loan)
+    assert "returned" in repr(loan) and "bytes to the host" in repr(loan)
+    with sublet.offer(t, name="repr") as offer:
+        assert "lent" in repr(offer) and "repr" in repr(offer)
+        offer.withdraw()
+    assert "back" in repr(offer)
