@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
                    DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
-                   NoOfferError, OwnerGoneError, ProtocolError, SubletError, SubletOutOfMemoryError, SubletTimeoutError,
-                   VerifyError)
+                   NoOfferError, OwnerGoneError, ProtocolError, SubletError,
+                   SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from ._memory import empty
     from ._pool import Pool, pool
     from ._torch import LeakedBlock
+
+    __version__: str
 
 
 __all__ = [
@@ -60,20 +62,23 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def __getattr__(name: str):
-    if name == "__version__":
-        # CMakeLists.txt's, compiled into libsublet (sublet_version()): one source for the
-        # daemon, the C library and this package, installed or run from a checkout.
-        from . import _lib
-        return _lib.lib().sublet_version().decode()
-    if name not in _LAZY:
-        raise AttributeError(f"module 'sublet' has no attribute {name!r}")
-    import importlib
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    for module in _LOADED_WITH.get(name, ()):
-        importlib.import_module(module, __name__)
-    globals()[name] = value
-    return value
+# Hidden from type checkers: a module __getattr__ would let `sublet.emtpy` pass as Any; the
+# names it serves are declared above for them instead.
+if not TYPE_CHECKING:
+    def __getattr__(name: str):
+        if name == "__version__":
+            # CMakeLists.txt's, compiled into libsublet (sublet_version()): one source for the
+            # daemon, the C library and this package, installed or run from a checkout.
+            from . import _lib
+            return _lib.lib().sublet_version().decode()
+        if name not in _LAZY:
+            raise AttributeError(f"module 'sublet' has no attribute {name!r}")
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        for module in _LOADED_WITH.get(name, ()):
+            importlib.import_module(module, __name__)
+        globals()[name] = value
+        return value
 
 
 def lend(what: Lendable, keep: Keep = None, verify: bool | None = None,

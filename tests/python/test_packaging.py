@@ -79,6 +79,17 @@ with sublet.offer(cache, name="kv") as offer:
     offer.wait(timeout=1.0)
 with sublet.borrow(name="kv", timeout=1.0) as borrowed:
     x: torch.Tensor = borrowed.empty(16, dtype=torch.uint8)
+with sublet.pool("kv") as kv:
+    layers = [kv.empty(2, 64, 16) for _ in range(4)]
+with sublet.lend("kv", keep=sublet.blocks(layers, [0, 3], dim=1)):
+    pass
+version: str = sublet.__version__
+"""
+
+# A typo in a sublet name is an error for mypy --strict (a module __getattr__ would make it Any).
+TYPO_USE = """
+import sublet
+t = sublet.emtpy(4)
 """
 
 
@@ -99,11 +110,13 @@ def test_mypy_skip_asks_the_interpreter_that_runs_it(tmp_path, monkeypatch):
     assert not mypy_available()
 
 
-def test_the_api_type_checks(tmp_path):
+@pytest.mark.parametrize("code, passes", [(TYPED_USE, True), (TYPO_USE, False)],
+                         ids=["api", "typo"])
+def test_the_api_type_checks(tmp_path, code, passes):
     if not mypy_available():
         pytest.skip(f"mypy is not installed for {sys.executable} "
                     "(python3 -m pip install mypy; CI installs it)")
-    (tmp_path / "use.py").write_text(TYPED_USE)
+    (tmp_path / "use.py").write_text(code)
     # What is checked is the user's code against sublet's signatures: errors inside sublet are
     # not reported (as for any installed package), and torch is not analysed (slow): Any.
     (tmp_path / "mypy.ini").write_text("[mypy]\n[mypy-sublet.*]\nignore_errors = True\n"
@@ -114,7 +127,10 @@ def test_the_api_type_checks(tmp_path):
                         "--no-incremental", "use.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=600,
                        env={"PATH": "/usr/bin:/bin", "MYPYPATH": ":".join(path)})
-    assert r.returncode == 0, r.stdout + r.stderr
+    if passes:
+        assert r.returncode == 0, r.stdout + r.stderr
+    else:
+        assert r.returncode == 1 and 'has no attribute "emtpy"' in r.stdout, r.stdout + r.stderr
 
 
 def _has_module(name: str) -> bool:
