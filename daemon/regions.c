@@ -38,6 +38,17 @@ struct region_job {
   struct sl_pool_region *built;
 };
 
+/* Pages are made off the loop; meanwhile the connection waits and their bytes are kept out
+ * of the free memory a loan measures (building_bytes; the job's done gives them back). */
+static void submit_build(struct sl_conn *c, struct sl_job *job, void (*run)(struct sl_job *),
+                         void (*done)(struct sl_job *), uint64_t bytes) {
+  job->run = run;
+  job->done = done;
+  job->conn = c;
+  c->d->building_bytes += bytes;
+  sl_job_submit(c->d, job);
+}
+
 static void region_build_run(struct sl_job *j) {
   struct region_job *rj = (struct region_job *)j;
 
@@ -99,11 +110,7 @@ int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate
     return rc;
   }
   rj->req_id = id;
-  rj->job.run = region_build_run;
-  rj->job.done = region_built;
-  rj->job.conn = c;
-  c->d->building_bytes += rj->bytes;
-  sl_job_submit(c->d, &rj->job);
+  submit_build(c, &rj->job, region_build_run, region_built, rj->bytes);
   return 0;
 }
 
@@ -170,11 +177,7 @@ int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
   gj->region = m->region;
   gj->npages = npages;
   gj->bytes = (npages - ri.npages) * ps;
-  gj->job.run = grow_run;
-  gj->job.done = grow_done;
-  gj->job.conn = c;
-  c->d->building_bytes += gj->bytes;
-  sl_job_submit(c->d, &gj->job);
+  submit_build(c, &gj->job, grow_run, grow_done, gj->bytes);
   return 0;
 }
 

@@ -233,3 +233,19 @@ def collect() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def assert_continues_as_reference(model, ids, seq1, cache, ref_cache, prefix: int, n1: int,
+                                  n2: int) -> None:
+    """After a loan kept cache[:prefix]: generation continued from `seq1` with the cropped
+    cache gives, tokens and logits bit for bit, what a reference cache that had no loan gives
+    from the same prefix."""
+    crop_static(cache, prefix)
+    seq2, scores2 = greedy(model, seq1, cache, n2)
+    ref_cache.reset()
+    ref1, _ = greedy(model, ids, ref_cache, n1)
+    assert torch.equal(ref1, seq1)
+    crop_static(ref_cache, prefix)
+    ref2, ref_scores2 = greedy(model, ref1, ref_cache, n2)
+    assert torch.equal(seq2, ref2), mismatch(seq2, ref2)
+    assert same_bits(scores2, ref_scores2), mismatch(scores2, ref_scores2)

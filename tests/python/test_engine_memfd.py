@@ -102,16 +102,7 @@ def test_static_cache_prefix_kept_through_loans_then_generation_goes_on(model):
               f"{loan.copied_bytes} B, moved {loan.moved_bytes} B, {seconds * 1e3:.1f} ms")
 
         # The owner: only [0, prefix) is its data again; generation re-feeds the rest.
-        ew.crop_static(cache, prefix)
-        seq2, scores2 = ew.greedy(model, seq1, cache, N2)
-
-        ref_cache.reset()
-        ref1, _ = ew.greedy(model, ids, ref_cache, N1)
-        assert torch.equal(ref1, seq1)
-        ew.crop_static(ref_cache, prefix)
-        ref2, ref_scores2 = ew.greedy(model, ref1, ref_cache, N2)
-        assert torch.equal(seq2, ref2)
-        assert ew.same_bits(scores2, ref_scores2), ew.mismatch(scores2, ref_scores2)
+        ew.assert_continues_as_reference(model, ids, seq1, cache, ref_cache, prefix, N1, N2)
 
 
 def test_unkept_cache_positions_hold_the_borrowers_bits(model):
