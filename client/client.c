@@ -420,6 +420,7 @@ static int hello(sublet_client *c) {
     c->keep_fd_ok = rep->welcome->keep_fd;
     c->grow_ok = rep->welcome->grow;
     c->pinned_ok = rep->welcome->pinned;
+    c->release_ok = rep->welcome->release;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

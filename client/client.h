@@ -26,6 +26,7 @@ struct sublet_region {
   uint64_t cap_pages;  /* pages it may grow to: npages, or (growable) the device's memory;
                           handles has room for them all, and trail_pages shrinks as it grows */
   struct sl_rescue *rescue; /* of the loan in progress: restoring without subletd (rescue.c) */
+  struct sl_release_rec *releases; /* its live releases (release.c) */
   int torch_blocks;    /* its pages back PyTorch's blocks (a pool's arena: pool.c): a loan's
                           window never hands out their addresses, or PyTorch would see two
                           live blocks at one address (it aborts: "invalid device pointer") */
@@ -44,6 +45,7 @@ struct sublet_client {
   int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
   int grow_ok;          /* Welcome.grow: growable regions */
   int pinned_ok;        /* Welcome.pinned: Lend.pinned */
+  int release_ok;       /* Welcome.release: Lend.release, Resume */
   int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
   size_t keep_fd_bytes; /* its size */
   struct sl_wire_rx rx;
@@ -124,6 +126,18 @@ int sl_client_gone(const sublet_client *c);
 /* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
 int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
                           sl_handle *handles);
+/* Lend's keep in the form subletd reads best (*fd: the client's keep memfd to send, or -1). */
+void sl_region_lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
+                         size_t n, int keep_all, int *fd);
+/* Byte ranges of whole pages of r, any order and overlap, as sorted merged (first page,
+ * count) pairs in *out (malloc'd, *nout pairs). */
+int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *ranges,
+                         size_t n, uint64_t **out, size_t *nout);
+/* New pages for runs ((first, count) pairs) of r fetched and mapped at their addresses, in
+ * place of the old ones (released, for a release: none). */
+int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n);
+/* The window of a loan of r that maps r's own pages goes (before they change). */
+void sl_region_drop_window(sublet_client *c, const struct sublet_region *r);
 /* This client's region with that id, or NULL. */
 struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
 /* Unmaps and releases this process's side of every region (the daemon's side goes with the
@@ -141,6 +155,11 @@ uint64_t sl_rescue_loan(const struct sl_rescue *r);
  * be NULL) when they are back, else the failure (SUBLET_ETIMEDOUT: call it again). The caller
  * does not hold the client's lock (the borrower may be this process, letting go). */
 int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_stats *stats);
+
+/* ------------------------------------------------------------------ release.c */
+
+/* The region goes: its releases' records (fds, plans) too. */
+void sl_release_forget(struct sublet_region *r);
 
 /* ------------------------------------------------------------------ watch.c */
 

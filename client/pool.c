@@ -36,18 +36,36 @@ static uint64_t pages_for(const sublet_client *c, uint64_t size) {
   return size / c->info.page_size + (size % c->info.page_size != 0);
 }
 
-/* The first gap of at least npages pages below the region's end, or the start of the free
- * tail (the region then grows to fit) when none is. */
+/* The first page of [from, to) that a release gave back to the driver (it has no handle
+ * until the resume), or to: a segment must not get one. */
+static uint64_t released_in(const struct sl_arena *a, uint64_t from, uint64_t to) {
+  const sublet_region *r = a->region;
+  uint64_t end = r == NULL ? from : to < r->npages ? to : r->npages;
+
+  for (uint64_t p = from; p < end; p++)
+    if (r->handles[p] == 0)
+      return p;
+  return to;
+}
+
+/* The first gap of at least npages live pages below the region's end, or in the free tail
+ * (the region then grows to fit) when none is; *at is the segment it goes before. */
 static uint64_t first_fit(const struct sl_arena *a, uint64_t npages, size_t *at) {
   uint64_t start = 0;
-  size_t i;
 
-  for (i = 0; i < a->nsegs; i++) {
-    if (a->segs[i].first - start >= npages)
-      break;
-    start = a->segs[i].first + a->segs[i].npages;
+  for (size_t i = 0; i <= a->nsegs; i++) {
+    uint64_t end = i < a->nsegs ? a->segs[i].first : UINT64_MAX, hole;
+    while (end - start >= npages) {
+      if ((hole = released_in(a, start, start + npages)) == start + npages) {
+        *at = i;
+        return start;
+      }
+      start = hole + 1;
+    }
+    if (i < a->nsegs)
+      start = a->segs[i].first + a->segs[i].npages;
   }
-  *at = i;
+  *at = a->nsegs; /* not reached: the tail is endless */
   return start;
 }
 

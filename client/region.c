@@ -46,7 +46,7 @@ static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size
 
 /* Lend's keep: in the memfd (*fd set), as bytes, or as varints, by what subletd reads and how
  * long the list is. */
-static void lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
+void sl_region_lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
                       size_t n, int keep_all, int *fd) {
   *fd = -1;
   if (keep_all || n == 0)
@@ -122,7 +122,8 @@ static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_
                           "the tensor has a hole there, release it",
                           (unsigned long long)p, (unsigned long long)r->id, err.msg);
   }
-  sl_device_release(c->dev, r->handles[p]);
+  if (r->handles[p] != 0) /* a released page has none */
+    sl_device_release(c->dev, r->handles[p]);
   r->handles[p] = h;
   return 0;
 }
@@ -156,7 +157,7 @@ static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, 
 
 /* The window of a loan of r in this process (r's owner) maps r's pages with r's own handles:
  * it goes before those pages or handles change. */
-static void drop_window_of(sublet_client *c, const struct sublet_region *r) {
+void sl_region_drop_window(sublet_client *c, const struct sublet_region *r) {
   if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
     sl_window_free(c->win);
     c->win = NULL;
@@ -167,11 +168,10 @@ static void drop_window_of(sublet_client *c, const struct sublet_region *r) {
  * pages, with the kept bytes restored into them, so that it cannot reach this memory again:
  * they take the old ones' place in this process's mapping, at the same addresses (the
  * tensor's pointers stay valid). runs: n (first, count) pairs of region pages. */
-static int region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs,
-                        size_t n) {
+int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n) {
   int rc = 0;
 
-  drop_window_of(c, r); /* it maps the old pages */
+  sl_region_drop_window(c, r); /* it maps the old pages */
   sl_device_synchronize(c->dev, NULL);
   for (size_t i = 0; rc == 0 && i + 1 < n; i += 2) {
     if (runs[i] >= r->npages || runs[i + 1] > r->npages - runs[i])
@@ -199,6 +199,7 @@ static void release_local(struct sublet_region *r) {
     if (r->handles[i] != 0)
       sl_device_release(dev, r->handles[i]);
   sl_rescue_free(r->rescue);
+  sl_release_forget(r);
   free(r->handles);
   free(r);
 }
@@ -392,7 +393,7 @@ SUBLET_EXPORT int sublet_region_grow(sublet_region *r, uint64_t size) {
   pthread_mutex_lock(&c->lock);
   rc = grow_check(c, r);
   if (rc == 0) {
-    drop_window_of(c, r); /* it was laid out for the old pages, in the trail the new ones take */
+    sl_region_drop_window(c, r); /* it was laid out for the old pages, in the trail the new ones take */
     rc = region_grow_request(c, r, size, &npages);
   }
   if (rc == 0)
@@ -427,7 +428,7 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
   if (rc != 0 && sl_client_gone(c))
     rc = 0; /* the daemon is gone, and its side of the region with it: ours goes too */
   if (rc == 0) {
-    drop_window_of(c, r); /* before the handles it borrows */
+    sl_region_drop_window(c, r); /* before the handles it borrows */
     sl_device_synchronize(c->dev, NULL);
     for (link = &c->regions; *link != r; link = &(*link)->next)
       ;
@@ -474,17 +475,17 @@ static int cmp_pair(const void *a, const void *b) {
 }
 
 static int pinned_bad(const struct sublet_region *r, size_t i, const struct sublet_range *p) {
-  return sl_client_fail(SUBLET_EINVAL, "pinned range %zu (offset %llu, length %llu) is not whole "
-                        "pages of the region (%llu pages of %llu bytes): pin page-aligned "
-                        "ranges of it", i, (unsigned long long)p->offset,
+  return sl_client_fail(SUBLET_EINVAL, "range %zu (offset %llu, length %llu) is not whole pages of "
+                        "the region (%llu pages of %llu bytes): give page-aligned ranges of "
+                        "it", i, (unsigned long long)p->offset,
                         (unsigned long long)p->length, (unsigned long long)r->npages,
                         (unsigned long long)r->page_size);
 }
 
 /* The pinned byte ranges as the daemon wants them: (first page, count) pairs, sorted and
  * merged (any order and overlap is fine here; empty ranges pin nothing). *out: malloc'd. */
-static int pinned_pages(const struct sublet_region *r, const struct sublet_range *pinned,
-                        size_t n, uint64_t **out, size_t *nout) {
+int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *pinned,
+                         size_t n, uint64_t **out, size_t *nout) {
   uint64_t ps = r->page_size, *v = n > 0 ? malloc(2 * n * sizeof(*v)) : NULL;
   size_t m = 0;
 
@@ -539,7 +540,7 @@ static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Repl
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin pages of a loan (it is "
                           "older than this library): update subletd, or lend without pinned");
   m.region = r->id;
-  lend_keep(c, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
+  sl_region_lend_keep(c, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
   m.has_keep_all = 1;
   m.keep_all = a->keep_all != 0;
   m.pinned = a->pinned;
@@ -617,7 +618,7 @@ SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range
   sublet_client *c = r->client;
   struct lend_args a = {keep, n, keep_all, NULL, 0, local, name, timeout_ms};
   uint64_t lent = 0;
-  int rc = pinned_pages(r, pinned, npinned, &a.pinned, &a.npinned);
+  int rc = sl_region_page_pairs(r, pinned, npinned, &a.pinned, &a.npinned);
 
   if (rc != 0)
     return rc;
@@ -713,7 +714,7 @@ static int replaced_pages(sublet_client *c, uint64_t loan_id, const Sublet__Loan
   if (r == NULL)
     return sl_client_fail(SUBLET_EPROTO, "subletd replaced pages of loan %llu, whose region "
                           "this client does not know", (unsigned long long)loan_id);
-  return region_remap(c, r, m->replaced, m->n_replaced);
+  return sl_region_remap(c, r, m->replaced, m->n_replaced);
 }
 
 static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,

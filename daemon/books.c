@@ -94,6 +94,7 @@ void sl_books_free(struct sl_books *b) {
   if (b == NULL)
     return;
   loan_free(b->loan);
+  sl_books_releases_free(b);
   free(b->clients);
   for (size_t i = 0; i < b->nregions; i++)
     free(b->regions[i].layout);
@@ -163,6 +164,7 @@ int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages,
 /* What a region leaving the books leaves behind: its keepers hold its pages until they let go
  * (kept.c). The caller takes it out of b->regions. */
 static void region_forget(struct sl_books *b, struct sl_region *r) {
+  sl_books_releases_region_gone(b, r->id);
   sl_books_kept_retire(b, r);
   b->region_pages -= r->npages;
   free(r->layout);
@@ -290,6 +292,7 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
                            uint64_t first, uint64_t count, struct sl_err *err) {
   const struct sl_region *r = sl_books_find_region(b, region_id);
   const struct sl_loan *l;
+  uint64_t rel;
   int rc = sl_books_region_access(b, client_id, region_id, err);
 
   if (rc != 0)
@@ -302,6 +305,10 @@ int sl_books_pages_granted(const struct sl_books *b, uint64_t client_id, uint64_
                       region_id, r->npages);
   if (r->replacing)
     return replacing_error(r, err);
+  if (sl_books_releases_hold(b, region_id, first, count, &rel))
+    return sl_err_set(err, SUBLET_EBUSY, "pages %" PRIu64 " to %" PRIu64 " of region %" PRIu64
+                      " include pages released to the driver (release %" PRIu64 "): resume "
+                      "it first", first, first + count - 1, region_id, rel);
   if (r->owner_client == client_id)
     return 0;
   l = sl_books_find_loan(b, r->loan_id);
@@ -592,6 +599,16 @@ static int owner_check(const struct sl_books *b, uint64_t client_id, const struc
   return 0;
 }
 
+/* A region with live releases is not lent: some of its pages are the driver's. */
+static int released_error(const struct sl_books *b, uint64_t region_id, struct sl_err *err) {
+  uint64_t rel = 0;
+  size_t n = sl_books_releases_of(b, region_id, &rel);
+
+  return n == 0 ? 0 : sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " has %zu live releases "
+                                 "(release %" PRIu64 "...): its released pages are the "
+                                 "driver's; resume them before lending it", region_id, n, rel);
+}
+
 static int lend_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
                       uint64_t region_id, const char *name, const uint8_t *token,
                       struct sl_err *err) {
@@ -603,6 +620,8 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
     return device_busy(b, err);
   if (r->replacing)
     return replacing_error(r, err);
+  if ((rc = released_error(b, region_id, err)) != 0)
+    return rc;
   if (name != NULL && strlen(name) >= NAME_SIZE)
     return sl_err_set(err, SUBLET_EINVAL, "loan name \"%.20s...\" is too long; use at most "
                       "%d bytes", name, NAME_SIZE - 1);
@@ -756,6 +775,8 @@ int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t reg
                       r->loan_id);
   if (r->replacing) /* its owner must reclaim first: it cannot while its Lend waits */
     return replacing_error(r, err);
+  if ((rc = released_error(b, region_id, err)) != 0)
+    return rc;
   if (c->loan_id != 0)
     return sl_err_set(err, SUBLET_EBUSY, "this client borrows loan %" PRIu64 ": return it "
                       "before lending (the device has one loan at a time)", c->loan_id);
@@ -1342,23 +1363,14 @@ static int end_fill_chunks(const struct sl_loan *l, struct sl_loan_end *end) {
   return 0;
 }
 
-/* The saves come back first (moved bytes return to their holes with them), then the moves
- * run backwards; nothing when the owner is gone. */
+/* The plan undone (plan.h); nothing when the owner is gone. */
 static int end_fill_restore(const struct sl_loan *l, struct sl_loan_end *end) {
   const struct sl_plan *p = &l->plan;
 
   if (l->owner_gone)
     return 0;
-  end->restore = p->nsaves ? malloc(p->nsaves * sizeof(*end->restore)) : NULL;
-  end->unmove = p->nmoves ? malloc(p->nmoves * sizeof(*end->unmove)) : NULL;
-  if ((p->nsaves && end->restore == NULL) || (p->nmoves && end->unmove == NULL))
+  if (sl_plan_undo(p, &end->restore, &end->nrestore, &end->unmove, &end->nunmove) != 0)
     return SUBLET_ENOHOSTMEM;
-  if (p->nsaves)
-    memcpy(end->restore, p->saves, p->nsaves * sizeof(*end->restore));
-  for (size_t i = 0; i < p->nmoves; i++)
-    end->unmove[i] = (struct sl_move){p->moves[i].dst_off, p->moves[i].src_off, p->moves[i].len};
-  end->nrestore = p->nsaves;
-  end->nunmove = p->nmoves;
   end->stats.copied_in_bytes = p->saved_bytes;
   return 0;
 }

@@ -294,6 +294,58 @@ struct sl_retained {
 size_t sl_books_retained(const struct sl_books *b, struct sl_retained *out, size_t n);
 void sl_loan_end_clear(struct sl_loan_end *end);
 
+/* Releases (books_release.c): a region's pages given back to the device's driver until a
+ * resume, their kept bytes moved into the kept pages that stay or saved to the host
+ * (docs/design/release.md). Several may be live on a region, on disjoint pages; a region with
+ * one is not lent (and a lent one is not released). Ids come from the loans' sequence.
+ *
+ * In steps, as a loan's allocation: may_release checks; release_begin enters the release from
+ * a draft (its pinned pages: the region's that it does not release) and gives the device work
+ * (moves, then saves, then the daemon lets go of the released pages), state RELEASING;
+ * release_done commits it (RELEASED) or, failed, drops it (the pages were never let go of).
+ * resume_begin gives the undoing (the released pages made again, the saves copied back, the
+ * moves undone), state RESUMING; resume_done ends it, or (failed) it is RELEASED again. */
+enum sl_release_state { SL_REL_RELEASING = 1, SL_REL_RELEASED = 2, SL_REL_RESUMING = 3 };
+
+/* The device work of a release's begin or resume. Arrays owned (sl_release_work_clear). */
+struct sl_release_work {
+  uint64_t release_id, region_id;
+  struct sl_move *moves;      /* begin: kept bytes of released pages into holes; resume: back */
+  size_t nmoves;
+  struct sl_copy *copies;     /* begin: saves; resume: restores (host offsets in its own area) */
+  size_t ncopies;
+  uint64_t *released;         /* the released region pages, ascending */
+  size_t nreleased;
+  uint64_t stayed, kept_bytes, moved_bytes, saved_bytes;
+};
+
+struct sl_release_info {
+  uint64_t id, region_id, owner_client;
+  struct sl_peer owner;
+  enum sl_release_state state;
+  uint64_t pages;             /* its pages: released and stayed, and those holding nothing */
+  uint64_t released_pages, stayed_pages, kept_bytes, moved_bytes, saved_bytes;
+};
+
+/* stay: the most kept pages that may stay (UINT64_MAX: as many as the kept bytes need). */
+int sl_books_may_release(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         uint64_t *npages, struct sl_err *err);
+int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_loan *draft, uint64_t stay, struct sl_release_work *w,
+                           struct sl_err *err);
+void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok);
+int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
+                          struct sl_release_work *w, struct sl_err *err);
+void sl_books_resume_done(struct sl_books *b, uint64_t release_id, int ok);
+void sl_release_work_clear(struct sl_release_work *w);
+int sl_books_release_info(const struct sl_books *b, uint64_t release_id,
+                          struct sl_release_info *ri);
+/* Iteration in id order: after = 0 gives the first; -ENOENT past the last. */
+int sl_books_release_next(const struct sl_books *b, uint64_t after, struct sl_release_info *ri);
+/* The region's pages that are the driver's now. */
+uint64_t sl_books_region_released(const struct sl_books *b, uint64_t region_id);
+const char *sl_books_release_state_name(enum sl_release_state s);
+
 /* Kept windows (kept.c). A borrower in another process of the owner's uid keeps its window
  * (imported handles, mappings) after a loan, for the region's next: keep_window. One that
  * hears notices is its keeper then, until it borrows another region or leaves; when the region

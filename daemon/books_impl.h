@@ -84,6 +84,19 @@ struct sl_loan {
   struct sublet_loan_stats stats;
 };
 
+/* A live release (books_release.c). Its draft holds the keep, the pages (unkept, then kept:
+ * U + K of them, the region's less the pinned ones) and the plan whose one committed step
+ * reached the first K - stayed kept pages. */
+struct sl_release {
+  uint64_t id; /* first member: find_by_id() reads it */
+  uint64_t region_id, owner_client;
+  enum sl_release_state state;
+  struct sl_loan *l;
+  uint64_t stayed;
+  uint64_t *released; /* ascending region pages */
+  size_t nreleased;
+};
+
 struct sl_books {
   struct sl_books_config cfg;
   struct sl_client *clients;
@@ -93,6 +106,8 @@ struct sl_books {
   uint64_t region_pages;
   struct sl_loan *loan;
   struct sl_held *held; /* room for every keeper too: a region goes without allocating */
+  struct sl_release *releases; /* ascending id */
+  size_t nreleases, cap_releases;
   size_t nheld, cap_held;
   uint64_t next_client, next_region, next_loan, next_alloc, next_chunk, next_layout;
   struct sl_books_totals counters; /* only the counters; the gauges are computed */
@@ -142,6 +157,15 @@ size_t sl_books_kept_count(const struct sl_books *b, uint64_t client_id);
 void sl_books_kept_client_gone(struct sl_books *b, uint64_t client_id, uint64_t *freed,
                                size_t *nfreed);
 size_t sl_books_kept_keepers(const struct sl_books *b);
+
+/* books_release.c, for books.c and check.c: a region leaves (its releases with it); does a
+ * live release hold region pages [first, first + count) released (PagesGet refuses them);
+ * the region's live releases (a lend refuses them); the books go. */
+void sl_books_releases_region_gone(struct sl_books *b, uint64_t region_id);
+int sl_books_releases_hold(const struct sl_books *b, uint64_t region_id, uint64_t first,
+                           uint64_t count, uint64_t *release_id);
+size_t sl_books_releases_of(const struct sl_books *b, uint64_t region_id, uint64_t *first_id);
+void sl_books_releases_free(struct sl_books *b);
 
 /* A page of a loan's region: in the window unkept or kept, or pinned (in no window). */
 enum { SL_PAGE_UNKEPT = 0, SL_PAGE_KEPT = 1, SL_PAGE_PINNED = 2 };

@@ -460,6 +460,68 @@ static int check_kept(const struct sl_books *b, struct check *ck) {
   return 0;
 }
 
+/* Is p one of l's window pages (two ascending runs: unkept, kept)? */
+static int in_run(const uint64_t *v, uint64_t n, uint64_t p) {
+  uint64_t lo = 0, hi = n;
+
+  while (lo < hi) {
+    uint64_t mid = lo + (hi - lo) / 2;
+    if (v[mid] < p)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && v[lo] == p;
+}
+
+static int page_in(const struct sl_loan *l, uint64_t p) {
+  return in_run(l->pages, l->unkept, p) || in_run(l->pages + l->unkept, l->kept, p);
+}
+
+/* Releases: ascending ids, each of a live region's owner, its layout sound for the region as
+ * it was (a growable one may have grown since), its released pages ascending pages of its own,
+ * no page in two releases of a region, no release of a lent region. */
+static int check_release(const struct sl_books *b, const struct sl_release *rel,
+                         struct check *ck) {
+  const struct sl_region *r = sl_books_find_region(b, rel->region_id);
+  const struct sl_loan *l = rel->l;
+  uint64_t npages = l->unkept + l->kept + l->pinned_pages;
+  int rc;
+
+  if (r == NULL || r->owner_client != rel->owner_client || r->loan_id != 0 || npages > r->npages)
+    return broken(ck, "release %" PRIu64 " is of no region of its owner, or of a lent one",
+                  rel->id);
+  if ((rc = check_layout(b, l, npages, ck)) != 0)
+    return rc;
+  if (rel->stayed > l->kept || rel->nreleased != l->unkept + l->kept - rel->stayed)
+    return broken(ck, "release %" PRIu64 " released or stayed pages are miscounted", rel->id);
+  for (size_t i = 1; i < rel->nreleased; i++)
+    if (rel->released[i] <= rel->released[i - 1])
+      return broken(ck, "release %" PRIu64 " released pages are not ascending", rel->id);
+  return 0;
+}
+
+static int check_releases(const struct sl_books *b, struct check *ck) {
+  for (size_t i = 0; i < b->nreleases; i++) {
+    const struct sl_release *rel = &b->releases[i];
+    int rc;
+    if (i > 0 && rel->id <= rel[-1].id)
+      return broken(ck, "releases are not in id order");
+    if ((rc = check_release(b, rel, ck)) != 0)
+      return rc;
+    for (size_t j = 0; j < i; j++) {
+      const struct sl_loan *o = b->releases[j].l;
+      if (b->releases[j].region_id != rel->region_id)
+        continue;
+      for (uint64_t k = 0; k < o->unkept + o->kept; k++)
+        if (page_in(rel->l, o->pages[k]))
+          return broken(ck, "releases %" PRIu64 " and %" PRIu64 " share page %" PRIu64,
+                        b->releases[j].id, rel->id, o->pages[k]);
+    }
+  }
+  return 0;
+}
+
 int sl_books_check(const struct sl_books *b, char *why, size_t n) {
   struct check ck = {why, n};
   int rc = check_clients(b, &ck);
@@ -472,6 +534,8 @@ int sl_books_check(const struct sl_books *b, char *why, size_t n) {
     rc = check_totals(b, &ck);
   if (rc == 0)
     rc = check_kept(b, &ck);
+  if (rc == 0)
+    rc = check_releases(b, &ck);
   if (rc == 0 && why != NULL && n > 0)
     why[0] = '\0';
   return rc;

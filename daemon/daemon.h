@@ -82,6 +82,7 @@ struct sl_daemon {
   struct sl_drain *drains;
   struct sl_job *jobs, *jobs_tail; /* copies in submission order; the first one runs */
   struct sl_rescue *rescues;       /* per loan whose owner can restore itself (rescue.c) */
+  struct sl_live_release *releases; /* live releases' save areas (releases.c) */
   double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
   double move_seconds;      /* the same, moving kept bytes on the device */
   uint64_t building_bytes;  /* of regions whose pages a job is creating: not free any more */
@@ -274,6 +275,19 @@ void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_con
 
 /* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
  * a job with the connection paused), else an error in err for the caller to send. */
+/* releases.c: Lend.release (takes the Lend's keep and pinned lists, and *keep_fd), Resume;
+ * the areas of releases that left the books go back; what live releases hold pinned. */
+int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
+                      struct sl_err *err);
+int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
+                       struct sl_err *err);
+void sl_releases_prune(struct sl_daemon *d);
+uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
+/* handlers.c: reads n keep ranges from the start of a client's keep memfd into a buffer of
+ * the daemon's own (Lend.keep_fd_ranges); --check: the books checked, abort if broken. */
+int sl_keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err);
+void sl_check_books(struct sl_daemon *d, uint64_t req_id);
+
 int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
                       struct sl_err *err);
 int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,

@@ -92,6 +92,7 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   w.has_keep_fd = w.keep_fd = 1;
   w.has_grow = w.grow = 1;
   w.has_pinned = w.pinned = 1;
+  w.has_release = w.release = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -174,7 +175,6 @@ static int lend_now(struct ctx *x, struct sl_waiter *w) {
   return 0;
 }
 
-static void check_books(struct sl_daemon *d, uint64_t req_id);
 
 /* A waiting Lend's turn (sl_waiters_device_free): lent, or told why not. */
 static void serve_lend(struct sl_waiter *w) {
@@ -182,7 +182,7 @@ static void serve_lend(struct sl_waiter *w) {
 
   if (lend_now(&x, w) != 0)
     sl_conn_send_error(w->conn, w->req_id, &x.err);
-  check_books(w->d, w->req_id);
+  sl_check_books(w->d, w->req_id);
 }
 
 /* The waiter's draft is there: it is served now if it is first and the device free; else it
@@ -219,7 +219,7 @@ struct draft_job {
 
 /* Reads n keep ranges from the start of a client's memfd into a buffer of the daemon's own:
  * the client could change the memfd meanwhile, and the draft must check what it uses. */
-static int keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
+int sl_keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
   size_t len = n * sizeof(struct sublet_range), got = 0;
   uint8_t *buf = malloc(len);
 
@@ -249,7 +249,7 @@ static int keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
 static void draft_run(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;
 
-  if (dj->keep_fd >= 0 && (j->rc = keep_read(dj->keep_fd, dj->nkeep, &dj->keep, &j->err)) != 0)
+  if (dj->keep_fd >= 0 && (j->rc = sl_keep_read(dj->keep_fd, dj->nkeep, &dj->keep, &j->err)) != 0)
     return;
   j->rc = sl_books_draft(&dj->cfg, dj->npages, (const struct sublet_range *)dj->keep,
                          dj->nkeep, 0, dj->pinned, dj->npinned, &dj->draft, &j->err);
@@ -399,6 +399,8 @@ static int on_lend(struct ctx *x, Sublet__Lend *m) {
   if (lend_timeout(m) < -1)
     return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.timeout_ms is 0 (at once), -1 (forever) "
                       "or milliseconds above 0, not %d", lend_timeout(m));
+  if (m->release) /* no waiting: a release does not take the device's one loan */
+    return sl_releases_start(x->c, x->id, m, &x->keep_fd, &x->err);
   rc = sl_books_may_lend(x->d->books, x->c->client_id, m->region, &npages, &x->err);
   if (rc != 0)
     return rc;
@@ -831,6 +833,8 @@ static int dispatch(struct ctx *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_STATS_GET: return sl_status_reply(x->c, x->id, &x->err);
     case SUBLET__REQUEST__BODY_DROPPED:
       return sl_regions_dropped(x->c, x->id, r->dropped, &x->err);
+    case SUBLET__REQUEST__BODY_RESUME:
+      return sl_releases_resume(x->c, x->id, r->resume, &x->err);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);
@@ -864,13 +868,13 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
       sl_conn_close(c); /* PROTOCOL.md: answered, then the connection closes */
   }
   sl_waiters_device_free(c->d); /* it may have ended the loan, or left a Lend first */
-  check_books(c->d, req->id);
+  sl_check_books(c->d, req->id);
   /* Where a loan's time goes, for --log-level debug: the loop's share of each request. */
   sl_debug("pid %d: request %llu (body %d) took %.3f ms on the loop", (int)c->peer.pid,
            (unsigned long long)req->id, (int)req->body_case, 1e3 * (sl_clock_now() - t0));
 }
 
-static void check_books(struct sl_daemon *d, uint64_t req_id) {
+void sl_check_books(struct sl_daemon *d, uint64_t req_id) {
   char why[256];
 
   if (d->cfg.check_books && sl_books_check(d->books, why, sizeof(why)) != 0) {

@@ -301,3 +301,24 @@ void sl_plan_step_clear(struct sl_plan_step *s) {
   free(s->saves);
   memset(s, 0, sizeof(*s));
 }
+
+int sl_plan_undo(const struct sl_plan *p, struct sl_copy **restore, size_t *nrestore,
+                 struct sl_move **unmove, size_t *nunmove) {
+  struct sl_copy *r = p->nsaves ? malloc(p->nsaves * sizeof(*r)) : NULL;
+  struct sl_move *m = p->nmoves ? malloc(p->nmoves * sizeof(*m)) : NULL;
+
+  if ((p->nsaves && r == NULL) || (p->nmoves && m == NULL)) {
+    free(r);
+    free(m);
+    return SUBLET_ENOHOSTMEM;
+  }
+  if (p->nsaves)
+    memcpy(r, p->saves, p->nsaves * sizeof(*r));
+  for (size_t i = 0; i < p->nmoves; i++)
+    m[i] = (struct sl_move){p->moves[i].dst_off, p->moves[i].src_off, p->moves[i].len};
+  *restore = r;
+  *nrestore = p->nsaves;
+  *unmove = m;
+  *nunmove = p->nmoves;
+  return 0;
+}

@@ -70,6 +70,11 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
 /* Records the step (it must be the plan's current one); on ENOMEM nothing changes. */
 int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s);
 void sl_plan_step_clear(struct sl_plan_step *s);
+/* What undoes the plan's committed steps: the saves to copy back (host to device) first, which
+ * also brings moved bytes back into their holes, then the moves backwards (destination to
+ * source). Arrays malloc'd (NULL when empty), the caller's; SUBLET_ENOHOSTMEM. */
+int sl_plan_undo(const struct sl_plan *p, struct sl_copy **restore, size_t *nrestore,
+                 struct sl_move **unmove, size_t *nunmove);
 /* The first merged keep range ending after region byte off (nkeep: none). */
 size_t sl_plan_keep_after(const struct sl_plan *p, uint64_t off);
 

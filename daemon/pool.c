@@ -42,7 +42,7 @@ struct pool_batch {
 };
 
 /* The host save area: a memfd mapped (and pinned) in pieces of SL_HOST_PIECE bytes. */
-struct pool_area {
+struct sl_pool_area {
   int fd;         /* owned */
   uid_t uid;      /* whose kept bytes it holds; (uid_t)-1: nobody's yet */
   void **host;
@@ -54,7 +54,7 @@ struct pool_area {
 struct sl_pool_transfer {
   struct sl_pool *pool;
   struct sl_pool_region *region;
-  struct pool_area *area;
+  struct sl_pool_area *area;
   enum sl_copy_dir dir;
   struct pool_batch *batches;
   size_t nbatches;
@@ -67,6 +67,7 @@ struct sl_pool_transfer {
   sl_handle *fresh;       /* their new handles: created by the run */
   size_t nreplace, nfresh, nreplaced;
   size_t *replaced;       /* the caller's: nreplaced once the run is done */
+  int must_replace;       /* a release's resume: no copy runs unless every page was made */
 };
 
 struct pool_chunk {
@@ -76,12 +77,16 @@ struct pool_chunk {
   struct pool_chunk *next;
 };
 
+/* Save areas that releases gave back, kept (pinned) for the next release of their user. */
+#define SL_POOL_SPARES 4
+
 struct sl_pool {
   struct sl_device *dev;
   uint64_t page_size;
   struct sl_pool_region *regions;
   struct pool_chunk *chunks;
-  struct pool_area *area;  /* the current save area; NULL until first needed */
+  struct sl_pool_area *area;  /* the current save area; NULL until first needed */
+  struct sl_pool_area *spares[SL_POOL_SPARES]; /* releases' areas between releases */
 };
 
 int sl_pool_new(struct sl_device *dev, struct sl_pool **out) {
@@ -278,7 +283,7 @@ void sl_pool_chunk_release(struct sl_pool *p, uint64_t chunk_id) {
   free(c);
 }
 
-static void area_free(struct sl_device *dev, struct pool_area *a) {
+static void area_free(struct sl_device *dev, struct sl_pool_area *a) {
   for (size_t i = 0; i < a->nhost; i++)
     sl_device_host_free(dev, a->host[i], SL_HOST_PIECE);
   free(a->host);
@@ -286,8 +291,8 @@ static void area_free(struct sl_device *dev, struct pool_area *a) {
   free(a);
 }
 
-static int area_new(uid_t uid, struct pool_area **out, struct sl_err *err) {
-  struct pool_area *a = calloc(1, sizeof(*a));
+static int area_new(uid_t uid, struct sl_pool_area **out, struct sl_err *err) {
+  struct sl_pool_area *a = calloc(1, sizeof(*a));
 
   if (a == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
@@ -304,7 +309,7 @@ static int area_new(uid_t uid, struct pool_area **out, struct sl_err *err) {
 
 /* Gives up the current area: at once, or when the last copy that uses it is done. */
 static void area_drop(struct sl_pool *p) {
-  struct pool_area *a = p->area;
+  struct sl_pool_area *a = p->area;
 
   p->area = NULL;
   if (a != NULL && a->busy > 0)
@@ -326,7 +331,7 @@ int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err
 }
 
 /* Grows an area to hold bytes: pieces mapped (and pinned) at their place in the memfd. */
-static int area_reserve(struct sl_device *dev, struct pool_area *a, uint64_t bytes,
+static int area_reserve(struct sl_device *dev, struct sl_pool_area *a, uint64_t bytes,
                         struct sl_err *err) {
   size_t want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
   void **host;
@@ -358,8 +363,70 @@ int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err) 
   return area_reserve(p->dev, p->area, bytes, err);
 }
 
+static uint64_t area_bytes(const struct sl_pool_area *a) {
+  return a != NULL ? (uint64_t)a->nhost * SL_HOST_PIECE : 0;
+}
+
 uint64_t sl_pool_host_bytes(const struct sl_pool *p) {
-  return p->area != NULL ? (uint64_t)p->area->nhost * SL_HOST_PIECE : 0;
+  uint64_t n = area_bytes(p->area);
+
+  for (int i = 0; i < SL_POOL_SPARES; i++)
+    n += area_bytes(p->spares[i]);
+  return n;
+}
+
+/* The spare of uid holding the most, or -1. */
+static int best_spare(const struct sl_pool *p, uid_t uid) {
+  int best = -1;
+
+  for (int i = 0; i < SL_POOL_SPARES; i++)
+    if (p->spares[i] != NULL && p->spares[i]->uid == uid &&
+        (best < 0 || p->spares[i]->nhost > p->spares[best]->nhost))
+      best = i;
+  return best;
+}
+
+int sl_pool_area_take(struct sl_pool *p, uid_t uid, struct sl_pool_area **out, int *fd,
+                      struct sl_err *err) {
+  int i = best_spare(p, uid), rc;
+
+  if (i >= 0) {
+    *out = p->spares[i];
+    p->spares[i] = NULL;
+  } else if ((rc = area_new(uid, out, err)) != 0) {
+    return rc;
+  }
+  *fd = (*out)->fd;
+  return 0;
+}
+
+uint64_t sl_pool_area_bytes(const struct sl_pool_area *a) {
+  return area_bytes(a);
+}
+
+/* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
+void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
+  int slot = 0;
+  struct sl_pool_area *loser;
+
+  if (a == NULL)
+    return;
+  for (int i = 1; i < SL_POOL_SPARES; i++)
+    if (p->spares[i] == NULL || (p->spares[slot] != NULL &&
+                                 p->spares[i]->nhost < p->spares[slot]->nhost))
+      slot = i;
+  loser = p->spares[slot];
+  if (loser != NULL && loser->nhost > a->nhost) {
+    loser = a; /* every spare is larger: this one goes */
+  } else {
+    p->spares[slot] = a;
+  }
+  if (loser == NULL)
+    return;
+  if (loser->busy > 0)
+    loser->doomed = 1;
+  else
+    area_free(p->dev, loser);
 }
 
 /* How many pieces the copies make once split where they cross host pieces. */
@@ -418,14 +485,22 @@ static void *dup_array(const void *v, size_t n, size_t size) {
 int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
                          const struct sl_copy *c, size_t n, const struct sl_move *m,
                          size_t nm, struct sl_pool_transfer **out, struct sl_err *err) {
+  int rc;
+
+  if (p->area == NULL && (rc = area_new((uid_t)-1, &p->area, err)) != 0)
+    return rc;
+  return sl_pool_transfer_new_in(p, p->area, dir, region_id, c, n, m, nm, out, err);
+}
+
+int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum sl_copy_dir dir,
+                            uint64_t region_id, const struct sl_copy *c, size_t n,
+                            const struct sl_move *m, size_t nm, struct sl_pool_transfer **out,
+                            struct sl_err *err) {
   struct sl_pool_region *r = find_region(p, region_id);
   struct sl_pool_transfer *t;
-  int rc;
 
   if (r == NULL)
     return no_pages(region_id, err);
-  if (p->area == NULL && (rc = area_new((uid_t)-1, &p->area, err)) != 0)
-    return rc;
   t = calloc(1, sizeof(*t));
   if (t == NULL || (t->copies = dup_array(c, n, sizeof(*c))) == NULL) {
     if (t == NULL || n > 0) {
@@ -443,7 +518,7 @@ int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t regio
   t->nmoves = nm;
   t->pool = p;
   t->region = r;
-  t->area = p->area;
+  t->area = area;
   t->dir = dir;
   r->busy++;
   t->area->busy++;
@@ -467,6 +542,31 @@ int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, 
   return 0;
 }
 
+int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                                 size_t *replaced, struct sl_err *err) {
+  t->must_replace = 1;
+  return sl_pool_transfer_replace(t, pages, n, replaced, err);
+}
+
+int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                          struct sl_err *err) {
+  struct sl_pool_region *r = t->region;
+  uint64_t ps = t->pool->page_size;
+  int rc = sl_device_synchronize(t->pool->dev, err);
+
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    if (pages[i] >= r->npages)
+      rc = sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
+                      (unsigned long long)pages[i], (unsigned long long)r->id);
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    sl_device_unmap_idle(t->pool->dev, (char *)r->base + pages[i] * ps, ps);
+    if (r->pages[pages[i]] != 0)
+      sl_device_release(t->pool->dev, r->pages[pages[i]]);
+    r->pages[pages[i]] = 0;
+  }
+  return rc;
+}
+
 static void *page_addr(const struct sl_pool_transfer *t, uint64_t page) {
   return (char *)t->region->base + page * t->pool->page_size;
 }
@@ -479,7 +579,8 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
   while (n-- > 0) {
     void *at = page_addr(t, t->replace[n]);
     sl_device_unmap_idle(dev, at, ps);
-    sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL);
+    if (t->region->pages[t->replace[n]] != 0) /* a released page had none */
+      sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL);
   }
 }
 
@@ -534,7 +635,8 @@ static void settle_replace(struct sl_pool_transfer *t) {
   for (size_t i = 0; i < t->nfresh; i++) {
     sl_handle *page = &r->pages[t->replace[i]];
     if (i < t->nreplaced) {
-      sl_device_release(t->pool->dev, *page);
+      if (*page != 0) /* a released page had none */
+        sl_device_release(t->pool->dev, *page);
       *page = t->fresh[i];
     } else {
       sl_device_release(t->pool->dev, t->fresh[i]);
@@ -574,6 +676,11 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
 
   if (t->nreplace > 0)
     run_replace(t);
+  if (t->must_replace && t->nreplaced != t->nreplace)
+    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %zu pages "
+                      "again (%llu bytes): whoever holds it must free it first; the release "
+                      "goes on", t->nreplace, (unsigned long long)(t->nreplace *
+                                                                  t->pool->page_size));
   rc = save ? run_moves(t, err) : run_copies(t, err);
   t1 = sl_clock_now();
   if (rc == 0)
@@ -609,5 +716,8 @@ void sl_pool_free(struct sl_pool *p) {
   while (p->regions != NULL)
     sl_pool_region_free(p, sl_pool_region_take(p, p->regions->id));
   area_drop(p);
+  for (int i = 0; i < SL_POOL_SPARES; i++)
+    if (p->spares[i] != NULL)
+      area_free(p->dev, p->spares[i]);
   free(p);
 }

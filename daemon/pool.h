@@ -74,16 +74,40 @@ int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t regio
  * when the transfer is freed, on the loop. */
 int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                              size_t *replaced, struct sl_err *err);
+/* The same where the run must make every page (a release's resume): otherwise it copies
+ * nothing and fails with SUBLET_ENOMEM, the old (no) pages staying. */
+int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                                 size_t *replaced, struct sl_err *err);
+/* A release: after the run (any thread, the transfer held), the daemon lets go of region
+ * pages pages[0..n): unmapped from its mapping (the device waited for first), handles
+ * released. Their memory goes back to the driver once no client maps them either. */
+int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                          struct sl_err *err);
 /* *copy_seconds and *move_seconds get the time each part took. */
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err);
 /* On the loop, after the run. */
 void sl_pool_transfer_free(struct sl_pool_transfer *t);
+/* A transfer with its own save area (a release's), not the loans' current one. */
+struct sl_pool_area;
+int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum sl_copy_dir dir,
+                            uint64_t region_id, const struct sl_copy *c, size_t n,
+                            const struct sl_move *m, size_t nm, struct sl_pool_transfer **out,
+                            struct sl_err *err);
+/* A release's save area: a spare that an earlier release of uid gave back (pinned already:
+ * pinning is the slow part of a first save), or a new one; *fd its memfd (the area's: send
+ * it, do not close it). give: the release is over, the area a spare (at most a few are kept,
+ * the largest; the others go). bytes: what it holds pinned. */
+int sl_pool_area_take(struct sl_pool *p, uid_t uid, struct sl_pool_area **out, int *fd,
+                      struct sl_err *err);
+void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a);
+uint64_t sl_pool_area_bytes(const struct sl_pool_area *a);
 /* The save area for a loan of uid's region: the current one if it is uid's (or nobody's
  * yet), else a new one. *fd is its memfd, the pool's: the caller may send it, not close it. */
 int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err);
 /* Makes sure the save area holds at least bytes (pinning ahead of need). */
 int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err);
+/* Pinned by the loans' area and the spares (not by live releases' areas). */
 uint64_t sl_pool_host_bytes(const struct sl_pool *p);
 
 #endif

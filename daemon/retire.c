@@ -77,6 +77,7 @@ void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_con
   size_t holders = sl_books_kept_holders(d->books, region_id), told = 0;
   struct sl_pool_region *r = holders == 0 ? sl_pool_region_take(d->pool, region_id) : NULL;
 
+  sl_releases_prune(d); /* the region's releases left the books with it */
   if (r != NULL) {
     free_pages(d, r, answer, req_id);
     return;

@@ -43,9 +43,43 @@ static int status_regions(struct sl_conn *c, Sublet__Status *st, Sublet__RegionS
     r->pages = ri.npages;
     r->has_loan = ri.loan_id != 0;
     r->loan = ri.loan_id;
+    r->released_pages = sl_books_region_released(d->books, ri.id);
+    r->has_released_pages = r->released_pages != 0;
     st->regions[n++] = r;
   }
   st->n_regions = n;
+  return 0;
+}
+
+/* The live releases the client may see; the arrays are freed by the caller. */
+static int status_releases(struct sl_conn *c, Sublet__Status *st, Sublet__ReleaseStatus **msgs) {
+  struct sl_books *books = c->d->books;
+  struct sl_release_info ri;
+  size_t n = 0, cap = 0;
+  uint64_t after = 0;
+
+  for (; sl_books_release_next(books, after, &ri) == 0; after = ri.id)
+    cap++;
+  *msgs = calloc(cap + 1, sizeof(**msgs));
+  st->releases = calloc(cap + 1, sizeof(*st->releases));
+  if (*msgs == NULL || st->releases == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (after = 0; n < cap && sl_books_release_next(books, after, &ri) == 0; after = ri.id) {
+    Sublet__ReleaseStatus *r = &(*msgs)[n];
+    if (!may_see(c, ri.owner.uid))
+      continue;
+    sublet__release_status__init(r);
+    r->release = ri.id;
+    r->region = ri.region_id;
+    r->state = (char *)sl_books_release_state_name(ri.state);
+    r->released_pages = ri.released_pages;
+    r->stayed_pages = ri.stayed_pages;
+    r->kept_bytes = ri.kept_bytes;
+    r->copied_out_bytes = ri.saved_bytes;
+    r->moved_bytes = ri.moved_bytes;
+    st->releases[n++] = r;
+  }
+  st->n_releases = n;
   return 0;
 }
 
@@ -169,7 +203,7 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   st->served_unkept_bytes = t.served_bytes[SL_SRC_UNKEPT];
   st->served_fresh_bytes = t.served_bytes[SL_SRC_FRESH];
   st->served_kept_bytes = t.served_bytes[SL_SRC_KEPT];
-  st->host_bytes = sl_pool_host_bytes(d->pool);
+  st->host_bytes = sl_pool_host_bytes(d->pool) + sl_releases_host_bytes(d);
   st->has_replaced_bytes = 1;
   st->replaced_bytes = t.replaced_pages * info->page_size;
   st->has_lends_waiting = 1;
@@ -185,6 +219,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   Sublet__RegionStatus *regions = NULL;
   Sublet__RetainedStatus *retained = NULL;
   Sublet__HeldStatus *held = NULL;
+  Sublet__ReleaseStatus *releases = NULL;
   int rc;
 
   status_device(c->d, &st);
@@ -193,6 +228,8 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
     rc = status_retained(c, &st, &retained);
   if (rc == 0)
     rc = status_held(c, &st, &held);
+  if (rc == 0)
+    rc = status_releases(c, &st, &releases);
   if (rc == 0) {
     if (loan_visible(c, sl_books_current_loan(c->d->books))) {
       status_loan(c->d, &li, &ls, &stats);
@@ -209,5 +246,7 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   free(st.retained);
   free(held);
   free(st.held);
+  free(releases);
+  free(st.releases);
   return rc != 0 ? sl_err_set(err, rc, "out of host memory") : 0;
 }

@@ -263,6 +263,44 @@ SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c);
 SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct sublet_range *out,
                                        size_t n, size_t *count);
 
+/* Releases: pages of a region given back to the device's driver, for anyone to allocate (a
+ * process that knows nothing of sublet, NCCL), until sublet_resume() makes them again at the
+ * same addresses (docs/design/release.md). pages: byte ranges of whole pages of the region,
+ * in any order (NULL/0: all of it); keep: byte ranges within them, as for sublet_lend. The
+ * kept bytes of released pages move, on the device, into unkept bytes of the kept pages that
+ * stay (at most stay_pages of those, SUBLET_STAY_ANY: as many as the kept bytes need, so that
+ * nothing goes to the host); what they cannot hold is saved to host memory. Returns once the
+ * memory is the driver's: this process holds no handle of the released pages, and touching
+ * them is a GPU fault until the resume. Several releases of a region may be live, on disjoint
+ * pages (SUBLET_EBUSY otherwise); a region with one cannot be lent (SUBLET_EBUSY).
+ * SUBLET_ENOTSUP from a subletd that cannot release. */
+#define SUBLET_STAY_ANY UINT64_MAX
+
+struct sublet_release_stats {
+  uint64_t release_id;
+  uint64_t released_pages;   /* given back to the driver */
+  uint64_t stayed_pages;     /* kept pages that stayed, holding the kept bytes */
+  uint64_t kept_bytes;
+  uint64_t moved_bytes;      /* kept bytes moved on the device (and back at the resume) */
+  uint64_t copied_out_bytes; /* kept bytes saved to the host */
+  uint64_t copied_in_bytes;  /* restored (copied_out_bytes once resumed) */
+  double seconds;            /* the call, end to end */
+  double move_seconds, copy_seconds; /* daemon side */
+  double map_seconds;        /* client side: unmapping (release), mapping (resume) */
+  int daemon_died;           /* the resume was done by this library: subletd had died */
+};
+
+SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pages,
+                                 size_t npages, const struct sublet_range *keep, size_t nkeep,
+                                 int keep_all, uint64_t stay_pages, uint64_t *release_id,
+                                 struct sublet_release_stats *stats);
+/* Makes the released pages again at their addresses and puts the kept bytes back. All or
+ * none: SUBLET_ENOMEM while the device lacks the memory (whoever took it must free it; the
+ * release goes on: call again). If subletd has died, this library does it itself (the save
+ * area and the plan came with the release) and returns SUBLET_EDAEMONDIED with the stats. */
+SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
+                                struct sublet_release_stats *stats);
+
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
  * device index of this process to a client that is borrowing; NULL unbinds. With no loan
  * bound, sublet_torch_bind_pool() routes allocations to the client's pool of that tag (c NULL

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
                    DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
-                   NoOfferError, OwnerGoneError, ProtocolError, SubletError,
+                   NoOfferError, OwnerGoneError, ProtocolError, ReleaseStats, SubletError,
                    SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._lent import Lendable
     from ._memory import empty
     from ._pool import Pool, pool
+    from ._release import Release, release
     from ._torch import LeakedBlock
 
     __version__: str
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats",
-    "DaemonInfo", "blocks", "Blocks",
+    "DaemonInfo", "blocks", "Blocks", "release", "Release", "ReleaseStats",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
     "ProtocolError", "BusyError",
@@ -52,7 +53,7 @@ __all__ = [
 _LAZY = {"empty": "._memory", "pool": "._pool", "Pool": "._pool", "Loan": "._loan",
          "Offer": "._loan", "LocalLoan": "._loan",
          "BorrowedLoan": "._loan", "LeakedBlock": "._torch", "blocks": "._keep",
-         "Blocks": "._keep"}
+         "Blocks": "._keep", "release": "._release", "Release": "._release"}
 # A process that makes sublet memory is about to lend it: the lending modules load with
 # sublet.empty, not in the first loan's time (13 to 19 ms of imports, on the H200 and here).
 _LOADED_WITH = {"empty": ("._loan",), "pool": ("._loan",)}

@@ -39,8 +39,10 @@ class Lent:
         return self.region.device
 
 
-def resolve(what: Lendable) -> Lent:
-    """The region and the lent ranges of `what`; raises TypeError/ValueError naming the fix."""
+def resolve(what: Lendable, free: bool = True) -> Lent:
+    """The region and the lent ranges of `what`; raises TypeError/ValueError naming the fix.
+    free: the region's bytes that no tensor holds (an arena's free pages) are lent too; a
+    release leaves them out, so that releases of two tags never share a page."""
     parts = [what] if isinstance(what, (str, _pool.Pool, torch.Tensor)) else _as_list(what)
     if not parts:
         raise ValueError("nothing to lend: pass a tensor, a pool tag or a list of them")
@@ -52,12 +54,19 @@ def resolve(what: Lendable) -> Lent:
                 f"one loan lends one region, and {described} is not in the memory of "
                 f"{resolved[0][2]}: lend tensors of one sublet.empty() tensor, or tensors and "
                 f"tags of the sublet pools of one device (allocate them inside sublet.pool())")
-    spans = np.concatenate([r[1] for r in resolved] + [_unowned(region)]).astype(np.int64)
+    extra = [_unowned(region)] if free else []
+    spans = np.concatenate([r[1] for r in resolved] + extra).astype(np.int64)
     merged = _keep.merge_ranges(spans[:, 0], spans[:, 1])
     tensor = parts[0] if len(parts) == 1 and isinstance(parts[0], torch.Tensor) else None
     pinned = (_idle_pages(merged, region.size, region.client.info.page_size)
-              if isinstance(region, _pool.Arena) else None)
+              if isinstance(region, _pool.Arena) or not free else None)
     return Lent(region, merged, tensor, ", ".join(r[2] for r in resolved), pinned)
+
+
+def touched_pages(lent: Lent) -> np.ndarray:
+    """The whole pages holding a lent byte, as (n, 2) uint64 byte ranges: the complement of
+    the pinned pages (all of the region when none is pinned)."""
+    return np.ascontiguousarray(_complement(_pinned_of(lent), lent.region.size), np.uint64)
 
 
 def _idle_pages(spans: np.ndarray, size: int, page: int) -> np.ndarray:

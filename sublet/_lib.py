@@ -209,6 +209,26 @@ class CLoanStats(Structure):
     ]
 
 
+class CReleaseStats(Structure):
+    _fields_ = [
+        ("release_id", c_uint64),
+        ("released_pages", c_uint64),
+        ("stayed_pages", c_uint64),
+        ("kept_bytes", c_uint64),
+        ("moved_bytes", c_uint64),
+        ("copied_out_bytes", c_uint64),
+        ("copied_in_bytes", c_uint64),
+        ("seconds", c_double),
+        ("move_seconds", c_double),
+        ("copy_seconds", c_double),
+        ("map_seconds", c_double),
+        ("daemon_died", c_int),
+    ]
+
+
+STAY_ANY = 2**64 - 1  # SUBLET_STAY_ANY: as many kept pages stay as the kept bytes need
+
+
 class CLeak(Structure):
     _fields_ = [("alloc_id", c_uint64), ("size", c_uint64), ("ptr", c_void_p)]
 
@@ -247,6 +267,9 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                                        POINTER(c_uint64)]),
     "sublet_lend_pinned": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p, c_size_t,
                                    c_int, c_char_p, c_int, POINTER(c_uint64), TOKEN]),
+    "sublet_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
+                               c_uint64, POINTER(c_uint64), POINTER(CReleaseStats)]),
+    "sublet_resume": (c_int, [c_void_p, c_uint64, POINTER(CReleaseStats)]),
     "sublet_cancel": (c_int, [c_void_p]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
@@ -394,6 +417,36 @@ class LoanStats:
 
 
 @dataclass(frozen=True)
+class ReleaseStats:
+    """What a release did (and, after the resume, what its end did). Bytes are exact.
+
+    released_pages went back to the driver; stayed_pages are kept pages that stayed on the GPU,
+    holding the kept bytes (compacted: moved_bytes of them moved there on the GPU, and back at
+    the resume); copied_out_bytes went to the host (what the pages that stay could not hold),
+    copied_in_bytes came back. seconds: the call, end to end; map_seconds the client's share
+    (unmapping, or mapping the new pages); move and copy seconds the daemon's.
+    """
+    release_id: int
+    released_pages: int
+    stayed_pages: int
+    kept_bytes: int
+    moved_bytes: int
+    copied_out_bytes: int
+    copied_in_bytes: int
+    seconds: float
+    move_seconds: float
+    copy_seconds: float
+    map_seconds: float
+    daemon_died: bool = False  # the resume was this process's own: subletd had died
+
+    @classmethod
+    def from_c(cls, c: CReleaseStats) -> "ReleaseStats":
+        values = {f.name: getattr(c, f.name) for f in fields(cls)}
+        values["daemon_died"] = bool(values["daemon_died"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class ReturnResult:
     code: int                  # 0, or a negative SUBLET_E* code (ELEAK, EOWNERGONE...)
     message: str
@@ -530,6 +583,28 @@ class Client:
                                        int(keep_all), _data(pins), len(pins), 1, None, timeout_ms,
                                        ctypes.byref(loan_id), TOKEN()))
         return loan_id.value
+
+    @staticmethod
+    def release(region: RegionHandle, pages: Any, ranges: Any, stay_pages: int) -> ReleaseStats:
+        """Gives pages of region (byte ranges of whole pages as for lend's pinned; None: all of
+        it) back to the driver, keeping ranges (None: all of it) on the GPU in at most
+        stay_pages kept pages (STAY_ANY: as many as they need), the rest on the host."""
+        stats = CReleaseStats()
+        keep_all = ranges is None
+        n = 0 if keep_all else len(ranges)
+        spans = _pinned(pages)  # held here: C reads them during the call
+        check(lib().sublet_release(region.handle, _data(spans), len(spans),
+                                   ranges.ctypes.data if n else None, n, int(keep_all),
+                                   stay_pages, None, ctypes.byref(stats)))
+        return ReleaseStats.from_c(stats)
+
+    @staticmethod
+    def resume(region: RegionHandle, release_id: int) -> tuple[int, str, ReleaseStats]:
+        """Ends a release; returns the code (EDAEMONDIED: done by this library) with the
+        message and the stats."""
+        stats = CReleaseStats()
+        rc = lib().sublet_resume(region.handle, release_id, ctypes.byref(stats))
+        return rc, (last_error() if rc < 0 else ""), ReleaseStats.from_c(stats)
 
     def cancel(self) -> None:
         """Gives up the call of another thread that waits in the daemon (ECANCELED there)."""

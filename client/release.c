@@ -1,0 +1,385 @@
+/* release.c - libsublet: releases, a region's pages given back to the device's driver until a
+ * resume (docs/design/release.md; subletd's side is daemon/releases.c).
+ *
+ * The daemon moves and saves the kept bytes and lets go of its own handles; then this library
+ * unmaps the released pages and releases its handles, and only then is the memory the
+ * driver's. The reply carries the release's save area (an fd, read-only) and its plan, kept
+ * here until the resume: if subletd dies meanwhile, the resume is done by this library alone
+ * (pages made by this process, the saved bytes copied back, the moves undone).
+ */
+#include "client.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "msg.h"
+
+/* A live release, as its owner's library keeps it. */
+struct sl_release_rec {
+  uint64_t id;
+  int area_fd;              /* the save area, read-only; owned */
+  struct sl_copy *saves;    /* (region offset, area offset, length) */
+  size_t nsaves;
+  struct sl_move *moves;    /* (source, destination, length), region offsets */
+  size_t nmoves;
+  uint64_t *runs;           /* the released pages: (first, count) pairs */
+  size_t nruns;             /* uint64s */
+  struct sublet_release_stats stats;
+  struct sl_release_rec *next;
+};
+
+static double now(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void rec_free(struct sl_release_rec *rec) {
+  if (rec == NULL)
+    return;
+  if (rec->area_fd >= 0)
+    close(rec->area_fd);
+  free(rec->saves);
+  free(rec->moves);
+  free(rec->runs);
+  free(rec);
+}
+
+void sl_release_forget(struct sublet_region *r) {
+  while (r->releases != NULL) {
+    struct sl_release_rec *next = r->releases->next;
+    rec_free(r->releases);
+    r->releases = next;
+  }
+}
+
+static struct sl_release_rec **rec_link(struct sublet_region *r, uint64_t id) {
+  struct sl_release_rec **link = &r->releases;
+
+  while (*link != NULL && (*link)->id != id)
+    link = &(*link)->next;
+  return link;
+}
+
+/* ---- releasing ---------------------------------------------------------------------------- */
+
+/* The complement of the released pages' pairs: the pinned pages of the Lend. */
+static int complement(const struct sublet_region *r, const uint64_t *pairs, size_t n,
+                      uint64_t **out, size_t *nout) {
+  uint64_t *v = malloc((2 * n + 2) * sizeof(*v)), at = 0;
+  size_t m = 0;
+
+  if (v == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  for (size_t i = 0; i < n; i++) {
+    if (pairs[2 * i] > at) {
+      v[2 * m] = at;
+      v[2 * m++ + 1] = pairs[2 * i] - at;
+    }
+    at = pairs[2 * i] + pairs[2 * i + 1];
+  }
+  if (at < r->npages) {
+    v[2 * m] = at;
+    v[2 * m++ + 1] = r->npages - at;
+  }
+  *out = v;
+  *nout = m;
+  return 0;
+}
+
+/* The pinned pairs for the released byte ranges (NULL/0: none pinned). */
+static int pinned_for(const struct sublet_region *r, const struct sublet_range *pages, size_t n,
+                      uint64_t **pinned, size_t *npinned) {
+  uint64_t *pairs;
+  size_t npairs;
+  int rc;
+
+  *pinned = NULL;
+  *npinned = 0;
+  if (pages == NULL || n == 0)
+    return 0;
+  if ((rc = sl_region_page_pairs(r, pages, n, &pairs, &npairs)) != 0)
+    return rc;
+  if (npairs == 0)
+    rc = sl_client_fail(SUBLET_EINVAL, "the pages to release hold no page: give ranges of "
+                        "whole pages of region %llu", (unsigned long long)r->id);
+  else
+    rc = complement(r, pairs, npairs, pinned, npinned);
+  free(pairs);
+  return rc;
+}
+
+/* The plan and the runs of a Released, checked against the region and taken into rec. */
+static int rec_fill(const struct sublet_region *r, const Sublet__ReleaseStats *m,
+                    struct sl_release_rec *rec) {
+  uint64_t size = r->npages * r->page_size;
+
+  if (m->n_moves % 3 || m->n_saves % 3 || m->n_released % 2)
+    return sl_client_fail(SUBLET_EPROTO, "subletd sent a malformed Released");
+  for (size_t i = 0; i < m->n_released; i += 2)
+    if (m->released[i] >= r->npages || m->released[i + 1] > r->npages - m->released[i])
+      return sl_client_fail(SUBLET_EPROTO, "subletd released pages outside region %llu",
+                            (unsigned long long)r->id);
+  for (size_t i = 0; i < m->n_saves; i += 3)
+    if (m->saves[i] > size || m->saves[i + 2] > size - m->saves[i])
+      return sl_client_fail(SUBLET_EPROTO, "subletd saved bytes outside region %llu",
+                            (unsigned long long)r->id);
+  rec->saves = malloc((m->n_saves + 1) * sizeof(uint64_t));
+  rec->moves = malloc((m->n_moves + 1) * sizeof(uint64_t));
+  rec->runs = malloc((m->n_released + 1) * sizeof(uint64_t));
+  if (rec->saves == NULL || rec->moves == NULL || rec->runs == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  memcpy(rec->saves, m->saves, m->n_saves * sizeof(uint64_t));
+  memcpy(rec->moves, m->moves, m->n_moves * sizeof(uint64_t));
+  memcpy(rec->runs, m->released, m->n_released * sizeof(uint64_t));
+  rec->nsaves = m->n_saves / 3;
+  rec->nmoves = m->n_moves / 3;
+  rec->nruns = m->n_released;
+  return 0;
+}
+
+static void stats_from(const Sublet__ReleaseStats *m, struct sublet_release_stats *s) {
+  s->release_id = m->release;
+  s->released_pages = m->released_pages;
+  s->stayed_pages = m->stayed_pages;
+  s->kept_bytes = m->kept_bytes;
+  s->moved_bytes = m->moved_bytes;
+  s->copied_out_bytes = m->copied_out_bytes;
+  s->copied_in_bytes = m->copied_in_bytes;
+  s->move_seconds = m->move_seconds;
+  s->copy_seconds = m->has_copy_in_seconds ? m->copy_in_seconds : m->copy_out_seconds;
+}
+
+/* This process lets go of the released pages: then nothing holds them. */
+static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t *runs,
+                       size_t n) {
+  sl_region_drop_window(c, r); /* a local loan's window maps these very handles */
+  sl_device_synchronize(c->dev, NULL);
+  for (size_t i = 0; i + 1 < n; i += 2)
+    for (uint64_t p = runs[i]; p < runs[i] + runs[i + 1]; p++) {
+      sl_device_unmap_idle(c->dev, (char *)r->base + p * r->page_size, r->page_size);
+      if (r->handles[p] != 0)
+        sl_device_release(c->dev, r->handles[p]);
+      r->handles[p] = 0;
+    }
+}
+
+static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
+                           int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
+                           Sublet__Reply **rep, int *fd) {
+  sublet_client *c = r->client;
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend m = SUBLET__LEND__INIT;
+  size_t nfds = 1;
+  int keep_fd;
+
+  if (!c->release_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot release pages (it is older "
+                          "than this library): update subletd");
+  m.region = r->id;
+  sl_region_lend_keep(c, &m, keep, n, keep_all, &keep_fd);
+  m.has_keep_all = 1;
+  m.keep_all = keep_all != 0;
+  m.pinned = (uint64_t *)pinned;
+  m.n_pinned = 2 * npinned;
+  m.has_release = m.release = 1;
+  m.has_stay_pages = stay != SUBLET_STAY_ANY;
+  m.stay_pages = stay;
+  req.body_case = SUBLET__REQUEST__BODY_LEND;
+  req.lend = &m;
+  /* The owner's last writes must be in memory before subletd moves or saves them. */
+  sl_device_synchronize(c->dev, NULL);
+  *fd = -1;
+  int rc = sl_client_call_fd(c, &req, keep_fd, SUBLET__REPLY__BODY_RELEASED, rep, fd, &nfds, 0);
+  if (rc == 0 && nfds != 1) {
+    sl_wire_close_fds(fd, nfds);
+    *fd = -1;
+    return sl_client_fail(SUBLET_EPROTO, "subletd answered a release with %zu fds, not 1",
+                          nfds);
+  }
+  return rc;
+}
+
+static int release_locked(struct sublet_region *r, const struct sublet_range *keep, size_t n,
+                          int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
+                          struct sl_release_rec *rec) {
+  Sublet__Reply *rep = NULL;
+  double t0;
+  int rc = release_request(r, keep, n, keep_all, pinned, npinned, stay, &rep, &rec->area_fd);
+
+  if (rc == 0) {
+    rec->id = rep->released->release;
+    stats_from(rep->released, &rec->stats);
+    rc = rec_fill(r, rep->released, rec);
+  }
+  if (rc == 0) {
+    t0 = now();
+    unmap_runs(r->client, r, rec->runs, rec->nruns);
+    rec->stats.map_seconds = now() - t0;
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pages,
+                                 size_t npages, const struct sublet_range *keep, size_t nkeep,
+                                 int keep_all, uint64_t stay_pages, uint64_t *release_id,
+                                 struct sublet_release_stats *stats) {
+  sublet_client *c = r->client;
+  struct sl_release_rec *rec = calloc(1, sizeof(*rec));
+  uint64_t *pinned = NULL;
+  size_t npinned = 0;
+  double t0 = now();
+  int rc;
+
+  if (rec == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  rec->area_fd = -1;
+  rc = pinned_for(r, pages, npages, &pinned, &npinned);
+  pthread_mutex_lock(&c->lock);
+  if (rc == 0)
+    rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, rec);
+  if (rc == 0) {
+    rec->stats.seconds = now() - t0;
+    rec->next = r->releases;
+    r->releases = rec;
+    if (release_id != NULL)
+      *release_id = rec->id;
+    if (stats != NULL)
+      *stats = rec->stats;
+  }
+  pthread_mutex_unlock(&c->lock);
+  free(pinned);
+  if (rc != 0)
+    rec_free(rec);
+  return rc;
+}
+
+/* ---- resuming ----------------------------------------------------------------------------- */
+
+/* Without subletd: this process makes the released pages and maps them where they were. */
+static int make_pages(sublet_client *c, struct sublet_region *r, const uint64_t *runs,
+                      size_t n, struct sl_err *err) {
+  uint64_t ps = r->page_size;
+  int rc = 0;
+
+  for (size_t i = 0; rc == 0 && i + 1 < n; i += 2) {
+    for (uint64_t p = runs[i]; rc == 0 && p < runs[i] + runs[i + 1]; p++) {
+      if (r->handles[p] == 0 && (rc = sl_device_create(c->dev, ps, &r->handles[p], err)) == 0)
+        rc = sl_device_map(c->dev, (char *)r->base + p * ps, ps, r->handles[p], err);
+    }
+    if (rc == 0)
+      rc = sl_device_set_access(c->dev, (char *)r->base + runs[i] * ps, runs[i + 1] * ps, err);
+  }
+  return rc;
+}
+
+/* ... then copies the saved bytes back from the area and undoes the moves. */
+static int put_back(sublet_client *c, struct sublet_region *r, struct sl_release_rec *rec,
+                    struct sl_err *err) {
+  struct stat st;
+  void *area = NULL;
+  int rc = 0;
+
+  if (fstat(rec->area_fd, &st) != 0)
+    return sl_err_set(err, SUBLET_EIO, "the save area of release %llu cannot be read",
+                      (unsigned long long)rec->id);
+  if (rec->nsaves > 0 && (rc = sl_device_host_map(c->dev, rec->area_fd, 0, (uint64_t)st.st_size,
+                                                  0, &area, err)) != 0)
+    return rc;
+  for (size_t i = 0; i < rec->nsaves; i++) /* the area may be shorter than the plan says */
+    if (rec->saves[i].host_off > (uint64_t)st.st_size ||
+        rec->saves[i].len > (uint64_t)st.st_size - rec->saves[i].host_off)
+      rc = sl_err_set(err, SUBLET_EPROTO, "the save area is shorter than its saves");
+  if (rc == 0 && rec->nsaves > 0)
+    rc = sl_device_copy(c->dev, SL_COPY_TO_DEVICE, r->base, area, rec->saves, rec->nsaves, err);
+  for (size_t i = 0; i < rec->nmoves; i++) { /* backwards: destination to source */
+    uint64_t t = rec->moves[i].src_off;
+    rec->moves[i].src_off = rec->moves[i].dst_off;
+    rec->moves[i].dst_off = t;
+  }
+  if (rc == 0 && rec->nmoves > 0)
+    rc = sl_device_move(c->dev, r->base, rec->moves, rec->nmoves, err);
+  if (rc == 0)
+    rc = sl_device_synchronize(c->dev, err);
+  if (area != NULL)
+    sl_device_host_free(c->dev, area, (uint64_t)st.st_size);
+  return rc;
+}
+
+static int resume_alone(sublet_client *c, struct sublet_region *r, struct sl_release_rec *rec) {
+  struct sl_err err = {0};
+  int rc = make_pages(c, r, rec->runs, rec->nruns, &err);
+
+  if (rc == 0)
+    rc = put_back(c, r, rec, &err);
+  if (rc != 0)
+    return sl_client_fail(err.code ? err.code : rc, "subletd died while region %llu was "
+                          "released, and putting it back here failed: %s",
+                          (unsigned long long)r->id, err.msg);
+  rec->stats.copied_in_bytes = rec->stats.copied_out_bytes;
+  rec->stats.daemon_died = 1;
+  return sl_client_fail(SUBLET_EDAEMONDIED, "subletd died while region %llu was released; "
+                        "this process made its pages again and put the kept bytes back: the "
+                        "tensor is intact (its memory is this process's own now)",
+                        (unsigned long long)r->id);
+}
+
+static int resume_request(sublet_client *c, struct sublet_region *r,
+                          struct sl_release_rec *rec) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Resume m = SUBLET__RESUME__INIT;
+  Sublet__Reply *rep = NULL;
+  double t0;
+  int rc;
+
+  m.release = rec->id;
+  req.body_case = SUBLET__REQUEST__BODY_RESUME;
+  req.resume = &m;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RESUMED, &rep, NULL, NULL, 0);
+  if (rc == 0) {
+    uint64_t out = rec->stats.copied_out_bytes;
+    stats_from(rep->resumed, &rec->stats);
+    rec->stats.copied_out_bytes = out;
+    t0 = now();
+    rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
+    rec->stats.map_seconds = now() - t0;
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
+                                struct sublet_release_stats *stats) {
+  sublet_client *c = r->client;
+  struct sl_release_rec **link, *rec;
+  double t0 = now();
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  link = rec_link(r, release_id);
+  if ((rec = *link) == NULL) {
+    pthread_mutex_unlock(&c->lock);
+    return sl_client_fail(SUBLET_ENOENT, "region %llu has no live release %llu (resumed "
+                          "already?)", (unsigned long long)r->id,
+                          (unsigned long long)release_id);
+  }
+  rc = sl_client_gone(c) ? SUBLET_EPIPE : resume_request(c, r, rec);
+  if (rc != 0 && sl_client_gone(c))
+    rc = resume_alone(c, r, rec);
+  rec->stats.seconds = now() - t0;
+  if (stats != NULL)
+    *stats = rec->stats;
+  if (rc == 0 || rc == SUBLET_EDAEMONDIED) {
+    *link = rec->next;
+    rec_free(rec);
+  }
+  pthread_mutex_unlock(&c->lock);
+  return rc;
+}

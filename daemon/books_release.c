@@ -1,0 +1,350 @@
+/* books_release.c - the books' releases: region pages given back to the device's driver until
+ * a resume (books.h, "Releases"; docs/design/release.md). Plain C, like the rest of the books.
+ *
+ * A release reuses a loan's draft and plan: the draft lays out its pages (unkept ones, then
+ * the K pages holding kept bytes, ascending) and the plan's one step that reaches the first
+ * K - T kept pages says where their kept bytes go: into the holes of the last T kept pages,
+ * which stay, and to the host for what those cannot hold (plan.h). With T = ceil(kept bytes /
+ * page) every kept byte fits and nothing is saved; a smaller T (the caller's stay) saves the
+ * rest. The unkept pages and the first K - T kept ones are released.
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "books_impl.h"
+#include "grow.h"
+
+static const char *const rel_state_names[] = {"", "releasing", "released", "resuming"};
+
+static struct sl_release *find_release(const struct sl_books *b, uint64_t id) {
+  return sl_books_find_by_id(b->releases, b->nreleases, sizeof(*b->releases), id);
+}
+
+static void release_free(struct sl_release *rel) {
+  sl_books_draft_free(rel->l);
+  free(rel->released);
+}
+
+static void release_delete(struct sl_books *b, struct sl_release *rel) {
+  size_t i = (size_t)(rel - b->releases);
+
+  release_free(rel);
+  memmove(rel, rel + 1, (b->nreleases - i - 1) * sizeof(*rel));
+  b->nreleases--;
+}
+
+void sl_books_releases_free(struct sl_books *b) {
+  for (size_t i = 0; i < b->nreleases; i++)
+    release_free(&b->releases[i]);
+  free(b->releases);
+  b->releases = NULL;
+  b->nreleases = b->cap_releases = 0;
+}
+
+void sl_books_releases_region_gone(struct sl_books *b, uint64_t region_id) {
+  for (size_t i = b->nreleases; i-- > 0;)
+    if (b->releases[i].region_id == region_id)
+      release_delete(b, &b->releases[i]);
+}
+
+size_t sl_books_releases_of(const struct sl_books *b, uint64_t region_id, uint64_t *first_id) {
+  size_t n = 0;
+
+  for (size_t i = 0; i < b->nreleases; i++)
+    if (b->releases[i].region_id == region_id && n++ == 0 && first_id != NULL)
+      *first_id = b->releases[i].id;
+  return n;
+}
+
+/* Does rel's released list hold a page of [first, first + count)? (Binary search.) */
+static int holds_pages(const struct sl_release *rel, uint64_t first, uint64_t count) {
+  size_t lo = 0, hi = rel->nreleased;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (rel->released[mid] < first)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < rel->nreleased && rel->released[lo] - first < count;
+}
+
+int sl_books_releases_hold(const struct sl_books *b, uint64_t region_id, uint64_t first,
+                           uint64_t count, uint64_t *release_id) {
+  for (size_t i = 0; i < b->nreleases; i++) {
+    const struct sl_release *rel = &b->releases[i];
+    if (rel->region_id == region_id && holds_pages(rel, first, count)) {
+      *release_id = rel->id;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+uint64_t sl_books_region_released(const struct sl_books *b, uint64_t region_id) {
+  uint64_t n = 0;
+
+  for (size_t i = 0; i < b->nreleases; i++)
+    if (b->releases[i].region_id == region_id)
+      n += b->releases[i].nreleased;
+  return n;
+}
+
+/* ---- beginning ---------------------------------------------------------------------------- */
+
+int sl_books_may_release(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                         uint64_t *npages, struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, region_id);
+
+  if (r == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "no region %" PRIu64 " (released, or its owner has "
+                      "gone)", region_id);
+  if (r->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to client %" PRIu64
+                      "; only its owner may release its pages", region_id, r->owner_client);
+  if (r->loan_id != 0 || r->replacing)
+    return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is lent (loan %" PRIu64 "): its "
+                      "pages are released once the loan has ended; reclaim it first",
+                      region_id, r->loan_id);
+  *npages = r->npages;
+  return 0;
+}
+
+/* A page of the draft that another live release of the region has, or UINT64_MAX. */
+static uint64_t overlap(const struct sl_books *b, uint64_t region_id, const struct sl_loan *l,
+                        uint64_t npages) {
+  uint8_t *mine = calloc(npages, 1);
+  uint64_t hit = UINT64_MAX;
+
+  if (mine == NULL)
+    return npages; /* reported as out of memory by the caller */
+  for (uint64_t i = 0; i < l->unkept + l->kept; i++)
+    mine[l->pages[i]] = 1;
+  for (size_t i = 0; hit == UINT64_MAX && i < b->nreleases; i++) {
+    const struct sl_loan *o = b->releases[i].l;
+    if (b->releases[i].region_id != region_id)
+      continue;
+    for (uint64_t j = 0; j < o->unkept + o->kept; j++)
+      if (o->pages[j] < npages && mine[o->pages[j]]) {
+        hit = o->pages[j];
+        break;
+      }
+  }
+  free(mine);
+  return hit;
+}
+
+/* The released pages, ascending: the unkept ones and the first `to` kept ones (two ascending
+ * runs of l->pages, merged). */
+static uint64_t *released_pages(const struct sl_loan *l, uint64_t to, size_t *n) {
+  const uint64_t *u = l->pages, *k = l->pages + l->unkept;
+  uint64_t nu = l->unkept, i = 0, j = 0, o = 0;
+  uint64_t *out = malloc((nu + to + 1) * sizeof(*out));
+
+  if (out == NULL)
+    return NULL;
+  while (i < nu || j < to)
+    out[o++] = j >= to || (i < nu && u[i] < k[j]) ? u[i++] : k[j++];
+  *n = (size_t)o;
+  return out;
+}
+
+/* How many kept pages stay: as many as the kept bytes fill, at most stay, at most K. */
+static uint64_t stay_count(const struct sl_books *b, const struct sl_loan *l, uint64_t stay) {
+  uint64_t need = sl_books_pages_for(b, l->kept_bytes);
+
+  need = need < l->kept ? need : l->kept;
+  return stay < need ? stay : need;
+}
+
+static void *dup_n(const void *v, size_t n, size_t size) {
+  void *p = n > 0 ? malloc(n * size) : NULL;
+
+  if (p != NULL)
+    memcpy(p, v, n * size);
+  return p;
+}
+
+/* The work of the begin: the step's moves and saves, and the released pages. */
+static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s,
+                      struct sl_release_work *w) {
+  *w = (struct sl_release_work){.release_id = rel->id, .region_id = rel->region_id,
+                                .nmoves = s->nmoves, .ncopies = s->nsaves,
+                                .nreleased = rel->nreleased, .stayed = rel->stayed,
+                                .kept_bytes = rel->l->kept_bytes,
+                                .moved_bytes = s->moved_bytes, .saved_bytes = s->saved_bytes};
+  w->moves = dup_n(s->moves, s->nmoves, sizeof(*s->moves));
+  w->copies = dup_n(s->saves, s->nsaves, sizeof(*s->saves));
+  w->released = dup_n(rel->released, rel->nreleased, sizeof(*rel->released));
+  if ((s->nmoves && w->moves == NULL) || (s->nsaves && w->copies == NULL) ||
+      (rel->nreleased && w->released == NULL)) {
+    sl_release_work_clear(w);
+    return SUBLET_ENOHOSTMEM;
+  }
+  return 0;
+}
+
+/* Plans rel (its draft in rel->l) and commits the plan's step; fills w. */
+static int plan_release(struct sl_books *b, struct sl_release *rel, uint64_t stay,
+                        struct sl_release_work *w, struct sl_err *err) {
+  struct sl_loan *l = rel->l;
+  struct sl_plan_step s = {0};
+  uint64_t to;
+  int rc = 0;
+
+  rel->stayed = stay_count(b, l, stay);
+  to = l->kept - rel->stayed;
+  if (to > 0 && (rc = sl_plan_reach(&l->plan, 0, to, &s)) == 0)
+    rc = sl_plan_commit(&l->plan, &s);
+  if (rc == 0 && (rel->released = released_pages(l, to, &rel->nreleased)) == NULL)
+    rc = SUBLET_ENOHOSTMEM;
+  if (rc == 0)
+    rc = begin_work(rel, &s, w);
+  sl_plan_step_clear(&s);
+  return rc != 0 ? sl_err_set(err, rc, "out of host memory planning a release") : 0;
+}
+
+int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t region_id,
+                           struct sl_loan *draft, uint64_t stay, struct sl_release_work *w,
+                           struct sl_err *err) {
+  struct sl_release *v, *rel;
+  uint64_t npages, hit;
+  int rc = sl_books_may_release(b, client_id, region_id, &npages, err);
+
+  if (rc != 0)
+    return rc;
+  if (draft->unkept + draft->kept + draft->pinned_pages != npages)
+    return sl_err_set(err, SUBLET_EINVAL, "the release was drafted for another size of region "
+                      "%" PRIu64 " (it grew meanwhile): release again", region_id);
+  if ((hit = overlap(b, region_id, draft, npages)) != UINT64_MAX)
+    return hit == npages ? sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory")
+                         : sl_err_set(err, SUBLET_EBUSY, "page %" PRIu64 " of region %" PRIu64
+                                      " is released already: resume that release first, or "
+                                      "release other pages", hit, region_id);
+  v = sl_grow(b->releases, &b->cap_releases, b->nreleases + 1, sizeof(*v));
+  if (v == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  b->releases = v;
+  rel = &v[b->nreleases];
+  *rel = (struct sl_release){.id = b->next_loan, .region_id = region_id,
+                             .owner_client = client_id, .state = SL_REL_RELEASING, .l = draft};
+  if ((rc = plan_release(b, rel, stay, w, err)) != 0) {
+    free(rel->released);
+    return rc; /* the draft stays the caller's */
+  }
+  b->next_loan++;
+  b->nreleases++;
+  return 0;
+}
+
+void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok) {
+  struct sl_release *rel = find_release(b, release_id);
+
+  if (rel != NULL && rel->state == SL_REL_RELEASING && ok)
+    rel->state = SL_REL_RELEASED;
+  else if (rel != NULL && rel->state == SL_REL_RELEASING)
+    release_delete(b, rel);
+}
+
+/* ---- resuming ----------------------------------------------------------------------------- */
+
+int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
+                          struct sl_release_work *w, struct sl_err *err) {
+  struct sl_release *rel = find_release(b, release_id);
+  struct sl_plan *p;
+
+  if (rel == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "no release %" PRIu64 " (resumed already, or its "
+                      "region has gone)", release_id);
+  if (rel->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM, "release %" PRIu64 " belongs to client %" PRIu64
+                      "; only its owner may resume it", release_id, rel->owner_client);
+  if (rel->state != SL_REL_RELEASED)
+    return sl_err_set(err, SUBLET_EBUSY, "release %" PRIu64 " is %s: wait for that to finish",
+                      release_id, rel_state_names[rel->state]);
+  p = &rel->l->plan;
+  *w = (struct sl_release_work){.release_id = rel->id, .region_id = rel->region_id,
+                                .nreleased = rel->nreleased, .stayed = rel->stayed,
+                                .kept_bytes = rel->l->kept_bytes,
+                                .moved_bytes = p->moved_bytes, .saved_bytes = p->saved_bytes};
+  w->released = dup_n(rel->released, rel->nreleased, sizeof(*rel->released));
+  if ((rel->nreleased && w->released == NULL) ||
+      sl_plan_undo(p, &w->copies, &w->ncopies, &w->moves, &w->nmoves) != 0) {
+    sl_release_work_clear(w);
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  }
+  rel->state = SL_REL_RESUMING;
+  return 0;
+}
+
+/* The region's pages changed: a kept window's layout of it is stale (books.h, layout_id). */
+static void pages_changed(struct sl_books *b, uint64_t region_id) {
+  struct sl_region *r = sl_books_find_region(b, region_id);
+
+  if (r == NULL)
+    return;
+  r->pages_version++;
+  free(r->layout);
+  r->layout = NULL;
+}
+
+void sl_books_resume_done(struct sl_books *b, uint64_t release_id, int ok) {
+  struct sl_release *rel = find_release(b, release_id);
+
+  if (rel == NULL || rel->state != SL_REL_RESUMING)
+    return;
+  if (!ok) {
+    rel->state = SL_REL_RELEASED;
+    return;
+  }
+  pages_changed(b, rel->region_id);
+  release_delete(b, rel);
+}
+
+void sl_release_work_clear(struct sl_release_work *w) {
+  free(w->moves);
+  free(w->copies);
+  free(w->released);
+  memset(w, 0, sizeof(*w));
+}
+
+/* ---- observation -------------------------------------------------------------------------- */
+
+static void fill_info(const struct sl_books *b, const struct sl_release *rel,
+                      struct sl_release_info *ri) {
+  const struct sl_region *r = sl_books_find_region(b, rel->region_id);
+  const struct sl_loan *l = rel->l;
+
+  *ri = (struct sl_release_info){
+      .id = rel->id, .region_id = rel->region_id, .owner_client = rel->owner_client,
+      .state = rel->state, .pages = l->unkept + l->kept, .released_pages = rel->nreleased,
+      .stayed_pages = rel->stayed, .kept_bytes = l->kept_bytes,
+      .moved_bytes = l->plan.moved_bytes, .saved_bytes = l->plan.saved_bytes};
+  if (r != NULL)
+    ri->owner = r->owner;
+}
+
+int sl_books_release_info(const struct sl_books *b, uint64_t release_id,
+                          struct sl_release_info *ri) {
+  const struct sl_release *rel = find_release(b, release_id);
+
+  if (rel == NULL)
+    return SUBLET_ENOENT;
+  fill_info(b, rel, ri);
+  return 0;
+}
+
+int sl_books_release_next(const struct sl_books *b, uint64_t after,
+                          struct sl_release_info *ri) {
+  for (size_t i = 0; i < b->nreleases; i++)
+    if (b->releases[i].id > after) {
+      fill_info(b, &b->releases[i], ri);
+      return 0;
+    }
+  return SUBLET_ENOENT;
+}
+
+const char *sl_books_release_state_name(enum sl_release_state s) {
+  return s >= SL_REL_RELEASING && s <= SL_REL_RESUMING ? rel_state_names[s] : "?";
+}

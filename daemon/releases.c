@@ -1,0 +1,444 @@
+/* releases.c - subletd's releases: Lend.release gives a region's pages back to the device's
+ * driver, Resume makes them again (docs/design/release.md; the books' side is books_release.c).
+ *
+ * A release is two jobs off the loop, its connection paused meanwhile: the draft (the keep
+ * sorted and merged, the layout: long lists take tens of ms), then the device work (kept bytes
+ * moved into the pages that stay, the rest saved, the released pages let go of). Until the
+ * client hears Released and unmaps them, its own mapping holds the pages: nothing is lost if
+ * anything dies before. A resume is one job: the pages made again (all or none), the saves
+ * copied back, the moves undone; the client maps the new pages once it hears Resumed.
+ *
+ * Each live release has its own save area (pool.h: a spare of its user's when there is one),
+ * whose fd goes to the owner with Released (read-only), with the plan, so that its library
+ * can put the kept bytes back itself if subletd dies.
+ */
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "daemon.h"
+#include "log.h"
+
+/* The daemon's side of a live release: its save area. */
+struct sl_live_release {
+  uint64_t id;
+  struct sl_pool_area *area;
+  struct sl_live_release *next;
+};
+
+struct release_job {
+  struct sl_job job; /* first member */
+  uint64_t req_id, region, npages, stay;
+  int keep_all;
+  uint64_t *keep;    /* the Lend's, taken over; or read from keep_fd in the draft */
+  size_t nkeep;
+  int keep_fd;       /* owned, or -1 */
+  uint64_t *pinned;  /* (first, count) pairs, taken over */
+  size_t npinned;
+  struct sl_loan *draft;
+  struct sl_release_work work;
+  struct sl_pool_transfer *transfer; /* run by the job's run, not by jobs.c: a release drops
+                                        pages after it */
+  size_t made;       /* a resume's pages made again: written by the run */
+  struct sl_pool_area *area;
+  int area_fd;       /* the area's (not owned) */
+  double t0;
+};
+
+static struct sl_live_release **live_link(struct sl_daemon *d, uint64_t id) {
+  struct sl_live_release **link = &d->releases;
+
+  while (*link != NULL && (*link)->id != id)
+    link = &(*link)->next;
+  return link;
+}
+
+/* The live releases the books no longer have (their region went, with its owner) give their
+ * areas back. */
+void sl_releases_prune(struct sl_daemon *d) {
+  struct sl_live_release **link = &d->releases, *lr;
+  struct sl_release_info ri;
+
+  while ((lr = *link) != NULL) {
+    if (sl_books_release_info(d->books, lr->id, &ri) == 0) {
+      link = &lr->next;
+      continue;
+    }
+    *link = lr->next;
+    sl_pool_area_give(d->pool, lr->area);
+    free(lr);
+  }
+}
+
+uint64_t sl_releases_host_bytes(const struct sl_daemon *d) {
+  uint64_t n = 0;
+
+  for (const struct sl_live_release *lr = d->releases; lr != NULL; lr = lr->next)
+    n += sl_pool_area_bytes(lr->area);
+  return n;
+}
+
+static void job_free(struct release_job *rj) {
+  sl_pool_transfer_free(rj->transfer);
+  if (rj->keep_fd >= 0)
+    close(rj->keep_fd);
+  free(rj->keep);
+  free(rj->pinned);
+  sl_books_draft_free(rj->draft);
+  sl_release_work_clear(&rj->work);
+  if (rj->area != NULL)
+    sl_pool_area_give(rj->job.d->pool, rj->area);
+  free(rj);
+}
+
+/* Answers the request with err and ends the job (its connection reads again). */
+static void job_fail(struct release_job *rj, const struct sl_err *err) {
+  struct sl_conn *c = rj->job.conn;
+
+  if (c != NULL) {
+    sl_conn_send_error(c, rj->req_id, err);
+    sl_conn_resume(c);
+  }
+  job_free(rj);
+}
+
+/* ---- the reply ---------------------------------------------------------------------------- */
+
+/* (first, count) pairs of an ascending page list; *n pairs' worth of uint64s. */
+static uint64_t *page_runs(const uint64_t *pages, size_t npages, size_t *n) {
+  uint64_t *runs = malloc((2 * npages + 2) * sizeof(*runs));
+  size_t m = 0;
+
+  if (runs == NULL)
+    return NULL;
+  for (size_t i = 0; i < npages; i++) {
+    if (m > 0 && runs[m - 2] + runs[m - 1] == pages[i]) {
+      runs[m - 1]++;
+      continue;
+    }
+    runs[m++] = pages[i];
+    runs[m++] = 1;
+  }
+  *n = m;
+  return runs;
+}
+
+/* The triples of moves (src, dst, len) and copies (dev, host, len) flattened for the wire. */
+static uint64_t *triples(const void *v, size_t n) {
+  uint64_t *t = malloc((3 * n + 1) * sizeof(*t));
+
+  if (t != NULL && n > 0)
+    memcpy(t, v, 3 * n * sizeof(*t));
+  return t;
+}
+
+static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int fd) {
+  const struct sl_release_work *w = &rj->work;
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__ReleaseStats m = SUBLET__RELEASE_STATS__INIT;
+  uint64_t *runs, *moves = NULL, *saves = NULL;
+  size_t nruns = 0;
+  int save = body == SUBLET__REPLY__BODY_RELEASED;
+
+  runs = page_runs(w->released, w->nreleased, &nruns);
+  if (save) {
+    moves = triples(w->moves, w->nmoves);
+    saves = triples(w->copies, w->ncopies);
+  }
+  if (runs == NULL || (save && (moves == NULL || saves == NULL))) {
+    free(runs);
+    free(moves);
+    free(saves);
+    return SUBLET_ENOHOSTMEM;
+  }
+  m.release = w->release_id;
+  m.region = w->region_id;
+  m.released = runs;
+  m.n_released = nruns;
+  m.has_released_pages = m.has_stayed_pages = m.has_kept_bytes = m.has_moved_bytes = 1;
+  m.released_pages = w->nreleased;
+  m.stayed_pages = w->stayed;
+  m.kept_bytes = w->kept_bytes;
+  m.moved_bytes = w->moved_bytes;
+  m.has_copied_out_bytes = m.has_move_seconds = 1;
+  m.copied_out_bytes = w->saved_bytes;
+  m.move_seconds = rj->job.move_seconds;
+  if (save) {
+    m.has_copy_out_seconds = 1;
+    m.copy_out_seconds = rj->job.seconds;
+    m.moves = moves;
+    m.n_moves = 3 * w->nmoves;
+    m.saves = saves;
+    m.n_saves = 3 * w->ncopies;
+  } else {
+    m.has_copied_in_bytes = m.has_copy_in_seconds = 1;
+    m.copied_in_bytes = w->saved_bytes;
+    m.copy_in_seconds = rj->job.seconds;
+  }
+  rep.id = rj->req_id;
+  rep.body_case = body;
+  if (save)
+    rep.released = &m;
+  else
+    rep.resumed = &m;
+  sl_conn_send(rj->job.conn, &rep, fd >= 0 ? &fd : NULL, fd >= 0);
+  free(runs);
+  free(moves);
+  free(saves);
+  return 0;
+}
+
+static int read_only(int fd) {
+  char path[64];
+  int ro;
+
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+  ro = open(path, O_RDONLY | O_CLOEXEC);
+  return ro >= 0 ? ro : fcntl(fd, F_DUPFD_CLOEXEC, 0);
+}
+
+/* ---- releasing ---------------------------------------------------------------------------- */
+
+static void release_run(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+
+  j->rc = sl_pool_transfer_run(rj->transfer, &j->seconds, &j->move_seconds, &j->err);
+  if (j->rc == 0 && rj->work.nreleased > 0)
+    j->rc = sl_pool_transfer_drop(rj->transfer, rj->work.released, rj->work.nreleased, &j->err);
+}
+
+static void log_release(const struct release_job *rj, const char *what) {
+  uint64_t ps = sl_device_info(rj->job.d->dev)->page_size;
+  const struct sl_release_work *w = &rj->work;
+  char a[16], b[16], c[16];
+
+  sl_info("release %llu of region %llu %s: %s to the driver, %llu pages stay; %s moved, %s "
+          "to the host, %.3f s", (unsigned long long)w->release_id,
+          (unsigned long long)w->region_id, what, sl_format_size(a, w->nreleased * ps),
+          (unsigned long long)w->stayed, sl_format_size(b, w->moved_bytes),
+          sl_format_size(c, w->saved_bytes), sl_clock_now() - rj->t0);
+}
+
+/* Moved, saved and let go of: the release is live, the owner told (and given its area). */
+static void release_done(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+  struct sl_live_release *lr = NULL;
+  struct sl_daemon *d = j->d;
+  int fd = -1;
+
+  sl_pool_transfer_free(rj->transfer);
+  rj->transfer = NULL;
+  sl_books_release_done(d->books, rj->work.release_id, j->rc == 0 && j->conn != NULL);
+  sl_check_books(d, rj->req_id);
+  if (j->rc != 0 || j->conn == NULL) {
+    sl_releases_prune(d);
+    if (j->rc != 0)
+      sl_error("release %llu failed: %s", (unsigned long long)rj->work.release_id, j->err.msg);
+    job_fail(rj, &j->err);
+    return;
+  }
+  if ((lr = calloc(1, sizeof(*lr))) == NULL || (fd = read_only(rj->area_fd)) < 0 ||
+      reply_stats(rj, SUBLET__REPLY__BODY_RELEASED, fd) != 0) {
+    /* The pages are the driver's already: the release stays, the owner can still resume. */
+    sl_error("release %llu: out of host memory for its reply", (unsigned long long)rj->work.release_id);
+    sl_conn_close(j->conn);
+  }
+  if (fd >= 0)
+    close(fd);
+  if (lr != NULL) {
+    *lr = (struct sl_live_release){.id = rj->work.release_id, .area = rj->area, .next = d->releases};
+    d->releases = lr;
+    rj->area = NULL;
+  }
+  log_release(rj, "done");
+  sl_conn_resume(j->conn);
+  job_free(rj);
+}
+
+/* The draft is made: the release enters the books, then the device work is queued. */
+static int release_begin(struct release_job *rj, struct sl_err *err) {
+  struct sl_daemon *d = rj->job.d;
+  struct sl_conn *c = rj->job.conn;
+  const struct sl_release_work *w = &rj->work;
+  int rc = sl_books_release_begin(d->books, c->client_id, rj->region, rj->draft, rj->stay,
+                                  &rj->work, err);
+
+  if (rc != 0)
+    return rc;
+  rj->draft = NULL; /* the books' now */
+  rc = sl_pool_area_take(d->pool, c->peer.uid, &rj->area, &rj->area_fd, err);
+  if (rc == 0)
+    rc = sl_pool_transfer_new_in(d->pool, rj->area, SL_COPY_TO_HOST, rj->region, w->copies,
+                                 w->ncopies, w->moves, w->nmoves, &rj->transfer, err);
+  if (rc != 0) {
+    sl_books_release_done(d->books, w->release_id, 0);
+    return rc;
+  }
+  return 0;
+}
+
+static void draft_run(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+
+  if (rj->keep_fd >= 0 &&
+      (j->rc = sl_keep_read(rj->keep_fd, rj->nkeep, &rj->keep, &j->err)) != 0)
+    return;
+  j->rc = sl_books_draft(sl_books_cfg(j->d->books), rj->npages,
+                         (const struct sublet_range *)rj->keep, rj->nkeep, rj->keep_all,
+                         rj->pinned, rj->npinned, &rj->draft, &j->err);
+}
+
+static void draft_done(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+  struct sl_err err = j->err;
+
+  if (j->conn == NULL) { /* the owner went: nothing to release */
+    job_free(rj);
+    return;
+  }
+  if (j->rc != 0 || release_begin(rj, &err) != 0) {
+    job_fail(rj, &err);
+    return;
+  }
+  j->rc = 0;
+  j->run = release_run;
+  j->done = release_done;
+  sl_job_submit(j->d, j); /* the connection stays paused: it is the job's again */
+}
+
+/* Takes over the Lend's keep and pinned lists (and *keep_fd) for the draft. */
+static void take_lists(struct release_job *rj, Sublet__Lend *m, int *keep_fd) {
+  rj->keep_fd = *keep_fd;
+  *keep_fd = -1;
+  rj->keep_all = m->keep_all;
+  if (rj->keep_fd >= 0) {
+    rj->nkeep = m->keep_fd_ranges;
+  } else {
+    rj->keep = m->keep;
+    rj->nkeep = m->n_keep / 2;
+    m->keep = NULL;
+    m->n_keep = 0;
+  }
+  rj->pinned = m->pinned;
+  rj->npinned = m->n_pinned / 2;
+  m->pinned = NULL;
+  m->n_pinned = 0;
+}
+
+int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
+                      struct sl_err *err) {
+  struct release_job *rj;
+  uint64_t npages;
+  int rc = sl_books_may_release(c->d->books, c->client_id, m->region, &npages, err);
+
+  if (rc != 0)
+    return rc;
+  if ((rj = calloc(1, sizeof(*rj))) == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  rj->req_id = id;
+  rj->region = m->region;
+  rj->npages = npages;
+  rj->stay = m->has_stay_pages ? m->stay_pages : UINT64_MAX;
+  rj->t0 = sl_clock_now();
+  take_lists(rj, m, keep_fd);
+  rj->job.run = draft_run;
+  rj->job.done = draft_done;
+  rj->job.conn = c;
+  sl_job_submit(c->d, &rj->job);
+  return 0;
+}
+
+/* ---- resuming ----------------------------------------------------------------------------- */
+
+static void resume_run(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+
+  j->rc = sl_pool_transfer_run(rj->transfer, &j->seconds, &j->move_seconds, &j->err);
+}
+
+static void resume_done(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+  struct sl_daemon *d = j->d;
+  int ok = j->rc == 0 && rj->made == rj->work.nreleased;
+
+  sl_books_resume_done(d->books, rj->work.release_id, ok);
+  sl_check_books(d, rj->req_id);
+  if (ok) {
+    struct sl_live_release **link = live_link(d, rj->work.release_id), *lr = *link;
+    if (lr != NULL) { /* its area goes back with the job */
+      *link = lr->next;
+      rj->area = lr->area;
+      free(lr);
+    }
+    log_release(rj, "resumed");
+  }
+  if (!ok || j->conn == NULL) {
+    sl_releases_prune(d);
+    job_fail(rj, &j->err);
+    return;
+  }
+  if (reply_stats(rj, SUBLET__REPLY__BODY_RESUMED, -1) != 0)
+    sl_conn_close(j->conn);
+  sl_conn_resume(j->conn);
+  job_free(rj);
+}
+
+static uint64_t free_pages(const struct sl_daemon *d) {
+  uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
+
+  if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 ||
+      free_bytes <= d->building_bytes)
+    return 0;
+  return (free_bytes - d->building_bytes) / ps;
+}
+
+static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct sl_err *err) {
+  const struct sl_release_work *w = &rj->work;
+  struct sl_live_release *lr = *live_link(d, w->release_id);
+  int rc;
+
+  if (lr == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "internal error: release %llu has no save area",
+                      (unsigned long long)w->release_id);
+  rc = sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_DEVICE, w->region_id, w->copies,
+                               w->ncopies, w->moves, w->nmoves, &rj->transfer, err);
+  if (rc == 0)
+    rc = sl_pool_transfer_replace_all(rj->transfer, w->released, w->nreleased, &rj->made, err);
+  return rc;
+}
+
+int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
+                       struct sl_err *err) {
+  struct sl_daemon *d = c->d;
+  uint64_t ps = sl_device_info(d->dev)->page_size, avail = free_pages(d);
+  struct release_job *rj = calloc(1, sizeof(*rj));
+  char a[16], b[16];
+  int rc;
+
+  if (rj == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  rj->keep_fd = -1;
+  rc = sl_books_resume_begin(d->books, c->client_id, m->release, &rj->work, err);
+  if (rc == 0 && rj->work.nreleased > avail)
+    rc = sl_err_set(err, SUBLET_ENOMEM, "release %llu needs %s of device memory back and %s "
+                    "is free: whoever took it must free it first; the release goes on (resume "
+                    "again)", (unsigned long long)m->release,
+                    sl_format_size(a, rj->work.nreleased * ps), sl_format_size(b, avail * ps));
+  if (rc == 0)
+    rc = resume_transfer(d, rj, err);
+  if (rc != 0) {
+    if (rj->work.release_id != 0)
+      sl_books_resume_done(d->books, rj->work.release_id, 0);
+    job_free(rj);
+    return rc;
+  }
+  rj->req_id = id;
+  rj->t0 = sl_clock_now();
+  rj->job.run = resume_run;
+  rj->job.done = resume_done;
+  rj->job.conn = c;
+  sl_job_submit(d, &rj->job);
+  return 0;
+}

@@ -1,0 +1,254 @@
+/* test_books_release.c - unit tests of the books' releases (daemon/books_release.c).
+ *
+ * What a release gives back and where its kept bytes go (into the holes of the pages that
+ * stay, the host only past `stay`), the exact bytes against a byte map, releases side by side
+ * on disjoint pages, every refusal, the resume and its failure, and an owner that goes; the
+ * books checked after every step.
+ */
+#include "books.h"
+
+#include <stdlib.h>
+
+#include "check.h"
+
+#define PS 4096u
+#define NONE UINT64_MAX
+
+static void books_ok_at(const struct sl_books *b, const char *file, int line) {
+  char why[256] = "";
+  int rc = sl_books_check(b, why, sizeof(why));
+
+  check_at(rc == 0, "sl_books_check", file, line);
+  if (rc != 0)
+    fprintf(stderr, "    %s\n", why);
+}
+#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
+
+static struct sl_books *books_new(void) {
+  struct sl_books_config cfg = {.page_size = PS};
+  struct sl_books *b = NULL;
+
+  if (sl_books_new(&cfg, &b) != 0)
+    abort();
+  return b;
+}
+
+static uint64_t client(struct sl_books *b, uid_t uid) {
+  struct sl_peer peer = {.pid = 100 + (pid_t)uid, .uid = uid, .gid = uid};
+  uint64_t id = 0;
+
+  CHECK_EQ(sl_books_client_add(b, &peer, &id), 0);
+  return id;
+}
+
+static uint64_t region(struct sl_books *b, uint64_t owner, uint64_t npages, int growable) {
+  uint64_t id = 0;
+
+  CHECK_EQ(sl_books_region_new(b, owner, npages, growable, &id, NULL), 0);
+  return id;
+}
+
+/* Releases region pages outside `pinned` ((first, count) pairs), keeping keep[0..n). */
+static int release(struct sl_books *b, uint64_t owner, uint64_t rid, const struct sublet_range *keep,
+                   size_t n, const uint64_t *pinned, size_t npinned, uint64_t stay,
+                   struct sl_release_work *w, struct sl_err *err) {
+  struct sl_region_info ri;
+  struct sl_loan *draft = NULL;
+  int rc;
+
+  sl_books_region_info(b, rid, &ri);
+  rc = sl_books_draft(sl_books_cfg(b), ri.npages, keep, n, 0, pinned, npinned, &draft, err);
+  if (rc == 0 && (rc = sl_books_release_begin(b, owner, rid, draft, stay, w, err)) != 0)
+    sl_books_draft_free(draft);
+  return rc;
+}
+
+/* The byte map of a region: the begin's moves and saves applied, the released pages
+ * overwritten (they are the driver's), the undo applied: is every kept byte back? */
+static int kept_back(const struct sl_release_work *begin, const struct sl_release_work *undo,
+                     const struct sublet_range *keep, size_t n, uint64_t npages) {
+  uint64_t size = npages * PS;
+  uint8_t *dev = malloc(size), *orig = malloc(size), *host = calloc(1, size + 1);
+  int ok = 1;
+
+  for (uint64_t i = 0; i < size; i++)
+    orig[i] = dev[i] = (uint8_t)(i * 7 + i / PS);
+  for (size_t i = 0; i < begin->nmoves; i++)
+    memmove(dev + begin->moves[i].dst_off, dev + begin->moves[i].src_off, begin->moves[i].len);
+  for (size_t i = 0; i < begin->ncopies; i++)
+    memcpy(host + begin->copies[i].host_off, dev + begin->copies[i].dev_off, begin->copies[i].len);
+  for (size_t i = 0; i < begin->nreleased; i++)
+    memset(dev + begin->released[i] * PS, 0xAB, PS);
+  for (size_t i = 0; i < undo->ncopies; i++)
+    memcpy(dev + undo->copies[i].dev_off, host + undo->copies[i].host_off, undo->copies[i].len);
+  for (size_t i = 0; i < undo->nmoves; i++)
+    memmove(dev + undo->moves[i].dst_off, dev + undo->moves[i].src_off, undo->moves[i].len);
+  for (size_t i = 0; i < n; i++)
+    ok &= memcmp(dev + keep[i].offset, orig + keep[i].offset, keep[i].length) == 0;
+  free(dev);
+  free(orig);
+  free(host);
+  return ok;
+}
+
+/* 16 pages; the first 1024 bytes of each of pages 0..7 kept (8 kept pages, 8 unkept). */
+static const struct sublet_range KEEP8[] = {{0 * PS, 1024}, {1 * PS, 1024}, {2 * PS, 1024},
+                                            {3 * PS, 1024}, {4 * PS, 1024}, {5 * PS, 1024},
+                                            {6 * PS, 1024}, {7 * PS, 1024}};
+
+static void check_round_trip(uint64_t stay, uint64_t want_stayed, uint64_t want_saved) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  struct sl_release_work w = {0}, u = {0};
+  struct sl_release_info ri;
+
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, stay, &w, NULL), 0);
+  BOOKS_OK(b);
+  CHECK_EQ(w.stayed, want_stayed);
+  CHECK_EQ(w.nreleased, 16 - want_stayed);
+  CHECK_EQ(w.kept_bytes, 8 * 1024);
+  CHECK_EQ(w.saved_bytes, want_saved);
+  CHECK_EQ(w.moved_bytes + w.saved_bytes, (8 - want_stayed) * 1024); /* released pages' bytes */
+  CHECK_EQ(sl_books_region_released(b, r), 16 - want_stayed);
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), 0);
+  CHECK_EQ(ri.state, SL_REL_RELEASING);
+  sl_books_release_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), 0);
+  CHECK_EQ(ri.state, SL_REL_RELEASED);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  BOOKS_OK(b);
+  CHECK_EQ(u.nreleased, w.nreleased);
+  CHECK(kept_back(&w, &u, KEEP8, 8, 16));
+  sl_books_resume_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_region_released(b, r), 0);
+  BOOKS_OK(b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  sl_books_free(b);
+}
+
+/* Kept bytes that fit stay on the GPU; fewer pages allowed send the rest to the host. */
+static void test_where_kept_bytes_go(void) {
+  check_round_trip(NONE, 2, 0);            /* 8 KiB kept fill 2 pages: nothing to the host */
+  check_round_trip(5, 2, 0);               /* more allowed than needed: still 2 */
+  check_round_trip(1, 1, 7 * 1024 - 3072); /* 1 page: its 3 KiB of holes, the rest saved */
+  check_round_trip(0, 0, 8 * 1024);        /* nothing stays: every kept byte saved */
+}
+
+/* Pages: the released ones are those without kept bytes and the first kept ones, ascending. */
+static void test_released_pages_ascend(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  struct sl_release_work w = {0};
+  const struct sublet_range keep[] = {{3 * PS, 4096}, {9 * PS + 100, 10}, {12 * PS, 4096}};
+
+  CHECK_EQ(release(b, o, r, keep, 3, NULL, 0, NONE, &w, NULL), 0);
+  /* B = 8202 bytes: 3 pages stay of the 3 kept ones, all 13 unkept pages go */
+  CHECK_EQ(w.stayed, 3);
+  CHECK_EQ(w.nreleased, 13);
+  for (size_t i = 1; i < w.nreleased; i++)
+    CHECK(w.released[i] > w.released[i - 1]);
+  for (size_t i = 0; i < w.nreleased; i++)
+    CHECK(w.released[i] != 3 && w.released[i] != 9 && w.released[i] != 12);
+  BOOKS_OK(b);
+  sl_release_work_clear(&w);
+  sl_books_free(b);
+}
+
+/* Two tags of one arena: disjoint releases live at once; an overlap is refused. */
+static void test_side_by_side(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 16, 1);
+  const uint64_t pin_hi[] = {8, 8}, pin_lo[] = {0, 8}, pin_mid[] = {0, 4, 12, 4};
+  struct sl_release_work w1 = {0}, w2 = {0}, w3 = {0}, u = {0};
+  struct sl_err err = {0};
+
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_hi, 1, NONE, &w1, NULL), 0); /* pages 0..7 */
+  sl_books_release_done(b, w1.release_id, 1);
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_mid, 2, NONE, &w3, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "released already");
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_lo, 1, NONE, &w2, NULL), 0); /* pages 8..15 */
+  sl_books_release_done(b, w2.release_id, 1);
+  CHECK_EQ(sl_books_region_released(b, r), 16);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_region_grow(b, o, r, 20, NULL), 0); /* a pool grows meanwhile */
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_resume_begin(b, o, w1.release_id, &u, NULL), 0);
+  sl_books_resume_done(b, w1.release_id, 1);
+  sl_release_work_clear(&u);
+  CHECK_EQ(sl_books_region_released(b, r), 8);
+  BOOKS_OK(b);
+  sl_release_work_clear(&w1);
+  sl_release_work_clear(&w2);
+  sl_books_free(b);
+}
+
+/* What a live release refuses: lending the region, its released pages' fds, others' hands. */
+static void test_refusals(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), other = client(b, 1001), r = region(b, o, 16, 0), loan;
+  struct sl_release_work w = {0}, u = {0};
+  struct sl_err err = {0};
+  const uint8_t token[16] = {1};
+
+  CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EPERM);
+  CHECK_EQ(release(b, o, r + 99, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, &err), SUBLET_EBUSY); /* releasing */
+  CHECK_MSG(err, "releasing");
+  sl_books_release_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 1, "x", token, &loan, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "resume them before lending");
+  CHECK_EQ(sl_books_pages_granted(b, o, r, w.released[0], 1, &err), SUBLET_EBUSY);
+  CHECK_EQ(sl_books_pages_granted(b, o, r, 7, 1, NULL), 0); /* a kept page that stayed */
+  CHECK_EQ(sl_books_resume_begin(b, other, w.release_id, &u, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id + 50, &u, &err), SUBLET_ENOENT);
+  /* A resume that failed (the device had no memory): released again, resumable again */
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  sl_books_resume_done(b, w.release_id, 0);
+  sl_release_work_clear(&u);
+  CHECK_EQ(sl_books_region_released(b, r), w.nreleased);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  sl_books_resume_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 1, "x", token, &loan, NULL), 0);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EBUSY); /* lent */
+  BOOKS_OK(b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  sl_books_free(b);
+}
+
+/* A failed begin leaves nothing; an owner that goes takes its releases along. */
+static void test_failure_and_owner_gone(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  struct sl_release_work w = {0}, w2 = {0};
+  struct sl_release_info ri;
+  struct sl_client_gone gone;
+
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
+  sl_books_release_done(b, w.release_id, 0); /* the device work failed */
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_region_released(b, r), 0);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, 0, &w2, NULL), 0);
+  sl_books_release_done(b, w2.release_id, 1);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_client_remove(b, o, &gone), 0);
+  CHECK_EQ(sl_books_release_info(b, w2.release_id, &ri), SUBLET_ENOENT);
+  sl_books_release_done(b, w2.release_id, 1); /* a job that ends after: nothing to do */
+  BOOKS_OK(b);
+  sl_client_gone_clear(&gone);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&w2);
+  sl_books_free(b);
+}
+
+int main(void) {
+  test_where_kept_bytes_go();
+  test_released_pages_ascend();
+  test_side_by_side();
+  test_refusals();
+  test_failure_and_owner_gone();
+  return check_report("books_release");
+}
