@@ -1,0 +1,349 @@
+"""sublet's sleep mode for vLLM (0.33.0): its MemAllocator, SleepModeBackend and Worker, on
+sublet pools and releases. docs/compat-vllm.md says it for users.
+
+    vllm serve MODEL --enable-sleep-mode --sleep-mode-backend sublet \\
+        --worker-cls sublet.compat.vllm.SubletWorker
+
+- SubletAllocator is what vLLM's CuMemAllocator is (vllm/device_allocator/cumem.py), on
+  sublet: use_memory_pool(tag) routes the process's CUDA allocations to sublet.pool(tag);
+  sleep(offload_tags) is one sublet.release() per tag, keeping all of an offload tag (to the
+  host, stay=0: vLLM's sleep frees the GPU memory) and nothing of the others; wake_up(tags)
+  resumes them, the tags not in DEFERRABLE_TAGS on every wake, as vLLM does. The extension:
+  sleep(..., keep={"kv_cache": sublet.blocks(...)}) keeps those bytes of a tag, on the GPU
+  where they fit (stay=None: compacted into as few of the tag's pages as hold them).
+- SubletBackend (vLLM's SleepModeBackend, registered as "sublet" by register(), the
+  `vllm.general_plugins` entry point) suspends and resumes through the allocator, as
+  CuMemBackend does through CuMemAllocator.
+- SubletWorker (vLLM's Worker) sends vLLM's allocations to the allocator's pools
+  (_maybe_get_memory_pool_context) and selects the "sublet" backend.
+
+This module imports without vLLM: SubletBackend and SubletWorker subclass vLLM's classes and
+are built on first access (vllm_classes.py), the rest needs only sublet.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+import sublet
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "sublet"
+# vllm/device_allocator/__init__.py:17 (0.33.0): a selective wake_up may defer only these; any
+# wake restores every other tag. Copied so that this module imports without vLLM
+# (tests/python/test_compat_vllm_plugin.py checks it equals vLLM's).
+DEFERRABLE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+DEFAULT_TAG = "default"  # CuMemAllocator.default_tag
+_VLLM_CLASSES = ("SubletBackend", "SubletWorker")
+
+
+@dataclass(frozen=True)
+class SleepStats:
+    """What a tag's sleep did (its sublet release), and what its wake brought back."""
+    released_bytes: int   # given back to the driver
+    stayed_bytes: int     # of pages that stayed on the device, holding kept bytes
+    kept_bytes: int
+    moved_bytes: int      # kept bytes compacted on the device (and moved back at the wake)
+    copied_bytes: int     # kept bytes saved to the host
+    copied_in_bytes: int = 0   # restored from the host at the wake
+
+    @classmethod
+    def of(cls, release: Any) -> SleepStats:
+        return cls(release.released_bytes, release.stayed_bytes, release.stats.kept_bytes,
+                   release.moved_bytes, release.copied_bytes)
+
+
+@dataclass
+class _Asleep:
+    """A tag's memory while it sleeps: its release, and whether all of it was kept."""
+    release: Any          # sublet's Release
+    offloaded: bool       # every byte kept (an offload tag): sleep's policy for it
+
+
+class SubletAllocator:
+    """vLLM's MemAllocator protocol (vllm/device_allocator/__init__.py:28) on sublet pools.
+
+    One per process in vLLM (get_instance()), as CuMemAllocator; tests make their own with a
+    device. Not thread-safe beyond what vLLM needs: one thread enters pools and sleeps."""
+
+    instance: SubletAllocator | None = None
+    _instance_lock = threading.Lock()
+
+    def __init__(self, device: torch.device | str | int | None = None):
+        self._device_arg = device
+        self._device: torch.device | None = None   # fixed at the first pool
+        self._tags: list[str] = []                  # every tag a pool was made for, in order
+        self._asleep: dict[str, _Asleep] = {}
+        self._stack: list[sublet.Pool] = []         # use_memory_pool's nesting, innermost last
+        self._graph_mempool: Any = None
+        self.current_tag: str = DEFAULT_TAG
+        self.stats: dict[str, SleepStats] = {}      # tag -> its last sleep
+
+    @classmethod
+    def get_instance(cls) -> SubletAllocator:
+        """The process's allocator, made on first use (on the current CUDA device when its
+        first pool is made)."""
+        with cls._instance_lock:
+            if cls.instance is None:
+                cls.instance = cls()
+            return cls.instance
+
+    # ------------------------------------------------------------------ pools
+    def pool(self, tag: str) -> sublet.Pool:
+        """The sublet pool of `tag` on this allocator's device."""
+        pool = sublet.pool(tag, self._device if self._device is not None else self._device_arg)
+        self._device = pool.device
+        if tag not in self._tags:
+            self._tags.append(tag)
+        return pool
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._device
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return tuple(self._tags)
+
+    def is_asleep(self, tag: str) -> bool:
+        return tag in self._asleep
+
+    def tag_usage(self, tag: str) -> int:
+        """Bytes the tag holds (asleep or not: its addresses stay reserved)."""
+        return self.pool(tag).nbytes if tag in self._tags else 0
+
+    def get_current_usage(self) -> int:
+        """Bytes all tags hold, asleep ones too, as CuMemAllocator counts (cumem.py:454)."""
+        return sum(self.tag_usage(tag) for tag in self._tags)
+
+    def empty(self, *size: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor of the current tag's pool, allocated from it directly: what a torch op
+        inside use_memory_pool() gets on CUDA, on any backend (memfd tests have no routing)."""
+        return self.pool(self.current_tag).empty(*size, dtype=dtype)
+
+    @contextmanager
+    def use_memory_pool(self, tag: str | None = None) -> Iterator[sublet.Pool]:
+        """Inside, the process's CUDA allocations on the device are sublet memory of `tag`
+        (None: "default"); yields the Pool. Nests, as vLLM nests "kv_cache" in "runtime"
+        (gpu_worker.py:898-910): sublet pools do not nest, so the outer pool is left and
+        entered again after the inner one. On the memfd backend nothing is routed."""
+        tag = DEFAULT_TAG if tag is None else tag
+        if not isinstance(tag, str) or not tag:
+            raise TypeError(f"a memory pool's tag is a non-empty str, not {tag!r}")
+        if tag in self._asleep:
+            raise RuntimeError(f"tag {tag!r} is asleep: its memory was released; call "
+                               f"wake_up([{tag!r}]) before allocating in it")
+        pool, outer, old_tag = self.pool(tag), self._top(), self.current_tag
+        self._switch(outer, pool)
+        self._stack.append(pool)
+        self.current_tag = tag
+        try:
+            yield pool
+        finally:
+            self._stack.pop()
+            self.current_tag = old_tag
+            self._switch(pool, self._top())
+
+    def _top(self) -> sublet.Pool | None:
+        return self._stack[-1] if self._stack else None
+
+    def _switch(self, leave: sublet.Pool | None, enter: sublet.Pool | None) -> None:
+        """Routes `enter` instead of `leave` (either None: none). A pool on the stack several
+        times in a row is entered once, so one exit leaves it."""
+        if leave is enter:
+            return
+        if leave is not None and _routes(leave):
+            leave.__exit__(None, None, None)
+        if enter is not None and _routes(enter):
+            try:
+                enter.__enter__()
+            except BaseException:
+                if leave is not None and _routes(leave):
+                    leave.__enter__()   # as we found it
+                raise
+
+    @contextmanager
+    def cudagraph_pool(self) -> Iterator[Any]:
+        """Yields the id of a graph pool whose segments are sublet memory of tag "cudagraph"
+        (CuMemAllocator.cudagraph_pool, cumem.py:437): capture with torch.cuda.graph(g,
+        pool=id) inside. Only capture allocations go there (no other routing). vLLM 0.33.0
+        calls it only with the "cumem" backend (config/vllm.py:716-728); here for callers
+        that capture graphs themselves and offload them with sleep(("cudagraph", ...))."""
+        pool = self.pool("cudagraph")
+        if pool.device.type != "cuda":
+            raise RuntimeError("cudagraph_pool() captures CUDA graphs: it needs a CUDA device")
+        if self._graph_mempool is None:
+            from .._lib import library_path
+            from .._torch import pluggable_allocator
+            # Kept for the process's life, as CuMemAllocator keeps its pools (pytorch#146431).
+            self._graph_mempool = torch.cuda.MemPool(
+                pluggable_allocator(library_path())._allocator)
+        client, index = pool.arena.client, pool.device.index
+        routed = self._top()
+        client.torch_bind_pool(index, pool.tag_id)   # libsublet's allocator: this tag
+        old_tag, self.current_tag = self.current_tag, "cudagraph"
+        try:
+            yield self._graph_mempool.id
+        finally:
+            self.current_tag = old_tag
+            client.torch_bind_pool(index, routed.tag_id if routed is not None else 0)
+
+    # ------------------------------------------------------------------ sleep and wake
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None,
+              keep: Mapping[str, Any] | None = None) -> None:
+        """Releases every awake tag's memory to the driver (cumem.py:233): an offload tag's
+        bytes all go to the host (stay=0), the others' are dropped; a tag in `keep` (sublet's
+        extension) keeps keep[tag] (views, sublet.blocks(...), as sublet.release takes) on the
+        GPU where it fits, the rest of it dropped. A tag asleep already keeps its policy."""
+        offload = _as_tags(offload_tags, (DEFAULT_TAG,))
+        keep = dict(keep or {})
+        for tag in keep:
+            if tag not in self._tags:
+                raise ValueError(f"keep names tag {tag!r}, which holds no memory of this "
+                                 f"allocator (its tags: {', '.join(self._tags) or 'none'})")
+        conflict, freed = False, 0
+        for tag in self._tags:
+            if tag in self._asleep:
+                conflict |= (tag in offload) != self._asleep[tag].offloaded or tag in keep
+                continue
+            if tag in keep:
+                freed += self._release(tag, keep[tag], stay=None, offloaded=False)
+            else:
+                freed += self._release(tag, None if tag in offload else [], stay=0,
+                                       offloaded=tag in offload)
+        if conflict:
+            logger.warning("sublet: sleep cannot change the policy of tags already asleep; "
+                           "theirs was kept (wake them first)")
+        logger.info("sublet: sleep released %.2f GiB", freed / 1024**3)
+        self._empty_torch_cache()
+
+    def discard(self, tags: tuple[str, ...] | str) -> None:
+        """Releases the awake `tags`' memory keeping nothing (cumem.py:300); wake_up gives
+        them fresh memory of undefined contents."""
+        for tag in _as_tags(tags, ()):
+            if tag not in self._tags:
+                continue
+            if tag in self._asleep:
+                if self._asleep[tag].offloaded:
+                    logger.warning("sublet: discard leaves tag %r as it sleeps (offloaded)",
+                                   tag)
+                continue
+            self._release(tag, [], stay=0, offloaded=False)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Resumes the sleeping tags in `tags` (None: all) and every sleeping tag not in
+        DEFERRABLE_TAGS (cumem.py:331-364): the kept bytes come back at the same addresses,
+        bit for bit; the rest is undefined. Out of device memory: SubletOutOfMemoryError,
+        the tags not yet resumed still asleep (free memory and call it again)."""
+        self._empty_torch_cache()
+        for tag in list(self._asleep):
+            if tags is None or tag in tags or tag not in DEFERRABLE_TAGS:
+                release = self._asleep[tag].release
+                try:
+                    resumed = release.resume()
+                except sublet.SubletOutOfMemoryError as exc:
+                    raise sublet.SubletOutOfMemoryError(
+                        f"waking tag {tag!r}: {exc}; it is still asleep (with "
+                        f"{', '.join(self._asleep)}): free device memory and call wake_up "
+                        f"again", getattr(exc, "code", None)) from exc
+                self.stats[tag] = replace(self.stats[tag],
+                                          copied_in_bytes=resumed.copied_in_bytes)
+                del self._asleep[tag]
+
+    def _release(self, tag: str, keep: Any, stay: int | None, offloaded: bool) -> int:
+        """One sublet.release of the tag's pool; returns the bytes given to the driver."""
+        pool = self.pool(tag)
+        if pool.nbytes == 0:
+            return 0   # nothing allocated (or all given back): nothing sleeps
+        release = sublet.release(pool, keep=keep, stay=stay)
+        self._asleep[tag] = _Asleep(release, offloaded)
+        self.stats[tag] = SleepStats.of(release)
+        return self.stats[tag].released_bytes
+
+    def _empty_torch_cache(self) -> None:
+        """As vLLM around sleep and wake: dead tensors go, PyTorch's own cache goes back."""
+        gc.collect()
+        if self._device is not None and self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                torch.cuda.empty_cache()
+
+
+def _routes(pool: sublet.Pool) -> bool:
+    """Whether entering the pool routes allocations (CUDA); memfd pools allocate directly."""
+    return pool.device.type == "cuda"
+
+
+def _as_tags(tags: Iterable[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    if tags is None:
+        return default
+    return (tags,) if isinstance(tags, str) else tuple(tags)
+
+
+# ---------------------------------------------------------------------- the KV cache's keep
+
+def kv_blocks_keep(kv_caches: Iterable[torch.Tensor], block_ids: Any,
+                   num_blocks: int) -> list[torch.Tensor]:
+    """keep= for the "kv_cache" tag: blocks `block_ids` (the scheduler's ids, 0 to
+    num_blocks - 1) of every layer's KV cache view. vLLM 0.33.0 views each layer as
+    [B, H, N, C] (v1/kv_cache_interface.py:418-426) with B = num_blocks * r: a manager block
+    split into r kernel blocks, block b being kernel blocks b*r to b*r + r - 1. Returns views
+    (one per run of consecutive kernel blocks, per layer), any layout of the dims after B."""
+    ids = np.unique(np.asarray(block_ids, dtype=np.int64).reshape(-1))
+    if len(ids) and (ids[0] < 0 or ids[-1] >= num_blocks):
+        raise ValueError(f"KV block ids must lie in [0, {num_blocks}): got {int(ids[0])} to "
+                         f"{int(ids[-1])}")
+    views: list[torch.Tensor] = []
+    for t in kv_caches:
+        ratio, rest = divmod(t.shape[0], num_blocks)
+        if rest or not ratio:
+            raise ValueError(f"a KV cache view of shape {tuple(t.shape)} does not hold "
+                             f"{num_blocks} blocks along dim 0 (nor kernel blocks splitting "
+                             f"them): pass keep= views of it instead")
+        kernel = (ids[:, None] * ratio + np.arange(ratio)).reshape(-1)
+        views += [t.narrow(0, start, n) for start, n in _runs(kernel)]
+    return views
+
+
+def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive ids (ascending, unique)."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(ids)]])
+    return [(int(ids[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+# ---------------------------------------------------------------------- vLLM's side
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point (pyproject.toml): registers the "sublet"
+    sleep-mode backend with vLLM, lazily (vLLM imports SubletBackend on first use). vLLM
+    loads plugins in every process, maybe more than once: a second call does nothing."""
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    if BACKEND_NAME not in SleepModeBackendFactory._registry:
+        SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, "SubletBackend")
+
+
+def __getattr__(name: str) -> Any:
+    """SubletBackend and SubletWorker, built from vLLM's classes on first access."""
+    if name not in _VLLM_CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from . import vllm_classes
+    except ImportError as exc:
+        raise ImportError(f"sublet.compat.vllm.{name} subclasses vLLM's class and needs vLLM "
+                          f"(pip install vllm==0.33.0): {exc}") from exc
+    value = getattr(vllm_classes, name)
+    globals()[name] = value
+    return value
