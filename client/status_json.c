@@ -75,10 +75,24 @@ static json_t *uuid_json(const ProtobufCBinaryData *u) {
 static json_t *region_json(const void *item, uint64_t page_size) {
   const Sublet__RegionStatus *r = item;
 
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->region),
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->region),
                    "owner_pid", count_json(r->owner_pid), "owner_uid", count_json(r->owner_uid),
                    "pages", count_json(r->pages), "bytes", count_json(r->pages * page_size),
-                   "loan", count_json(r->has_loan ? r->loan : 0));
+                   "loan", count_json(r->has_loan ? r->loan : 0),
+                   "released_bytes", count_json(r->released_pages * page_size));
+}
+
+/* A live release: its pages given back to the driver until resumed (ReleaseStatus). */
+static json_t *release_json(const void *item, uint64_t page_size) {
+  const Sublet__ReleaseStatus *r = item;
+
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->release),
+                   "region", count_json(r->region), "state", text_json(r->state),
+                   "released_bytes", count_json(r->released_pages * page_size),
+                   "stayed_bytes", count_json(r->stayed_pages * page_size),
+                   "kept_bytes", count_json(r->kept_bytes),
+                   "copied_out_bytes", count_json(r->copied_out_bytes),
+                   "moved_bytes", count_json(r->moved_bytes));
 }
 
 /* A list of the message's items, each made by item_json. */
@@ -166,7 +180,7 @@ static json_t *totals_json(const Sublet__Status *st) {
 
 static json_t *status_object(const Sublet__Status *st) {
   return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
-                   "s:o, s:o, s:o}",
+                   "s:o, s:o, s:o, s:o}",
                    "daemon_version", text_json(st->daemon_version),
                    "uptime_seconds", seconds_json(st->uptime_seconds, 3),
                    "backend", text_json(st->backend), "device_uuid", uuid_json(&st->device_uuid),
@@ -182,6 +196,8 @@ static json_t *status_object(const Sublet__Status *st) {
                    "held", list_json((void *const *)st->held, st->n_held, held_json,
                                      st->page_size),
                    "loan", loan_json(st->loan, st->page_size),
+                   "releases", list_json((void *const *)st->releases, st->n_releases,
+                                         release_json, st->page_size),
                    "retained", list_json((void *const *)st->retained, st->n_retained,
                                          retained_json, st->page_size),
                    "totals", totals_json(st));

@@ -43,7 +43,8 @@ class Release:
         self._device = lent.device
         ranges = _lent.keep_ranges(lent, keep)
         stay_pages = STAY_ANY if stay is None else stay // page
-        self._stats = region.client.release(region.handle, _lent.touched_pages(lent), ranges,
+        self._handle = region.handle  # the region as it is now (an arena's may go and come)
+        self._stats = region.client.release(self._handle, _lent.touched_pages(lent), ranges,
                                             stay_pages)
         self._released = self._stats
         self._active = True
@@ -84,9 +85,12 @@ class Release:
         it; the release goes on: call again)."""
         if not self._active:
             raise BusyError(f"the release of {self.what} was resumed already")
-        torch.cuda.synchronize(self._device) if self._device.type == "cuda" else None
-        rc, message, stats = self._region.client.resume(self._region.handle,
-                                                        self._released.release_id)
+        if self._region_gone():
+            self._active = False  # every tensor of it died: the release went with the region
+            return self._stats
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        rc, message, stats = self._region.client.resume(self._handle, self._released.release_id)
         if rc < 0 and rc != _EDAEMONDIED:
             raise error_for(rc, message)
         if rc == _EDAEMONDIED:  # the data is back all the same: say so, do not fail
@@ -94,6 +98,14 @@ class Release:
         self._active = False
         self._stats = stats
         return stats
+
+    def _region_gone(self) -> bool:
+        """Has the released region gone (a pool whose every tensor died gives its region
+        back, and a later pool allocation makes another)?"""
+        try:
+            return self._region.handle.id != self._handle.id
+        except ValueError:  # an arena with no region now
+            return True
 
     def __enter__(self) -> "Release":
         return self

@@ -104,12 +104,20 @@ def text_status(s: dict[str, Any]) -> str:
     ]
     for r in s["regions"]:
         lent = f", lent (loan {r['loan']})" if r["loan"] else ""
+        if r.get("released_bytes"):
+            lent += f", {human(r['released_bytes'])} released to the driver"
         lines.append(f"    region {r['id']}: {human(r['bytes'])} ({r['pages']} pages), "
                      f"owner pid {r['owner_pid']} (uid {r['owner_uid']}){lent}")
     for h in s.get("held", []):  # gone, but a borrower that kept its window has not let go
         lines.append(f"    region {h['region']}: {human(h['bytes'])} released, still held by "
                      f"pid {h['holder_pid']} (uid {h['holder_uid']}), which kept its window")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
+    for r in s.get("releases", []):
+        lines.append(f"  release  {r['id']} of region {r['region']}: {r['state']}, "
+                     f"{human(r['released_bytes'])} given back to the driver, "
+                     f"{human(r['stayed_bytes'])} stayed holding {human(r['kept_bytes'])} kept "
+                     f"({human(r['moved_bytes'])} moved there, "
+                     f"{human(r['copied_out_bytes'])} on the host)")
     for r in s.get("retained", []):
         lines.append(f"  retained {human(r['bytes'])} of old pages by pid {r['pid']} "
                      f"(uid {r['uid']}): replaced at the end of its loan, counted until it "
@@ -143,6 +151,8 @@ METRICS = [  # name, type, help, value from a status
      lambda s: sum(r["bytes"] for r in s.get("retained", []))),
     ("sublet_held_bytes", "gauge", "bytes of released regions a borrower still holds",
      lambda s: sum(h["bytes"] for h in {h["region"]: h for h in s.get("held", [])}.values())),
+    ("sublet_released_bytes", "gauge", "region bytes released to the driver (live releases)",
+     lambda s: sum(r["released_bytes"] for r in s.get("releases", []))),
     ("sublet_region_bytes", "gauge", "bytes in regions",
      lambda s: sum(r["bytes"] for r in s["regions"])),
     ("sublet_loan_active", "gauge", "1 while a loan is borrowed",

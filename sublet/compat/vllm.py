@@ -249,6 +249,9 @@ class SubletAllocator:
         for tag in list(self._asleep):
             if tags is None or tag in tags or tag not in DEFERRABLE_TAGS:
                 release = self._asleep[tag].release
+                if not self._region_alive(tag):
+                    del self._asleep[tag]   # every tensor of the pools died asleep: gone
+                    continue
                 try:
                     resumed = release.resume()
                 except sublet.SubletOutOfMemoryError as exc:
@@ -259,6 +262,11 @@ class SubletAllocator:
                 self.stats[tag] = replace(self.stats[tag],
                                           copied_in_bytes=resumed.copied_in_bytes)
                 del self._asleep[tag]
+
+    def _region_alive(self, tag: str) -> bool:
+        """Whether the pools' memory (the arena's region) still exists: freeing every tensor
+        of every pool, even while they sleep, gives it back, the releases with it."""
+        return self.pool(tag).arena.client.pool_region() is not None
 
     def _release(self, tag: str, keep: Any, stay: int | None, offloaded: bool) -> int:
         """One sublet.release of the tag's pool; returns the bytes given to the driver."""

@@ -1,0 +1,809 @@
+#!/usr/bin/env python3
+"""Release loans (sublet.release) against torch_memory_saver's pause/resume on the same memory,
+on one CUDA GPU (issue 22's benchmark).
+
+The memory is a KV cache of S bytes (default 64 GiB) as 64 per-layer uint8 tensors of
+[blocks, 64 KiB]. A fraction of it is kept (--kept, default 0.3 and 1.0), in one of two
+patterns, the same blocks in every layer:
+
+  blocks  64 KiB blocks chosen at random (a paged KV cache's live blocks): nearly every 2 MiB
+          page holds some, so keeping them on the GPU means compacting them
+  rows    rows of 8 MiB (whole pages) evenly spaced: the kept pages hold only kept bytes
+  all     (at 100% kept) everything
+
+Contenders, each in a process of its own (its first cycle is the process's first pause):
+
+  tms all      torch_memory_saver 0.0.10, the cache allocated inside
+               region("kv", enable_cpu_backup=True): pause copies all S bytes to the host
+  tms best     torch_memory_saver at its best: each layer allocated as two tensors, its kept
+               blocks (the fraction kept) inside region("kept", enable_cpu_backup=True) and
+               the rest inside region("rest") without backup; pause/resume of both. Only an
+               engine that knew its live blocks before allocating could split them off like
+               this (scattered live blocks change after allocation): a lower bound for tms,
+               the same for both patterns; at 100% kept it is "tms all".
+               Both tms cases run with hook_mode="torch" and retain_cpu_backup=True (the
+               pinned host buffer is made at the first pause and kept: its best case).
+  sublet       the cache made by plain torch.empty inside `with sublet.pool("kv")`;
+               rel = sublet.release("kv", keep=sublet.blocks(layers, ids), stay=...) then
+               rel.resume(); stay=None (as few pages stay as hold the kept bytes: nothing to
+               the host) and stay=0 (every kept byte to the host, as tms's backup)
+
+A cycle: pause (release), then a plain torch.empty of the freed memory (less 1 GiB) written and
+given back (the memory is really the driver's), then resume. Timed: pause + resume. After
+every cycle every kept bit is digested on the GPU and compared (a change fails the case).
+
+Beside each figure: the bytes that crossed the host link, the bytes moved on the GPU, and the
+physical limit: bytes over the link / the pinned link bandwidth (each way) + bytes moved on
+the GPU (there and back) / the device-to-device bandwidth, all measured in the same run, plus
+the driver's floor for the handles released and made again (cuMemUnmap + cuMemRelease at
+pause, cuMemCreate + cuMemMap + cuMemSetAccess at resume, of the same number and size of
+handles in one process, through ctypes on libcuda). The task's own minimum for stay=None (the
+kept bytes that must move so that the fewest pages stay, the pages holding the most kept bytes
+staying) is printed for each keep.
+
+Targets (PASS/MISS): at 30% kept, sublet (stay=None) 5 x faster than tms backing up
+everything (later cycles); at 100% kept, sublet (stay=0, which frees everything as tms does)
+never slower than tms, first and later cycles; nothing over the host link with stay=None.
+
+    python3 bench/bench_release.py                 # S = 64 GiB, kept 30% and 100%
+    python3 bench/bench_release.py --quick         # S = 4 GiB, 2 cycles: a smoke run
+    python3 bench/bench_release.py --size max --kept 0.3 --json out.json
+    python3 bench/bench_release.py --contenders sublet --kept 1.0
+
+The parent process never creates a CUDA context: every GPU measurement runs in a child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SCRIPT = Path(__file__).resolve()
+REPO = SCRIPT.parents[1]
+if (REPO / "sublet" / "__init__.py").is_file() and str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # benchmark this checkout's package
+
+GiB, MiB = 1 << 30, 1 << 20
+BLOCK = 64 << 10               # a KV block
+LAYERS = 64
+PAGE = 2 * MiB                 # the GPU's page (VMM granularity on the H200)
+ROW = 8 * MiB                  # a row of the rows pattern: whole pages
+HEADROOM = 4 * GiB             # --size max leaves this free: contexts, digests, the daemon's
+HOST_SHARE = 0.9               # host copies of S may take 90% of MemAvailable
+TAKE_MARGIN = GiB              # the plain allocation between pause and resume leaves this
+MARK = "BENCH-RELEASE "
+TARGET_SPEEDUP = 5.0           # at 30% kept, x faster than tms backing up everything
+CONTENDERS = ("tms-all", "tms-best", "sublet")
+CHILD_TIMEOUT_S = 1800
+DIGEST_CHUNK = 256 * MiB
+
+
+def log(message: str) -> None:
+    print(f"[bench_release] {message}", file=sys.stderr, flush=True)
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# --------------------------------------------------------------------------- pure planning
+# (no torch, no GPU: tests/python/test_bench_release_cli.py checks these on the CPU)
+
+def parse_kept(text: str) -> list[float]:
+    """'0.3,1.0' -> [0.3, 1.0]; each in (0, 1]."""
+    out = []
+    for part in text.split(","):
+        f = float(part)
+        if not 0 < f <= 1:
+            raise argparse.ArgumentTypeError(f"--kept {part}: a fraction in (0, 1]")
+        out.append(f)
+    return out
+
+
+def plan_size(size: str, free_bytes: int) -> int:
+    """The cache's bytes: --size GiB, or 'max' (all free memory but HEADROOM), rounded down
+    to LAYERS whole rows; SystemExit when it does not fit."""
+    unit = LAYERS * ROW
+    want = free_bytes - HEADROOM if size == "max" else int(float(size) * GiB)
+    want = want // unit * unit
+    if want <= 0:
+        raise SystemExit(f"--size {size}: nothing fits ({gib(free_bytes)} free)")
+    if want > free_bytes - HEADROOM // 2:
+        raise SystemExit(f"--size {size}: {gib(want)} does not fit in {gib(free_bytes)} free "
+                         f"(use --size max)")
+    return want
+
+
+def block_ids(per_layer: int, fraction: float, seed: int = 7):
+    """The kept blocks of a layer: a random `fraction` of them, sorted."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(per_layer, round(per_layer * fraction), replace=False))
+
+
+def row_ids(per_layer: int, fraction: float):
+    """The blocks of round(fraction x rows) evenly spaced rows of ROW bytes (whole pages)."""
+    import numpy as np
+    per_row = ROW // BLOCK
+    nrows = per_layer // per_row
+    rows = np.unique(np.linspace(0, nrows, max(1, round(nrows * fraction)),
+                                 endpoint=False).astype(np.int64))
+    return (rows[:, None] * per_row + np.arange(per_row)).reshape(-1)
+
+
+def kept_ids(pattern: str, per_layer: int, fraction: float):
+    """Kept block ids of one layer (the same in every layer); None: all of it."""
+    if pattern == "all":
+        return None
+    if pattern == "blocks":
+        return block_ids(per_layer, fraction)
+    if pattern == "rows":
+        return row_ids(per_layer, fraction)
+    raise ValueError(f"unknown pattern {pattern!r}")
+
+
+def must_move(ids, per_layer: int, layers: int = LAYERS) -> int:
+    """The fewest kept bytes that must move on the GPU for the fewest pages to stay: T =
+    ceil(kept / PAGE) pages stay, the T holding the most kept bytes; the kept bytes of the
+    others move into them. Each layer starts on a page (its own segment of whole pages)."""
+    import numpy as np
+    per_page = PAGE // BLOCK
+    if ids is None:
+        return 0
+    pages = np.bincount(np.asarray(ids) // per_page,
+                        minlength=-(-per_layer // per_page)) * BLOCK
+    everywhere = np.tile(pages, layers)
+    kept = int(everywhere.sum())
+    stay = -(-kept // PAGE)
+    return kept - int(np.sort(everywhere)[::-1][:stay].sum())
+
+
+def plan_cases(fractions: list[float], contenders: list[str], size: int, host_bytes: int,
+               tms_ok: bool, cycles: int, tms_cycles: int) -> tuple[list[dict], list[str]]:
+    """The child processes to run, tms first (before subletd pins host memory), and notes on
+    what is skipped and why."""
+    host_cap = int(host_bytes * HOST_SHARE)
+    cases, notes = [], []
+    base = {"size": size, "per_layer": size // LAYERS // BLOCK}
+
+    def add(spec: dict, host_needed: int) -> None:
+        if host_needed > host_cap:
+            notes.append(f"{spec['label']}: skipped, its {gib(host_needed)} of host copies do "
+                         f"not fit in 90% of MemAvailable ({gib(host_cap)})")
+            return
+        cases.append(spec)
+
+    tms = [c for c in contenders if c.startswith("tms")]
+    if tms and not tms_ok:
+        notes.append("torch_memory_saver: skipped, not importable here (pip install "
+                     "torch_memory_saver==0.0.10)")
+    elif "tms-all" in tms:
+        add({**base, "mode": "tms", "label": "tms all (backup of everything)", "split": None,
+             "cycles": tms_cycles, "fraction": 1.0}, size)
+    if tms_ok and "tms-best" in tms:
+        for f in fractions:
+            if f < 1:
+                add({**base, "mode": "tms", "label": f"tms best (kept {f:.0%} split off)",
+                     "split": f, "cycles": tms_cycles, "fraction": f}, int(size * f))
+    if "sublet" in contenders:
+        for f in fractions:
+            for pattern in (("all",) if f >= 1 else ("blocks", "rows")):
+                for stay in ((0,) if f >= 1 else (None, 0)):
+                    label = f"sublet {pattern} {f:.0%} stay={stay}"
+                    add({**base, "mode": "sublet", "label": label, "pattern": pattern,
+                         "fraction": f, "stay": stay, "cycles": cycles},
+                        int(size * f) if stay == 0 else 0)
+        if any(f >= 1 for f in fractions):
+            notes.append("sublet all 100% stay=None: not run (every page holds kept bytes and "
+                         "stays: nothing is released)")
+    return cases, notes
+
+
+# --------------------------------------------------------------------------- report
+
+def later(r: dict) -> float:
+    """The median of a case's later cycles (its first when it ran only one)."""
+    seconds = [c["seconds"] for c in r["cycles"]]
+    return statistics.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
+
+
+def limit_seconds(r: dict, bw: dict) -> float:
+    """Bytes over the link each way at the pinned bandwidth, plus the bytes moved on the GPU
+    (there and back) at the device-to-device bandwidth, of the case's last cycle."""
+    c = r["cycles"][-1]
+    return (c["out_bytes"] / bw["d2h"] + c["in_bytes"] / bw["h2d"]
+            + 2 * c["moved_bytes"] / bw["d2d"])
+
+
+def case_lines(r: dict, bw: dict, floor: float | None) -> list[str]:
+    """A case's figures, its bytes and limit, its release stats and its keep's minimum."""
+    first, rest = r["cycles"][0], r["cycles"][-1]
+    limit = limit_seconds(r, bw)
+    floor_text = f" + driver floor {floor:.3f} s" if floor is not None else ""
+    lines = [
+        f"  {r['label']:34s} first {first['seconds']:7.3f} s (pause {first['pause_s']:.3f} + "
+        f"resume {first['resume_s']:.3f}), later {later(r):7.3f} s (median of "
+        f"{max(1, len(r['cycles']) - 1)})",
+        f"      link {gib(rest['out_bytes'])} out + {gib(rest['in_bytes'])} in, moved on the GPU "
+        f"{gib(rest['moved_bytes'])}, freed {gib(rest['freed_bytes'])}; limit {limit:.3f} s"
+        f"{floor_text}: later is {later(r) / max(limit + (floor or 0.0), 1e-9):.1f} x"]
+    s = rest.get("stats")
+    if s:
+        sizes = ", ".join(f"{k.removesuffix('_bytes')} {gib(s[k])}" for k in
+                          ("released_bytes", "stayed_bytes", "kept_bytes", "moved_bytes",
+                           "copied_bytes", "copied_in_bytes") if k in s)
+        phases = ", ".join(f"{k.removesuffix('_seconds')} {s[k]:.4f}" for k in s
+                           if k.endswith("_seconds"))
+        lines.append(f"      stats: {sizes}; seconds: {phases}")
+    if r["mode"] == "sublet" and r["stay"] is None and "must_move_bytes" in r:
+        lines.append(f"      keep {r['pattern']}: {gib(r['kept_bytes'])} kept; with the fewest "
+                     f"pages staying at least {gib(r['must_move_bytes'])} must move (there and "
+                     f"back {2 * r['must_move_bytes'] / bw['d2d']:.3f} s)")
+    return lines
+
+
+def targets(results: list[dict]) -> list[tuple[str, bool | None, str]]:
+    """(target, met or None when it could not be judged, the figures)."""
+    ok = [r for r in results if not r.get("error")]
+    tms_all = next((r for r in ok if r["mode"] == "tms" and r["split"] is None), None)
+    out: list[tuple[str, bool | None, str]] = []
+    for r in ok:
+        if r["mode"] == "sublet" and r["stay"] is None and abs(r["fraction"] - 0.3) < 1e-9:
+            name = f"{r['label']}: {TARGET_SPEEDUP:.0f} x faster than tms backing up everything"
+            if tms_all is None:
+                out.append((name, None, "tms did not run"))
+            else:
+                x = later(tms_all) / later(r)
+                out.append((name, x >= TARGET_SPEEDUP, f"{later(tms_all):.3f} s / "
+                            f"{later(r):.3f} s = {x:.1f} x (later cycles)"))
+    for r in ok:
+        if r["mode"] == "sublet" and r["fraction"] >= 1 and r["stay"] == 0:
+            name = f"{r['label']}: never slower than tms (100% kept)"
+            if tms_all is None:
+                out.append((name, None, "tms did not run"))
+                continue
+            a, b = r["cycles"][0]["seconds"], tms_all["cycles"][0]["seconds"]
+            out.append((name, a <= b and later(r) <= later(tms_all),
+                        f"first {a:.3f} s vs {b:.3f} s, later {later(r):.3f} s vs "
+                        f"{later(tms_all):.3f} s"))
+    stay_none = [r for r in ok if r["mode"] == "sublet" and r["stay"] is None]
+    if stay_none:
+        crossed = sum(c["out_bytes"] + c["in_bytes"] for r in stay_none for c in r["cycles"])
+        out.append(("nothing over the host link when the kept bytes fit in the pages that stay "
+                    "(stay=None)", crossed == 0, f"{crossed} bytes over {len(stay_none)} cases"))
+    return out
+
+
+def report(doc: dict) -> int:
+    """Prints the table and the targets; returns the exit status (1 when a case failed)."""
+    bw, results = doc["bandwidth"], doc["results"]
+    floors = doc.get("floors", {})
+    print(f"GPU {doc['probe']['gpu']}, torch {doc['probe']['torch']}; S = {gib(doc['size'])}"
+          f" in {LAYERS} layers; pinned link {bw['d2h'] / 1e9:.1f} GB/s out, "
+          f"{bw['h2d'] / 1e9:.1f} GB/s in; device-to-device {bw['d2d'] / 1e9:.0f} GB/s")
+    for note in doc.get("notes", []):
+        print(f"note: {note}")
+    is_tms_all = [r["mode"] == "tms" and r.get("split") is None for r in results]
+    fractions = {r["fraction"] for r, all_ in zip(results, is_tms_all) if not all_}
+    for f in sorted(fractions or {1.0}):
+        rows = [r for r, all_ in zip(results, is_tms_all) if all_ or r["fraction"] == f]
+        print(f"kept {f:.0%}:")
+        for r in rows:
+            if r.get("error"):
+                print(f"  {r['label']:34s} FAILED: {r['error']}")
+                continue
+            print("\n".join(case_lines(r, bw, floors.get(r["label"]))))
+    if doc.get("floor_detail"):
+        for label, d in doc["floor_detail"].items():
+            print(f"driver floor for {label}: {d['handles']} handles: cuMemCreate "
+                  f"{d['create_s']:.3f} s + map {d['map_s']:.3f} s + access "
+                  f"{d['access_s']:.3f} s; unmap + release {d['release_s']:.3f} s (beside "
+                  f"it, export + import of each: {d.get('export_import_s', 0):.3f} s)")
+    print("targets:")
+    for name, met, text in targets(results):
+        verdict = "PASS" if met else ("MISS" if met is False else "n/a ")
+        print(f"  {verdict} {name}: {text}")
+    return 1 if any(r.get("error") for r in results) else 0
+
+
+# --------------------------------------------------------------------------- children: GPU
+
+def free_gpu() -> int:
+    import torch
+    return torch.cuda.mem_get_info()[0]
+
+
+def digest(pieces) -> int:
+    """Every bit of the kept bytes, on the GPU: the sum of each 8-byte word times an odd weight
+    that depends on its position (mod 2**64): a changed bit or swapped words change it."""
+    import torch
+    total, index = 0, 0
+    for piece in pieces:
+        words = piece.reshape(-1).view(torch.int64)
+        for part in words.split(DIGEST_CHUNK // 8):
+            w = torch.arange(index, index + part.numel(), device=part.device,
+                             dtype=torch.int64).mul_(2).add_(1).mul_(0x7E3779B97F4A7C15)
+            total = (total + int(w.mul_(part).sum().item())) % (1 << 64)
+            index += part.numel()
+            del w
+    return total
+
+
+def kept_digest(layers, ids) -> int:
+    """The digest of the kept blocks of every layer (all of each layer when ids is None)."""
+    if ids is None:
+        return digest(iter(layers))
+    return digest(layer.index_select(0, ids) for layer in layers)
+
+
+def take_freed(freed: int) -> int:
+    """A plain PyTorch allocation of the freed memory less TAKE_MARGIN, written, then given
+    back to the driver (empty_cache): the pause really gave it away. Returns its bytes."""
+    import torch
+    n = (freed - TAKE_MARGIN) // PAGE * PAGE
+    if n <= 0:
+        return 0
+    x = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xA5)
+    torch.cuda.synchronize()
+    del x
+    torch.cuda.empty_cache()
+    return n
+
+
+def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
+               check: Callable[[int], None], label: str,
+               observe: Callable[[Any], Any] = lambda handle: None) -> list[dict]:
+    """n cycles of pause, a plain allocation of what it freed, resume; timed pause + resume.
+    observe(handle) runs after the pause, untimed (reading its stats); resume(handle) returns
+    the cycle's bytes (out_bytes, in_bytes, moved_bytes, stats)."""
+    import torch
+    cycles = []
+    for i in range(n):
+        torch.cuda.synchronize()
+        free0 = free_gpu()
+        t0 = now()
+        handle = pause()
+        torch.cuda.synchronize()
+        t1 = now()
+        observe(handle)
+        freed = free_gpu() - free0
+        taken = take_freed(freed)
+        t2 = now()
+        moved = resume(handle)
+        torch.cuda.synchronize()
+        t3 = now()
+        check(i)
+        cycles.append({"pause_s": t1 - t0, "resume_s": t3 - t2, "seconds": (t1 - t0) + (t3 - t2),
+                       "freed_bytes": freed, "taken_bytes": taken, **moved})
+        log(f"{label}: cycle {i}: pause {t1 - t0:.3f} s, resume {t3 - t2:.3f} s, freed "
+            f"{gib(freed)}, kept bits intact")
+    return cycles
+
+
+def checker(layers, ids, expected: int, label: str) -> Callable[[int], None]:
+    def check(i: int) -> None:
+        if kept_digest(layers, ids) != expected:
+            raise SystemExit(f"{label}: kept bits changed in cycle {i}")
+    return check
+
+
+def release_figures(rel: Any, released: dict, resumed: dict) -> dict:
+    """A release's bytes (from the Release, as it reports them) and each phase's seconds, of
+    the release and of its resume (ReleaseStats before and after resume())."""
+    out = {"released_bytes": rel.released_bytes, "stayed_bytes": rel.stayed_bytes,
+           "kept_bytes": released.get("kept_bytes", 0), "moved_bytes": rel.moved_bytes,
+           "copied_bytes": rel.copied_bytes,
+           "copied_in_bytes": resumed.get("copied_in_bytes", 0)}
+    for prefix, stats in (("release", released), ("resume", resumed)):
+        for k, v in stats.items():
+            if k.endswith("seconds"):
+                out[prefix + ("_" + k if k != "seconds" else "_seconds")] = v
+    return out
+
+
+def child_sublet(spec: dict) -> dict:
+    """The cache in pool "kv"; cycles of sublet.release(...) / rel.resume()."""
+    import torch
+    import sublet
+    per_layer, label = spec["per_layer"], spec["label"]
+    with sublet.pool("kv"):
+        layers = [torch.empty(per_layer, BLOCK, dtype=torch.uint8, device="cuda")
+                  for _ in range(LAYERS)]
+    for layer in layers:
+        layer.random_(0, 256)
+    ids_np = kept_ids(spec["pattern"], per_layer, spec["fraction"])
+    ids = None if ids_np is None else torch.from_numpy(ids_np).cuda()
+    keep = None if ids_np is None else sublet.blocks(layers, torch.from_numpy(ids_np), dim=0)
+    expected = kept_digest(layers, ids)
+    kept_bytes = LAYERS * (per_layer if ids_np is None else len(ids_np)) * BLOCK
+
+    released: dict = {}
+
+    def observe(rel) -> None:
+        released.update(dataclasses.asdict(rel.stats))  # the release's, before resume()
+
+    def resume(rel) -> dict:
+        rel.resume()
+        figures = release_figures(rel, released, dataclasses.asdict(rel.stats))
+        return {"out_bytes": figures["copied_bytes"], "in_bytes": figures["copied_in_bytes"],
+                "moved_bytes": figures["moved_bytes"], "stats": figures}
+
+    cycles = run_cycles(1 + spec["cycles"],
+                        lambda: sublet.release("kv", keep=keep, stay=spec["stay"]), resume,
+                        checker(layers, ids, expected, label), label, observe)
+    return {"cycles": cycles, "kept_bytes": kept_bytes,
+            "must_move_bytes": must_move(ids_np, per_layer),
+            "handles": int(cycles[-1]["stats"].get("released_bytes", 0)) // PAGE,
+            "handle_bytes": PAGE, "actual_fraction": kept_bytes / spec["size"]}
+
+
+def child_tms(spec: dict) -> dict:
+    """torch_memory_saver (hook_mode torch): everything in one backed-up region, or each
+    layer's kept part split off into a backed-up region and the rest in one without."""
+    import torch
+    from torch_memory_saver import torch_memory_saver as tms
+    per_layer, split, label = spec["per_layer"], spec["split"], spec["label"]
+    tms.hook_mode = "torch"  # no LD_PRELOAD: PyTorch's pluggable allocator
+    if split is None:
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            kept = [torch.empty(per_layer, BLOCK, dtype=torch.uint8, device="cuda")
+                    for _ in range(LAYERS)]
+        rest: list = []
+    else:
+        n_kept = round(per_layer * split)
+        with tms.region(tag="kept", enable_cpu_backup=True):
+            kept = [torch.empty(n_kept, BLOCK, dtype=torch.uint8, device="cuda")
+                    for _ in range(LAYERS)]
+        with tms.region(tag="rest"):
+            rest = [torch.empty(per_layer - n_kept, BLOCK, dtype=torch.uint8, device="cuda")
+                    for _ in range(LAYERS)]
+    tms.retain_cpu_backup = True  # pinned once, at the first pause, and kept: its best case
+    for t in kept + rest:
+        t.random_(0, 256)
+    expected = kept_digest(kept, None)
+    kept_bytes = sum(t.nbytes for t in kept)
+
+    def resume(_: Any) -> dict:
+        tms.resume()
+        return {"out_bytes": kept_bytes, "in_bytes": kept_bytes, "moved_bytes": 0}
+
+    cycles = run_cycles(1 + spec["cycles"], tms.pause, resume,
+                        checker(kept, None, expected, label), label)
+    handles = [[LAYERS, -(-kept[0].nbytes // PAGE) * PAGE]]
+    if rest:
+        handles.append([LAYERS, -(-rest[0].nbytes // PAGE) * PAGE])
+    # Never freed: torch_memory_saver's torch hook aborts on a free outside a region; the
+    # child leaves with os._exit.
+    _NEVER_FREED.extend(kept + rest)
+    return {"cycles": cycles, "kept_bytes": kept_bytes, "handle_sets": handles,
+            "actual_fraction": kept_bytes / spec["size"]}
+
+
+_NEVER_FREED: list = []
+
+
+def child_probe(_: dict) -> dict:
+    """Free memory, host memory, and the bandwidths: pinned link each way, device to device
+    (bytes copied per second), best of several 1 GiB copies."""
+    import torch
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    src = torch.empty(GiB, dtype=torch.uint8, device="cuda").random_(0, 256)
+    dst = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    pinned = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+
+    def best(copy: Callable[[], Any], reps: int = 5) -> float:
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = now()
+            copy()
+            torch.cuda.synchronize()
+            times.append(now() - t)
+        return GiB / min(times)
+
+    bw = {"d2h": best(lambda: pinned.copy_(src, non_blocking=True)),
+          "h2d": best(lambda: dst.copy_(pinned, non_blocking=True)),
+          "d2d": best(lambda: dst.copy_(src))}
+    return {"free_bytes": free, "total_bytes": total, "host_bytes": mem_available(),
+            "bandwidth": bw, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child_floor(spec: dict) -> dict:
+    """The driver's floor per label: for its handle sets [(count, bytes)], cuMemCreate +
+    cuMemMap of each handle and one cuMemSetAccess over them (what resume must do), then
+    cuMemUnmap + cuMemRelease (what pause must do), in this one process, through ctypes on
+    libcuda (no torch; about a microsecond of Python per call). Handles are POSIX-fd
+    shareable, as subletd makes them. Beside it, not in the floor: exporting each handle as an
+    fd and importing it again (what a daemon and its client in two processes pay on top)."""
+    from ctypes import CDLL, byref, c_int, c_size_t, c_uint64, c_void_p
+    cu = CDLL("libcuda.so.1")
+    for name in ("cuMemAddressReserve", "cuMemCreate", "cuMemMap", "cuMemSetAccess",
+                 "cuMemUnmap", "cuMemRelease", "cuMemAddressFree",
+                 "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle"):
+        getattr(cu, name).restype = c_int
+    cu.cuMemExportToShareableHandle.argtypes = [c_void_p, c_uint64, c_int, c_uint64]
+    cu.cuMemImportFromShareableHandle.argtypes = [c_void_p, c_void_p, c_int]
+    cu.cuMemAddressReserve.argtypes = [c_void_p, c_size_t, c_size_t, c_uint64, c_uint64]
+    cu.cuMemCreate.argtypes = [c_void_p, c_size_t, c_void_p, c_uint64]
+    cu.cuMemMap.argtypes = [c_uint64, c_size_t, c_size_t, c_uint64, c_uint64]
+    cu.cuMemSetAccess.argtypes = [c_uint64, c_size_t, c_void_p, c_size_t]
+    cu.cuMemUnmap.argtypes = [c_uint64, c_size_t]
+    cu.cuMemRelease.argtypes = [c_uint64]
+    cu.cuMemAddressFree.argtypes = [c_uint64, c_size_t]
+
+    def ok(result: int, what: str) -> None:
+        if result != 0:
+            raise SystemExit(f"driver floor: {what} failed (CUresult {result})")
+
+    ok(cu.cuInit(0), "cuInit")
+    dev, ctx = c_int(), c_void_p()
+    ok(cu.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    prop, access = _alloc_prop(dev.value), _access_desc(dev.value)
+    out = {}
+    for label, sets in spec["floors"].items():
+        total = {"handles": 0, "create_s": 0.0, "map_s": 0.0, "access_s": 0.0,
+                 "release_s": 0.0, "export_import_s": 0.0}
+        for count, nbytes in sets:
+            one = _floor_once(cu, ok, prop, access, int(count), int(nbytes))
+            for k in total:
+                total[k] += one[k]
+        total["resume_s"] = total["create_s"] + total["map_s"] + total["access_s"]
+        total["floor_s"] = total["resume_s"] + total["release_s"]
+        out[label] = total
+        log(f"driver floor, {label}: {total['handles']} handles, resume side "
+            f"{total['resume_s']:.3f} s, pause side {total['release_s']:.3f} s")
+    return {"floors": out}
+
+
+def _alloc_prop(device: int):
+    """A CUmemAllocationProp: pinned device memory on `device`, POSIX-fd shareable."""
+    import ctypes
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Flags(ctypes.Structure):
+        _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable",
+                    ctypes.c_ubyte), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+    class Prop(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int),
+                    ("location", Location), ("win32HandleMetaData", ctypes.c_void_p),
+                    ("allocFlags", Flags)]
+
+    # CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+    # CU_MEM_LOCATION_TYPE_DEVICE = 1
+    return Prop(type=1, requestedHandleTypes=1, location=Location(1, device))
+
+
+def _access_desc(device: int):
+    """A CUmemAccessDesc: read-write for `device` (CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3)."""
+    import ctypes
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Access(ctypes.Structure):
+        _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+    return Access(Location(1, device), 3)
+
+
+def _floor_once(cu, ok, prop, access, count: int, nbytes: int) -> dict:
+    """count handles of nbytes: create + map each, one access call; then unmap + release."""
+    import ctypes
+    c_uint64 = ctypes.c_uint64
+    size = count * nbytes
+    va = c_uint64()
+    ok(cu.cuMemAddressReserve(ctypes.addressof(va), size, PAGE, 0, 0), "cuMemAddressReserve")
+    handles = (c_uint64 * count)()
+    t0 = now()
+    for i in range(count):
+        ok(cu.cuMemCreate(ctypes.addressof(handles) + 8 * i, nbytes, ctypes.addressof(prop), 0),
+           "cuMemCreate")
+    t1 = now()
+    for i in range(count):
+        ok(cu.cuMemMap(va.value + i * nbytes, nbytes, 0, handles[i], 0), "cuMemMap")
+    t2 = now()
+    ok(cu.cuMemSetAccess(va.value, size, ctypes.addressof(access), 1), "cuMemSetAccess")
+    t_access = now()
+    shared = _export_import(cu, ok, handles, count)
+    t3 = now()
+    ok(cu.cuMemUnmap(va.value, size), "cuMemUnmap")
+    for i in range(count):
+        ok(cu.cuMemRelease(handles[i]), "cuMemRelease")
+    t4 = now()
+    ok(cu.cuMemAddressFree(va.value, size), "cuMemAddressFree")
+    return {"handles": count, "create_s": t1 - t0, "map_s": t2 - t1,
+            "access_s": t_access - t2, "release_s": t4 - t3, "export_import_s": shared}
+
+
+def _export_import(cu, ok, handles, count: int) -> float:
+    """Seconds to export every handle as a POSIX fd and import it back (then release the
+    imported handle and close the fd), as a daemon and its client do between them."""
+    import ctypes
+    t0 = now()
+    for i in range(count):
+        fd, again = ctypes.c_int(-1), ctypes.c_uint64()
+        ok(cu.cuMemExportToShareableHandle(ctypes.addressof(fd), handles[i], 1, 0),
+           "cuMemExportToShareableHandle")
+        ok(cu.cuMemImportFromShareableHandle(ctypes.addressof(again), fd.value, 1),
+           "cuMemImportFromShareableHandle")
+        ok(cu.cuMemRelease(again.value), "cuMemRelease (imported)")
+        os.close(fd.value)
+    return now() - t0
+
+
+def child_main(mode: str, spec: dict) -> None:
+    """Runs one child and prints its result as the last stdout line."""
+    run = {"probe": child_probe, "sublet": child_sublet, "tms": child_tms,
+           "floor": child_floor}[mode]
+    result = run(spec)
+    sys.stdout.write(MARK + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    if mode == "tms":
+        os._exit(0)  # no teardown: torch_memory_saver's hook aborts on frees outside regions
+
+
+# --------------------------------------------------------------------------- parent
+
+def run_child(mode: str, spec: dict, env: dict) -> dict:
+    """One child of this script; its result, or {'error': ...}. Its stderr (progress) goes to
+    ours as it comes."""
+    argv = [sys.executable, str(SCRIPT), "--child", mode, "--spec", json.dumps(spec)]
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=env,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}
+    lines = [x for x in done.stdout.splitlines() if x.startswith(MARK)]
+    if done.returncode != 0 or not lines:
+        tail = done.stdout.strip().splitlines()[-3:]
+        return {"error": f"exit status {done.returncode}" + (f": {' | '.join(tail)}"
+                                                              if tail else "")}
+    return json.loads(lines[-1][len(MARK):])
+
+
+def tms_available() -> tuple[bool, str]:
+    """Whether torch_memory_saver can be imported, and its version (without importing it)."""
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        return False, "not installed"
+    from importlib import metadata
+    try:
+        return True, metadata.version("torch_memory_saver")
+    except metadata.PackageNotFoundError:
+        return True, "unknown version"
+
+
+def start_daemon(pin_gib: float):
+    """One subletd for the sublet children (as a service would be): benchmark.py's."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import benchmark
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return benchmark, benchmark.start_daemon(int(pin_gib * GiB))
+
+
+def floor_specs(results: list[dict]) -> dict[str, list]:
+    """The handle sets of each case's pause: sublet's released pages, tms's allocations."""
+    out = {}
+    for r in results:
+        if r.get("error"):
+            continue
+        if r["mode"] == "sublet" and r.get("handles"):
+            out[r["label"]] = [[r["handles"], PAGE]]
+        elif r["mode"] == "tms":
+            out[r["label"]] = r["handle_sets"]
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default=None, help="GiB of cache, or 'max': all free memory but "
+                                                f"{HEADROOM // GiB} GiB (default 64)")
+    p.add_argument("--kept", type=parse_kept, default=None,
+                   help="kept fractions, comma-separated (default 0.3,1.0)")
+    p.add_argument("--cycles", type=int, default=None,
+                   help="later cycles of sublet (default 4; --quick 1)")
+    p.add_argument("--tms-cycles", type=int, default=None,
+                   help="later cycles of torch_memory_saver (default 2; --quick 1)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS),
+                   help=f"comma-separated, of {', '.join(CONTENDERS)} (default all)")
+    p.add_argument("--daemon-pin", type=float, default=0, metavar="GiB",
+                   help="host memory subletd pins ahead (default 0: it pins at its first "
+                        "save, as the package's own daemon does)")
+    p.add_argument("--quick", action="store_true", help="S = 4 GiB, 2 cycles: a smoke run")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--child", choices=("probe", "sublet", "tms", "floor"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    a = build_parser().parse_args()
+    if a.child:
+        child_main(a.child, json.loads(a.spec))
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("bench_release.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    size_arg = a.size or ("4" if a.quick else "64")
+    cycles = a.cycles if a.cycles is not None else (1 if a.quick else 4)
+    tms_cycles = a.tms_cycles if a.tms_cycles is not None else (1 if a.quick else 2)
+    contenders = [c for c in a.contenders.split(",") if c]
+    if set(contenders) - set(CONTENDERS):
+        raise SystemExit(f"--contenders: use {', '.join(CONTENDERS)}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    probe = run_child("probe", {}, env)
+    if "error" in probe:
+        raise SystemExit(f"the probe failed: {probe['error']}")
+    size = plan_size(size_arg, probe["free_bytes"])
+    ok_tms, version = tms_available()
+    cases, notes = plan_cases(a.kept or [0.3, 1.0], contenders, size, probe["host_bytes"],
+                              ok_tms, cycles, tms_cycles)
+    if a.daemon_pin == 0 and not os.environ.get("SUBLET_SOCKET"):
+        notes.append("subletd pins host memory at its first save and keeps it: the first "
+                     "stay=0 case's first cycle pays for pinning, a later one only for more")
+    if ok_tms and version != "0.0.10":
+        notes.append(f"torch_memory_saver {version}, not the 0.0.10 this benchmark is for")
+    log(f"S = {gib(size)}, {len(cases)} cases; {'; '.join(notes) or 'nothing skipped'}")
+    results = [{**spec, **run_child("tms", spec, env)} for spec in cases
+               if spec["mode"] == "tms"]
+    sublet_cases = [spec for spec in cases if spec["mode"] == "sublet"]
+    if sublet_cases:
+        results += run_sublet(sublet_cases, env, a.daemon_pin)
+    specs = floor_specs(results)
+    floors = run_child("floor", {"floors": specs}, env) if specs else {}
+    doc = {"size": size, "probe": probe, "bandwidth": probe["bandwidth"], "notes": notes,
+           "results": results, "floor_detail": floors.get("floors", {}),
+           "floors": {k: v["floor_s"] for k, v in floors.get("floors", {}).items()}}
+    if "error" in floors:
+        doc["notes"].append(f"driver floor not measured: {floors['error']}")
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1))
+    return report(doc)
+
+
+def run_sublet(cases: list[dict], env: dict, pin_gib: float) -> list[dict]:
+    """The sublet children, against one subletd started here (or $SUBLET_SOCKET's)."""
+    if os.environ.get("SUBLET_SOCKET"):
+        return [{**spec, **run_child("sublet", spec, env)} for spec in cases]
+    benchmark, daemon = start_daemon(pin_gib)
+    try:
+        child_env = {**env, **daemon.env}
+        return [{**spec, **run_child("sublet", spec, child_env)} for spec in cases]
+    finally:
+        benchmark.stop_daemon(daemon)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Releases end to end on the memfd backend (no GPU): memory given back to the daemon's
+device (its free bytes grow, and another client can take them), kept bits back after every
+resume with keeps that change each time, several tags released at once, pool allocations
+during a release, the refusals, the resume that finds the memory taken, and the owner or the
+daemon killed while memory is released.
+
+CPU tensors come from Pool.empty() and sublet.empty(device="cpu"); on a GPU
+test_gpu_release.py does the same with real CUDA memory and plain consumers.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import sublet
+from sublet import _client
+
+from conftest import PAGE, REPO
+from pool_helpers import bits, layers, random_bytes
+from test_survive import Daemon
+
+pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
+
+
+def free_bytes() -> int:
+    return sublet.info("cpu").free_bytes
+
+
+def keep_blocks(caches, live):
+    """Every layer's blocks `live` (dim 1 of a (2, blocks, ...) cache)."""
+    return [c[:, b] for c in caches for b in live]
+
+
+def test_release_gives_the_memory_back_and_keeps_bits():
+    kv = sublet.pool("rel-kv", device="cpu")
+    caches = layers(kv, 8, (2, 16, 1024), seed=1)         # 8 layers of one 64 KiB page
+    live = [3, 9]
+    keep = keep_blocks(caches, live)
+    before = [bits(v) for v in keep]
+    free0 = free_bytes()
+    with sublet.release("rel-kv", keep=keep) as rel:
+        assert rel.active
+        # 8 KiB kept in each page, 64 KiB in all: one page holds them, 7 go back, and the
+        # kept bytes of those 7 moved into the one that stays
+        assert rel.stats.stayed_pages == 1 and rel.stats.released_pages == 7
+        assert rel.released_bytes == 7 * PAGE and rel.copied_bytes == 0
+        assert rel.moved_bytes == 7 * 8192 and rel.stats.kept_bytes == PAGE
+        assert free_bytes() == free0 + 7 * PAGE
+        taken = sublet.empty(7 * PAGE, dtype=torch.uint8, device="cpu")  # someone takes it
+        taken.fill_(0xEE)
+        del taken
+        gc.collect()
+    assert not rel.active and rel.stats.copied_in_bytes == 0
+    assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before))
+    assert free_bytes() == free0
+    del caches, keep
+
+
+@pytest.mark.parametrize("stay", [None, 0, PAGE])
+def test_releases_in_sequence_with_changing_keeps(stay):
+    """Five releases of one tag, a new live set each time and the owner writing between them:
+    every kept bit back after each; with stay=0 every kept byte crossed the host link."""
+    kv = sublet.pool(f"seq-{stay}", device="cpu")
+    caches = layers(kv, 4, (2, 32, 1024), seed=2)       # 4 layers of 32 blocks, 2 pages
+    rng = np.random.default_rng(0 if stay is None else stay + 1)
+    for round_ in range(5):
+        live = sorted(rng.choice(32, size=int(rng.integers(1, 20)), replace=False).tolist())
+        for c in caches:                                 # the owner's work between loans
+            c[:, live[0]].copy_(random_bytes(torch.empty_like(c[:, live[0]]), seed=round_))
+        keep = keep_blocks(caches, live)
+        before = [bits(v) for v in keep]
+        rel = sublet.release(kv, keep=keep, stay=stay)
+        kept = rel.stats.kept_bytes
+        assert kept == len(keep) * 4096                   # a block: K and V, 2 KiB each
+        if stay == 0:
+            assert rel.copied_bytes == kept and rel.stats.stayed_pages == 0
+        elif stay is None:
+            assert rel.copied_bytes == 0
+            assert rel.stats.stayed_pages == -(-kept // PAGE)
+        else:
+            assert rel.stats.stayed_pages <= 1
+        rel.resume()
+        assert rel.stats.copied_in_bytes == rel.copied_bytes
+        assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before)), round_
+    del caches
+
+
+def test_tags_released_one_by_one_and_resumed_in_another_order():
+    """SGLang's order: kv_cache, weights, cuda_graph paused; resumed graph, weights, kv."""
+    pools = {t: sublet.pool(f"sg-{t}", device="cpu") for t in ("kv", "w", "g")}
+    kv = layers(pools["kv"], 4, (2, 8, 1024), seed=3)
+    w = layers(pools["w"], 3, (64, 1024), seed=4)
+    g = layers(pools["g"], 1, (32, 1024), seed=5)
+    w_before, g_before = [bits(t) for t in w], [bits(t) for t in g]
+    free0 = free_bytes()
+    rels = [sublet.release(pools["kv"], keep=[]),
+            sublet.release(pools["w"], stay=0),       # weights to the host (CPU backup)
+            sublet.release(pools["g"], stay=0)]
+    assert free_bytes() == free0 + sum(r.released_bytes for r in rels)
+    assert rels[0].released_bytes == 4 * PAGE
+    with pytest.raises(sublet.BusyError, match="released already"):
+        sublet.release(pools["w"], keep=[])
+    for r in reversed(rels):
+        r.resume()
+    assert all(np.array_equal(bits(t), b) for t, b in zip(w, w_before))
+    assert all(np.array_equal(bits(t), b) for t, b in zip(g, g_before))
+    assert free_bytes() == free0
+    del kv, w, g
+
+
+def test_pool_allocations_during_a_release_avoid_released_pages():
+    kv, other = sublet.pool("hole-kv", device="cpu"), sublet.pool("hole-other", device="cpu")
+    a = layers(kv, 2, (32, 1024), seed=6)
+    b = layers(other, 1, (32, 1024), seed=7)
+    del a[0]
+    gc.collect()                                   # a free gap in the middle of the arena
+    rel = sublet.release(kv, keep=[])              # a[1]'s pages go back
+    fresh = [random_bytes(other.empty(32, 1024, dtype=torch.bfloat16), seed=8 + i)
+             for i in range(3)]                    # into the gap or the tail, never a hole
+    snap = [bits(t) for t in fresh]
+    rel.resume()
+    assert all(np.array_equal(bits(t), s) for t, s in zip(fresh, snap))
+    del a, b, fresh
+
+
+def test_what_a_release_refuses():
+    cache = sublet.empty(4 * PAGE, dtype=torch.uint8, device="cpu")
+    rel = sublet.release(cache, keep=cache[:100])
+    with pytest.raises(sublet.BusyError, match="resume them before lending"):
+        with sublet.lend(cache):
+            pass
+    with pytest.raises(sublet.BusyError, match="released already"):
+        sublet.release(cache, keep=[])
+    with pytest.raises(ValueError, match="stay is bytes"):
+        sublet.release(cache, stay=-1)
+    rel.resume()
+    with pytest.raises(sublet.BusyError, match="resumed already"):
+        rel.resume()
+    with sublet.lend(cache):                       # a normal loan works again
+        pass
+    assert "resumed" in repr(rel)
+
+
+def test_a_view_releases_its_own_pages_and_keeps_its_neighbours():
+    cache = sublet.empty(8 * PAGE, dtype=torch.uint8, device="cpu")
+    cache.copy_(torch.randint(0, 256, cache.shape, dtype=torch.uint8))
+    before = cache.clone()
+    rel = sublet.release(cache[2 * PAGE + 10:], keep=[])   # page 2 is shared: kept
+    assert rel.stats.released_pages == 5 and rel.stats.stayed_pages == 1
+    rel.resume()
+    assert torch.equal(cache[:2 * PAGE + 10], before[:2 * PAGE + 10])
+
+
+def test_resume_waits_for_the_memory_to_be_free():
+    cache = sublet.empty(16 * PAGE, dtype=torch.uint8, device="cpu")
+    cache[:PAGE].copy_(torch.arange(PAGE, dtype=torch.int64).to(torch.uint8))
+    before = cache[:PAGE].clone()
+    rel = sublet.release(cache, keep=cache[:PAGE], stay=0)
+    hog = sublet.empty(free_bytes(), dtype=torch.uint8, device="cpu")  # all that is free
+    with pytest.raises(sublet.SubletOutOfMemoryError, match="free it first"):
+        rel.resume()
+    assert rel.active
+    del hog
+    gc.collect()
+    rel.resume()
+    assert torch.equal(cache[:PAGE], before)
+
+
+def test_status_shows_releases():
+    from sublet import _memory, _status
+    cache = sublet.empty(4 * PAGE, dtype=torch.uint8, device="cpu")
+    cache[:10].fill_(7)
+    rel = sublet.release(cache, keep=cache[:10])
+    _, client = _memory.resolve_device("cpu")
+    status = client.status()
+    mine = [r for r in status["releases"] if r["id"] == rel.stats.release_id]
+    assert mine and mine[0]["released_bytes"] == 3 * PAGE and mine[0]["kept_bytes"] == 10
+    assert mine[0]["state"] == "released" and mine[0]["stayed_bytes"] == PAGE
+    assert [r["released_bytes"] for r in status["regions"] if r["id"] == mine[0]["region"]] \
+        == [3 * PAGE]
+    status["socket"] = "test"
+    assert f"release  {rel.stats.release_id} of region" in _status.text_status(status)
+    rel.resume()
+    assert all(r["id"] != rel.stats.release_id for r in client.status()["releases"])
+
+
+OWNER = """
+import sys, time, torch, sublet
+cache = sublet.empty(int(sys.argv[1]), dtype=torch.uint8, device="cpu")
+rel = sublet.release(cache, keep=cache[:1000])  # its first page stays, holding them
+print("released", flush=True)
+time.sleep(60)
+"""
+
+
+def test_owner_killed_while_released_gives_everything_back():
+    free0 = free_bytes()
+    child = subprocess.Popen([sys.executable, "-c", OWNER, str(16 * PAGE)],
+                             stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        assert child.stdout.readline().startswith("released")
+        assert free_bytes() == free0 - PAGE        # all but the page that stays is back
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        for _ in range(200):
+            if free_bytes() == free0:
+                break
+            time.sleep(0.02)
+        assert free_bytes() == free0
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.fixture
+def own_daemon(native, tmp_path, monkeypatch):
+    d = Daemon(str(tmp_path / "gpu0.sock"))
+    d.start()
+    monkeypatch.setenv("SUBLET_BACKEND", "memfd")
+    monkeypatch.setenv("SUBLET_SOCKET", d.path)
+    monkeypatch.setattr(_client, "_clients", {})
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("stay", [None, 0])
+def test_daemon_killed_while_released_the_library_resumes(own_daemon, stay):
+    n = 32 * PAGE
+    cache = sublet.empty(n, dtype=torch.uint8, device="cpu")
+    cache.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    keep = [cache[i * PAGE + 100:i * PAGE + 4196] for i in range(0, 32, 3)]
+    before = [v.clone() for v in keep]
+    rel = sublet.release(cache, keep=keep, stay=stay)
+    assert rel.stats.released_pages > 0
+    own_daemon.kill()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = rel.resume()
+    assert stats.daemon_died and any("put the kept bytes back" in str(w.message)
+                                     for w in caught)
+    assert all(torch.equal(v, b) for v, b in zip(keep, before))
+    cache.fill_(1)                                  # the memory is this process's own now
+    del cache
+    gc.collect()
