@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -382,9 +383,23 @@ static int memfd_map(struct sl_device *dev, void *addr, uint64_t size, sl_handle
   return 0;
 }
 
+/* Mappings are read-write from the start, so access is only checked the way a GPU's driver
+ * checks it: every page of the range must be mapped (cuMemSetAccess refuses a range with a
+ * hole, and code that would pass one here fails on a GPU). A page of the reservation is
+ * PROT_NONE: reading a byte of it through process_vm_readv fails with EFAULT, not a fault. */
 static int memfd_set_access(struct sl_device *dev, void *addr, uint64_t size,
                             struct sl_err *err) {
-  return 0; /* mappings are read-write from the start */
+  uint64_t page = dev->info.page_size;
+  char byte;
+
+  for (uint64_t off = 0; off < size; off += page) {
+    struct iovec local = {&byte, 1}, remote = {(char *)addr + off, 1};
+    if (process_vm_readv(getpid(), &local, 1, &remote, 1, 0) != 1 && errno == EFAULT)
+      return sl_err_set(err, SUBLET_EDEVICE, "set_access: page at offset %llu of the range is "
+                        "not mapped (a GPU's driver refuses such a range)",
+                        (unsigned long long)off);
+  }
+  return 0;
 }
 
 /* Puts the reservation back rather than munmap: the range must stay ours for the next map. */

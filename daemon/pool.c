@@ -579,14 +579,29 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
   while (n-- > 0) {
     void *at = page_addr(t, t->replace[n]);
     sl_device_unmap_idle(dev, at, ps);
-    if (t->region->pages[t->replace[n]] != 0) /* a released page had none */
-      sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL);
+    if (t->region->pages[t->replace[n]] != 0 && /* a released page had none */
+        sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL) == 0)
+      sl_device_set_access(dev, at, ps, NULL);
   }
 }
 
+/* Access granted over each run of consecutive replaced pages (t->replace ascends), not over
+ * the whole region: another release's pages may be unmapped holes in it, and a range with a
+ * hole is refused. A call per run, not per page (a call per page costs far more). */
+static int access_runs(struct sl_pool_transfer *t, struct sl_err *err) {
+  uint64_t ps = t->pool->page_size;
+  int rc = 0;
+
+  for (size_t i = 0, j; rc == 0 && i < t->nreplace; i = j) {
+    for (j = i + 1; j < t->nreplace && t->replace[j] == t->replace[j - 1] + 1; j++)
+      ;
+    rc = sl_device_set_access(t->pool->dev, page_addr(t, t->replace[i]), (j - i) * ps, err);
+  }
+  return rc;
+}
+
 /* Maps the new pages where the old ones were (the device idle: the borrower let go, and the
- * daemon's own copies wait for each other), then grants access once over the whole region, as
- * pages_add does (a call per page costs far more). */
+ * daemon's own copies wait for each other), then grants access run by run. */
 static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   struct sl_device *dev = t->pool->dev;
   uint64_t ps = t->pool->page_size;
@@ -599,11 +614,8 @@ static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
     if (rc != 0)
       unreplace(t, i + 1); /* this one and those before it: unmapping one not mapped is harmless */
   }
-  if (rc == 0 && (rc = sl_device_set_access(dev, t->region->base, t->region->npages * ps,
-                                            err)) != 0)
+  if (rc == 0 && (rc = access_runs(t, err)) != 0)
     unreplace(t, t->nreplace);
-  if (rc != 0) /* the old pages, all of them mapped again */
-    sl_device_set_access(dev, t->region->base, t->region->npages * ps, NULL);
   return rc;
 }
 

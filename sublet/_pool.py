@@ -26,6 +26,8 @@ import ctypes
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -157,6 +159,24 @@ class Pool:
                 _entered[self.device] = self
             self._depth += 1
         return self
+
+    @contextmanager
+    def capturing(self) -> Iterator[tuple[int, int]]:
+        """For torch.cuda.graph(g, pool=...): yields the id of this pool's MemPool, whose new
+        segments come from this tag until the block ends. PyTorch routes the capture to that
+        MemPool itself: entering the pool as well would record to it twice ("already
+        recording"). The pool entered around the block, if any, is bound again after it."""
+        from ._torch import check_routing_possible, pluggable_allocator
+        check_routing_possible(self.device.index)
+        if self._mempool is None:
+            self._mempool = _keep_alive(torch.cuda.MemPool(
+                pluggable_allocator(_lib.library_path())._allocator))
+        self._client.torch_bind_pool(self.device.index, self._tag_id)
+        try:
+            yield self._mempool.id
+        finally:
+            outer = _entered.get(self.device)
+            self._client.torch_bind_pool(self.device.index, outer._tag_id if outer else 0)
 
     def _check_can_enter(self) -> None:
         from ._loan import _active  # the loans of this process

@@ -391,9 +391,9 @@ class _TorchMemorySaverImpl:
     def cuda_graph(self, cuda_graph, pool, stream, capture_error_mode, tag: str,
                    enable_cpu_backup: bool, cpu_backup_backend: Optional[CpuBackupBackend]):
         """torch.cuda.graph(...) with pool= the MemPool of the tag's graph pool: the graph's
-        private memory is sublet memory, which pause(tag) releases. The pool is entered
-        around the capture, so its tag is the one libsublet's allocator serves (PyTorch
-        routes the capture stream to the same MemPool)."""
+        private memory is sublet memory, which pause(tag) releases. PyTorch routes the capture
+        to that MemPool, and libsublet serves its segments from the tag (Pool.capturing); the
+        region around the capture, if any, routes the rest as before."""
         device = self._current_device()
         if device.type != "cuda":
             raise RuntimeError("cuda_graph() captures a CUDA graph and needs a CUDA device")
@@ -402,9 +402,8 @@ class _TorchMemorySaverImpl:
                                      "into the tag's graph pool instead (graphs of one tag "
                                      "share its memory)")
         target = self.pool(tag, enable_cpu_backup, device, graph=True)
-        with self._pushed(device, target):
-            mempool = target._mempool  # made when the pool was entered
-            with torch.cuda.graph(cuda_graph, pool=mempool.id, stream=stream,
+        with target.capturing() as pool_id:
+            with torch.cuda.graph(cuda_graph, pool=pool_id, stream=stream,
                                   capture_error_mode=capture_error_mode):
                 yield
 

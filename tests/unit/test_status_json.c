@@ -123,8 +123,8 @@ static void test_idle_daemon(void) {
       "\"device_name\": \"memfd\", \"device_ordinal\": 0, \"page_size\": 2097152, "
       "\"total_bytes\": 1073741824, \"free_bytes\": 536870912, \"host_bytes\": 0, "
       "\"clients\": 2, \"lends_waiting\": 0, \"regions\": [{\"id\": 1, \"owner_pid\": 4242, "
-      "\"owner_uid\": 1000, \"pages\": 3, \"bytes\": 6291456, \"loan\": 0}], \"held\": [], "
-      "\"loan\": null, "
+      "\"owner_uid\": 1000, \"pages\": 3, \"bytes\": 6291456, \"loan\": 0, "
+      "\"released_bytes\": 0}], \"held\": [], \"loan\": null, \"releases\": [], "
       "\"retained\": [], \"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, "
       "\"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
@@ -173,7 +173,7 @@ static void test_loan_in_progress(void) {
       "\"copied_out_bytes\": 2097152, \"copied_in_bytes\": 0, \"served_unkept_bytes\": 0, "
       "\"served_fresh_bytes\": 0, \"served_kept_bytes\": 0, \"peak_bytes\": 4194304, "
       "\"allocations\": 5, \"copy_out_seconds\": 0.001234, \"moved_bytes\": 0}, ") != NULL);
-  CHECK(text != NULL && strstr(text, "\"bytes\": 6291456, \"loan\": 9}") != NULL);
+  CHECK(text != NULL && strstr(text, "\"bytes\": 6291456, \"loan\": 9, \"released_bytes\": 0}") != NULL);
   free(text);
   json_decref(parsed);
 }
