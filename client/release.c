@@ -67,6 +67,15 @@ static struct sl_release_rec **rec_link(struct sublet_region *r, uint64_t id) {
 
 /* ---- releasing ---------------------------------------------------------------------------- */
 
+/* How long subletd may work on a release or a resume of r before the call's own deadline
+ * starts: its first save pins host memory (0.7 s per GiB on an H200) and copies, and its
+ * resume makes every page again; 2 s per GiB of the region covers both with room. */
+static int work_ms(const struct sublet_region *r) {
+  uint64_t gib = (r->npages * r->page_size) >> 30;
+
+  return gib > 1000000 ? -1 : (int)(2000 * (gib + 1));
+}
+
 /* The complement of the released pages' pairs: the pinned pages of the Lend. */
 static int complement(const struct sublet_region *r, const uint64_t *pairs, size_t n,
                       uint64_t **out, size_t *nout) {
@@ -194,7 +203,8 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
   /* The owner's last writes must be in memory before subletd moves or saves them. */
   sl_device_synchronize(c->dev, NULL);
   *fd = -1;
-  int rc = sl_client_call_fd(c, &req, keep_fd, SUBLET__REPLY__BODY_RELEASED, rep, fd, &nfds, 0);
+  int rc = sl_client_call_fd(c, &req, keep_fd, SUBLET__REPLY__BODY_RELEASED, rep, fd, &nfds,
+                             work_ms(r));
   if (rc == 0 && nfds != 1) {
     sl_wire_close_fds(fd, nfds);
     *fd = -1;
@@ -341,7 +351,7 @@ static int resume_request(sublet_client *c, struct sublet_region *r,
   m.release = rec->id;
   req.body_case = SUBLET__REQUEST__BODY_RESUME;
   req.resume = &m;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RESUMED, &rep, NULL, NULL, 0);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RESUMED, &rep, NULL, NULL, work_ms(r));
   if (rc == 0) {
     uint64_t out = rec->stats.copied_out_bytes;
     stats_from(rep->resumed, &rec->stats);
