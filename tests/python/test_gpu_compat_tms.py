@@ -161,7 +161,11 @@ def test_keep_blocks_stay_on_the_gpu(tms):
     (rel,) = tms._impl._paused["kv-keep"]
     assert rel.copied_bytes == 0
     freed = free_now() - free0
-    assert freed >= 0.8 * 8 * 128 * MiB
+    # Everything but the pages holding the 100 MiB kept came free, less what subletd's first
+    # kernel launch of its life (the moves) reserved on the device: seen as 0.42 GiB on the
+    # H200, once per daemon.
+    assert rel.released_bytes >= 0.8 * 8 * 128 * MiB
+    assert freed >= rel.released_bytes - 512 * MiB
     scribble(freed)
     tms.resume("kv-keep")
     assert all(same_bits(c[:, ids], k) for c, k in zip(caches, kept))
