@@ -261,28 +261,15 @@ int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_
                     "loan first", client_id, region_id, r->owner_client);
 }
 
-/* The first index of sorted a[0..n) whose value is not below v. */
-static size_t lower_bound_u64(const uint64_t *a, size_t n, uint64_t v) {
-  size_t lo = 0, hi = n;
-
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (a[mid] < v)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
 
 /* The window position of region page p in loan l (pages[] holds the unkept pages, then the
  * kept ones, each ascending), or UINT64_MAX for a pinned page: in no window, never granted. */
 static uint64_t page_position(const struct sl_loan *l, uint64_t p) {
-  size_t i = lower_bound_u64(l->pages, l->unkept, p);
+  size_t i = sl_books_lower_bound(l->pages, l->unkept, p);
 
   if (i < l->unkept && l->pages[i] == p)
     return i;
-  i = lower_bound_u64(l->pages + l->unkept, l->kept, p);
+  i = sl_books_lower_bound(l->pages + l->unkept, l->kept, p);
   if (i < l->kept && l->pages[l->unkept + i] == p)
     return l->unkept + l->fresh + i;
   return UINT64_MAX;

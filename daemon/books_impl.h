@@ -113,6 +113,20 @@ struct sl_books {
   struct sl_books_totals counters; /* only the counters; the gauges are computed */
 };
 
+/* The first index of sorted a[0..n) whose value is not below v. */
+static inline size_t sl_books_lower_bound(const uint64_t *a, size_t n, uint64_t v) {
+  size_t lo = 0, hi = n;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (a[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 static inline int sl_books_cmp_id(const void *key, const void *elem) {
   uint64_t a = *(const uint64_t *)key, b = *(const uint64_t *)elem;
   return (a > b) - (a < b);

@@ -58,16 +58,9 @@ size_t sl_books_releases_of(const struct sl_books *b, uint64_t region_id, uint64
 
 /* Does rel's released list hold a page of [first, first + count)? (Binary search.) */
 static int holds_pages(const struct sl_release *rel, uint64_t first, uint64_t count) {
-  size_t lo = 0, hi = rel->nreleased;
+  size_t i = sl_books_lower_bound(rel->released, rel->nreleased, first);
 
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (rel->released[mid] < first)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo < rel->nreleased && rel->released[lo] - first < count;
+  return i < rel->nreleased && rel->released[i] - first < count;
 }
 
 int sl_books_releases_hold(const struct sl_books *b, uint64_t region_id, uint64_t first,

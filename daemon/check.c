@@ -462,16 +462,9 @@ static int check_kept(const struct sl_books *b, struct check *ck) {
 
 /* Is p one of l's window pages (two ascending runs: unkept, kept)? */
 static int in_run(const uint64_t *v, uint64_t n, uint64_t p) {
-  uint64_t lo = 0, hi = n;
+  size_t i = sl_books_lower_bound(v, (size_t)n, p);
 
-  while (lo < hi) {
-    uint64_t mid = lo + (hi - lo) / 2;
-    if (v[mid] < p)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo < n && v[lo] == p;
+  return i < n && v[i] == p;
 }
 
 static int page_in(const struct sl_loan *l, uint64_t p) {

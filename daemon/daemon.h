@@ -258,6 +258,9 @@ int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_i
 int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer *borrower);
 /* Can this loan's owner restore it without the daemon? */
 int sl_rescue_has(const struct sl_daemon *d, uint64_t loan_id);
+/* A read-only fd of the same file (an owner must not write what it only reads); where /proc
+ * is not mounted, a copy of fd itself. The caller owns it. */
+int sl_rescue_read_only_fd(int fd);
 int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_move *m, size_t nm,
                       const struct sl_copy *c, size_t nc, struct sl_err *err);
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);

@@ -12,7 +12,6 @@
  * whose fd goes to the owner with Released (read-only), with the plan, so that its library
  * can put the kept bytes back itself if subletd dies.
  */
-#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -190,15 +189,6 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
   return 0;
 }
 
-static int read_only(int fd) {
-  char path[64];
-  int ro;
-
-  snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-  ro = open(path, O_RDONLY | O_CLOEXEC);
-  return ro >= 0 ? ro : fcntl(fd, F_DUPFD_CLOEXEC, 0);
-}
-
 /* ---- releasing ---------------------------------------------------------------------------- */
 
 static void release_run(struct sl_job *j) {
@@ -239,7 +229,7 @@ static void release_done(struct sl_job *j) {
     job_fail(rj, &j->err);
     return;
   }
-  if ((lr = calloc(1, sizeof(*lr))) == NULL || (fd = read_only(rj->area_fd)) < 0 ||
+  if ((lr = calloc(1, sizeof(*lr))) == NULL || (fd = sl_rescue_read_only_fd(rj->area_fd)) < 0 ||
       reply_stats(rj, SUBLET__REPLY__BODY_RELEASED, fd) != 0) {
     /* The pages are the driver's already: the release stays, the owner can still resume. */
     sl_error("release %llu: out of host memory for its reply", (unsigned long long)rj->work.release_id);

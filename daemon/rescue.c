@@ -43,7 +43,7 @@ static void rescue_free(struct sl_rescue *r) {
 
 /* A read-only fd of the same file, so that the owner cannot write what it only reads. Where
  * /proc is not mounted, a copy of the fd itself. */
-static int read_only_fd(int fd) {
+int sl_rescue_read_only_fd(int fd) {
   char path[64];
   int ro;
 
@@ -86,8 +86,8 @@ int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_i
     return pair_fail(fds, r, err);
   r->release_w = pipefd[1];
   fds[2] = pipefd[0];
-  fds[0] = read_only_fd(r->journal->fd);
-  fds[1] = read_only_fd(area_fd);
+  fds[0] = sl_rescue_read_only_fd(r->journal->fd);
+  fds[1] = sl_rescue_read_only_fd(area_fd);
   if (fds[0] < 0 || fds[1] < 0)
     return pair_fail(fds, r, err);
   r->next = d->rescues;

@@ -23,11 +23,9 @@ import pytest
 import torch
 
 import sublet
-from sublet import _client
-
 from conftest import PAGE, REPO
 from pool_helpers import bits, layers, random_bytes
-from test_survive import Daemon
+from test_survive import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
@@ -223,19 +221,8 @@ def test_owner_killed_while_released_gives_everything_back():
         child.wait()
 
 
-@pytest.fixture
-def own_daemon(native, tmp_path, monkeypatch):
-    d = Daemon(str(tmp_path / "gpu0.sock"))
-    d.start()
-    monkeypatch.setenv("SUBLET_BACKEND", "memfd")
-    monkeypatch.setenv("SUBLET_SOCKET", d.path)
-    monkeypatch.setattr(_client, "_clients", {})
-    yield d
-    d.stop()
-
-
 @pytest.mark.parametrize("stay", [None, 0])
-def test_daemon_killed_while_released_the_library_resumes(own_daemon, stay):
+def test_daemon_killed_while_released_the_library_resumes(daemon, stay):
     n = 32 * PAGE
     cache = sublet.empty(n, dtype=torch.uint8, device="cpu")
     cache.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
@@ -243,7 +230,7 @@ def test_daemon_killed_while_released_the_library_resumes(own_daemon, stay):
     before = [v.clone() for v in keep]
     rel = sublet.release(cache, keep=keep, stay=stay)
     assert rel.stats.released_pages > 0
-    own_daemon.kill()
+    daemon.kill()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stats = rel.resume()

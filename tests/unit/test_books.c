@@ -3,7 +3,7 @@
  * Every path of books.h: lending order, first fit, fresh chunks, the exact kept bytes saved and
  * restored (checked against a byte map), leaks, every error, client removal in every state, a
  * long random sequence checked against a reference model and sl_books_check() after each step,
- * and the speed of a large keep list. No framework: CHECK counts, main() prints the tally.
+ * and the speed of a large keep list. The checks are check.h's.
  */
 #include "books.h"
 
@@ -13,27 +13,7 @@
 #include <string.h>
 #include <time.h>
 
-static int passed, failed;
-
-static void check_at(int ok, const char *what, const char *file, int line) {
-  if (ok) {
-    passed++;
-    return;
-  }
-  if (failed++ < 30)
-    fprintf(stderr, "%s:%d: FAILED: %s\n", file, line, what);
-}
-
-#define CHECK(cond) check_at(!!(cond), #cond, __FILE__, __LINE__)
-#define CHECK_EQ(a, b)                                                                        \
-  do {                                                                                        \
-    uint64_t a_ = (uint64_t)(a), b_ = (uint64_t)(b);                                          \
-    check_at(a_ == b_, #a " == " #b, __FILE__, __LINE__);                                     \
-    if (a_ != b_ && failed <= 30)                                                             \
-      fprintf(stderr, "    %" PRIu64 " != %" PRIu64 "\n", a_, b_);                            \
-  } while (0)
-#define CHECK_MSG(err, text) check_at(strstr((err).msg, text) != NULL, "message has " text,   \
-                                      __FILE__, __LINE__)
+#include "check.h"
 
 #define PS 4096u
 #define MiB (1024ull * 1024)
@@ -48,7 +28,7 @@ static void books_ok_at(const struct sl_books *b, const char *file, int line) {
   int rc = sl_books_check(b, why, sizeof(why));
 
   check_at(rc == 0, "sl_books_check", file, line);
-  if (rc != 0 && failed <= 30)
+  if (rc != 0 && check_failed <= 30)
     fprintf(stderr, "    %s\n", why);
 }
 #define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
@@ -2072,7 +2052,7 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
       op_free, op_free, op_free, op_free, op_return, op_return, op_finish, op_finish,
       op_replaced};
   struct model *m = calloc(1, sizeof(*m));
-  int before = failed;
+  int before = check_failed;
 
   struct sl_books_config cfg = {.page_size = page_size, .no_compact = !compact,
                                 .fresh_give = M_GIVE};
@@ -2086,10 +2066,10 @@ static void run_model(uint64_t seed, uint64_t page_size, int steps, int compact)
   m->next_alloc = m->next_chunk = 1;
   for (int i = 0; i < 4; i++)
     op_client_add(m);
-  for (int step = 0; step < steps && failed - before < 5; step++) {
+  for (int step = 0; step < steps && check_failed - before < 5; step++) {
     ops[below(m, sizeof(ops) / sizeof(ops[0]))](m);
     m_compare(m);
-    if (failed > before)
+    if (check_failed > before)
       fprintf(stderr, "    model run seed %" PRIu64 " page size %" PRIu64 "%s: step %d\n",
               seed, page_size, compact ? " (compacting)" : "", step);
   }
@@ -2494,6 +2474,5 @@ int main(void) {
   test_kept_region_released();
   test_kept_owner_gone();
   test_kept_owner_gone_mid_loan();
-  printf("books: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return check_report("books");
 }
