@@ -12,9 +12,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "msg.h"
 
 /* A live release, as its owner's library keeps it. */
@@ -30,13 +30,6 @@ struct sl_release_rec {
   struct sublet_release_stats stats;
   struct sl_release_rec *next;
 };
-
-static double now(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void rec_free(struct sl_release_rec *rec) {
   if (rec == NULL)
@@ -227,9 +220,9 @@ static int release_locked(struct sublet_region *r, const struct sublet_range *ke
     rc = rec_fill(r, rep->released, rec);
   }
   if (rc == 0) {
-    t0 = now();
+    t0 = sl_clock_now();
     unmap_runs(r->client, r, rec->runs, rec->nruns);
-    rec->stats.map_seconds = now() - t0;
+    rec->stats.map_seconds = sl_clock_now() - t0;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -244,7 +237,7 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   struct sl_release_rec *rec = calloc(1, sizeof(*rec));
   uint64_t *pinned = NULL;
   size_t npinned = 0;
-  double t0 = now();
+  double t0 = sl_clock_now();
   int rc;
 
   if (rec == NULL)
@@ -255,7 +248,7 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   if (rc == 0)
     rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, rec);
   if (rc == 0) {
-    rec->stats.seconds = now() - t0;
+    rec->stats.seconds = sl_clock_now() - t0;
     rec->next = r->releases;
     r->releases = rec;
     if (release_id != NULL)
@@ -356,9 +349,9 @@ static int resume_request(sublet_client *c, struct sublet_region *r,
     uint64_t out = rec->stats.copied_out_bytes;
     stats_from(rep->resumed, &rec->stats);
     rec->stats.copied_out_bytes = out;
-    t0 = now();
+    t0 = sl_clock_now();
     rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
-    rec->stats.map_seconds = now() - t0;
+    rec->stats.map_seconds = sl_clock_now() - t0;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -369,7 +362,7 @@ SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
                                 struct sublet_release_stats *stats) {
   sublet_client *c = r->client;
   struct sl_release_rec **link, *rec;
-  double t0 = now();
+  double t0 = sl_clock_now();
   int rc;
 
   pthread_mutex_lock(&c->lock);
@@ -383,7 +376,7 @@ SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
   rc = sl_client_gone(c) ? SUBLET_EPIPE : resume_request(c, r, rec);
   if (rc != 0 && sl_client_gone(c))
     rc = resume_alone(c, r, rec);
-  rec->stats.seconds = now() - t0;
+  rec->stats.seconds = sl_clock_now() - t0;
   if (stats != NULL)
     *stats = rec->stats;
   if (rc == 0 || rc == SUBLET_EDAEMONDIED) {

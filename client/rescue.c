@@ -22,9 +22,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "journal.h"
 
 struct sl_rescue {
@@ -59,20 +59,13 @@ uint64_t sl_rescue_loan(const struct sl_rescue *r) {
   return r->loan_id;
 }
 
-static double now(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Milliseconds left of timeout_ms since t0 (-1: no limit). */
 static int left_ms(int timeout_ms, double t0) {
   double left;
 
   if (timeout_ms < 0)
     return -1;
-  left = timeout_ms - (now() - t0) * 1e3;
+  left = timeout_ms - (sl_clock_now() - t0) * 1e3;
   return left > 0 ? (int)left : 0;
 }
 
@@ -101,7 +94,7 @@ static int borrower_exited(pid_t pid, int timeout_ms) {
 static int wait_released(struct sl_rescue *r, const struct sl_journal_header *h,
                          int timeout_ms) {
   pid_t pid = __atomic_load_n(&h->borrower_pid, __ATOMIC_ACQUIRE);
-  double t0 = now();
+  double t0 = sl_clock_now();
   char byte;
   ssize_t n = 0;
 

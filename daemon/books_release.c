@@ -151,14 +151,6 @@ static uint64_t stay_count(const struct sl_books *b, const struct sl_loan *l, ui
   return stay < need ? stay : need;
 }
 
-static void *dup_n(const void *v, size_t n, size_t size) {
-  void *p = n > 0 ? malloc(n * size) : NULL;
-
-  if (p != NULL)
-    memcpy(p, v, n * size);
-  return p;
-}
-
 /* The work of the begin: the step's moves and saves, and the released pages. */
 static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s,
                       struct sl_release_work *w) {
@@ -167,9 +159,9 @@ static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s
                                 .nreleased = rel->nreleased, .stayed = rel->stayed,
                                 .kept_bytes = rel->l->kept_bytes,
                                 .moved_bytes = s->moved_bytes, .saved_bytes = s->saved_bytes};
-  w->moves = dup_n(s->moves, s->nmoves, sizeof(*s->moves));
-  w->copies = dup_n(s->saves, s->nsaves, sizeof(*s->saves));
-  w->released = dup_n(rel->released, rel->nreleased, sizeof(*rel->released));
+  w->moves = sl_dup(s->moves, s->nmoves, sizeof(*s->moves));
+  w->copies = sl_dup(s->saves, s->nsaves, sizeof(*s->saves));
+  w->released = sl_dup(rel->released, rel->nreleased, sizeof(*rel->released));
   if ((s->nmoves && w->moves == NULL) || (s->nsaves && w->copies == NULL) ||
       (rel->nreleased && w->released == NULL)) {
     sl_release_work_clear(w);
@@ -261,7 +253,7 @@ int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t relea
                                 .nreleased = rel->nreleased, .stayed = rel->stayed,
                                 .kept_bytes = rel->l->kept_bytes,
                                 .moved_bytes = p->moved_bytes, .saved_bytes = p->saved_bytes};
-  w->released = dup_n(rel->released, rel->nreleased, sizeof(*rel->released));
+  w->released = sl_dup(rel->released, rel->nreleased, sizeof(*rel->released));
   if ((rel->nreleased && w->released == NULL) ||
       sl_plan_undo(p, &w->copies, &w->ncopies, &w->moves, &w->nmoves) != 0) {
     sl_release_work_clear(w);

@@ -286,9 +286,28 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err);
 void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
-/* handlers.c: reads n keep ranges from the start of a client's keep memfd into a buffer of
- * the daemon's own (Lend.keep_fd_ranges); --check: the books checked, abort if broken. */
-int sl_keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err);
+/* handlers.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
+ * own arrays (protobuf-c malloc'd them), or (keep_fd_ranges) the keep memfd, which the draft
+ * reads into the daemon's own buffer (the client could change it meanwhile). take: on the
+ * loop (*keep_fd is taken, -1 after); draft: any thread, the lists stay the owner's; clear
+ * frees them. */
+struct sl_lend_lists {
+  uint64_t *keep;      /* (offset, length) pairs */
+  size_t nkeep;        /* pairs */
+  int keep_fd;         /* owned, or -1 */
+  int keep_all;
+  uint64_t *pinned;    /* (first, count) pairs */
+  size_t npinned;
+};
+void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd);
+int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
+                        uint64_t npages, struct sl_loan **draft, struct sl_err *err);
+void sl_lend_lists_clear(struct sl_lend_lists *l);
+/* Pages of free device memory, less those of regions being made (and, keep_reserve, the
+ * --reserve left to others: loans take fresh memory within it, a resume takes back the
+ * owner's own pages and does not). */
+uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve);
+/* --check: the books checked after a step, abort if broken. */
 void sl_check_books(struct sl_daemon *d, uint64_t req_id);
 
 int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,

@@ -1,8 +1,10 @@
-/* grow.h - the one growth rule of the daemon's arrays (books, plans, checks). */
+/* grow.h - the daemon's array helpers (books, plans, checks, the pool): the one growth rule,
+ * and copies. */
 #ifndef SL_GROW_H
 #define SL_GROW_H
 
 #include <stdlib.h>
+#include <string.h>
 
 /* Returns p grown to hold at least want elements of elem bytes (capacity doubles from 8), or
  * NULL with p untouched. *cap is updated on success. */
@@ -18,6 +20,15 @@ static inline void *sl_grow(void *p, size_t *cap, size_t want, size_t elem) {
   if (np != NULL)
     *cap = ncap;
   return np;
+}
+
+/* A malloc'd copy of n elements of size bytes; NULL when n is 0 or memory ran out. */
+static inline void *sl_dup(const void *v, size_t n, size_t size) {
+  void *d = n > 0 ? malloc(n * size) : NULL;
+
+  if (d != NULL)
+    memcpy(d, v, n * size);
+  return d;
 }
 
 #endif

@@ -100,7 +100,6 @@ static int on_hello(struct ctx *x, const Sublet__Hello *m) {
   return 0;
 }
 
-static uint64_t fresh_pages_available(struct sl_daemon *d);
 static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout,
                          Sublet__Borrowed *b);
 
@@ -109,7 +108,7 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout
 static int borrow_own(struct ctx *x, uint64_t loan) {
   uint64_t got;
   int rc = sl_books_borrow(x->d->books, x->c->client_id, loan, NULL, NULL,
-                           fresh_pages_available(x->d), &got, &x->err);
+                           sl_free_pages(x->d, 1), &got, &x->err);
 
   if (rc != 0)
     sl_books_withdraw(x->d->books, x->c->client_id, loan, NULL);
@@ -209,17 +208,13 @@ struct draft_job {
   struct sl_waiter *w; /* NULL once the waiter has gone */
   struct sl_books_config cfg;
   uint64_t npages;
-  uint64_t *keep;
-  size_t nkeep;
-  int keep_fd;         /* the ranges are still in this memfd (owned), or -1 */
-  uint64_t *pinned;    /* Lend.pinned, taken over: (first, count) pairs */
-  size_t npinned;
+  struct sl_lend_lists lists;
   struct sl_loan *draft;
 };
 
 /* Reads n keep ranges from the start of a client's memfd into a buffer of the daemon's own:
  * the client could change the memfd meanwhile, and the draft must check what it uses. */
-int sl_keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
+static int keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
   size_t len = n * sizeof(struct sublet_range), got = 0;
   uint8_t *buf = malloc(len);
 
@@ -246,23 +241,52 @@ int sl_keep_read(int fd, size_t n, uint64_t **out, struct sl_err *err) {
   return 0;
 }
 
+void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd) {
+  *l = (struct sl_lend_lists){.keep_fd = *keep_fd, .keep_all = m->keep_all,
+                              .pinned = m->pinned, .npinned = m->n_pinned / 2};
+  *keep_fd = -1;
+  m->pinned = NULL;
+  m->n_pinned = 0;
+  if (l->keep_fd >= 0) { /* read in the job (keep_read) */
+    l->nkeep = m->keep_fd_ranges;
+  } else {
+    l->keep = m->keep;
+    l->nkeep = m->n_keep / 2;
+    m->keep = NULL;
+    m->n_keep = 0;
+  }
+}
+
+int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
+                        uint64_t npages, struct sl_loan **draft, struct sl_err *err) {
+  int rc;
+
+  if (l->keep_fd >= 0 && l->keep == NULL &&
+      (rc = keep_read(l->keep_fd, l->nkeep, &l->keep, err)) != 0)
+    return rc;
+  return sl_books_draft(cfg, npages, (const struct sublet_range *)l->keep, l->nkeep,
+                        l->keep_all, l->pinned, l->npinned, draft, err);
+}
+
+void sl_lend_lists_clear(struct sl_lend_lists *l) {
+  if (l->keep_fd >= 0)
+    close(l->keep_fd);
+  free(l->keep);
+  free(l->pinned);
+  *l = (struct sl_lend_lists){.keep_fd = -1};
+}
+
 static void draft_run(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;
 
-  if (dj->keep_fd >= 0 && (j->rc = sl_keep_read(dj->keep_fd, dj->nkeep, &dj->keep, &j->err)) != 0)
-    return;
-  j->rc = sl_books_draft(&dj->cfg, dj->npages, (const struct sublet_range *)dj->keep,
-                         dj->nkeep, 0, dj->pinned, dj->npinned, &dj->draft, &j->err);
+  j->rc = sl_lend_lists_draft(&dj->lists, &dj->cfg, dj->npages, &dj->draft, &j->err);
 }
 
 static void draft_done(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;
   struct sl_waiter *w = dj->w;
 
-  if (dj->keep_fd >= 0)
-    close(dj->keep_fd);
-  free(dj->keep);
-  free(dj->pinned);
+  sl_lend_lists_clear(&dj->lists);
   if (w == NULL) {
     sl_books_draft_free(dj->draft);
   } else if (j->rc != 0) {
@@ -287,20 +311,7 @@ static int draft_off_loop(struct ctx *x, struct sl_waiter *w, Sublet__Lend *m, u
   dj->w = w;
   dj->cfg = *sl_books_cfg(x->d->books);
   dj->npages = npages;
-  dj->keep_fd = x->keep_fd;
-  x->keep_fd = -1;
-  dj->pinned = m->pinned;
-  dj->npinned = m->n_pinned / 2;
-  m->pinned = NULL;
-  m->n_pinned = 0;
-  if (dj->keep_fd >= 0) { /* read in the job (keep_read) */
-    dj->nkeep = m->keep_fd_ranges;
-  } else {
-    dj->keep = m->keep;
-    dj->nkeep = m->n_keep / 2;
-    m->keep = NULL;
-    m->n_keep = 0;
-  }
+  sl_lend_lists_take(&dj->lists, m, &x->keep_fd);
   dj->job.run = draft_run;
   dj->job.done = draft_done;
   w->lend.drafter = &dj->w;
@@ -458,13 +469,13 @@ static int on_withdraw(struct ctx *x, const Sublet__Withdraw *m) {
   return rc;
 }
 
-static uint64_t fresh_pages_available(struct sl_daemon *d) {
+uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve) {
   uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
+  uint64_t taken = d->building_bytes + (keep_reserve ? d->cfg.reserve_bytes : 0);
 
-  if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 ||
-      free_bytes <= d->cfg.reserve_bytes + d->building_bytes)
+  if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 || free_bytes <= taken)
     return 0;
-  return (free_bytes - d->cfg.reserve_bytes - d->building_bytes) / ps;
+  return (free_bytes - taken) / ps;
 }
 
 /* Borrowed, for the borrower c: the window's layout of the loan (b points into the books: send
@@ -523,7 +534,7 @@ static int try_borrow(struct sl_waiter *w, struct sl_err *err) {
   uint64_t got;
   int rc = sl_books_borrow(c->d->books, c->client_id, w->loan_id,
                            w->has_token ? w->token : NULL, w->name,
-                           fresh_pages_available(c->d), &got, err);
+                           sl_free_pages(c->d, 1), &got, err);
 
   if (rc == 0)
     reply_borrowed(c, w->req_id, got, w->rescue, w->known_layout);

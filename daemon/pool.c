@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "grow.h"
 #include "log.h"
 
 /* The save area grows in pieces of this size, so that it never has to move (saved bytes stay
@@ -474,14 +475,6 @@ static int no_pages(uint64_t region_id, struct sl_err *err) {
                     (unsigned long long)region_id);
 }
 
-static void *dup_array(const void *v, size_t n, size_t size) {
-  void *d = n > 0 ? malloc(n * size) : NULL;
-
-  if (d != NULL)
-    memcpy(d, v, n * size);
-  return d;
-}
-
 int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
                          const struct sl_copy *c, size_t n, const struct sl_move *m,
                          size_t nm, struct sl_pool_transfer **out, struct sl_err *err) {
@@ -502,13 +495,13 @@ int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum s
   if (r == NULL)
     return no_pages(region_id, err);
   t = calloc(1, sizeof(*t));
-  if (t == NULL || (t->copies = dup_array(c, n, sizeof(*c))) == NULL) {
+  if (t == NULL || (t->copies = sl_dup(c, n, sizeof(*c))) == NULL) {
     if (t == NULL || n > 0) {
       free(t);
       return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
     }
   }
-  t->moves = dup_array(m, nm, sizeof(*m));
+  t->moves = sl_dup(m, nm, sizeof(*m));
   if (nm > 0 && t->moves == NULL) {
     free(t->copies);
     free(t);
@@ -532,7 +525,7 @@ int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, 
     if (pages[i] >= t->region->npages)
       return sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
                         (unsigned long long)pages[i], (unsigned long long)t->region->id);
-  t->replace = dup_array(pages, n, sizeof(*pages));
+  t->replace = sl_dup(pages, n, sizeof(*pages));
   t->fresh = n > 0 ? calloc(n, sizeof(*t->fresh)) : NULL;
   if (n > 0 && (t->replace == NULL || t->fresh == NULL))
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu fresh pages", n);

@@ -30,12 +30,7 @@ struct sl_live_release {
 struct release_job {
   struct sl_job job; /* first member */
   uint64_t req_id, region, npages, stay;
-  int keep_all;
-  uint64_t *keep;    /* the Lend's, taken over; or read from keep_fd in the draft */
-  size_t nkeep;
-  int keep_fd;       /* owned, or -1 */
-  uint64_t *pinned;  /* (first, count) pairs, taken over */
-  size_t npinned;
+  struct sl_lend_lists lists; /* the Lend's, for the draft */
   struct sl_loan *draft;
   struct sl_release_work work;
   struct sl_pool_transfer *transfer; /* run by the job's run, not by jobs.c: a release drops
@@ -81,10 +76,7 @@ uint64_t sl_releases_host_bytes(const struct sl_daemon *d) {
 
 static void job_free(struct release_job *rj) {
   sl_pool_transfer_free(rj->transfer);
-  if (rj->keep_fd >= 0)
-    close(rj->keep_fd);
-  free(rj->keep);
-  free(rj->pinned);
+  sl_lend_lists_clear(&rj->lists);
   sl_books_draft_free(rj->draft);
   sl_release_work_clear(&rj->work);
   if (rj->area != NULL)
@@ -272,12 +264,8 @@ static int release_begin(struct release_job *rj, struct sl_err *err) {
 static void draft_run(struct sl_job *j) {
   struct release_job *rj = (struct release_job *)j;
 
-  if (rj->keep_fd >= 0 &&
-      (j->rc = sl_keep_read(rj->keep_fd, rj->nkeep, &rj->keep, &j->err)) != 0)
-    return;
-  j->rc = sl_books_draft(sl_books_cfg(j->d->books), rj->npages,
-                         (const struct sublet_range *)rj->keep, rj->nkeep, rj->keep_all,
-                         rj->pinned, rj->npinned, &rj->draft, &j->err);
+  j->rc = sl_lend_lists_draft(&rj->lists, sl_books_cfg(j->d->books), rj->npages, &rj->draft,
+                              &j->err);
 }
 
 static void draft_done(struct sl_job *j) {
@@ -298,25 +286,6 @@ static void draft_done(struct sl_job *j) {
   sl_job_submit(j->d, j); /* the connection stays paused: it is the job's again */
 }
 
-/* Takes over the Lend's keep and pinned lists (and *keep_fd) for the draft. */
-static void take_lists(struct release_job *rj, Sublet__Lend *m, int *keep_fd) {
-  rj->keep_fd = *keep_fd;
-  *keep_fd = -1;
-  rj->keep_all = m->keep_all;
-  if (rj->keep_fd >= 0) {
-    rj->nkeep = m->keep_fd_ranges;
-  } else {
-    rj->keep = m->keep;
-    rj->nkeep = m->n_keep / 2;
-    m->keep = NULL;
-    m->n_keep = 0;
-  }
-  rj->pinned = m->pinned;
-  rj->npinned = m->n_pinned / 2;
-  m->pinned = NULL;
-  m->n_pinned = 0;
-}
-
 int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
                       struct sl_err *err) {
   struct release_job *rj;
@@ -332,7 +301,7 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
   rj->npages = npages;
   rj->stay = m->has_stay_pages ? m->stay_pages : UINT64_MAX;
   rj->t0 = sl_clock_now();
-  take_lists(rj, m, keep_fd);
+  sl_lend_lists_take(&rj->lists, m, keep_fd);
   rj->job.run = draft_run;
   rj->job.done = draft_done;
   rj->job.conn = c;
@@ -375,15 +344,6 @@ static void resume_done(struct sl_job *j) {
   job_free(rj);
 }
 
-static uint64_t free_pages(const struct sl_daemon *d) {
-  uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
-
-  if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 ||
-      free_bytes <= d->building_bytes)
-    return 0;
-  return (free_bytes - d->building_bytes) / ps;
-}
-
 static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct sl_err *err) {
   const struct sl_release_work *w = &rj->work;
   struct sl_live_release *lr = *live_link(d, w->release_id);
@@ -402,14 +362,14 @@ static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct s
 int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err) {
   struct sl_daemon *d = c->d;
-  uint64_t ps = sl_device_info(d->dev)->page_size, avail = free_pages(d);
+  uint64_t ps = sl_device_info(d->dev)->page_size, avail = sl_free_pages(d, 0);
   struct release_job *rj = calloc(1, sizeof(*rj));
   char a[16], b[16];
   int rc;
 
   if (rj == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
-  rj->keep_fd = -1;
+  rj->lists.keep_fd = -1;
   rc = sl_books_resume_begin(d->books, c->client_id, m->release, &rj->work, err);
   if (rc == 0 && rj->work.nreleased > avail)
     rc = sl_err_set(err, SUBLET_ENOMEM, "release %llu needs %s of device memory back and %s "

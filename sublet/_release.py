@@ -31,8 +31,6 @@ class Release:
                  stay: int | None = None):
         lent = _lent.resolve(what, free=False)
         region = lent.region
-        if getattr(region, "lent", False):
-            raise BusyError("this memory is lent: release it once the loan has ended")
         page = region.client.info.page_size
         if stay is not None and stay < 0:
             raise ValueError(f"stay is bytes of GPU memory the kept bytes may keep (0: all of "

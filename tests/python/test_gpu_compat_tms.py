@@ -29,6 +29,7 @@ from sublet.compat.__main__ import install
 from conftest import CHILD_ENV
 from test_gpu import cuda_daemon, random_fill  # noqa: F401 (fixture)
 from test_gpu_pool import bits, kv_layers, same_bits
+from gpu_memory import free_now, scribble
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
 EXAMPLES = Path(__file__).resolve().parent / "tms_examples"
@@ -87,21 +88,6 @@ def tms():
     gc.collect()
     for pool in list(sublet_pool._pools.values()):
         pool.empty_cache()
-    torch.cuda.empty_cache()
-
-
-def free_now() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def scribble(nbytes: int) -> None:
-    """Takes nearly `nbytes` of the freed memory with plain PyTorch and writes it all."""
-    n = max(nbytes - 256 * MiB, 0)
-    if n:
-        junk = torch.full((n,), 0xA5, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        del junk
     torch.cuda.empty_cache()
 
 

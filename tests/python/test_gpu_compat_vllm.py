@@ -19,6 +19,7 @@ from sublet import _pool as sublet_pool
 from sublet.compat import vllm as sv
 
 from test_gpu import cuda_daemon, random_fill  # noqa: F401 (fixture)
+from gpu_memory import free_now
 
 MiB = 1024 ** 2
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon, pytest.mark.usefixtures("cuda_daemon")]
@@ -33,11 +34,6 @@ def cpu_bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(t: torch.Tensor, before: torch.Tensor) -> bool:
     return torch.equal(cpu_bits(t), before)
-
-
-def free_now() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
 
 
 class Engine:

@@ -36,6 +36,7 @@ from sublet import _pool as sublet_pool
 from conftest import CHILD_ENV
 from test_gpu import cuda_daemon, page, random_fill, settled_free_memory  # noqa: F401 (fixtures)
 from test_gpu_pool import bits, same_bits
+from gpu_memory import free_now, scribble
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
 BLOCK = 64 * 1024                   # a block of pool_layers: [:, b] of a (2, N, 16, 8, 128) bf16
@@ -71,24 +72,6 @@ def releases_resumed_and_pools_emptied():
     for pool in list(sublet_pool._pools.values()):
         pool.empty_cache()
     torch.cuda.empty_cache()
-
-
-def free_now() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
-def scribble(nbytes: int) -> int:
-    """Takes nbytes (less 256 MiB) of free memory outside sublet, writes 0xEE over it and
-    gives it back: resumed pages are then not the old ones by luck of an untouched driver.
-    Returns the bytes written."""
-    n = max(0, nbytes - 256 * MiB) // (2 * MiB) * (2 * MiB)
-    if n:
-        junk = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xEE)
-        torch.cuda.synchronize()
-        del junk
-        torch.cuda.empty_cache()
-    return n
 
 
 def kept_bits(caches: list[torch.Tensor], ids) -> list[torch.Tensor]:

@@ -145,7 +145,8 @@ def test_what_a_release_refuses():
     with pytest.raises(sublet.BusyError, match="resumed already"):
         rel.resume()
     with sublet.lend(cache):                       # a normal loan works again
-        pass
+        with pytest.raises(sublet.BusyError, match="is lent"):
+            sublet.release(cache, keep=[])           # ... and its memory is not released
     assert "resumed" in repr(rel)
 
 
