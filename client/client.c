@@ -295,10 +295,33 @@ static int connect_until(int fd, const struct sockaddr_un *addr, int64_t deadlin
   return 0;
 }
 
+/* stat on the socket failed: a directory on its way is closed to us. When it is the socket's
+ * own directory and ours (a chmod of the user daemon's directory), the fix is its mode. */
+static int denied_dir(const char *path, const char *own) {
+  char dir[PATH_MAX];
+  char *slash;
+  struct stat st;
+
+  snprintf(dir, sizeof(dir), "%s", path);
+  slash = strrchr(dir, '/');
+  if (slash == NULL)
+    snprintf(dir, sizeof(dir), ".");
+  else
+    slash[slash == dir] = '\0'; /* "/x.sock" is in "/" */
+  if (stat(dir, &st) == 0 && st.st_uid == getuid())
+    return sl_client_fail(SUBLET_EACCES, "permission denied on %s: its directory %s is yours, "
+                          "but its mode %04o shuts you out; chmod u+rwx %s%s", path, dir,
+                          (unsigned)(st.st_mode & 07777), dir, own);
+  return sl_client_fail(SUBLET_EACCES, "permission denied on %s: it is in a directory of "
+                        "another user's; ask its owner, or use a daemon of your own%s",
+                        path, own);
+}
+
 /* A daemon is there but its socket's mode (0660, the daemon's group) or directory keeps us
  * out: "start it" would be wrong advice, and so would taking the socket for stale (a second
- * daemon on the same GPU). The fix is the socket's group, or, when $SUBLET_SOCKET chose this
- * socket, unsetting it so that the Python package finds or starts the user's own daemon. */
+ * daemon on the same GPU). The fix is the socket's group, or its mode when the socket is ours,
+ * or, when $SUBLET_SOCKET chose this socket, unsetting it so that the Python package finds or
+ * starts the user's own daemon. */
 static int denied(const char *path) {
   const char *env = getenv("SUBLET_SOCKET");
   const char *own = env != NULL && strcmp(env, path) == 0
@@ -308,10 +331,12 @@ static int denied(const char *path) {
   struct stat st;
   struct group *g;
 
-  if (stat(path, &st) != 0) /* its directory is closed to us: another user's own daemon */
-    return sl_client_fail(SUBLET_EACCES, "permission denied on %s: it is in a directory of "
-                          "another user's; ask its owner, or use a daemon of your own%s",
-                          path, own);
+  if (stat(path, &st) != 0)
+    return denied_dir(path, own);
+  if (st.st_uid == getuid()) /* no group to join: a chmod shut the owner out */
+    return sl_client_fail(SUBLET_EACCES, "permission denied on %s: the socket is yours, but its "
+                          "mode %04o shuts you out; chmod u+rw %s (subletd makes it 0660)%s",
+                          path, (unsigned)(st.st_mode & 07777), path, own);
   g = getgrgid(st.st_gid);
   return sl_client_fail(SUBLET_EACCES, "permission denied on %s: ask to be added to group %s "
                         "(usermod -aG %s USER, then log in again)%s", path,

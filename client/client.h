@@ -18,6 +18,9 @@ struct sublet_region {
   uint64_t npages;
   uint64_t page_size;
   sl_handle *handles;  /* imported at creation; this process's references to the pages */
+  uint32_t *span;      /* page groups (a resume's, daemon/books.h): handles[p] backs span[p]
+                          pages; inside a group span 0 and handles[p] the group's (not owned
+                          twice). NULL while every page is its own */
   void *base;          /* all pages mapped contiguously: the tensor's memory */
   void *reserved;      /* the address space reserved: lead_pages below base, the pages, then
                           trail_pages */
@@ -136,6 +139,13 @@ int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_rang
 /* New pages for runs ((first, count) pairs) of r fetched and mapped at their addresses, in
  * place of the old ones (released, for a release: none). */
 int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n);
+/* Groups ((first, count) pairs of released pages, a resume's) fetched as one handle each and
+ * mapped at their addresses (daemon/books.h, "Page groups"). */
+int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
+                         size_t n);
+/* Unmaps pages [first, first+count) of r's own mapping (the device idle), whole groups, and
+ * releases this process's handles of them. */
+void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count);
 /* The window of a loan of r that maps r's own pages goes (before they change). */
 void sl_region_drop_window(sublet_client *c, const struct sublet_region *r);
 /* This client's region with that id, or NULL. */

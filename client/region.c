@@ -155,6 +155,135 @@ static int remap_run(sublet_client *c, struct sublet_region *r, uint64_t first, 
   return 0;
 }
 
+/* ------------------------------------------------------------------ page groups */
+
+/* Does r->handles[p] hold a reference of this process's own (not a group's, held at its head)? */
+static int owns_handle(const struct sublet_region *r, uint64_t p) {
+  return r->handles[p] != 0 && (r->span == NULL || r->span[p] != 0);
+}
+
+/* The pages of the mapping that begins at page p. */
+static uint32_t span_at(const struct sublet_region *r, uint64_t p) {
+  return r->span == NULL || r->span[p] == 0 ? 1 : r->span[p];
+}
+
+void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+  uint64_t ps = r->page_size;
+
+  /* One call where the device takes it (it is far cheaper), else mapping by mapping: what is
+   * not mapped (a released page) fails harmlessly. */
+  if (sl_device_unmap_idle(c->dev, (char *)r->base + first * ps, count * ps) != 0)
+    for (uint64_t p = first; p < first + count; p += span_at(r, p))
+      sl_device_unmap_idle(c->dev, (char *)r->base + p * ps, span_at(r, p) * ps);
+  for (uint64_t p = first; p < first + count; p++) {
+    if (owns_handle(r, p))
+      sl_device_release(c->dev, r->handles[p]);
+    r->handles[p] = 0;
+    if (r->span != NULL)
+      r->span[p] = 1;
+  }
+}
+
+static int spans_ensure(struct sublet_region *r) {
+  if (r->span != NULL)
+    return 0;
+  if ((r->span = malloc(r->cap_pages * sizeof(*r->span))) == NULL)
+    return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  for (uint64_t p = 0; p < r->cap_pages; p++)
+    r->span[p] = 1;
+  return 0;
+}
+
+/* Maps the group handle h at page first (span pages): this process's now. Takes h. */
+static int map_group(sublet_client *c, struct sublet_region *r, uint64_t first, uint32_t span,
+                     sl_handle h) {
+  struct sl_err err = {0};
+
+  if (sl_device_map(c->dev, (char *)r->base + first * r->page_size, span * r->page_size, h,
+                    &err) != 0) {
+    sl_device_release(c->dev, h);
+    return sl_client_fail(err.code, "mapping pages %llu to %llu of region %llu again failed "
+                          "(%s): the tensor has a hole there, release it",
+                          (unsigned long long)first, (unsigned long long)(first + span - 1),
+                          (unsigned long long)r->id, err.msg);
+  }
+  for (uint32_t i = 0; i < span; i++) {
+    r->handles[first + i] = h;
+    r->span[first + i] = i == 0 ? span : 0;
+  }
+  return 0;
+}
+
+/* Does the Pages reply give the groups asked for, in order? */
+static int spans_match(const Sublet__Pages *pg, const uint64_t *groups, size_t n, size_t nfds) {
+  if (pg == NULL || pg->n_spans != n || nfds != n)
+    return 0;
+  for (size_t i = 0; i < n; i++)
+    if (pg->spans[i] != groups[2 * i + 1])
+      return 0;
+  return 1;
+}
+
+/* n adjacent groups ((first, count) pairs, n <= SL_WIRE_MAX_FDS) fetched in one PagesGet,
+ * imported and mapped; access granted once over them. */
+static int map_group_batch(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
+                           size_t n, uint64_t npages) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
+  Sublet__Reply *rep = NULL;
+  struct sl_err err = {0};
+  int fds[SL_WIRE_MAX_FDS];
+  size_t nfds = SL_WIRE_MAX_FDS, i = 0;
+  sl_handle h;
+  int rc;
+
+  pg.region = r->id;
+  pg.first = groups[0];
+  pg.count = (uint32_t)npages;
+  pg.has_groups = pg.groups = 1;
+  req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
+  req.pages_get = &pg;
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_PAGES, &rep, fds, &nfds, 0);
+  if (rc == 0 && !spans_match(rep->pages, groups, n, nfds))
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd sent other groups than region %llu's resume "
+                        "named", (unsigned long long)r->id);
+  for (; rc == 0 && i < nfds; i++) { /* import, then close at once (never an fd per page) */
+    if ((rc = sl_device_import(c->dev, fds[i], &h, &err)) != 0)
+      rc = sl_client_fail_err(&err);
+    close(fds[i]);
+    if (rc == 0)
+      rc = map_group(c, r, groups[2 * i], (uint32_t)groups[2 * i + 1], h);
+  }
+  sl_wire_close_fds(fds + i, rc == 0 ? 0 : nfds - i);
+  if (rc == 0 && sl_device_set_access(c->dev, (char *)r->base + groups[0] * r->page_size,
+                                      npages * r->page_size, &err) != 0)
+    rc = sl_client_fail_err(&err);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
+                         size_t n) {
+  int rc = spans_ensure(r);
+
+  for (size_t i = 0; i < n && rc == 0; i++)
+    if (groups[2 * i + 1] == 0 || groups[2 * i + 1] > UINT32_MAX || groups[2 * i] >= r->npages ||
+        groups[2 * i + 1] > r->npages - groups[2 * i])
+      rc = sl_client_fail(SUBLET_EPROTO, "subletd sent a group outside region %llu",
+                          (unsigned long long)r->id);
+  sl_region_drop_window(c, r);
+  for (size_t i = 0, j; rc == 0 && i < n; i = j) {
+    uint64_t pages = groups[2 * i + 1];
+    for (j = i + 1; j < n && j - i < SL_WIRE_MAX_FDS &&
+                    groups[2 * j] == groups[2 * j - 2] + groups[2 * j - 1] &&
+                    pages + groups[2 * j + 1] <= UINT32_MAX; j++)
+      pages += groups[2 * j + 1];
+    rc = map_group_batch(c, r, &groups[2 * i], j - i, pages);
+  }
+  return rc;
+}
+
 /* The window of a loan of r in this process (r's owner) maps r's pages with r's own handles:
  * it goes before those pages or handles change. */
 void sl_region_drop_window(sublet_client *c, const struct sublet_region *r) {
@@ -190,17 +319,19 @@ static uint64_t reserved_pages(const struct sublet_region *r) {
 static void release_local(struct sublet_region *r) {
   struct sl_device *dev = r->client->dev;
 
-  if (r->base != NULL) {
+  if (r->base != NULL && r->handles != NULL) {
     sl_device_synchronize(dev, NULL);
-    sl_device_unmap_pages(dev, r->base, r->npages); /* a failed map_region() left holes */
-    sl_device_unreserve(dev, r->reserved, reserved_pages(r) * r->page_size);
+    sl_region_let_go(r->client, r, 0, r->npages); /* a failed map_region() left holes */
   }
-  for (uint64_t i = 0; r->handles != NULL && i < r->npages; i++)
-    if (r->handles[i] != 0)
+  if (r->base != NULL)
+    sl_device_unreserve(dev, r->reserved, reserved_pages(r) * r->page_size);
+  for (uint64_t i = 0; r->base == NULL && r->handles != NULL && i < r->npages; i++)
+    if (r->handles[i] != 0) /* fetched, never mapped */
       sl_device_release(dev, r->handles[i]);
   sl_rescue_free(r->rescue);
   sl_release_forget(r);
   free(r->handles);
+  free(r->span);
   free(r);
 }
 

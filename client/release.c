@@ -135,9 +135,12 @@ static int rec_fill(const struct sublet_region *r, const Sublet__ReleaseStats *m
   rec->runs = malloc((m->n_released + 1) * sizeof(uint64_t));
   if (rec->saves == NULL || rec->moves == NULL || rec->runs == NULL)
     return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
-  memcpy(rec->saves, m->saves, m->n_saves * sizeof(uint64_t));
-  memcpy(rec->moves, m->moves, m->n_moves * sizeof(uint64_t));
-  memcpy(rec->runs, m->released, m->n_released * sizeof(uint64_t));
+  if (m->n_saves > 0) /* an empty list may be NULL, which memcpy must not get */
+    memcpy(rec->saves, m->saves, m->n_saves * sizeof(uint64_t));
+  if (m->n_moves > 0)
+    memcpy(rec->moves, m->moves, m->n_moves * sizeof(uint64_t));
+  if (m->n_released > 0)
+    memcpy(rec->runs, m->released, m->n_released * sizeof(uint64_t));
   rec->nsaves = m->n_saves / 3;
   rec->nmoves = m->n_moves / 3;
   rec->nruns = m->n_released;
@@ -148,6 +151,7 @@ static void stats_from(const Sublet__ReleaseStats *m, struct sublet_release_stat
   s->release_id = m->release;
   s->released_pages = m->released_pages;
   s->stayed_pages = m->stayed_pages;
+  s->held_pages = m->held_pages;
   s->kept_bytes = m->kept_bytes;
   s->moved_bytes = m->moved_bytes;
   s->copied_out_bytes = m->copied_out_bytes;
@@ -162,12 +166,7 @@ static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t
   sl_region_drop_window(c, r); /* a local loan's window maps these very handles */
   sl_device_synchronize(c->dev, NULL);
   for (size_t i = 0; i + 1 < n; i += 2)
-    for (uint64_t p = runs[i]; p < runs[i] + runs[i + 1]; p++) {
-      sl_device_unmap_idle(c->dev, (char *)r->base + p * r->page_size, r->page_size);
-      if (r->handles[p] != 0)
-        sl_device_release(c->dev, r->handles[p]);
-      r->handles[p] = 0;
-    }
+    sl_region_let_go(c, r, runs[i], runs[i + 1]);
 }
 
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
@@ -327,13 +326,14 @@ static int resume_alone(sublet_client *c, struct sublet_region *r, struct sl_rel
                           (unsigned long long)r->id, err.msg);
   rec->stats.copied_in_bytes = rec->stats.copied_out_bytes;
   rec->stats.daemon_died = 1;
+  rec->stats.allocations = rec->stats.released_pages;
   return sl_client_fail(SUBLET_EDAEMONDIED, "subletd died while region %llu was released; "
                         "this process made its pages again and put the kept bytes back: the "
                         "tensor is intact (its memory is this process's own now)",
                         (unsigned long long)r->id);
 }
 
-static int resume_request(sublet_client *c, struct sublet_region *r,
+static int resume_request(sublet_client *c, struct sublet_region *r, int flags,
                           struct sl_release_rec *rec) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Resume m = SUBLET__RESUME__INIT;
@@ -342,6 +342,8 @@ static int resume_request(sublet_client *c, struct sublet_region *r,
   int rc;
 
   m.release = rec->id;
+  m.has_groups = 1;
+  m.groups = !(flags & SUBLET_RESUME_PAGES);
   req.body_case = SUBLET__REQUEST__BODY_RESUME;
   req.resume = &m;
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RESUMED, &rep, NULL, NULL, work_ms(r));
@@ -350,7 +352,14 @@ static int resume_request(sublet_client *c, struct sublet_region *r,
     stats_from(rep->resumed, &rec->stats);
     rec->stats.copied_out_bytes = out;
     t0 = sl_clock_now();
-    rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
+    rec->stats.allocations = rep->resumed->n_groups > 0 ? rep->resumed->n_groups / 2
+                                                        : rec->stats.released_pages;
+    if (rep->resumed->n_groups % 2 != 0)
+      rc = sl_client_fail(SUBLET_EPROTO, "subletd sent a malformed Resumed");
+    else if (rep->resumed->n_groups > 0)
+      rc = sl_region_map_groups(c, r, rep->resumed->groups, rep->resumed->n_groups / 2);
+    else
+      rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
     rec->stats.map_seconds = sl_clock_now() - t0;
   }
   if (rep != NULL)
@@ -358,7 +367,7 @@ static int resume_request(sublet_client *c, struct sublet_region *r,
   return rc;
 }
 
-SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
+SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id, int flags,
                                 struct sublet_release_stats *stats) {
   sublet_client *c = r->client;
   struct sl_release_rec **link, *rec;
@@ -373,7 +382,7 @@ SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
                           "already?)", (unsigned long long)r->id,
                           (unsigned long long)release_id);
   }
-  rc = sl_client_gone(c) ? SUBLET_EPIPE : resume_request(c, r, rec);
+  rc = sl_client_gone(c) ? SUBLET_EPIPE : resume_request(c, r, flags, rec);
   if (rc != 0 && sl_client_gone(c))
     rc = resume_alone(c, r, rec);
   rec->stats.seconds = sl_clock_now() - t0;

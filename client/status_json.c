@@ -5,7 +5,8 @@
  * (quoting, escaping, numbers); this file says which field goes where, and turns each value
  * into one that JSON holds, whatever the message says: text that is not UTF-8 (the daemon
  * refuses such names, an older one may not) gets U+FFFD for each bad byte, a count above
- * jansson's integers (2^63 - 1) becomes a real, a time that is not finite is null.
+ * jansson's integers (2^63 - 1) becomes a real, a time that is not finite, or that would print
+ * as one (next to DBL_MAX: see real_json), is null. Every number reads back (issue 25).
  */
 #include "status_json.h"
 
@@ -18,8 +19,23 @@
 #include "device.h"
 #include "utf8.h"
 
+/* The significant digits reals print with (sl_status_json). */
+#define REAL_DIGITS 15
+
+/* A real as jansson will print it, or null when that text would not read back: a double near
+ * DBL_MAX rounds at 15 digits past it (1.79769313486232e308), which a parser takes for an
+ * overflow (jansson refuses it: its fuzzer found one). */
+static json_t *real_json(double v) {
+  char text[40];
+
+  if (!isfinite(v))
+    return json_null();
+  snprintf(text, sizeof(text), "%.*g", REAL_DIGITS, v);
+  return isfinite(strtod(text, NULL)) ? json_real(v) : json_null();
+}
+
 static json_t *count_json(uint64_t v) {
-  return v <= INT64_MAX ? json_integer((json_int_t)v) : json_real((double)v);
+  return v <= INT64_MAX ? json_integer((json_int_t)v) : real_json((double)v); /* < 1.9e19 */
 }
 
 /* Seconds to 10^-places, rounded as printf rounds them: the values sublet has always printed
@@ -34,7 +50,7 @@ static json_t *seconds_json(double s, int places) {
     snprintf(text, sizeof(text), "%.*f", places, s);
     s = strtod(text, NULL);
   }
-  return json_real(s);
+  return real_json(s);
 }
 
 static json_t *text_json(const char *s) {
@@ -207,7 +223,7 @@ static json_t *status_object(const Sublet__Status *st) {
  * The text goes into a buffer of ours, not json_dumps's: jansson's allocator is the process's
  * (json_set_alloc_funcs), and the caller frees the text with free(). */
 char *sl_status_json(const Sublet__Status *st) {
-  const size_t flags = JSON_REAL_PRECISION(15);
+  const size_t flags = JSON_REAL_PRECISION(REAL_DIGITS);
   json_t *obj = status_object(st);
   size_t len = obj != NULL ? json_dumpb(obj, NULL, 0, flags) : 0;
   char *text = len > 0 ? malloc(len + 1) : NULL;

@@ -182,6 +182,17 @@ void sl_device_host_free(struct sl_device *d, void *p, uint64_t size) {
     d->ops->host_free(d, p, size);
 }
 
+int sl_device_host_pin(struct sl_device *d, void *p, uint64_t size, struct sl_err *err) {
+  if (p == NULL || size == 0)
+    return sl_err_set(err, SUBLET_EINVAL, "host_pin: nothing to pin");
+  return d->ops->host_pin(d, p, size, err);
+}
+
+void sl_device_host_unpin(struct sl_device *d, void *p, uint64_t size) {
+  if (p != NULL)
+    d->ops->host_unpin(d, p, size);
+}
+
 int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
                    const struct sl_copy *copies, size_t n, struct sl_err *err) {
   if (n == 0)

@@ -111,6 +111,11 @@ int sl_device_host_map(struct sl_device *d, int fd, uint64_t offset, uint64_t si
                        void **p, struct sl_err *err);
 /* Frees what host_alloc or host_map gave. */
 void sl_device_host_free(struct sl_device *d, void *p, uint64_t size);
+/* Pins size bytes at p of a writable shared mapping the caller made itself (and keeps: unpin
+ * before unmapping it), for copies at full speed: for a memfd sealed against new writable
+ * mappings (common/seal.h), where host_map cannot map it writable any more. */
+int sl_device_host_pin(struct sl_device *d, void *p, uint64_t size, struct sl_err *err);
+void sl_device_host_unpin(struct sl_device *d, void *p, uint64_t size);
 
 /* Runs n copies between dev_base and host_base in one batch and waits for them. Neighbouring
  * pieces should already be coalesced by the caller; the backend batches the rest. */
@@ -149,6 +154,8 @@ struct sl_device_ops {
   int (*host_map)(struct sl_device *d, int fd, uint64_t offset, uint64_t size, int writable,
                   void **p, struct sl_err *err);
   void (*host_free)(struct sl_device *d, void *p, uint64_t size);
+  int (*host_pin)(struct sl_device *d, void *p, uint64_t size, struct sl_err *err);
+  void (*host_unpin)(struct sl_device *d, void *p, uint64_t size);
   int (*copy)(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, void *host_base,
               const struct sl_copy *copies, size_t n, struct sl_err *err);
   int (*move)(struct sl_device *d, void *base, const struct sl_move *moves, size_t n,

@@ -784,6 +784,24 @@ static int host_map_read_only(struct cuda_device *d, int fd, uint64_t offset, ui
   return 0;
 }
 
+/* Pins a writable mapping the caller made: the memfd's pages are made here, once. */
+static int cuda_host_pin(struct sl_device *dev, void *p, uint64_t size, struct sl_err *err) {
+  int rc;
+
+  prefault(p, size);
+  rc = host_register(to_cuda(dev), p, size, 0, err);
+  if (rc == SUBLET_ENOMEM && err != NULL)
+    err->code = SUBLET_ENOHOSTMEM; /* pinning failed: host memory, not the device's */
+  return rc == SUBLET_ENOMEM ? SUBLET_ENOHOSTMEM : rc;
+}
+
+static void cuda_host_unpin(struct sl_device *dev, void *p, uint64_t size) {
+  if (cuda_enter(to_cuda(dev), NULL) == 0) {
+    drv.cuMemHostUnregister(p);
+    cuda_leave();
+  }
+}
+
 static int cuda_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
                          int writable, void **p, struct sl_err *err) {
   void *mem;
@@ -795,23 +813,17 @@ static int cuda_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_
   if (mem == MAP_FAILED)
     return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of a host file: %s",
                       (unsigned long long)size, strerror(errno));
-  prefault(mem, size); /* the memfd's pages are made here, once */
-  rc = host_register(to_cuda(dev), mem, size, 0, err);
+  rc = cuda_host_pin(dev, mem, size, err);
   if (rc != 0) {
     munmap(mem, size);
-    if (rc == SUBLET_ENOMEM && err != NULL)
-      err->code = SUBLET_ENOHOSTMEM; /* pinning failed: host memory, not the device's */
-    return rc == SUBLET_ENOMEM ? SUBLET_ENOHOSTMEM : rc;
+    return rc;
   }
   *p = mem;
   return 0;
 }
 
 static void cuda_host_free(struct sl_device *dev, void *p, uint64_t size) {
-  if (cuda_enter(to_cuda(dev), NULL) == 0) {
-    drv.cuMemHostUnregister(p);
-    cuda_leave();
-  }
+  cuda_host_unpin(dev, p, size);
   munmap(p, size);
 }
 
@@ -1406,6 +1418,8 @@ const struct sl_device_ops sl_device_cuda_ops = {
     .host_alloc = cuda_host_alloc,
     .host_map = cuda_host_map,
     .host_free = cuda_host_free,
+    .host_pin = cuda_host_pin,
+    .host_unpin = cuda_host_unpin,
     .copy = cuda_copy,
     .move = cuda_move,
     .hash = cuda_hash,

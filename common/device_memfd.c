@@ -19,6 +19,7 @@
  */
 #include "device.h"
 #include "hash.h"
+#include "seal.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -222,16 +223,21 @@ static int owned_handle_fd(struct memfd_device *d, sl_handle h) {
 
 /* --- handles */
 
+/* A page: sealed to its size at once, so that a client holding its fd (every client that maps
+ * it does) cannot truncate it under the daemon's mapping, which would then SIGBUS (issue 25). */
 static int new_memfd(uint64_t size, int *fd, struct sl_err *err) {
   int rc = 0;
 
-  *fd = memfd_create("sublet-page", MFD_CLOEXEC);
+  *fd = sl_seal_memfd("sublet-page");
   if (*fd < 0)
     return sl_err_set(err, SUBLET_EDEVICE, "memfd_create: %s (check the open-files limit)",
-                      strerror(errno));
-  if (ftruncate(*fd, (off_t)size) != 0) {
+                      strerror(-*fd));
+  if (ftruncate(*fd, (off_t)size) != 0)
     rc = sl_err_set(err, SUBLET_ENOMEM, "ftruncate of a memfd to %llu bytes: %s",
                     (unsigned long long)size, strerror(errno));
+  else if ((rc = sl_seal_fixed_size(*fd)) != 0)
+    rc = sl_err_set(err, SUBLET_EDEVICE, "sealing a memfd page to its size: %s", strerror(-rc));
+  if (rc != 0) {
     close(*fd);
     *fd = -1;
   }
@@ -457,6 +463,16 @@ static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64
   return 0;
 }
 
+/* Nothing to pin on the host; the pace of a GPU's pinning, as for host_map. */
+static int memfd_host_pin(struct sl_device *dev, void *p, uint64_t size, struct sl_err *err) {
+  if (to_memfd(dev)->pin_bps > 0)
+    pace(to_memfd(dev)->pin_bps, now_seconds(), size);
+  return 0;
+}
+
+static void memfd_host_unpin(struct sl_device *dev, void *p, uint64_t size) {
+}
+
 static int memfd_copy(struct sl_device *dev, enum sl_copy_dir dir, void *dev_base,
                       void *host_base, const struct sl_copy *copies, size_t n,
                       struct sl_err *err) {
@@ -528,6 +544,8 @@ const struct sl_device_ops sl_device_memfd_ops = {
     .host_alloc = memfd_host_alloc,
     .host_map = memfd_host_map,
     .host_free = memfd_host_free,
+    .host_pin = memfd_host_pin,
+    .host_unpin = memfd_host_unpin,
     .copy = memfd_copy,
     .move = memfd_move,
     .hash = memfd_hash,

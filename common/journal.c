@@ -8,40 +8,62 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "seal.h"
 #include "sublet.h"
 
 static size_t journal_size(uint64_t capacity) {
   return sizeof(struct sl_journal_header) + capacity * sizeof(struct sl_journal_entry);
 }
 
+/* Why a journal could not be made or grown, with the fix where there is one. */
+static const char *why(int rc) {
+  return rc == -EINVAL ? "memfd seals refused (sealing read-only needs Linux 5.1 or later)"
+         : rc == -EMFILE ? "too many open files (raise the open-files limit)"
+                         : strerror(-rc);
+}
+
+static void write_header(struct sl_journal *j, uint64_t region_id) {
+  j->e = (struct sl_journal_entry *)(j->h + 1);
+  j->h->magic = SL_JOURNAL_MAGIC;
+  j->h->version = SL_JOURNAL_VERSION;
+  j->h->loan_id = j->loan_id;
+  j->h->region_id = region_id;
+  j->h->capacity = j->capacity;
+}
+
 int sl_journal_create(uint64_t loan_id, uint64_t region_id, uint64_t capacity,
                       struct sl_journal **out, struct sl_err *err) {
   struct sl_journal *j = calloc(1, sizeof(*j));
   void *mem = MAP_FAILED;
+  int rc;
 
   if (j == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a journal");
   j->size = journal_size(capacity);
-  j->fd = memfd_create("sublet-journal", MFD_CLOEXEC);
-  if (j->fd >= 0 && ftruncate(j->fd, (off_t)j->size) == 0)
-    mem = mmap(NULL, j->size, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, 0);
+  j->loan_id = loan_id;
+  j->capacity = capacity;
+  if ((rc = j->fd = sl_seal_memfd("sublet-journal")) < 0 ||
+      (rc = sl_seal_grow_to(j->fd, j->size)) != 0)
+    goto fail;
+  mem = mmap(NULL, j->size, PROT_READ | PROT_WRITE, MAP_SHARED, j->fd, 0);
   if (mem == MAP_FAILED) {
-    int e = errno;
-    if (j->fd >= 0)
-      close(j->fd);
-    free(j);
-    return sl_err_set(err, SUBLET_ENOMEM, "cannot make a journal of %zu bytes: %s",
-                      journal_size(capacity), strerror(e));
+    rc = -errno;
+    goto fail;
   }
+  if ((rc = sl_seal_read_only(j->fd)) != 0) /* after the daemon's mapping: the last writable */
+    goto fail;
   j->h = mem;
-  j->e = (struct sl_journal_entry *)(j->h + 1);
-  j->h->magic = SL_JOURNAL_MAGIC;
-  j->h->version = SL_JOURNAL_VERSION;
-  j->h->loan_id = loan_id;
-  j->h->region_id = region_id;
-  j->h->capacity = capacity;
+  write_header(j, region_id);
   *out = j;
   return 0;
+fail:
+  if (mem != MAP_FAILED)
+    munmap(mem, j->size);
+  if (j->fd >= 0)
+    close(j->fd);
+  free(j);
+  return sl_err_set(err, SUBLET_ENOMEM, "cannot make a journal of %zu bytes: %s",
+                    journal_size(capacity), why(rc));
 }
 
 void sl_journal_free(struct sl_journal *j) {
@@ -57,41 +79,49 @@ void sl_journal_set_borrower(struct sl_journal *j, pid_t pid, uid_t uid) {
   __atomic_store_n(&j->h->borrower_pid, (int32_t)pid, __ATOMIC_RELEASE);
 }
 
-/* Room for need entries: the file grows first, then the mapping, then the header says so. */
+/* Room for need entries: the file grows first, then the mapping, then the header says so.
+ * The file is sealed read-only: the daemon's own mapping is the only writable one, so it grows
+ * by mremap (a new writable mmap would be refused). */
 static int grow(struct sl_journal *j, uint64_t need, struct sl_err *err) {
-  uint64_t cap = j->h->capacity > 0 ? j->h->capacity : 1024;
+  uint64_t cap = j->capacity > 0 ? j->capacity : 1024;
+  void *mem = MAP_FAILED;
   size_t size;
-  void *mem;
+  int rc;
 
   while (cap < need)
     cap *= 2;
   size = journal_size(cap);
-  if (ftruncate(j->fd, (off_t)size) != 0 ||
-      (mem = mremap(j->h, j->size, size, MREMAP_MAYMOVE)) == MAP_FAILED)
+  rc = sl_seal_grow_to(j->fd, size);
+  if (rc == 0 && (mem = mremap(j->h, j->size, size, MREMAP_MAYMOVE)) == MAP_FAILED)
+    rc = -errno;
+  if (rc != 0)
     return sl_err_set(err, SUBLET_ENOMEM, "loan %llu: cannot grow its journal to %llu entries: "
-                      "%s", (unsigned long long)j->h->loan_id, (unsigned long long)cap,
-                      strerror(errno));
+                      "%s", (unsigned long long)j->loan_id, (unsigned long long)cap, why(rc));
   j->h = mem;
   j->e = (struct sl_journal_entry *)(j->h + 1);
   j->size = size;
+  j->capacity = cap;
   __atomic_store_n(&j->h->capacity, cap, __ATOMIC_RELEASE);
   return 0;
 }
 
+/* The counts are the daemon's own (j->committed, j->capacity): what a client may have left in
+ * the header is never read. */
 int sl_journal_append(struct sl_journal *j, const struct sl_journal_entry *e, size_t n,
                       struct sl_err *err) {
-  uint64_t at = j->h->committed;
+  uint64_t at = j->committed;
   int rc;
 
-  if (n > j->h->capacity - at && (rc = grow(j, at + n, err)) != 0)
+  if (n > j->capacity - at && (rc = grow(j, at + n, err)) != 0)
     return rc;
   memcpy(&j->e[at], e, n * sizeof(*e));
+  j->committed = at + n;
   __atomic_store_n(&j->h->committed, at + n, __ATOMIC_RELEASE); /* the commit */
   return 0;
 }
 
 void sl_journal_end(struct sl_journal *j) {
-  for (uint64_t i = 0; i < j->h->committed; i++)
+  for (uint64_t i = 0; i < j->committed; i++)
     __atomic_store_n(&j->e[i].done, 1, __ATOMIC_RELEASE);
   __atomic_store_n(&j->h->ended, 1, __ATOMIC_RELEASE);
 }

@@ -7,6 +7,11 @@
  * owner's client, which maps it read-only. The daemon writes, the owner reads (after the
  * daemon is gone, so there is no concurrent access to guard against beyond ordering).
  *
+ * The daemon never reads the shared memory back: whoever holds the fd is a client, and a client
+ * that could change a count there would steer the daemon's writes (issue 25). Its counts live
+ * in struct sl_journal; the memfd is sealed read-only (seal.h) after the daemon has mapped it,
+ * so no client can write or shrink it, and it grows by ftruncate and mremap of that mapping.
+ *
  * Consistent at every instant, whenever the daemon dies:
  *   1. the bytes reach their new place (the copy has completed),
  *   2. the entries describing them are written after the committed ones,
@@ -56,11 +61,13 @@ struct sl_journal_header {
   uint32_t pad;
 };
 
-/* The daemon's side: a journal memfd of room for capacity entries, mapped read-write. */
+/* The daemon's side: a journal memfd of room for capacity entries, mapped read-write. What
+ * the daemon knows it keeps here, never in h: it only writes there. */
 struct sl_journal {
-  int fd;                          /* owned */
-  size_t size;
-  struct sl_journal_header *h;     /* the mapping */
+  int fd;                          /* owned; sealed read-only */
+  size_t size;                     /* of the mapping */
+  uint64_t loan_id, capacity, committed;
+  struct sl_journal_header *h;     /* the mapping: written, never read */
   struct sl_journal_entry *e;
 };
 

@@ -96,8 +96,10 @@ void sl_books_free(struct sl_books *b) {
   loan_free(b->loan);
   sl_books_releases_free(b);
   free(b->clients);
-  for (size_t i = 0; i < b->nregions; i++)
+  for (size_t i = 0; i < b->nregions; i++) {
     free(b->regions[i].layout);
+    free(b->regions[i].span);
+  }
   free(b->regions);
   free(b->held);
   free(b);
@@ -168,6 +170,7 @@ static void region_forget(struct sl_books *b, struct sl_region *r) {
   sl_books_kept_retire(b, r);
   b->region_pages -= r->npages;
   free(r->layout);
+  free(r->span);
 }
 
 static void region_delete(struct sl_books *b, struct sl_region *r) {
@@ -233,6 +236,8 @@ int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region
 
   if (rc != 0)
     return rc;
+  if (sl_books_groups_grow(r, npages) != 0)
+    return out_of_memory(err);
   b->region_pages += npages - r->npages;
   r->npages = npages;
   /* The last loan's layout covered the old pages only: the next loan's id must be new, or a
@@ -586,11 +591,15 @@ static int owner_check(const struct sl_books *b, uint64_t client_id, const struc
   return 0;
 }
 
-/* A region with live releases is not lent: some of its pages are the driver's. */
+/* A region with live releases is not lent: some of its pages are the driver's; nor one with
+ * page groups (books.h). */
 static int released_error(const struct sl_books *b, uint64_t region_id, struct sl_err *err) {
   uint64_t rel = 0;
   size_t n = sl_books_releases_of(b, region_id, &rel);
+  const struct sl_region *r = sl_books_find_region(b, region_id);
 
+  if (n == 0 && r != NULL)
+    return sl_books_grouped_error(r, err);
   return n == 0 ? 0 : sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " has %zu live releases "
                                  "(release %" PRIu64 "...): its released pages are the "
                                  "driver's; resume them before lending it", region_id, n, rel);

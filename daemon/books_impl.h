@@ -42,6 +42,8 @@ struct sl_region {
   uint64_t layout_unkept, layout_id; /* that loan's U and layout id (books.h) */
   uint64_t layout_pages; /* that loan's U + K: npages less its pinned pages (a growth drops
                             the layout) */
+  uint32_t *span;       /* page groups (books.h, "Page groups"): span[p] pages share page p's
+                           allocation, 0 inside a group; NULL while every page is its own */
 };
 
 struct sl_alloc {
@@ -93,6 +95,9 @@ struct sl_release {
   enum sl_release_state state;
   struct sl_loan *l;
   uint64_t stayed;
+  uint64_t held;      /* pages kept back whole with a group that stays (books.h) */
+  uint64_t *groups;   /* the groups its resume makes, (first, count) pairs: owned */
+  size_t ngroups;     /* pairs */
   uint64_t *released; /* ascending region pages */
   size_t nreleased;
 };
@@ -180,6 +185,13 @@ int sl_books_releases_hold(const struct sl_books *b, uint64_t region_id, uint64_
                            uint64_t count, uint64_t *release_id);
 size_t sl_books_releases_of(const struct sl_books *b, uint64_t region_id, uint64_t *first_id);
 void sl_books_releases_free(struct sl_books *b);
+/* Page groups (books_release.c): the pages of p's group; why a region cannot be lent (0: it
+ * can); a grown region's new pages are their own groups; is [first, first + count) whole
+ * groups? */
+uint32_t sl_books_span(const struct sl_region *r, uint64_t p);
+int sl_books_grouped_error(const struct sl_region *r, struct sl_err *err);
+int sl_books_groups_grow(struct sl_region *r, uint64_t npages);
+int sl_books_whole_groups(const struct sl_region *r, uint64_t first, uint64_t count);
 
 /* A page of a loan's region: in the window unkept or kept, or pinned (in no window). */
 enum { SL_PAGE_UNKEPT = 0, SL_PAGE_KEPT = 1, SL_PAGE_PINNED = 2 };

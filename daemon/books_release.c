@@ -6,7 +6,8 @@
  * K - T kept pages says where their kept bytes go: into the holes of the last T kept pages,
  * which stay, and to the host for what those cannot hold (plan.h). With T = ceil(kept bytes /
  * page) every kept byte fits and nothing is saved; a smaller T (the caller's stay) saves the
- * rest. The unkept pages and the first K - T kept ones are released.
+ * rest. The unkept pages and the first K - T kept ones are released, less the pages of groups
+ * it would not release whole (books.h, "Page groups"): those are held.
  */
 #include <inttypes.h>
 #include <string.h>
@@ -23,6 +24,7 @@ static struct sl_release *find_release(const struct sl_books *b, uint64_t id) {
 static void release_free(struct sl_release *rel) {
   sl_books_draft_free(rel->l);
   free(rel->released);
+  free(rel->groups);
 }
 
 static void release_delete(struct sl_books *b, struct sl_release *rel) {
@@ -82,6 +84,165 @@ uint64_t sl_books_region_released(const struct sl_books *b, uint64_t region_id) 
     if (b->releases[i].region_id == region_id)
       n += b->releases[i].nreleased;
   return n;
+}
+
+/* ---- page groups -------------------------------------------------------------------------- */
+
+uint32_t sl_books_span(const struct sl_region *r, uint64_t p) {
+  return r->span == NULL ? 1 : r->span[p];
+}
+
+/* The first page of p's group. */
+static uint64_t group_head(const struct sl_region *r, uint64_t p) {
+  while (p > 0 && sl_books_span(r, p) == 0)
+    p--;
+  return p;
+}
+
+int sl_books_whole_groups(const struct sl_region *r, uint64_t first, uint64_t count) {
+  uint64_t end = first + count;
+
+  return sl_books_span(r, first) != 0 && (end == r->npages || sl_books_span(r, end) != 0);
+}
+
+int sl_books_grouped_error(const struct sl_region *r, struct sl_err *err) {
+  if (r->span == NULL)
+    return 0;
+  return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " was made again by a resume as "
+                    "allocations of several pages (page groups), which a borrower cannot map "
+                    "page by page: release it and resume page by page (Python: "
+                    "resume(groups=False); C: SUBLET_RESUME_PAGES) before lending it", r->id);
+}
+
+int sl_books_groups_grow(struct sl_region *r, uint64_t npages) {
+  uint32_t *v;
+
+  if (r->span == NULL)
+    return 0;
+  if ((v = realloc(r->span, npages * sizeof(*v))) == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (uint64_t p = r->npages; p < npages; p++)
+    v[p] = 1;
+  r->span = v;
+  return 0;
+}
+
+int sl_books_pages_as_groups(const struct sl_books *b, uint64_t region_id, uint64_t first,
+                             uint64_t count, int groups, struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, region_id);
+
+  if (r == NULL || first >= r->npages || count > r->npages - first)
+    return sl_err_set(err, SUBLET_EINVAL, "pages [%" PRIu64 ", +%" PRIu64 ") are not in region "
+                      "%" PRIu64, first, count, region_id);
+  if (groups && !sl_books_whole_groups(r, first, count))
+    return sl_err_set(err, SUBLET_EINVAL, "pages [%" PRIu64 ", +%" PRIu64 ") of region %" PRIu64
+                      " are not whole page groups: ask from a group's first page to a group's "
+                      "end", first, count, region_id);
+  for (uint64_t p = first; !groups && p - first < count; p++)
+    if (sl_books_span(r, p) != 1)
+      return sl_err_set(err, SUBLET_EBUSY, "page %" PRIu64 " of region %" PRIu64 " is in a page "
+                        "group, which this library cannot map (it is older than subletd): "
+                        "update it", p, region_id);
+  return 0;
+}
+
+/* Takes out of rel->released the pages of groups it does not hold whole: they are held. The
+ * pages of a group are consecutive entries (both ascend), so a group is whole when all its
+ * span are there. */
+static void keep_whole_groups(const struct sl_region *r, struct sl_release *rel) {
+  size_t o = 0;
+
+  for (size_t i = 0, j; r->span != NULL && i < rel->nreleased; i = j) {
+    uint64_t head = group_head(r, rel->released[i]), n = sl_books_span(r, head);
+    for (j = i; j < rel->nreleased && rel->released[j] < head + n; j++)
+      ;
+    if (rel->released[i] == head && j - i == n) {
+      memmove(&rel->released[o], &rel->released[i], n * sizeof(*rel->released));
+      o += n;
+    }
+  }
+  if (r->span != NULL) {
+    rel->held = rel->nreleased - o;
+    rel->nreleased = o;
+  }
+}
+
+/* The length of the run of consecutive pages that begins at pages[i]. */
+static size_t run_length(const uint64_t *pages, size_t npages, size_t i) {
+  size_t j = i + 1;
+
+  while (j < npages && pages[j] == pages[j - 1] + 1)
+    j++;
+  return j - i;
+}
+
+/* The pages of each group a resume makes of a run of len released pages: a sixteenth of the
+ * run, so that a later release whose boundary falls inside a group holds back at most that
+ * much of a long run (books.h); but at least 16 pages (a short run is one group: rows of
+ * whole pages kept leave runs of a few pages between them, and a handle costs 0.26 ms to
+ * make, export, import and map however small), at most SL_GROUP_PAGES. */
+static uint64_t group_size(uint64_t len) {
+  uint64_t size = len / 16, least = len < 16 ? len : 16;
+
+  size = size < least ? least : size;
+  return size > SL_GROUP_PAGES ? SL_GROUP_PAGES : size;
+}
+
+/* The groups a resume makes of the released pages, as (first, count) pairs (*n of them), each
+ * run of them cut by group_size. */
+static uint64_t *make_groups(const uint64_t *pages, size_t npages, size_t *n) {
+  uint64_t *g = malloc((2 * npages + 2) * sizeof(*g));
+  size_t m = 0;
+
+  if (g == NULL)
+    return NULL;
+  for (size_t i = 0, len; i < npages; i += len) {
+    uint64_t size;
+    len = run_length(pages, npages, i);
+    size = group_size(len);
+    for (uint64_t at = 0; at < len; at += size, m++) {
+      g[2 * m] = pages[i] + at;
+      g[2 * m + 1] = len - at < size ? len - at : size;
+    }
+  }
+  *n = m;
+  return g;
+}
+
+/* A region left with no group larger than a page has no spans. */
+static void drop_spans(struct sl_region *r) {
+  for (uint64_t p = 0; r->span != NULL && p < r->npages; p++)
+    if (r->span[p] != 1)
+      return;
+  free(r->span);
+  r->span = NULL;
+}
+
+/* At a resume's begin: its groups, and the region's spans to note them in (allocated now, so
+ * that the books cannot fail to agree with the pool once it has made them). */
+static int plan_groups(struct sl_region *r, struct sl_release *rel) {
+  rel->groups = make_groups(rel->released, rel->nreleased, &rel->ngroups);
+  if (rel->groups == NULL)
+    return SUBLET_ENOHOSTMEM;
+  if (r->span != NULL)
+    return 0;
+  if ((r->span = malloc(r->npages * sizeof(*r->span))) == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (uint64_t p = 0; p < r->npages; p++)
+    r->span[p] = 1;
+  return 0;
+}
+
+/* After a resume: the released pages are its groups, or pages of their own again. */
+static void apply_groups(struct sl_region *r, const struct sl_release *rel) {
+  for (size_t i = 0; r->span != NULL && i < rel->nreleased; i++)
+    r->span[rel->released[i]] = 1;
+  for (size_t i = 0; r->span != NULL && i < rel->ngroups; i++) {
+    uint64_t first = rel->groups[2 * i], n = rel->groups[2 * i + 1];
+    memset(&r->span[first], 0, n * sizeof(*r->span));
+    r->span[first] = (uint32_t)n;
+  }
+  drop_spans(r);
 }
 
 /* ---- beginning ---------------------------------------------------------------------------- */
@@ -156,7 +317,8 @@ static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s
                       struct sl_release_work *w) {
   *w = (struct sl_release_work){.release_id = rel->id, .region_id = rel->region_id,
                                 .nmoves = s->nmoves, .ncopies = s->nsaves,
-                                .nreleased = rel->nreleased, .stayed = rel->stayed,
+                                .nreleased = rel->nreleased,
+                                .stayed = rel->stayed + rel->held, .held = rel->held,
                                 .kept_bytes = rel->l->kept_bytes,
                                 .moved_bytes = s->moved_bytes, .saved_bytes = s->saved_bytes};
   w->moves = sl_dup(s->moves, s->nmoves, sizeof(*s->moves));
@@ -184,6 +346,8 @@ static int plan_release(struct sl_books *b, struct sl_release *rel, uint64_t sta
     rc = sl_plan_commit(&l->plan, &s);
   if (rc == 0 && (rel->released = released_pages(l, to, &rel->nreleased)) == NULL)
     rc = SUBLET_ENOHOSTMEM;
+  if (rc == 0)
+    keep_whole_groups(sl_books_find_region(b, rel->region_id), rel);
   if (rc == 0)
     rc = begin_work(rel, &s, w);
   sl_plan_step_clear(&s);
@@ -234,10 +398,36 @@ void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok) {
 
 /* ---- resuming ----------------------------------------------------------------------------- */
 
+/* The undoing of rel's plan, and the groups to make (groups) or none. */
+static int resume_work(struct sl_books *b, struct sl_release *rel, int groups,
+                       struct sl_release_work *w) {
+  struct sl_plan *p = &rel->l->plan;
+  int rc = 0;
+
+  *w = (struct sl_release_work){.release_id = rel->id, .region_id = rel->region_id,
+                                .nreleased = rel->nreleased, .stayed = rel->stayed + rel->held,
+                                .held = rel->held,
+                                .kept_bytes = rel->l->kept_bytes,
+                                .moved_bytes = p->moved_bytes, .saved_bytes = p->saved_bytes};
+  free(rel->groups);
+  rel->groups = NULL;
+  rel->ngroups = 0;
+  if (groups && rel->nreleased > 0)
+    rc = plan_groups(sl_books_find_region(b, rel->region_id), rel);
+  w->released = sl_dup(rel->released, rel->nreleased, sizeof(*rel->released));
+  w->groups = sl_dup(rel->groups, 2 * rel->ngroups, sizeof(*rel->groups));
+  w->ngroups = rel->ngroups;
+  if (rc != 0 || (rel->nreleased && w->released == NULL) || (w->ngroups && !w->groups) ||
+      sl_plan_undo(p, &w->copies, &w->ncopies, &w->moves, &w->nmoves) != 0) {
+    sl_release_work_clear(w);
+    return SUBLET_ENOHOSTMEM;
+  }
+  return 0;
+}
+
 int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
-                          struct sl_release_work *w, struct sl_err *err) {
+                          int groups, struct sl_release_work *w, struct sl_err *err) {
   struct sl_release *rel = find_release(b, release_id);
-  struct sl_plan *p;
 
   if (rel == NULL)
     return sl_err_set(err, SUBLET_ENOENT, "no release %" PRIu64 " (resumed already, or its "
@@ -248,17 +438,8 @@ int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t relea
   if (rel->state != SL_REL_RELEASED)
     return sl_err_set(err, SUBLET_EBUSY, "release %" PRIu64 " is %s: wait for that to finish",
                       release_id, rel_state_names[rel->state]);
-  p = &rel->l->plan;
-  *w = (struct sl_release_work){.release_id = rel->id, .region_id = rel->region_id,
-                                .nreleased = rel->nreleased, .stayed = rel->stayed,
-                                .kept_bytes = rel->l->kept_bytes,
-                                .moved_bytes = p->moved_bytes, .saved_bytes = p->saved_bytes};
-  w->released = sl_dup(rel->released, rel->nreleased, sizeof(*rel->released));
-  if ((rel->nreleased && w->released == NULL) ||
-      sl_plan_undo(p, &w->copies, &w->ncopies, &w->moves, &w->nmoves) != 0) {
-    sl_release_work_clear(w);
+  if (resume_work(b, rel, groups, w) != 0)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
-  }
   rel->state = SL_REL_RESUMING;
   return 0;
 }
@@ -276,18 +457,25 @@ static void pages_changed(struct sl_books *b, uint64_t region_id) {
 
 void sl_books_resume_done(struct sl_books *b, uint64_t release_id, int ok) {
   struct sl_release *rel = find_release(b, release_id);
+  struct sl_region *r;
 
   if (rel == NULL || rel->state != SL_REL_RESUMING)
     return;
+  r = sl_books_find_region(b, rel->region_id);
   if (!ok) {
     rel->state = SL_REL_RELEASED;
+    if (r != NULL)
+      drop_spans(r); /* plan_groups may have made them */
     return;
   }
+  if (r != NULL)
+    apply_groups(r, rel);
   pages_changed(b, rel->region_id);
   release_delete(b, rel);
 }
 
 void sl_release_work_clear(struct sl_release_work *w) {
+  free(w->groups);
   free(w->moves);
   free(w->copies);
   free(w->released);
@@ -304,7 +492,7 @@ static void fill_info(const struct sl_books *b, const struct sl_release *rel,
   *ri = (struct sl_release_info){
       .id = rel->id, .region_id = rel->region_id, .owner_client = rel->owner_client,
       .state = rel->state, .pages = l->unkept + l->kept, .released_pages = rel->nreleased,
-      .stayed_pages = rel->stayed, .kept_bytes = l->kept_bytes,
+      .stayed_pages = rel->stayed + rel->held, .kept_bytes = l->kept_bytes,
       .moved_bytes = l->plan.moved_bytes, .saved_bytes = l->plan.saved_bytes};
   if (r != NULL)
     ri->owner = r->owner;

@@ -85,6 +85,26 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
   return 0;
 }
 
+/* Page groups: page 0 begins one, each group's span lies in the region, the pages inside it
+ * have span 0; a grouped region is not lent. Spans are dropped once none exceeds a page
+ * (except while a resume that makes groups runs: books_release.c, plan_groups). */
+static int check_spans(const struct sl_region *r, struct check *ck) {
+  for (uint64_t p = 0; r->span != NULL && p < r->npages;) {
+    uint32_t n = r->span[p];
+    if (n == 0 || n > SL_GROUP_PAGES || n > r->npages - p)
+      return broken(ck, "region %" PRIu64 " page %" PRIu64 " begins a group of %u pages",
+                    r->id, p, n);
+    for (uint64_t q = p + 1; q < p + n; q++)
+      if (r->span[q] != 0)
+        return broken(ck, "region %" PRIu64 " page %" PRIu64 " inside a group has a span",
+                      r->id, q);
+    p += n;
+  }
+  if (r->span != NULL && r->loan_id != 0)
+    return broken(ck, "region %" PRIu64 " has page groups and is lent", r->id);
+  return 0;
+}
+
 static int check_regions(const struct sl_books *b, struct check *ck) {
   uint64_t pages = 0;
   int rc;
@@ -94,6 +114,8 @@ static int check_regions(const struct sl_books *b, struct check *ck) {
     if (r->id == 0 || r->id >= b->next_region || (i > 0 && r->id <= r[-1].id))
       return broken(ck, "region %" PRIu64 " out of order or never issued", r->id);
     rc = check_region(b, r, ck);
+    if (rc == 0)
+      rc = check_spans(r, ck);
     if (rc < 0)
       return rc;
     pages += r->npages;
@@ -486,11 +508,18 @@ static int check_release(const struct sl_books *b, const struct sl_release *rel,
                   rel->id);
   if ((rc = check_layout(b, l, npages, ck)) != 0)
     return rc;
-  if (rel->stayed > l->kept || rel->nreleased != l->unkept + l->kept - rel->stayed)
+  if (rel->stayed > l->kept || rel->held > l->unkept + l->kept - rel->stayed ||
+      rel->nreleased != l->unkept + l->kept - rel->stayed - rel->held)
     return broken(ck, "release %" PRIu64 " released or stayed pages are miscounted", rel->id);
   for (size_t i = 1; i < rel->nreleased; i++)
     if (rel->released[i] <= rel->released[i - 1])
       return broken(ck, "release %" PRIu64 " released pages are not ascending", rel->id);
+  for (size_t i = 0, j; i < rel->nreleased; i = j) { /* whole groups */
+    for (j = i + 1; j < rel->nreleased && rel->released[j] == rel->released[j - 1] + 1; j++)
+      ;
+    if (!sl_books_whole_groups(r, rel->released[i], rel->released[j - 1] - rel->released[i] + 1))
+      return broken(ck, "release %" PRIu64 " releases part of a page group", rel->id);
+  }
   return 0;
 }
 

@@ -34,6 +34,7 @@ struct sl_daemon_config {
   uint8_t uuid[16];         /* --device GPU-...: the device's UUID, when by_uuid */
   int by_uuid;
   const char *socket_path;  /* --socket */
+  const char *pid_path;     /* --pid-file: written once serving, removed on a clean exit */
   const char *backend;      /* --backend */
   uint64_t reserve_bytes;   /* --reserve: free device memory no loan takes */
   uint64_t pin_bytes;       /* --pin: host memory pinned ahead of need */
@@ -68,6 +69,7 @@ struct sl_daemon {
   struct sl_pool *pool;
   int listen_fd;
   struct stat socket_stat;  /* the socket file we bound (st_ino 0: none) */
+  struct stat pid_stat;     /* the pid file we wrote (st_ino 0: none) */
   uv_poll_t listener;
   struct sl_transports transports;
   const struct sl_conn_ops *conn_ops;
@@ -188,6 +190,8 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err);
 void sl_server_stop(struct sl_daemon *d);
 /* Removes the socket file at exit, if it is still the one this daemon bound. */
 void sl_server_unlink_socket(struct sl_daemon *d);
+/* Removes the --pid-file, if it is still the one this daemon wrote. */
+void sl_server_unlink_pid(struct sl_daemon *d);
 /* One sd_notify(3) message (READY=1, EXTEND_TIMEOUT_USEC=...) to $NOTIFY_SOCKET, if set. */
 void sl_server_notify(const char *msg);
 /* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */

@@ -39,6 +39,8 @@ static void usage(FILE *out) {
           "                         as loans need it, then kept)\n"
           "      --max-connections N       clients connected at once (default 1024)\n"
           "      --max-user-connections N  of them from one user (default 128)\n"
+          "      --pid-file PATH    write subletd's pid to PATH once it serves; removed\n"
+          "                         when it exits cleanly (SIGTERM, SIGINT, --idle-exit)\n"
           "      --parent-pid PID   exit when process PID exits (a private daemon)\n"
           "      --idle-exit SECONDS\n"
           "                         exit once no client, region or loan has been there\n"
@@ -128,7 +130,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"device", required_argument, NULL, 'd'},  {"socket", required_argument, NULL, 's'},
       {"backend", required_argument, NULL, 'b'}, {"reserve", required_argument, NULL, 'r'},
       {"allow-group", required_argument, NULL, 'g'}, {"pin", required_argument, NULL, 'p'},
-      {"parent-pid", required_argument, NULL, 'P'},
+      {"parent-pid", required_argument, NULL, 'P'}, {"pid-file", required_argument, NULL, 'F'},
       {"idle-exit", required_argument, NULL, 'I'},
       {"max-connections", required_argument, NULL, 'M'},
       {"max-user-connections", required_argument, NULL, 'N'},
@@ -146,6 +148,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
                              "not '%s'", optarg);
         break;
       case 's': cfg->socket_path = optarg; break;
+      case 'F': cfg->pid_path = optarg; break;
       case 'b':
         if (strcmp(optarg, "cuda") != 0 && strcmp(optarg, "memfd") != 0)
           return usage_error("--backend is cuda or memfd, not '%s'", optarg);
@@ -278,6 +281,7 @@ static void cleanup(struct sl_daemon *d) {
   if (d->dev != NULL)
     sl_device_close(d->dev);
   sl_server_unlink_socket(d);
+  sl_server_unlink_pid(d);
 }
 
 int main(int argc, char **argv) {

@@ -17,6 +17,8 @@
 #include "clock.h"
 #include "grow.h"
 #include "log.h"
+#include "seal.h"
+#include "wire.h"
 
 /* The save area grows in pieces of this size, so that it never has to move (saved bytes stay
  * where they are) and pinning is paid once per piece, not per loan. */
@@ -29,6 +31,8 @@ struct sl_pool_region {
                          growable region) the device's whole memory, so that growing maps only
                          the new pages and never moves the old ones */
   sl_handle *pages;
+  uint32_t *span; /* pages[p] backs span[p] pages (a page group, books.h; 0 inside one, and
+                     1 for a released page, which has no handle) */
   void *base;   /* the daemon's own mapping of all pages, contiguous */
   int busy;     /* transfers that hold it: destroying waits for the last */
   int doomed;   /* destroyed while busy: goes when the last transfer is freed */
@@ -42,11 +46,16 @@ struct pool_batch {
   size_t n;
 };
 
-/* The host save area: a memfd mapped (and pinned) in pieces of SL_HOST_PIECE bytes. */
+/* The host save area: a memfd pinned in pieces of SL_HOST_PIECE bytes. Its clients get it
+ * sealed read-only (common/seal.h), so the daemon's one writable mapping, the window, is made
+ * before the seal, over all the area may ever hold: a piece is pinned in it as the file grows
+ * (a new writable mapping would be refused), and no client can shrink the file under it. */
 struct sl_pool_area {
-  int fd;         /* owned */
+  int fd;         /* owned; sealed read-only */
   uid_t uid;      /* whose kept bytes it holds; (uid_t)-1: nobody's yet */
-  void **host;
+  char *window;   /* MAP_SHARED of window_bytes, from offset 0; or NULL */
+  uint64_t window_bytes;
+  void **host;    /* the pinned pieces: window + i * SL_HOST_PIECE */
   size_t nhost;
   int busy;       /* transfers that use it */
   int doomed;     /* replaced while busy: freed when the last transfer is */
@@ -65,6 +74,7 @@ struct sl_pool_transfer {
   size_t nmoves;
   struct sl_copy *pieces; /* the storage of every batch's copies, split at host pieces */
   uint64_t *replace;      /* region pages to give new pages first (sl_pool_transfer_replace) */
+  uint32_t *rspan;        /* the pages each new handle backs (a group's): NULL, one each */
   sl_handle *fresh;       /* their new handles: created by the run */
   size_t nreplace, nfresh, nreplaced;
   size_t *replaced;       /* the caller's: nreplaced once the run is done */
@@ -110,15 +120,31 @@ static struct sl_pool_region *find_region(const struct sl_pool *p, uint64_t id) 
   return NULL;
 }
 
+static uint32_t span_of(const struct sl_pool_region *r, uint64_t page) {
+  return r->span[page] != 0 ? r->span[page] : 1;
+}
+
+/* Unmaps pages [from, to) of the daemon's mapping (the device idle): in one call where the
+ * device takes it, else mapping by mapping, a group's as one. */
+static void unmap_range(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to) {
+  uint64_t ps = p->page_size;
+
+  if (to == from || sl_device_unmap_idle(p->dev, (char *)r->base + from * ps, (to - from) * ps) == 0)
+    return;
+  for (uint64_t i = from; i < to; i += span_of(r, i))
+    sl_device_unmap_idle(p->dev, (char *)r->base + i * ps, span_of(r, i) * ps);
+}
+
 /* Undoes pages_add's work on pages [from, ...): unmaps those mapped, releases those created. */
 static void pages_undo(struct sl_pool *p, struct sl_pool_region *r, uint64_t from,
                        uint64_t created, uint64_t mapped) {
   if (mapped > from) {
     sl_device_synchronize(p->dev, NULL);
-    sl_device_unmap_pages(p->dev, (char *)r->base + from * p->page_size, mapped - from);
+    unmap_range(p, r, from, mapped);
   }
   for (uint64_t i = from; i < created; i++) {
-    sl_device_release(p->dev, r->pages[i]);
+    if (r->pages[i] != 0) /* a released page, or one inside a group, has none */
+      sl_device_release(p->dev, r->pages[i]);
     r->pages[i] = 0;
   }
 }
@@ -128,6 +154,7 @@ static void region_unmap_release(struct sl_pool *p, struct sl_pool_region *r) {
   if (r->base != NULL)
     sl_device_unreserve(p->dev, r->base, r->cap_pages * p->page_size);
   free(r->pages);
+  free(r->span);
   free(r);
 }
 
@@ -138,9 +165,11 @@ static int pages_add(struct sl_pool *p, struct sl_pool_region *r, uint64_t from,
   uint64_t ps = p->page_size, created = from, mapped = from;
   int rc = 0;
 
-  for (; created < to; created++)
+  for (; created < to; created++) {
+    r->span[created] = 1;
     if ((rc = sl_device_create(p->dev, ps, &r->pages[created], err)) != 0)
       break;
+  }
   for (; rc == 0 && mapped < to; mapped++)
     if ((rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped],
                             err)) != 0)
@@ -158,7 +187,10 @@ int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
   int rc;
 
   cap_pages = cap_pages > npages ? cap_pages : npages;
-  if (r == NULL || (r->pages = calloc(cap_pages, sizeof(sl_handle))) == NULL) {
+  if (r == NULL || (r->pages = calloc(cap_pages, sizeof(sl_handle))) == NULL ||
+      (r->span = calloc(cap_pages, sizeof(*r->span))) == NULL) {
+    if (r != NULL)
+      free(r->pages);
     free(r);
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a region's page table");
   }
@@ -248,6 +280,31 @@ int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, 
   return rc;
 }
 
+int sl_pool_export_groups(struct sl_pool *p, uint64_t region_id, uint64_t first, uint64_t count,
+                          int *fds, uint32_t *spans, size_t *n, struct sl_err *err) {
+  struct sl_pool_region *r = find_region(p, region_id);
+  int rc = 0;
+
+  *n = 0;
+  if (r == NULL || first > r->npages || count > r->npages - first)
+    return sl_err_set(err, SUBLET_EINVAL, "pages [%llu, +%llu) are not in region %llu",
+                      (unsigned long long)first, (unsigned long long)count,
+                      (unsigned long long)region_id);
+  for (uint64_t i = first; rc == 0 && i < first + count; i += spans[*n - 1]) {
+    if (*n == SL_WIRE_MAX_FDS)
+      rc = sl_err_set(err, SUBLET_E2BIG, "pages [%llu, +%llu) are more than %d groups: ask "
+                      "for fewer", (unsigned long long)first, (unsigned long long)count,
+                      SL_WIRE_MAX_FDS);
+    else if ((rc = sl_device_export(p->dev, r->pages[i], &fds[*n], err)) == 0)
+      spans[(*n)++] = span_of(r, i);
+  }
+  if (rc != 0) {
+    sl_wire_close_fds(fds, *n);
+    *n = 0;
+  }
+  return rc;
+}
+
 int sl_pool_chunk_create(struct sl_pool *p, uint64_t chunk_id, uint64_t npages, int *fd,
                          struct sl_err *err) {
   struct pool_chunk *c = calloc(1, sizeof(*c));
@@ -286,22 +343,47 @@ void sl_pool_chunk_release(struct sl_pool *p, uint64_t chunk_id) {
 
 static void area_free(struct sl_device *dev, struct sl_pool_area *a) {
   for (size_t i = 0; i < a->nhost; i++)
-    sl_device_host_free(dev, a->host[i], SL_HOST_PIECE);
+    sl_device_host_unpin(dev, a->host[i], SL_HOST_PIECE);
   free(a->host);
-  close(a->fd);
+  if (a->window != NULL)
+    munmap(a->window, a->window_bytes);
+  if (a->fd >= 0)
+    close(a->fd);
   free(a);
+}
+
+/* The window: as much as the host's memory (pinned bytes cannot pass it), in whole pieces.
+ * Address space only: MAP_NORESERVE, and nothing is touched past the file's end. */
+static uint64_t area_window_bytes(void) {
+  uint64_t ram = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+
+  return (ram + SL_HOST_PIECE - 1) / SL_HOST_PIECE * SL_HOST_PIECE;
+}
+
+/* The memfd, its window, then the seal: 0 or a negative errno. */
+static int area_open(struct sl_pool_area *a) {
+  void *w;
+
+  if ((a->fd = sl_seal_memfd("sublet-save-area")) < 0)
+    return a->fd;
+  a->window_bytes = area_window_bytes();
+  w = mmap(NULL, a->window_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, a->fd, 0);
+  if (w == MAP_FAILED)
+    return -errno;
+  a->window = w;
+  return sl_seal_read_only(a->fd);
 }
 
 static int area_new(uid_t uid, struct sl_pool_area **out, struct sl_err *err) {
   struct sl_pool_area *a = calloc(1, sizeof(*a));
+  int rc;
 
   if (a == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
-  a->fd = memfd_create("sublet-save-area", MFD_CLOEXEC);
-  if (a->fd < 0) {
-    int e = errno;
-    free(a);
-    return sl_err_set(err, SUBLET_ENOMEM, "memfd_create for the save area: %s", strerror(e));
+  if ((rc = area_open(a)) != 0) {
+    area_free(NULL, a); /* nothing pinned yet: no device call */
+    return sl_err_set(err, SUBLET_ENOMEM, "cannot make the save area: %s%s", strerror(-rc),
+                      rc == -EINVAL ? " (sealing it read-only needs Linux 5.1 or later)" : "");
   }
   a->uid = uid;
   *out = a;
@@ -331,7 +413,8 @@ int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err
   return 0;
 }
 
-/* Grows an area to hold bytes: pieces mapped (and pinned) at their place in the memfd. */
+/* Grows an area to hold bytes: pieces pinned at their place in the window. The file only
+ * grows (a client may have grown it further: no error, and a shrink would be refused). */
 static int area_reserve(struct sl_device *dev, struct sl_pool_area *a, uint64_t bytes,
                         struct sl_err *err) {
   size_t want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
@@ -340,18 +423,21 @@ static int area_reserve(struct sl_device *dev, struct sl_pool_area *a, uint64_t 
 
   if (want <= a->nhost)
     return 0;
+  if (want * SL_HOST_PIECE > a->window_bytes)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "the save area cannot grow to %zu pieces of %llu "
+                      "bytes: past the host's memory", want, SL_HOST_PIECE);
   host = realloc(a->host, want * sizeof(*host));
   if (host == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   a->host = host;
-  if (ftruncate(a->fd, (off_t)(want * SL_HOST_PIECE)) != 0)
+  if ((rc = sl_seal_grow_to(a->fd, want * SL_HOST_PIECE)) != 0)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot grow the save area to %zu pieces: %s", want,
-                      strerror(errno));
+                      strerror(-rc));
   for (; a->nhost < want; a->nhost++) {
-    rc = sl_device_host_map(dev, a->fd, a->nhost * SL_HOST_PIECE, SL_HOST_PIECE, 1,
-                            &a->host[a->nhost], err);
-    if (rc != 0)
+    void *piece = a->window + a->nhost * SL_HOST_PIECE;
+    if ((rc = sl_device_host_pin(dev, piece, SL_HOST_PIECE, err)) != 0)
       return rc;
+    a->host[a->nhost] = piece;
   }
   return 0;
 }
@@ -541,6 +627,32 @@ int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pag
   return sl_pool_transfer_replace(t, pages, n, replaced, err);
 }
 
+int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *groups, size_t n,
+                                 size_t *replaced, struct sl_err *err) {
+  uint64_t *heads = malloc((n + 1) * sizeof(*heads));
+  int rc = 0;
+
+  if (heads == NULL || (t->rspan = malloc((n + 1) * sizeof(*t->rspan))) == NULL) {
+    free(heads);
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu groups", n);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    uint64_t first = groups[2 * i], count = groups[2 * i + 1];
+    if (count == 0 || count > UINT32_MAX || first >= t->region->npages ||
+        count > t->region->npages - first)
+      rc = sl_err_set(err, SUBLET_EINVAL, "group [%llu, +%llu) is not in region %llu",
+                      (unsigned long long)first, (unsigned long long)count,
+                      (unsigned long long)t->region->id);
+    heads[i] = first;
+    t->rspan[i] = (uint32_t)count;
+  }
+  t->must_replace = 1;
+  if (rc == 0)
+    rc = sl_pool_transfer_replace(t, heads, n, replaced, err);
+  free(heads);
+  return rc;
+}
+
 int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                           struct sl_err *err) {
   struct sl_pool_region *r = t->region;
@@ -551,17 +663,25 @@ int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, siz
     if (pages[i] >= r->npages)
       rc = sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
                       (unsigned long long)pages[i], (unsigned long long)r->id);
-  for (size_t i = 0; rc == 0 && i < n; i++) {
-    sl_device_unmap_idle(t->pool->dev, (char *)r->base + pages[i] * ps, ps);
-    if (r->pages[pages[i]] != 0)
+  for (size_t i = 0; rc == 0 && i < n; i++) { /* whole groups (the books see to it) */
+    if (r->pages[pages[i]] != 0) {
+      sl_device_unmap_idle(t->pool->dev, (char *)r->base + pages[i] * ps,
+                           span_of(r, pages[i]) * ps);
       sl_device_release(t->pool->dev, r->pages[pages[i]]);
+    }
     r->pages[pages[i]] = 0;
+    r->span[pages[i]] = 1;
   }
   return rc;
 }
 
 static void *page_addr(const struct sl_pool_transfer *t, uint64_t page) {
   return (char *)t->region->base + page * t->pool->page_size;
+}
+
+/* The bytes the ith new handle backs: a page, or a group's pages. */
+static uint64_t fresh_bytes(const struct sl_pool_transfer *t, size_t i) {
+  return (t->rspan != NULL ? t->rspan[i] : 1) * t->pool->page_size;
 }
 
 /* Puts the old pages back in the daemon's mapping from the nth replaced page down. */
@@ -571,7 +691,7 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
 
   while (n-- > 0) {
     void *at = page_addr(t, t->replace[n]);
-    sl_device_unmap_idle(dev, at, ps);
+    sl_device_unmap_idle(dev, at, fresh_bytes(t, n));
     if (t->region->pages[t->replace[n]] != 0 && /* a released page had none */
         sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL) == 0)
       sl_device_set_access(dev, at, ps, NULL);
@@ -582,13 +702,15 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
  * the whole region: another release's pages may be unmapped holes in it, and a range with a
  * hole is refused. A call per run, not per page (a call per page costs far more). */
 static int access_runs(struct sl_pool_transfer *t, struct sl_err *err) {
-  uint64_t ps = t->pool->page_size;
+  uint64_t ps = t->pool->page_size, bytes;
   int rc = 0;
 
   for (size_t i = 0, j; rc == 0 && i < t->nreplace; i = j) {
-    for (j = i + 1; j < t->nreplace && t->replace[j] == t->replace[j - 1] + 1; j++)
-      ;
-    rc = sl_device_set_access(t->pool->dev, page_addr(t, t->replace[i]), (j - i) * ps, err);
+    bytes = fresh_bytes(t, i);
+    for (j = i + 1; j < t->nreplace && t->replace[j] == t->replace[j - 1] +
+                                           fresh_bytes(t, j - 1) / ps; j++)
+      bytes += fresh_bytes(t, j);
+    rc = sl_device_set_access(t->pool->dev, page_addr(t, t->replace[i]), bytes, err);
   }
   return rc;
 }
@@ -602,8 +724,9 @@ static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
 
   for (size_t i = 0; rc == 0 && i < t->nreplace; i++) {
     void *at = page_addr(t, t->replace[i]);
-    sl_device_unmap_idle(dev, at, ps);
-    rc = sl_device_map(dev, at, ps, t->fresh[i], err);
+    if (t->rspan == NULL) /* a released page or group has no mapping left */
+      sl_device_unmap_idle(dev, at, ps);
+    rc = sl_device_map(dev, at, fresh_bytes(t, i), t->fresh[i], err);
     if (rc != 0)
       unreplace(t, i + 1); /* this one and those before it: unmapping one not mapped is harmless */
   }
@@ -618,7 +741,7 @@ static void run_replace(struct sl_pool_transfer *t) {
   int rc = 0;
 
   for (; rc == 0 && t->nfresh < t->nreplace; t->nfresh++)
-    rc = sl_device_create(t->pool->dev, t->pool->page_size, &t->fresh[t->nfresh], &err);
+    rc = sl_device_create(t->pool->dev, fresh_bytes(t, t->nfresh), &t->fresh[t->nfresh], &err);
   if (rc != 0)
     t->nfresh--; /* the last create failed */
   if (rc == 0)
@@ -629,7 +752,9 @@ static void run_replace(struct sl_pool_transfer *t) {
     return;
   }
   t->nreplaced = t->nreplace;
-  *t->replaced = t->nreplaced;
+  *t->replaced = 0;
+  for (size_t i = 0; i < t->nreplaced; i++) /* in pages */
+    *t->replaced += fresh_bytes(t, i) / t->pool->page_size;
 }
 
 /* On the loop: the pool's table takes the new handles, the old ones go (or, when the run
@@ -640,14 +765,18 @@ static void settle_replace(struct sl_pool_transfer *t) {
   for (size_t i = 0; i < t->nfresh; i++) {
     sl_handle *page = &r->pages[t->replace[i]];
     if (i < t->nreplaced) {
+      uint32_t n = (uint32_t)(fresh_bytes(t, i) / t->pool->page_size);
       if (*page != 0) /* a released page had none */
         sl_device_release(t->pool->dev, *page);
       *page = t->fresh[i];
+      memset(&r->span[t->replace[i]], 0, n * sizeof(*r->span));
+      r->span[t->replace[i]] = n;
     } else {
       sl_device_release(t->pool->dev, t->fresh[i]);
     }
   }
   free(t->replace);
+  free(t->rspan);
   free(t->fresh);
 }
 
@@ -674,6 +803,14 @@ static int run_moves(struct sl_pool_transfer *t, struct sl_err *err) {
                        : 0;
 }
 
+static uint64_t replace_bytes(const struct sl_pool_transfer *t) {
+  uint64_t n = 0;
+
+  for (size_t i = 0; i < t->nreplace; i++)
+    n += fresh_bytes(t, i);
+  return n;
+}
+
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err) {
   int save = t->dir == SL_COPY_TO_HOST, rc;
@@ -682,10 +819,9 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
   if (t->nreplace > 0)
     run_replace(t);
   if (t->must_replace && t->nreplaced != t->nreplace)
-    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %zu pages "
-                      "again (%llu bytes): whoever holds it must free it first; the release "
-                      "goes on", t->nreplace, (unsigned long long)(t->nreplace *
-                                                                  t->pool->page_size));
+    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %llu bytes "
+                      "again: whoever holds it must free it first; the release goes on",
+                      (unsigned long long)replace_bytes(t));
   rc = save ? run_moves(t, err) : run_copies(t, err);
   t1 = sl_clock_now();
   if (rc == 0)

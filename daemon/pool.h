@@ -47,6 +47,10 @@ uint64_t sl_pool_region_bytes(const struct sl_pool *p, const struct sl_pool_regi
 /* Exports pages [first, first+count) as new fds into fds[]; the caller closes them. */
 int sl_pool_export_pages(struct sl_pool *p, uint64_t region_id, uint64_t first, uint32_t count,
                          int *fds, struct sl_err *err);
+/* The same a handle each: fds[i] (the caller closes them) backs spans[i] pages; *n of them, at
+ * most SL_WIRE_MAX_FDS (E2BIG past it). [first, first+count) is whole groups (the books'). */
+int sl_pool_export_groups(struct sl_pool *p, uint64_t region_id, uint64_t first, uint64_t count,
+                          int *fds, uint32_t *spans, size_t *n, struct sl_err *err);
 
 /* A fresh chunk of npages, exported as *fd (the caller closes it once sent). */
 int sl_pool_chunk_create(struct sl_pool *p, uint64_t chunk_id, uint64_t npages, int *fd,
@@ -77,6 +81,11 @@ int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, 
 /* The same where the run must make every page (a release's resume): otherwise it copies
  * nothing and fails with SUBLET_ENOMEM, the old (no) pages staying. */
 int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                                 size_t *replaced, struct sl_err *err);
+/* The same, for a resume that makes groups (books.h, "Page groups"): groups holds n (first,
+ * count) pairs of released pages, each made as one handle of count pages and mapped as one;
+ * *replaced counts pages. */
+int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *groups, size_t n,
                                  size_t *replaced, struct sl_err *err);
 /* A release: after the run (any thread, the transfer held), the daemon lets go of region
  * pages pages[0..n): unmapped from its mapping (the device waited for first), handles

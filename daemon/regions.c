@@ -187,25 +187,33 @@ int sl_regions_pages_get(struct sl_conn *c, uint64_t id, const Sublet__PagesGet 
                          struct sl_err *err) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Pages pages = SUBLET__PAGES__INIT;
-  int fds[SL_WIRE_MAX_FDS];
+  int fds[SL_WIRE_MAX_FDS], groups = m->has_groups && m->groups;
+  uint32_t spans[SL_WIRE_MAX_FDS];
+  size_t n = m->count;
   int rc;
 
-  if (m->count == 0 || m->count > SL_WIRE_MAX_FDS)
+  if (m->count == 0 || (!groups && m->count > SL_WIRE_MAX_FDS))
     return sl_err_set(err, SUBLET_E2BIG, "PagesGet asks for %u pages: 1 to %d per request",
                       m->count, SL_WIRE_MAX_FDS);
   rc = sl_books_pages_granted(c->d->books, c->client_id, m->region, m->first, m->count, err);
   if (rc == 0)
+    rc = sl_books_pages_as_groups(c->d->books, m->region, m->first, m->count, groups, err);
+  if (rc == 0 && groups)
+    rc = sl_pool_export_groups(c->d->pool, m->region, m->first, m->count, fds, spans, &n, err);
+  else if (rc == 0)
     rc = sl_pool_export_pages(c->d->pool, m->region, m->first, m->count, fds, err);
   if (rc != 0)
     return rc;
   pages.region = m->region;
   pages.first = m->first;
   pages.count = m->count;
+  pages.spans = groups ? spans : NULL;
+  pages.n_spans = groups ? n : 0;
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_PAGES;
   rep.pages = &pages;
-  sl_conn_send(c, &rep, fds, m->count);
-  sl_wire_close_fds(fds, m->count); /* sent: the client has its own copies now */
+  sl_conn_send(c, &rep, fds, n);
+  sl_wire_close_fds(fds, n); /* sent: the client has its own copies now */
   return 0;
 }
 

@@ -151,6 +151,8 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
   m.has_released_pages = m.has_stayed_pages = m.has_kept_bytes = m.has_moved_bytes = 1;
   m.released_pages = w->nreleased;
   m.stayed_pages = w->stayed;
+  m.has_held_pages = 1;
+  m.held_pages = w->held;
   m.kept_bytes = w->kept_bytes;
   m.moved_bytes = w->moved_bytes;
   m.has_copied_out_bytes = m.has_move_seconds = 1;
@@ -164,6 +166,8 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
     m.saves = saves;
     m.n_saves = 3 * w->ncopies;
   } else {
+    m.groups = w->groups;
+    m.n_groups = 2 * w->ngroups;
     m.has_copied_in_bytes = m.has_copy_in_seconds = 1;
     m.copied_in_bytes = w->saved_bytes;
     m.copy_in_seconds = rj->job.seconds;
@@ -354,7 +358,9 @@ static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct s
                       (unsigned long long)w->release_id);
   rc = sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_DEVICE, w->region_id, w->copies,
                                w->ncopies, w->moves, w->nmoves, &rj->transfer, err);
-  if (rc == 0)
+  if (rc == 0 && w->groups != NULL)
+    rc = sl_pool_transfer_make_groups(rj->transfer, w->groups, w->ngroups, &rj->made, err);
+  else if (rc == 0)
     rc = sl_pool_transfer_replace_all(rj->transfer, w->released, w->nreleased, &rj->made, err);
   return rc;
 }
@@ -370,7 +376,8 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
   if (rj == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   rj->lists.keep_fd = -1;
-  rc = sl_books_resume_begin(d->books, c->client_id, m->release, &rj->work, err);
+  rc = sl_books_resume_begin(d->books, c->client_id, m->release, m->has_groups && m->groups,
+                             &rj->work, err);
   if (rc == 0 && rj->work.nreleased > avail)
     rc = sl_err_set(err, SUBLET_ENOMEM, "release %llu needs %s of device memory back and %s "
                     "is free: whoever took it must free it first; the release goes on (resume "

@@ -19,6 +19,7 @@
 #include "daemon.h"
 #include "journal.h"
 #include "log.h"
+#include "seal.h"
 
 struct sl_rescue {
   uint64_t loan_id;
@@ -41,12 +42,18 @@ static void rescue_free(struct sl_rescue *r) {
   free(r);
 }
 
-/* A read-only fd of the same file, so that the owner cannot write what it only reads. Where
- * /proc is not mounted, a copy of the fd itself. */
+/* A read-only fd of the same file, so that the owner cannot write what it only reads. Only a
+ * file sealed read-only (common/seal.h) goes out: the fd's mode alone holds nothing, since its
+ * holder may reopen it writable through /proc/self/fd (issue 25); anything else fails with
+ * EPERM. Where /proc is not mounted, a copy of the fd itself (the seals hold for it too). */
 int sl_rescue_read_only_fd(int fd) {
   char path[64];
   int ro;
 
+  if (!sl_seal_is_read_only(fd)) {
+    errno = EPERM;
+    return -1;
+  }
   snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
   ro = open(path, O_RDONLY | O_CLOEXEC);
   return ro >= 0 ? ro : fcntl(fd, F_DUPFD_CLOEXEC, 0);

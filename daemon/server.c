@@ -1,6 +1,8 @@
-/* server.c - the listening socket, signals and the parent watch of subletd's event loop. */
+/* server.c - the listening socket, the pid file, signals and the parent watch of subletd's
+ * event loop. */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -16,7 +18,10 @@
 #include "log.h"
 
 static const char *file_kind(mode_t mode) {
-  return S_ISDIR(mode) ? "a directory" : S_ISREG(mode) ? "a regular file" : "not a socket";
+  return S_ISDIR(mode)   ? "a directory"
+         : S_ISREG(mode) ? "a regular file"
+         : S_ISLNK(mode) ? "a symbolic link" /* not followed: its target is not ours either */
+                         : "not a socket";
 }
 
 /* 0 when a daemon answers at addr, else connect's errno. */
@@ -155,6 +160,34 @@ void sl_server_notify(const char *msg) {
   close(fd);
 }
 
+/* The pid file appears whole (written beside it, then renamed over it: a symlink at the path is
+ * replaced, never followed), and only once we hold the socket, so that a start refused because
+ * another daemon serves the path leaves that daemon's pid file alone; and before the loop runs,
+ * so that a client answered by us finds it. Its inode tells at exit whether it is still ours
+ * (sl_server_unlink_pid). */
+static int write_pid_file(struct sl_daemon *d, struct sl_err *err) {
+  const char *path = d->cfg.pid_path;
+  char tmp[PATH_MAX], line[24];
+  int fd, n, e = 0;
+
+  if (snprintf(tmp, sizeof(tmp), "%s.%d.tmp", path, (int)getpid()) >= (int)sizeof(tmp))
+    return sl_err_set(err, SUBLET_EINVAL, "--pid-file %s: the path is too long", path);
+  n = snprintf(line, sizeof(line), "%d\n", (int)getpid());
+  errno = 0;
+  fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0 || write(fd, line, (size_t)n) != n || fstat(fd, &d->pid_stat) != 0 ||
+      rename(tmp, path) != 0)
+    e = errno != 0 ? errno : EIO; /* a short write sets no errno */
+  if (fd >= 0)
+    close(fd);
+  if (e == 0)
+    return 0;
+  unlink(tmp);
+  memset(&d->pid_stat, 0, sizeof(d->pid_stat));
+  return sl_err_set(err, SUBLET_EIO, "cannot write the pid file %s: %s (does its directory "
+                    "exist and is it writable? or leave out --pid-file)", path, strerror(e));
+}
+
 /* Before the socket exists: a SIGTERM sent as soon as it appears (a supervisor, a test) must
  * find the handler, not the default action that kills without settling anything. */
 static void start_signals(struct sl_daemon *d) {
@@ -178,6 +211,8 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
     return d->listen_fd;
   if (d->cfg.listen_fd < 0 && stat(d->cfg.socket_path, &d->socket_stat) != 0)
     memset(&d->socket_stat, 0, sizeof(d->socket_stat));
+  if (d->cfg.pid_path != NULL && (rc = write_pid_file(d, err)) != 0)
+    return rc;
   fcntl(d->listen_fd, F_SETFL, fcntl(d->listen_fd, F_GETFL) | O_NONBLOCK);
   rc = sl_transports_init(&d->transports, d->loop, &d->cfg.limits, &sl_conn_transport_ops);
   if (rc != 0)
@@ -196,16 +231,24 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   return 0;
 }
 
-/* Only our own socket file goes: a daemon leaving (--idle-exit) while a new one starts at the
- * same path must not unlink the newcomer's. */
-void sl_server_unlink_socket(struct sl_daemon *d) {
+/* Only our own files go: a daemon leaving (--idle-exit) while a new one starts at the same path
+ * must not unlink the newcomer's socket or pid file. ours: what we made (st_ino 0: nothing). */
+static void unlink_if_ours(const char *path, const struct stat *ours) {
   struct stat st;
 
-  if (d->cfg.listen_fd >= 0 || d->cfg.socket_path == NULL || d->socket_stat.st_ino == 0)
+  if (path == NULL || ours->st_ino == 0)
     return;
-  if (stat(d->cfg.socket_path, &st) == 0 && st.st_ino == d->socket_stat.st_ino &&
-      st.st_dev == d->socket_stat.st_dev)
-    unlink(d->cfg.socket_path);
+  if (lstat(path, &st) == 0 && st.st_ino == ours->st_ino && st.st_dev == ours->st_dev)
+    unlink(path);
+}
+
+void sl_server_unlink_socket(struct sl_daemon *d) {
+  if (d->cfg.listen_fd < 0)
+    unlink_if_ours(d->cfg.socket_path, &d->socket_stat);
+}
+
+void sl_server_unlink_pid(struct sl_daemon *d) {
+  unlink_if_ours(d->cfg.pid_path, &d->pid_stat);
 }
 
 static void close_handle(uv_handle_t *h) {

@@ -288,6 +288,10 @@ struct sublet_release_stats {
   double move_seconds, copy_seconds; /* daemon side */
   double map_seconds;        /* client side: unmapping (release), mapping (resume) */
   int daemon_died;           /* the resume was done by this library: subletd had died */
+  uint64_t allocations;      /* resume: the allocations the released pages came back as (one
+                                per page group, or per page) */
+  uint64_t held_pages;       /* of stayed_pages, those that stayed only because they share an
+                                allocation (a page group) with a page that stays */
 };
 
 SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pages,
@@ -297,8 +301,13 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
 /* Makes the released pages again at their addresses and puts the kept bytes back. All or
  * none: SUBLET_ENOMEM while the device lacks the memory (whoever took it must free it; the
  * release goes on: call again). If subletd has died, this library does it itself (the save
- * area and the plan came with the release) and returns SUBLET_EDAEMONDIED with the stats. */
-SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id,
+ * area and the plan came with the release) and returns SUBLET_EDAEMONDIED with the stats.
+ * Each run of released pages comes back as a few allocations of up to 128 pages (a page
+ * group: a 64 GiB run costs 256 imports, not 32,768), which can be released again but not
+ * lent: flags SUBLET_RESUME_PAGES makes a page each instead (a region with no group left can
+ * be lent again). */
+#define SUBLET_RESUME_PAGES 1
+SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id, int flags,
                                 struct sublet_release_stats *stats);
 
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA

@@ -39,8 +39,11 @@ if TYPE_CHECKING:
     __version__: str
 
 
+# Every name served below (module globals and _LAZY's) is here: mypy --strict takes __all__
+# as what the package exports, so a name left out is an error for its users' type checks.
 __all__ = [
-    "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "Offer", "LoanStats",
+    "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "LocalLoan", "BorrowedLoan",
+    "Offer", "LoanStats",
     "DaemonInfo", "blocks", "Blocks", "release", "Release", "ReleaseStats",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",

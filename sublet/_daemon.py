@@ -6,9 +6,10 @@ this GPU (cuda backend); else the user's own daemon for this GPU, in the user's 
     $XDG_RUNTIME_DIR/sublet/    or, without XDG_RUNTIME_DIR,    /tmp/sublet-UID/
 
 a directory of the user's with mode 0700 (checked: another owner or wider mode is refused),
-holding per GPU GPU-<uuid>.sock, .lock, .log and .pid. The first sublet process of the user
-starts the daemon there; later ones find it. Two processes starting at once take the .lock
-(flock) in turn, and the second finds the first's daemon. The daemon is started in a session
+holding per GPU GPU-<uuid>.sock, .lock, .log and .pid (written and removed by the daemon: there
+while it runs). The first sublet process of the user starts the daemon there; later ones find
+it. Two processes starting at once take the .lock (flock) in turn, and the second finds the
+first's daemon. The daemon is started in a session
 of its own, not as our child (it outlives us; Ctrl-C in our terminal does not reach it), with
 its output in the .log, and leaves by itself after $SUBLET_IDLE_EXIT seconds (default 600)
 without a client or a region (subletd --idle-exit).
@@ -204,8 +205,10 @@ def idle_exit_seconds() -> float:
 def _start(device: int, backend: str, sock: Path) -> _lib.Client:
     """Starts the user's daemon at sock (the caller holds its lock); returns a connection."""
     binary = _lib.find_native("subletd", "SUBLETD")
+    # The daemon writes the .pid once it holds the socket, and removes it when it leaves (an
+    # idle exit, SIGTERM): a .pid we wrote would outlive it and name a pid reused by another.
     argv = [str(binary), "--device", str(device), "--backend", backend, "--socket", str(sock),
-            "--idle-exit", f"{idle_exit_seconds():g}"]
+            "--pid-file", str(sock.with_suffix(".pid")), "--idle-exit", f"{idle_exit_seconds():g}"]
     log = sock.with_suffix(".log")
     with open(log, "wb") as out:
         # sh starts it in the background and exits: the daemon is nobody's child but init's.
@@ -213,7 +216,6 @@ def _start(device: int, backend: str, sock: Path) -> _lib.Client:
                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=out,
                                start_new_session=True, check=True)
     pid = int(shell.stdout)
-    sock.with_suffix(".pid").write_text(f"{pid}\n")
     return _wait_until_answering(sock, pid, log, " ".join(argv))
 
 

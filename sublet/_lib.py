@@ -28,6 +28,8 @@ from ctypes import (POINTER, Structure, c_char, c_char_p, c_double, c_int, c_siz
 from pathlib import Path
 from typing import Any
 
+from ._units import human
+
 # --------------------------------------------------------------------------- error codes
 
 # Mirrors SUBLET_ERRNO_MAP in include/sublet.h (tests/python/test_lib.py checks they agree).
@@ -139,7 +141,18 @@ class VerifyError(SubletError):
 
 class SubletOutOfMemoryError(SubletError, MemoryError):
     """The loan (or the device) has no room for the allocation (code ENOMEM), or host memory
-    ran out in subletd or this process (ENOHOSTMEM); also a builtin MemoryError."""
+    ran out in subletd or this process (ENOHOSTMEM); also a builtin MemoryError, and, once
+    sublet's torch side has loaded, a torch.OutOfMemoryError (join_torch_out_of_memory)."""
+
+
+def join_torch_out_of_memory(torch_oom: type[BaseException]) -> None:
+    """Makes SubletOutOfMemoryError a subclass of torch's out-of-memory error too, so that
+    `except torch.OutOfMemoryError` catches sublet running out as it catches PyTorch. This
+    module loads without torch (`sublet status`), so the class cannot name torch's at its
+    definition; the modules that import torch call this before anything of sublet can run out.
+    The class stays the one object (sublet.SubletOutOfMemoryError): only its bases grow."""
+    if not issubclass(SubletOutOfMemoryError, torch_oom):
+        SubletOutOfMemoryError.__bases__ = (*SubletOutOfMemoryError.__bases__, torch_oom)
 
 
 class SubletTimeoutError(SubletError, TimeoutError):
@@ -223,9 +236,12 @@ class CReleaseStats(Structure):
         ("copy_seconds", c_double),
         ("map_seconds", c_double),
         ("daemon_died", c_int),
+        ("allocations", c_uint64),
+        ("held_pages", c_uint64),
     ]
 
 
+RESUME_PAGES = 1  # SUBLET_RESUME_PAGES
 STAY_ANY = 2**64 - 1  # SUBLET_STAY_ANY: as many kept pages stay as the kept bytes need
 
 
@@ -269,7 +285,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                                    c_int, c_char_p, c_int, POINTER(c_uint64), TOKEN]),
     "sublet_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                c_uint64, POINTER(c_uint64), POINTER(CReleaseStats)]),
-    "sublet_resume": (c_int, [c_void_p, c_uint64, POINTER(CReleaseStats)]),
+    "sublet_resume": (c_int, [c_void_p, c_uint64, c_int, POINTER(CReleaseStats)]),
     "sublet_cancel": (c_int, [c_void_p]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
@@ -408,6 +424,21 @@ class LoanStats:
     # addresses stay); 0 for a borrower of the owner's own user
     replaced_pages: int = 0
 
+    def __repr__(self) -> str:
+        flags = [name for name, on in (("borrower died", self.borrower_died),
+                                       ("owner gone", self.owner_gone),
+                                       ("daemon died", self.daemon_died)) if on]
+        if self.replaced_pages:
+            flags.append(f"{self.replaced_pages} pages replaced")
+        return (f"<sublet.LoanStats of loan {self.loan_id}: served "
+                f"{human(self.served_unkept_bytes)} unkept, {human(self.served_fresh_bytes)} "
+                f"fresh, {human(self.served_kept_bytes)} kept (peak {human(self.peak_bytes)}, "
+                f"{self.allocations} allocations); {human(self.copied_out_bytes)} to the host, "
+                f"{human(self.copied_in_bytes)} back, {human(self.moved_bytes)} moved; "
+                f"{self.map_seconds:.3f} s mapping, {self.copy_out_seconds:.3f} s copying out, "
+                f"{self.copy_in_seconds:.3f} s in, {self.move_seconds:.3f} s moving"
+                + "".join(f"; {flag}" for flag in flags) + ">")
+
     @classmethod
     def from_c(cls, c: CLoanStats) -> "LoanStats":
         values = {f.name: getattr(c, f.name) for f in fields(cls)}
@@ -438,6 +469,17 @@ class ReleaseStats:
     copy_seconds: float
     map_seconds: float
     daemon_died: bool = False  # the resume was this process's own: subletd had died
+    allocations: int = 0  # resume: the allocations the pages came back as (groups, or pages)
+    held_pages: int = 0  # of stayed_pages, those held whole with a page group that stays
+
+    def __repr__(self) -> str:
+        died = "; resumed by this process (subletd had died)" if self.daemon_died else ""
+        return (f"<sublet.ReleaseStats of release {self.release_id}: "
+                f"{self.released_pages} pages released, {self.stayed_pages} stayed holding "
+                f"{human(self.kept_bytes)} kept ({human(self.moved_bytes)} moved); "
+                f"{human(self.copied_out_bytes)} to the host, {human(self.copied_in_bytes)} "
+                f"back; {self.seconds:.3f} s ({self.move_seconds:.3f} s moving, "
+                f"{self.copy_seconds:.3f} s copying, {self.map_seconds:.3f} s mapping){died}>")
 
     @classmethod
     def from_c(cls, c: CReleaseStats) -> "ReleaseStats":
@@ -599,11 +641,13 @@ class Client:
         return ReleaseStats.from_c(stats)
 
     @staticmethod
-    def resume(region: RegionHandle, release_id: int) -> tuple[int, str, ReleaseStats]:
+    def resume(region: RegionHandle, release_id: int,
+               groups: bool = True) -> tuple[int, str, ReleaseStats]:
         """Ends a release; returns the code (EDAEMONDIED: done by this library) with the
-        message and the stats."""
+        message and the stats. groups False: a page each (SUBLET_RESUME_PAGES)."""
         stats = CReleaseStats()
-        rc = lib().sublet_resume(region.handle, release_id, ctypes.byref(stats))
+        rc = lib().sublet_resume(region.handle, release_id, 0 if groups else RESUME_PAGES,
+                                 ctypes.byref(stats))
         return rc, (last_error() if rc < 0 else ""), ReleaseStats.from_c(stats)
 
     def cancel(self) -> None:

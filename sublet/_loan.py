@@ -24,8 +24,9 @@ from ._client import Client, LoanStats, ReturnResult
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
                    LeakError,
                    NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
-from ._memory import Region, nbytes_of, parse_size, resolve_device, wrap
+from ._memory import Region, as_dtype, nbytes_of, parse_size, resolve_device, wrap
 from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
+from ._units import human
 
 _WAIT_SLICE_MS = 200
 _ELEAK = _lib.ERROR_CODES["ELEAK"]
@@ -61,12 +62,22 @@ class Loan:
         self._failure: BaseException | None = None  # raised by _finish before the Return
 
     def __repr__(self) -> str:
-        state = ("active" if self.active else "returned" if self._returned else
-                 "not started")
+        return f"<sublet.{type(self).__name__}{self._described()}: {self._state()}>"
+
+    def _described(self) -> str:
+        """What the loan is of and where, for repr: each kind of loan says its own."""
+        return f" on {self.device or '?'}"
+
+    def _state(self) -> str:
+        if self.active:
+            return "active"
+        if not self._returned:
+            return "not started"
         stats = self._final_stats
-        moved = (f", {stats.copied_out_bytes} bytes to the host, {stats.moved_bytes} moved"
-                 if stats is not None else "")
-        return f"<sublet.{type(self).__name__} on {self.device or '?'}: {state}{moved}>"
+        if stats is None:  # the return itself failed
+            return "returned"
+        return (f"returned, {human(stats.copied_out_bytes)} to the host, "
+                f"{human(stats.moved_bytes)} moved")
 
     # ---------------------------------------------------------------- results
     @property
@@ -100,12 +111,14 @@ class Loan:
         return self.stats.copied_in_bytes
 
     # ---------------------------------------------------------------- explicit allocations
-    def empty(self, *size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def empty(self, *size, dtype: torch.dtype | type | None = None) -> torch.Tensor:
         """A tensor allocated from the loan itself (sublet_alloc); its memory goes back to the
-        loan when the tensor dies. It must not outlive the loan."""
+        loan when the tensor dies. It must not outlive the loan. dtype: as for torch.empty
+        (None: torch.get_default_dtype())."""
         if not self.active:
             raise RuntimeError("Loan.empty() works only while the loan is active")
         shape = parse_size(size)
+        dtype = as_dtype(dtype)
         nbytes = nbytes_of(shape, dtype)
         self._free_dead_allocations()
         ptr = self._client.alloc(nbytes)
@@ -253,6 +266,10 @@ class LocalLoan(Loan):
         self._verify = _verify.enabled(verify)
         self._snapshot: _verify.Snapshot | None = None
 
+    def _described(self) -> str:
+        lent = int(self._lent.spans[:, 1].sum())
+        return f" of {self._lent.what} ({human(lent)}) on {self._region.device}"
+
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
         self._check_unused()
@@ -328,6 +345,7 @@ class Offer:
         self.name = name
         lent = _lent.resolve(what)
         self._region = lent.region
+        self._what = f"{lent.what} ({human(int(lent.spans[:, 1].sum()))})"  # for repr
         ranges = _lent.keep_ranges(lent, keep)
         _prepare(self._region.device, routing=False, region=self._region)
         _claim(self._region)
@@ -342,9 +360,17 @@ class Offer:
         self.stats: LoanStats | None = None
 
     def __repr__(self) -> str:
-        state = "back" if self.done else "lent"
         name = f"{self.name!r}, " if self.name else ""
-        return f"<sublet.Offer {name}loan {self.loan_id} on {self._region.device}: {state}>"
+        return (f"<sublet.Offer {name}loan {self.loan_id} of {self._what} on "
+                f"{self._region.device}: {self._state()}>")
+
+    def _state(self) -> str:
+        if not self.done:
+            return "lent"
+        if self.stats is None:
+            return "withdrawn"
+        return (f"back, {human(self.stats.copied_out_bytes)} to the host, "
+                f"{human(self.stats.moved_bytes)} moved")
 
     @property
     def done(self) -> bool:
@@ -408,6 +434,11 @@ class BorrowedLoan(Loan):
         super().__init__()
         self.name, self._want_device, self._timeout = name, device, timeout
         self._loan_id, self._token = loan_id, token
+
+    def _described(self) -> str:
+        name = f" {self.name!r}" if self.name else ""
+        device = self.device or self._want_device
+        return f"{name} on {device if device is not None else 'the current device'}"
 
     def __enter__(self) -> "BorrowedLoan":
         self._check_unused()

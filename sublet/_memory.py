@@ -11,6 +11,7 @@ lend() can tell sublet's tensors from others and views of one tensor from views 
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,6 +21,12 @@ import torch
 from . import _lib
 from ._client import Client, client_for
 from ._daemon import requested_backend
+
+# A PyTorch user catches running out as torch.OutOfMemoryError (torch.cuda.OutOfMemoryError
+# before torch 2.3): sublet's error joins it here, where torch is loaded, since every module
+# that can run out (regions, pools, loans, releases) imports this one first.
+_lib.join_torch_out_of_memory(getattr(torch, "OutOfMemoryError", None)
+                              or torch.cuda.OutOfMemoryError)
 
 _registry: dict[int, weakref.ref["Region"]] = {}
 _registry_lock = threading.Lock()
@@ -90,8 +97,14 @@ def wrap(addr: int, nbytes: int, device: torch.device, owner: object,
 
 # --------------------------------------------------------------------------- arguments
 
-def parse_size(size: tuple) -> tuple[int, ...]:
-    """torch-style sizes: empty(2, 3) or empty((2, 3)) or empty(torch.Size([2, 3]))."""
+def parse_size(size: tuple, keyword: Sequence[int] | None = None) -> tuple[int, ...]:
+    """torch-style sizes: empty(2, 3) or empty((2, 3)) or empty(torch.Size([2, 3])), or as
+    torch.empty's keyword, empty(size=(2, 3)) (`keyword`)."""
+    if keyword is not None:
+        if size:
+            raise TypeError(f"the size is given twice, {size!r} and size={keyword!r}: give it "
+                            f"once, positionally or as size=")
+        size = (keyword,)
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
     if not all(isinstance(n, int) and n >= 0 for n in size):
@@ -99,9 +112,25 @@ def parse_size(size: tuple) -> tuple[int, ...]:
     return tuple(size)
 
 
-def nbytes_of(size: tuple[int, ...], dtype: torch.dtype) -> int:
+# What torch.empty takes for a dtype beside a torch.dtype: Python's scalar types.
+_PYTHON_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64,
+                  complex: torch.complex128}
+
+
+def as_dtype(dtype: torch.dtype | type | None) -> torch.dtype:
+    """The dtype torch.empty would make: torch.get_default_dtype() for None, torch's own for
+    Python's bool, int, float and complex."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if isinstance(dtype, type) and dtype in _PYTHON_DTYPES:
+        return _PYTHON_DTYPES[dtype]
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.uint8, got {dtype!r}")
+    return dtype
+
+
+def nbytes_of(size: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of that size and dtype (as_dtype's); a tensor of none is refused."""
     numel = 1
     for n in size:
         numel *= n
@@ -116,12 +145,6 @@ def resolve_device(device: torch.device | str | int | None) -> tuple[torch.devic
     """The tensor's device and the daemon connection that serves it."""
     backend = requested_backend()
     device = _as_device(device, backend)
-    if device.type == "cuda" and backend != "cuda":
-        raise ValueError(f"device {device} needs the cuda backend, but SUBLET_BACKEND="
-                         f"{backend} (or CUDA is unavailable)")
-    if device.type == "cpu" and backend != "memfd":
-        raise ValueError("sublet lends GPU memory: device='cpu' works only with the memfd test "
-                         "backend (set SUBLET_BACKEND=memfd)")
     client = client_for(backend, device.index if device.type == "cuda" else 0)
     if client.info.backend != backend:
         raise ValueError(f"the subletd reached runs the {client.info.backend} backend, but "
@@ -131,30 +154,62 @@ def resolve_device(device: torch.device | str | int | None) -> tuple[torch.devic
 
 
 def _as_device(device: torch.device | str | int | None, backend: str) -> torch.device:
+    """torch.empty's device forms (None, "cuda", "cuda:1", "cpu", a torch.device, a CUDA
+    index), as sublet names them: "cuda:N" with its index, "cpu" without one. Checked against
+    the backend before CUDA is asked anything, so a mismatch says what to change."""
     if device is None:
-        return (torch.device("cuda", torch.cuda.current_device()) if backend == "cuda"
-                else torch.device("cpu"))
+        return _cuda_device(None) if backend == "cuda" else torch.device("cpu")
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device is a torch.device, a str such as 'cuda:0', or a CUDA device "
+                        f"index, not {device!r}")
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"sublet works on CUDA devices, not {device}")
-    return device
+    if device.type == "cuda" and backend != "cuda":
+        why = ("SUBLET_BACKEND=memfd" if os.environ.get("SUBLET_BACKEND")
+               else "no CUDA GPU is usable here: torch.cuda.is_available() is False")
+        raise ValueError(f"device {device} needs sublet's cuda backend, but it runs the memfd "
+                         f"backend ({why}), whose tensors are CPU tensors: leave device out or "
+                         f"pass device='cpu'")
+    if device.type == "cpu" and backend != "memfd":
+        raise ValueError("sublet lends GPU memory: device='cpu' works only with the memfd test "
+                         "backend (set SUBLET_BACKEND=memfd)")
+    return _cuda_device(device.index) if device.type == "cuda" else torch.device("cpu")
+
+
+def _cuda_device(index: int | None) -> torch.device:
+    """cuda:index, or the current CUDA device for None; one this process sees, or an error
+    saying which it sees (rather than CUDA's own 'invalid device ordinal' later)."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError("SUBLET_BACKEND=cuda, but this process sees no CUDA device: check the "
+                         "driver and CUDA_VISIBLE_DEVICES, or unset SUBLET_BACKEND to run on "
+                         "the memfd backend")
+    if index is None:
+        index = torch.cuda.current_device()
+    if not 0 <= index < count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        seen = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ValueError(f"device cuda:{index} does not exist: this process sees {count} CUDA "
+                         f"device(s){seen}, cuda:0 to cuda:{count - 1}")
+    return torch.device("cuda", index)
 
 
 # --------------------------------------------------------------------------- sublet.empty
 
-def empty(*size, dtype: torch.dtype | None = None,
-          device: torch.device | str | int | None = None) -> torch.Tensor:
+def empty(*size, dtype: torch.dtype | type | None = None,
+          device: torch.device | str | int | None = None, requires_grad: bool = False,
+          **kwargs: Sequence[int]) -> torch.Tensor:
     """A tensor whose memory is a region from subletd, ready to be lent with sublet.lend().
-    dtype: torch.get_default_dtype() when None, as for torch.empty.
 
-    Like torch.empty: the contents are undefined. device: a CUDA device (default: the current
-    one); 'cpu' only with the memfd test backend. Freeing the tensor (and all its views)
-    releases the region.
+    Takes torch.empty's arguments: the size positionally or as size=(...); dtype
+    (torch.get_default_dtype() when None; Python's float is torch.float64 as there); device
+    ('cuda', 'cuda:N', a torch.device or an index; default: the current CUDA device; 'cpu'
+    only with the memfd test backend); requires_grad. Like torch.empty: the contents are
+    undefined. Freeing the tensor (and all its views) releases the region.
     """
-    shape = parse_size(size)
-    dtype = torch.get_default_dtype() if dtype is None else dtype
+    shape = parse_size(size, _size_keyword(kwargs))
+    dtype = as_dtype(dtype)
     nbytes = nbytes_of(shape, dtype)
     device, client = resolve_device(device)
     try:
@@ -166,5 +221,15 @@ def empty(*size, dtype: torch.dtype | None = None,
         with torch.cuda.device(device):
             torch.cuda.empty_cache()
         region = Region(client, device, nbytes)
-    return wrap(region.addr, nbytes, device, region, shape, dtype)
+    return wrap(region.addr, nbytes, device, region, shape, dtype).requires_grad_(requires_grad)
+
+
+def _size_keyword(kwargs: dict[str, Sequence[int]]) -> Sequence[int] | None:
+    """torch.empty(size=...): a keyword that `*size` cannot also be named."""
+    unknown = sorted(set(kwargs) - {"size"})
+    if unknown:
+        raise TypeError(f"sublet.empty() got unexpected keyword argument(s) {unknown}: it "
+                        f"takes the size, dtype, device and requires_grad (no layout, "
+                        f"pin_memory or out: its tensors are strided device memory of sublet's)")
+    return kwargs.get("size")
 

@@ -34,7 +34,8 @@ import torch
 
 from . import _lib
 from ._client import Client
-from ._memory import nbytes_of, parse_size, resolve_device, wrap
+from ._memory import as_dtype, nbytes_of, parse_size, resolve_device, wrap
+from ._units import human
 
 _lock = threading.RLock()
 _pools: dict[tuple[str, torch.device], "Pool"] = {}
@@ -82,7 +83,7 @@ class Arena:
 
     def __repr__(self) -> str:
         handle = self.client.pool_region()
-        held = f"{handle.size} bytes, region {handle.id}" if handle else "empty"
+        held = f"{human(handle.size)}, region {handle.id}" if handle else "empty"
         return f"<sublet arena on {self.device}: {held}{', lent' if self.lent else ''}>"
 
 
@@ -135,11 +136,12 @@ class Pool:
         """Bytes the tag holds now (whole segments, cached blocks in them included)."""
         return int(self.segments()[:, 1].sum())
 
-    def empty(self, *size, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def empty(self, *size, dtype: torch.dtype | type | None = None) -> torch.Tensor:
         """A tensor allocated from the pool directly (whole pages), on any backend; its memory
-        goes back to the pool when the tensor dies."""
+        goes back to the pool when the tensor dies. dtype: as for torch.empty (None:
+        torch.get_default_dtype())."""
         shape = parse_size(size)
-        dtype = torch.get_default_dtype() if dtype is None else dtype
+        dtype = as_dtype(dtype)
         nbytes = nbytes_of(shape, dtype)
         ptr = _retry_after_empty_cache(
             lambda: self._client.pool_alloc(self._tag_id, nbytes), self.device)
@@ -231,7 +233,7 @@ class Pool:
         torch.cuda.empty_cache()
 
     def __repr__(self) -> str:
-        return (f"<sublet.Pool {self.tag!r} on {self.device}: {self.nbytes} bytes"
+        return (f"<sublet.Pool {self.tag!r} on {self.device}: {human(self.nbytes)}"
                 f"{', entered' if self._depth else ''}>")
 
 

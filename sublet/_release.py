@@ -19,6 +19,7 @@ import torch
 
 from . import _keep, _lent
 from ._lib import STAY_ANY, BusyError, ReleaseStats, error_for
+from ._units import human
 
 _EDAEMONDIED = -4007
 
@@ -77,10 +78,15 @@ class Release:
         """Kept bytes moved on the GPU into the pages that stay (and back at the resume)."""
         return self._released.moved_bytes
 
-    def resume(self) -> ReleaseStats:
+    def resume(self, groups: bool = True) -> ReleaseStats:
         """Makes the released memory again at the same addresses and puts the kept bytes back.
         SubletOutOfMemoryError while the device lacks the memory (whoever took it must free
-        it; the release goes on: call again)."""
+        it; the release goes on: call again).
+
+        Each run of released pages comes back as a few allocations of up to 128 pages
+        (groups: one import per 256 MiB, not per 2 MiB), which later releases give back whole;
+        a region with groups cannot be lent (BusyError) until they are resumed with
+        groups=False, one allocation per page, as a region is made."""
         if not self._active:
             raise BusyError(f"the release of {self.what} was resumed already")
         if self._region_gone():
@@ -88,7 +94,8 @@ class Release:
             return self._stats
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
-        rc, message, stats = self._region.client.resume(self._handle, self._released.release_id)
+        rc, message, stats = self._region.client.resume(self._handle, self._released.release_id,
+                                                        groups)
         if rc < 0 and rc != _EDAEMONDIED:
             raise error_for(rc, message)
         if rc == _EDAEMONDIED:  # the data is back all the same: say so, do not fail
@@ -113,12 +120,10 @@ class Release:
             self.resume()
 
     def __repr__(self) -> str:
-        page = self._region.client.info.page_size
         state = "released" if self._active else "resumed"
-        return (f"<sublet.Release of {self.what}: {state}, "
-                f"{self._released.released_pages * page / 2**30:.2f} GiB to the driver, "
-                f"{self._released.stayed_pages} kept pages stayed, "
-                f"{self._released.copied_out_bytes / 2**20:.1f} MiB to the host>")
+        return (f"<sublet.Release of {self.what}: {state}, {human(self.released_bytes)} to the "
+                f"driver, {human(self.stayed_bytes)} stayed on the device, "
+                f"{human(self.copied_bytes)} to the host>")
 
 
 def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = None) -> Release:

@@ -18,10 +18,12 @@ import json
 import os
 import sys
 import tempfile
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from . import _daemon, _lib
+from ._units import human
 
 # EXIT_ERROR: this machine's own trouble (the output cannot be written, libsublet is missing).
 EXIT_OK, EXIT_PARTIAL, EXIT_USAGE, EXIT_NONE, EXIT_ERROR = 0, 1, 2, 3, 4
@@ -31,16 +33,9 @@ EXIT_DENIED = 5
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 
 
-def human(n: float) -> str:
-    """1.50 GiB, 512 B: sizes as people read them."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def duration(seconds: float) -> str:
+def duration(seconds: float | None) -> str:
+    if seconds is None:  # a time the daemon sent that JSON cannot hold (status_json.c)
+        return "an unknown time"
     minutes, s = divmod(int(seconds), 60)
     hours, m = divmod(minutes, 60)
     days, h = divmod(hours, 24)
@@ -71,23 +66,49 @@ def query(path: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- text
 
+# Bidirectional controls: they reorder what follows on the terminal, so a name could make the
+# line say what it does not.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                  "\u2066\u2067\u2068\u2069")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
+
+
+def _escape(c: str) -> str:
+    if c in _NAMED:
+        return _NAMED[c]
+    if c in _BIDI or unicodedata.category(c) in ("Cc", "Zl", "Zp"):
+        return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+    return c
+
+
+def shown(v: object) -> str:
+    """Text from the daemon (a loan's name is anyone's choice) as it may go to a terminal: a
+    control character would act on it (an escape sequence clears the screen or retitles the
+    window; a newline forges a line), so each shows as an escape (\\x1b, \\n, \\u202e), and a
+    backslash is doubled so that no name can pass for one."""
+    return "".join(_escape(c) for c in str(v))
+
+
+def seconds_shown(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.2f}"
+
 
 def text_loan(loan: dict[str, Any]) -> list[str]:
-    name = f' "{loan["name"]}"' if loan["name"] else ""
+    name = f' "{shown(loan["name"])}"' if loan["name"] else ""
     ps = loan["page_size"]
     who = (f"borrowed by pid {loan['borrower_pid']} (uid {loan['borrower_uid']})"
            if loan["borrower_pid"] else "waiting for a borrower")
     if loan.get("local"):
         who = f"a local lend of pid {loan['borrower_pid']} (sublet.lend)"
     return [
-        f"  loan {loan['id']}{name}: {loan['state']}, region {loan['region']}, {who}",
+        f"  loan {loan['id']}{name}: {shown(loan['state'])}, region {loan['region']}, {who}",
         f"    pages    {human(loan['unkept_pages'] * ps)} unkept, "
         f"{human(loan['fresh_pages'] * ps)} free memory, {human(loan['kept_pages'] * ps)} kept",
         f"    served   {human(loan['served_unkept_bytes'])} unkept, "
         f"{human(loan['served_fresh_bytes'])} free memory, {human(loan['served_kept_bytes'])} "
         f"kept; {human(loan['live_bytes'])} held now",
         f"    copied   {human(loan['copied_out_bytes'])} to the host "
-        f"in {loan['copy_out_seconds']:.2f} s; moved {human(loan.get('moved_bytes', 0))} on "
+        f"in {seconds_shown(loan['copy_out_seconds'])} s; moved {human(loan.get('moved_bytes', 0))} on "
         f"the GPU",
     ]
 
@@ -95,9 +116,9 @@ def text_loan(loan: dict[str, Any]) -> list[str]:
 def text_status(s: dict[str, Any]) -> str:
     t = s["totals"]
     lines = [
-        f"GPU {s['device_ordinal']}: {s['device_name']} ({s['device_uuid']})",
-        f"  daemon   subletd {s['daemon_version']}, {s['backend']} backend, "
-        f"up {duration(s['uptime_seconds'])}, {s['clients']} clients, {s['socket']}",
+        f"GPU {s['device_ordinal']}: {shown(s['device_name'])} ({shown(s['device_uuid'])})",
+        f"  daemon   subletd {shown(s['daemon_version'])}, {shown(s['backend'])} backend, "
+        f"up {duration(s['uptime_seconds'])}, {s['clients']} clients, {shown(s['socket'])}",
         f"  memory   {human(s['total_bytes'])} total, {human(s['free_bytes'])} free, "
         f"pages of {human(s['page_size'])}, {human(s['host_bytes'])} pinned on the host",
         f"  regions  {len(s['regions'])}",
@@ -113,7 +134,7 @@ def text_status(s: dict[str, Any]) -> str:
                      f"pid {h['holder_pid']} (uid {h['holder_uid']}), which kept its window")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
     for r in s.get("releases", []):
-        lines.append(f"  release  {r['id']} of region {r['region']}: {r['state']}, "
+        lines.append(f"  release  {r['id']} of region {r['region']}: {shown(r['state'])}, "
                      f"{human(r['released_bytes'])} given back to the driver, "
                      f"{human(r['stayed_bytes'])} stayed holding {human(r['kept_bytes'])} kept "
                      f"({human(r['moved_bytes'])} moved there, "
@@ -181,7 +202,7 @@ def label_value(v: object) -> str:
 
 def sample(name: str, labels: dict[str, object], value: object) -> str:
     inner = ",".join(f"{k}={label_value(v)}" for k, v in labels.items())
-    return f"{name}{{{inner}}} {value}"
+    return f"{name}{{{inner}}} {'NaN' if value is None else value}"  # None: JSON's null time
 
 
 def family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:

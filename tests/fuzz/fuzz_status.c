@@ -4,6 +4,7 @@
  */
 #include "fuzz.h"
 
+#include <float.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -93,8 +94,26 @@ static size_t seed_odd_loan(uint8_t *buf) {
   return sublet__status__pack(&st, buf);
 }
 
+/* Times next to DBL_MAX: 15 digits round them past it, a number no parser reads back (what
+ * this target found, issue 25: they print as null now). */
+static size_t seed_near_dbl_max(uint8_t *buf) {
+  Sublet__LoanStats stats = SUBLET__LOAN_STATS__INIT;
+  Sublet__LoanStatus loan = SUBLET__LOAN_STATUS__INIT;
+  Sublet__Status st = SUBLET__STATUS__INIT;
+
+  stats.has_copy_out_seconds = 1;
+  stats.copy_out_seconds = -DBL_MAX;
+  loan.loan = 3;
+  loan.stats = &stats;
+  st.daemon_version = "0.1.0";
+  st.uptime_seconds = DBL_MAX;
+  st.backend = "memfd";
+  st.loan = &loan;
+  return sublet__status__pack(&st, buf);
+}
+
 size_t sl_fuzz_seed(unsigned i, uint8_t *buf, size_t cap) {
-  static const sl_fuzz_seed_fn seeds[] = {seed_idle, seed_odd_loan};
+  static const sl_fuzz_seed_fn seeds[] = {seed_idle, seed_odd_loan, seed_near_dbl_max};
 
   return sl_fuzz_seed_made(seeds, sizeof(seeds) / sizeof(seeds[0]), i, buf, cap);
 }

@@ -68,11 +68,11 @@ def stop_user_daemons(directory: Path) -> None:
     from sublet._daemon import _alive
     pids = []
     for pidfile in directory.glob("*.pid"):
-        pid = int(pidfile.read_text())
-        try:
+        try:  # a daemon removes its .pid as it leaves: it may go between glob and read
+            pid = int(pidfile.read_text())
             os.kill(pid, signal.SIGTERM)
             pids.append(pid)
-        except ProcessLookupError:
+        except (FileNotFoundError, ProcessLookupError):
             pass
     deadline = time.monotonic() + 10
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:

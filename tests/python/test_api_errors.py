@@ -91,6 +91,52 @@ def test_empty_size_forms():
     assert _memory.nbytes_of((2, 3), torch.bfloat16) == 12
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0), 0])
+def test_cuda_device_on_the_memfd_backend_names_the_fix(monkeypatch, device):
+    # Refused before CUDA is asked anything (no driver here: its error would say only that).
+    monkeypatch.setenv("SUBLET_BACKEND", "memfd")
+    with pytest.raises(ValueError, match=r"needs sublet's cuda backend.*SUBLET_BACKEND=memfd.*"
+                                         r"device='cpu'"):
+        sublet.empty(4, device=device)
+
+
+@pytest.mark.parametrize("device, error, match", [
+    ("meta", ValueError, "CUDA devices, not meta"),
+    (1.5, TypeError, "a str such as 'cuda:0'"),
+    (True, TypeError, "a str such as 'cuda:0'"),
+])
+def test_device_forms_torch_empty_refuses_too(monkeypatch, device, error, match):
+    monkeypatch.setenv("SUBLET_BACKEND", "memfd")
+    with pytest.raises(error, match=match):
+        sublet.empty(4, device=device)
+
+
+def test_cuda_device_that_does_not_exist_says_which_exist(monkeypatch):
+    monkeypatch.setenv("SUBLET_BACKEND", "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    with pytest.raises(ValueError, match=r"cuda:2 does not exist: this process sees 2 CUDA "
+                                         r"device\(s\) \(CUDA_VISIBLE_DEVICES=4,5\)"):
+        sublet.empty(4, device="cuda:2")
+
+
+def test_dtype_forms_of_torch_empty():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _memory.as_dtype(None) == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert [_memory.as_dtype(t) for t in (bool, int, float, complex, torch.bfloat16)] == [
+        torch.empty(0, dtype=t).dtype for t in (bool, int, float, complex, torch.bfloat16)]
+
+
+def test_unknown_keyword_of_empty_names_what_it_takes(monkeypatch):
+    monkeypatch.setenv("SUBLET_BACKEND", "memfd")
+    with pytest.raises(TypeError, match=r"\['layout'\].*dtype, device and requires_grad"):
+        sublet.empty(4, layout=torch.strided)
+
+
 def test_cpu_device_needs_the_memfd_backend(monkeypatch):
     monkeypatch.setenv("SUBLET_BACKEND", "cuda")
     with pytest.raises(ValueError, match="SUBLET_BACKEND=memfd"):
@@ -166,6 +212,43 @@ def test_codes_map_to_exceptions(name, cls):
     assert type(error) is cls and isinstance(error, RuntimeError)
     assert error.code == _lib.ERROR_CODES[name] and error.code_name == name
     assert "what to do" in str(error)
+
+
+@pytest.mark.parametrize("name", ["ENOMEM", "ENOHOSTMEM"])
+def test_out_of_memory_is_torch_out_of_memory(name):
+    # What a PyTorch user catches: `except torch.OutOfMemoryError` (torch.cuda's, the same).
+    error = error_for(_lib.ERROR_CODES[name], "no room")
+    assert type(error) is sublet.SubletOutOfMemoryError
+    assert isinstance(error, torch.OutOfMemoryError)
+    assert isinstance(error, torch.cuda.OutOfMemoryError)
+    assert isinstance(error, MemoryError) and isinstance(error, sublet.SubletError)
+    assert issubclass(sublet.SubletOutOfMemoryError, torch.OutOfMemoryError)
+
+
+def test_joining_torch_out_of_memory_twice_changes_nothing():
+    bases = sublet.SubletOutOfMemoryError.__bases__
+    _lib.join_torch_out_of_memory(torch.OutOfMemoryError)
+    assert sublet.SubletOutOfMemoryError.__bases__ == bases
+
+
+def test_stats_reprs_give_sizes_as_people_read_them():
+    loan = _lib.LoanStats(
+        loan_id=7, copied_out_bytes=3 << 19, copied_in_bytes=3 << 19, served_unkept_bytes=1 << 30,
+        served_fresh_bytes=0, served_kept_bytes=2 << 20, peak_bytes=(1 << 30) + (2 << 20),
+        allocations=12, map_seconds=0.0012, copy_out_seconds=0.25, copy_in_seconds=0.5,
+        borrower_died=True, owner_gone=False, moved_bytes=512, move_seconds=0.0)
+    assert repr(loan) == (
+        "<sublet.LoanStats of loan 7: served 1.00 GiB unkept, 0 B fresh, 2.00 MiB kept (peak "
+        "1.00 GiB, 12 allocations); 1.50 MiB to the host, 1.50 MiB back, 512 B moved; 0.001 s "
+        "mapping, 0.250 s copying out, 0.500 s in, 0.000 s moving; borrower died>")
+    release = _lib.ReleaseStats(
+        release_id=2, released_pages=7, stayed_pages=1, kept_bytes=64 << 10,
+        moved_bytes=56 << 10, copied_out_bytes=0, copied_in_bytes=0, seconds=0.004,
+        move_seconds=0.001, copy_seconds=0.0, map_seconds=0.002)
+    assert repr(release) == (
+        "<sublet.ReleaseStats of release 2: 7 pages released, 1 stayed holding 64.00 KiB kept "
+        "(56.00 KiB moved); 0 B to the host, 0 B back; 0.004 s (0.001 s moving, 0.000 s "
+        "copying, 0.002 s mapping)>")
 
 
 def test_timeout_is_a_builtin_timeout_error():

@@ -1,18 +1,24 @@
-"""What subletd does with what it finds at its socket path, and what a user who may not open a
-daemon's socket is told (issue 24, items 1 and 2).
+"""What subletd does with what it finds at its paths, and what a user who may not open a
+daemon's socket is told (issue 24, items 1 and 2; issue 25, item 13).
 
 subletd replaces only a stale socket (nobody answers): a regular file or a directory at the
 path stays, and so does a live daemon's socket ("another subletd is serving PATH"), each with
 exit status 3. A user outside the socket's group (a real other user, nobody) is told
 "permission denied on PATH: ask to be added to group G", by the C library, `sublet status`
 (exit 5) and Python (DaemonPermissionError), and the on-demand start does not take the denied
-socket for stale: no daemon of theirs starts beside it.
+socket for stale: no daemon of theirs starts beside it. The same holds for one user whose own
+daemon's socket or directory a chmod shut them out of (told to chmod it back): that is the
+case a test run by one user makes for real, as that user when not root, else as nobody.
+
+--pid-file is written once the daemon holds its socket and removed on every clean exit
+(SIGTERM, an idle exit); a start refused at the socket leaves the live daemon's file alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,17 +30,23 @@ import pytest
 
 from conftest import CHILD_ENV
 from test_daemon_cli import start
+from test_user_daemon import subletd_pids
 
 pytestmark = pytest.mark.daemon
 
 NOBODY = 65534
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 EXIT_SOCKET_TAKEN = 3
+ROOT = os.geteuid() == 0
+# The other-user tests become nobody, which only root can do; the one-user tests below run as
+# any user (as nobody under root, whom no mode keeps out).
+needs_root = pytest.mark.skipif(not ROOT, reason="runs as the real user nobody: needs root "
+                                "(the chmod tests cover one user)")
 
 
-def run_subletd(native, sock: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(native.subletd), "--backend", "memfd", "--socket", str(sock)],
-                          capture_output=True, text=True, timeout=30,
+def run_subletd(native, sock: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(native.subletd), "--backend", "memfd", "--socket", str(sock),
+                           *args], capture_output=True, text=True, timeout=30,
                           env=dict(os.environ, SUBLET_MEMFD_TOTAL="64M"))
 
 
@@ -108,6 +120,80 @@ def test_a_stale_socket_is_replaced(native, tmp_path):
     assert proc.returncode == 0
 
 
+def test_a_killed_daemons_socket_is_replaced(native, tmp_path):
+    first = start(native, tmp_path)
+    sock = tmp_path / "d.sock"
+    wait_answering(sock, first)
+    first.kill()  # SIGKILL: no cleanup, the socket file stays, nobody listens on it
+    first.wait(timeout=10)
+    assert sock.exists() and not answers(sock)
+    second = start(native, tmp_path)
+    try:
+        wait_answering(sock, second)
+    finally:
+        second.terminate()
+        second.wait(timeout=10)
+    assert second.returncode == 0
+
+
+# --------------------------------------------------------------------------- the pid file
+
+
+def pid_daemon(native, tmp_path, *args: str) -> tuple[subprocess.Popen, Path]:
+    proc = start(native, tmp_path, "--pid-file", str(tmp_path / "d.pid"), *args)
+    wait_answering(tmp_path / "d.sock", proc)
+    return proc, tmp_path / "d.pid"
+
+
+def test_the_pid_file_goes_at_sigterm(native, tmp_path):
+    proc, pid_file = pid_daemon(native, tmp_path)
+    assert pid_file.read_text() == f"{proc.pid}\n"
+    proc.terminate()
+    proc.wait(timeout=10)
+    assert proc.returncode == 0
+    assert not pid_file.exists() and not (tmp_path / "d.sock").exists()
+
+
+def test_the_pid_file_goes_at_an_idle_exit(native, tmp_path):
+    proc, pid_file = pid_daemon(native, tmp_path, "--idle-exit", "0.2")
+    assert pid_file.read_text() == f"{proc.pid}\n"
+    assert proc.wait(timeout=10) == 0
+    assert not pid_file.exists()
+
+
+def test_a_refused_start_leaves_the_live_daemons_pid_file(native, tmp_path):
+    proc, pid_file = pid_daemon(native, tmp_path)
+    try:
+        r = run_subletd(native, tmp_path / "d.sock", "--pid-file", str(pid_file))
+        assert r.returncode == EXIT_SOCKET_TAKEN, r.stderr
+        assert pid_file.read_text() == f"{proc.pid}\n"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert not pid_file.exists()
+
+
+def test_a_killed_daemons_pid_file_is_replaced(native, tmp_path):
+    first, pid_file = pid_daemon(native, tmp_path)
+    first.kill()
+    first.wait(timeout=10)
+    assert pid_file.read_text() == f"{first.pid}\n"  # SIGKILL: nothing runs to remove it
+    second, _ = pid_daemon(native, tmp_path)
+    try:
+        assert pid_file.read_text() == f"{second.pid}\n"
+    finally:
+        second.terminate()
+        second.wait(timeout=10)
+    assert not pid_file.exists()
+
+
+def test_an_unwritable_pid_file_fails_the_start_and_says_why(native, tmp_path):
+    r = run_subletd(native, tmp_path / "d.sock", "--pid-file", str(tmp_path / "no" / "d.pid"))
+    assert r.returncode == 1
+    assert f"cannot write the pid file {tmp_path / 'no' / 'd.pid'}" in r.stderr, r.stderr
+    assert not (tmp_path / "d.sock").exists()  # the socket it had bound goes with it
+
+
 # --------------------------------------------------------------------------- another user
 
 
@@ -126,15 +212,21 @@ def root_only_daemon(native):
 
 def as_nobody(fn, *args) -> object:
     """fn(*args) run in a forked child that is the user nobody; its JSON-able result."""
+    return in_child(fn, *args, uid=NOBODY)
+
+
+def in_child(fn, *args, uid: int | None) -> object:
+    """fn(*args) run in a forked child, as uid when given; its JSON-able result."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             os.close(read)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
             os.write(write, json.dumps(fn(*args)).encode())
             code = 0
         finally:
@@ -157,6 +249,7 @@ def open_denied(path: str) -> list:
                 isinstance(e, _lib.DaemonUnavailableError)]
 
 
+@needs_root
 def test_the_library_says_permission_denied_and_names_the_group(root_only_daemon):
     kind, code, message, unavailable = as_nobody(open_denied, str(root_only_daemon))
     assert (kind, code, unavailable) == ("DaemonPermissionError", "EACCES", True)
@@ -164,12 +257,14 @@ def test_the_library_says_permission_denied_and_names_the_group(root_only_daemon
     assert "start it" not in message and "SUBLET_SOCKET" not in message
 
 
+@needs_root
 def test_via_sublet_socket_the_fix_names_unsetting_it(root_only_daemon, monkeypatch):
     monkeypatch.setenv("SUBLET_SOCKET", str(root_only_daemon))
     _, code, message, _ = as_nobody(open_denied, str(root_only_daemon))
     assert code == "EACCES" and "unset SUBLET_SOCKET" in message
 
 
+@needs_root
 def test_sublet_status_says_permission_denied(root_only_daemon, native):
     home = Path(tempfile.mkdtemp(prefix="sl-"))
     os.chown(home, NOBODY, NOBODY)
@@ -200,6 +295,7 @@ def connect_beside(system_dir: str, runtime_dir: str) -> list:
     return raised + [len(started)]
 
 
+@needs_root
 def test_no_daemon_starts_beside_a_denied_system_daemon(native):
     system = open_dir()
     proc = subprocess.Popen([str(native.subletd), "--backend", "memfd", "--socket",
@@ -217,3 +313,72 @@ def test_no_daemon_starts_beside_a_denied_system_daemon(native):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------- one user, chmod
+
+
+def one_user_dir() -> tuple[Path, int | None]:
+    """A runtime directory of the user the chmod tests run as, and that user's uid to become
+    (None: this one). Root passes every mode check, so under root they run as nobody."""
+    path = Path(tempfile.mkdtemp(prefix="sl-"))  # short: socket paths are 107 bytes at most
+    if not ROOT:
+        return path, None
+    os.chown(path, NOBODY, NOBODY)
+    return path, NOBODY
+
+
+def shut_out_of_own_daemon(runtime_dir: str, what: str) -> list:
+    """As the user: their own memfd daemon is started on demand, then a chmod 000 of its socket
+    (what='socket') or of its directory ('directory') shuts them out, and they connect again
+    the ways sublet offers. What each raised (type and message), then the first daemon's pid."""
+    from sublet import _daemon, _lib
+    os.environ.update(XDG_RUNTIME_DIR=runtime_dir, HOME=runtime_dir, SUBLET_IDLE_EXIT="60")
+    os.environ.pop("SUBLET_SOCKET", None)
+    first = _daemon.connect(0, "memfd")
+    sock = Path(first.path)
+    pid = int(sock.with_suffix(".pid").read_text())
+    first.close()
+    target = sock if what == "socket" else sock.parent
+    mode = target.stat().st_mode
+    os.chmod(target, 0)
+    try:
+        on_demand = attempt(lambda: _daemon.connect(0, "memfd").close())
+        os.environ["SUBLET_SOCKET"] = str(sock)
+        via_env = attempt(lambda: _daemon.connect(0, "memfd").close())
+    finally:
+        os.chmod(target, mode)
+    return on_demand + via_env + [pid]
+
+
+def attempt(fn) -> list:
+    try:
+        fn()
+        return ["nothing", ""]
+    except (OSError, Exception) as e:  # what a user would see, whatever it is
+        return [type(e).__name__, str(e)]
+
+
+@pytest.mark.parametrize("what", ["socket", "directory"])
+def test_a_chmod_shut_out_of_ones_own_daemon_starts_no_second(native, what):
+    runtime, uid = one_user_dir()
+    try:
+        kind, message, env_kind, env_message, pid = in_child(
+            shut_out_of_own_daemon, str(runtime), what, uid=uid)
+        serving = subletd_pids(runtime)
+        assert serving == [pid], f"daemons serving {runtime}: {serving} (the first: {pid})"
+        sock = next((runtime / "sublet").glob("*.sock"))
+        assert (kind, env_kind) == ("DaemonPermissionError",) * 2, (message, env_message)
+        assert "start it" not in message and "stale" not in message
+        if what == "socket":
+            assert f"permission denied on {sock}: the socket is yours, but its mode 0000 " \
+                   f"shuts you out; chmod u+rw {sock}" in message
+        else:
+            assert f"permission denied on {sock}: its directory {sock.parent} is yours, but " \
+                   f"its mode 0000 shuts you out; chmod u+rwx {sock.parent}" in message
+        assert "unset SUBLET_SOCKET" in env_message and "unset" not in message
+        from sublet import _lib
+        _lib.Client.open(str(sock)).close()  # the mode back, the first daemon serves again
+    finally:
+        for daemon in subletd_pids(runtime):
+            os.kill(daemon, signal.SIGTERM)

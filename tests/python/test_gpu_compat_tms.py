@@ -139,7 +139,7 @@ def test_keep_blocks_stay_on_the_gpu(tms):
     """sublet's keep=: the live blocks of a paged cache come back, none crossed the host
     link; the rest of the tag's memory was the driver's meanwhile."""
     with tms.region("kv-keep"):
-        caches = kv_layers(8, 1024, seed=3)             # 8 x 128 MiB
+        caches = kv_layers(8, 1024, seed=3)             # 8 layers of 1024 blocks
     ids = torch.from_numpy(np.sort(np.random.default_rng(4).choice(1024, 100, replace=False)))
     kept = [bits(c[:, ids]) for c in caches]
     free0 = free_now()
@@ -150,7 +150,8 @@ def test_keep_blocks_stay_on_the_gpu(tms):
     # Everything but the pages holding the 100 MiB kept came free, less what subletd's first
     # kernel launch of its life (the moves) reserved on the device: seen as 0.42 GiB on the
     # H200, once per daemon.
-    assert rel.released_bytes >= 0.8 * 8 * 128 * MiB
+    total = sum(c.nbytes for c in caches)              # 100 of 1024 blocks kept, ~10%
+    assert rel.released_bytes >= 0.8 * total
     assert freed >= rel.released_bytes - 512 * MiB
     scribble(freed)
     tms.resume("kv-keep")

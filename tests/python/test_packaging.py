@@ -93,6 +93,20 @@ t = sublet.emtpy(4)
 """
 
 
+def every_name_use() -> str:
+    """A file naming every public name of sublet: __all__, and all the lazy __getattr__ serves
+    at run time (each an error under --strict unless __all__ exports it)."""
+    names = sorted(set(sublet.__all__) | set(sublet._LAZY) | {"__version__"})
+    return "import sublet\n" + "".join(f"n{i} = sublet.{n}\n" for i, n in enumerate(names))
+
+
+def test_every_public_name_is_exported_and_served():
+    # What the lazy __getattr__ serves is public at run time: __all__ must say so too.
+    assert set(sublet._LAZY) <= set(sublet.__all__)
+    for name in sublet.__all__:
+        assert getattr(sublet, name) is not None, name
+
+
 def mypy_available() -> bool:
     """Whether the run below can work: it is `sys.executable -m mypy`, so what counts is this
     interpreter's mypy, not a `mypy` on PATH (another venv's, pipx's), which it never runs."""
@@ -110,8 +124,9 @@ def test_mypy_skip_asks_the_interpreter_that_runs_it(tmp_path, monkeypatch):
     assert not mypy_available()
 
 
-@pytest.mark.parametrize("code, passes", [(TYPED_USE, True), (TYPO_USE, False)],
-                         ids=["api", "typo"])
+@pytest.mark.parametrize("code, passes", [(TYPED_USE, True), (every_name_use(), True),
+                                          (TYPO_USE, False)],
+                         ids=["api", "every-name", "typo"])
 def test_the_api_type_checks(tmp_path, code, passes):
     if not mypy_available():
         pytest.skip(f"mypy is not installed for {sys.executable} "
@@ -123,7 +138,8 @@ def test_the_api_type_checks(tmp_path, code, passes):
                                        "[mypy-torch.*]\nfollow_imports = skip\n"
                                        "follow_imports_for_stubs = True\n")
     path = [] if INSTALLED else [str(REPO)]
-    r = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "mypy.ini",
+    # --strict, as a typed project runs it: names not exported by sublet are errors then.
+    r = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--config-file", "mypy.ini",
                         "--no-incremental", "use.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=600,
                        env={"PATH": "/usr/bin:/bin", "MYPYPATH": ":".join(path)})
@@ -169,23 +185,33 @@ def test_installed_metadata_is_complete():
     assert "Typing :: Typed" in classifiers and "Operating System :: POSIX :: Linux" in classifiers
 
 
-# What building and testing leave in a checkout (the README's .venv first): none of it belongs
-# in an sdist or a Docker build context.
-LEFTOVERS = (".venv", "venv", "build", "dist", ".pytest_cache", ".mypy_cache")
+# What building and testing leave in a checkout: the README's .venv (made for real below),
+# tests/run's build/ and --sanitize's build-asan/, the libFuzzer build, the offline packages
+# (.deps), the wheel's and the device's folders, Python's and the tools' caches. None of it
+# belongs in an sdist or a Docker build context.
+LEFTOVERS = (".venv", "venv", "build", "build-asan", "build-fuzz", "dist", "_skbuild", ".deps",
+             ".whl", ".device", ".pytest_cache", ".mypy_cache", "sublet/__pycache__",
+             "tests/python/__pycache__", "sublet.egg-info")
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True,
+                         check=True).stdout.decode().split("\0")
+    return [name for name in out if name and (REPO / name).is_file()]
 
 
 @pytest.mark.skipif(INSTALLED or not (REPO / ".git").exists(), reason="needs the git checkout")
 def test_sdist_leaves_out_a_venv_and_build_trees(tmp_path):
     pytest.importorskip("scikit_build_core")
-    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True,
-                             check=True).stdout.decode().split("\0")
     src = tmp_path / "src"
-    for name in filter(None, tracked):
-        if (REPO / name).is_file():
-            (src / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, src / name)
+    for name in tracked_files():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, src / name)
+    # A real venv, as the README's first command makes it (symlinks, pyvenv.cfg and all).
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(src / ".venv")],
+                   check=True, timeout=120)
     for leftover in LEFTOVERS:  # as the README's steps and tests/run leave them
-        (src / leftover / "lib").mkdir(parents=True)
+        (src / leftover / "lib").mkdir(parents=True, exist_ok=True)
         (src / leftover / "lib" / "leftover.py").write_text("# not sublet's\n")
     out = tmp_path / "dist-out"
     out.mkdir()
@@ -197,7 +223,32 @@ def test_sdist_leaves_out_a_venv_and_build_trees(tmp_path):
     with tarfile.open(sdist) as tar:
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     assert "daemon/main.c" in names and "pyproject.toml" in names  # it is the sources
-    assert [n for n in names if "leftover" in n] == []
+    assert [n for n in names if "leftover" in n or "pyvenv.cfg" in n or
+            n.startswith(".venv")] == []
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()]
+    patterns = [line for line in lines if line and not line.startswith("#")]
+    assert not [p for p in patterns if p.startswith("!")], "exceptions: extend docker_ignored"
+    return patterns
+
+
+def docker_ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves path out of the build context: a pattern matches the path or a
+    folder above it, from the context's root; `*` stays within one name; `**/` is any folders."""
+    import fnmatch
+    parts = path.split("/")
+    for depth in range(1, len(parts) + 1):
+        head = parts[:depth]
+        for pattern in patterns:
+            want = pattern.split("/")
+            anywhere = want[0] == "**"
+            want = want[1:] if anywhere else want
+            have = head[-len(want):] if anywhere else head
+            if len(have) == len(want) and all(map(fnmatch.fnmatchcase, have, want)):
+                return True
+    return False
 
 
 def test_git_and_docker_ignore_what_building_leaves():
@@ -206,8 +257,19 @@ def test_git_and_docker_ignore_what_building_leaves():
             r = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index",
                                 f"{leftover}/lib/x.py"])
             assert r.returncode == 0, f".gitignore does not ignore {leftover}/"
-    import fnmatch
-    docker = [p.removeprefix("**/") for p in (REPO / ".dockerignore").read_text().split()
-              if not p.startswith("#")]
+    patterns = dockerignore_patterns()
     for leftover in LEFTOVERS:
-        assert any(fnmatch.fnmatch(leftover, p) for p in docker), f".dockerignore misses {leftover}"
+        assert docker_ignored(f"{leftover}/lib/x.py", patterns), f".dockerignore misses {leftover}"
+
+
+@pytest.mark.skipif(INSTALLED or not (REPO / ".git").exists(), reason="needs the git checkout")
+def test_docker_keeps_every_source():
+    patterns = dockerignore_patterns()
+    assert [name for name in tracked_files() if docker_ignored(name, patterns)] == []
+
+
+def test_docker_ignored_reads_patterns_as_docker_does():
+    assert docker_ignored("sublet/__pycache__/x.pyc", ["**/__pycache__"])
+    assert docker_ignored("build-asan/x.o", ["build*"])
+    assert not docker_ignored("tests/build/x", ["build*"])  # from the root only
+    assert not docker_ignored("venvs.md", ["venv"]) and docker_ignored("venv/x", ["venv"])

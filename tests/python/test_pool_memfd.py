@@ -204,8 +204,8 @@ def test_sublet_empty_follows_the_default_dtype_and_loans_read_well():
     assert "not started" in repr(loan)
     with loan:
         assert "active" in repr(loan)
-    assert "returned" in repr(loan) and "bytes to the host" in repr(loan)
+    assert "returned" in repr(loan) and "B to the host" in repr(loan)
     with sublet.offer(t, name="repr") as offer:
         assert "lent" in repr(offer) and "repr" in repr(offer)
         offer.withdraw()
-    assert "back" in repr(offer)
+    assert "withdrawn" in repr(offer)

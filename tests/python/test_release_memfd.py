@@ -24,7 +24,7 @@ import torch
 
 import sublet
 from conftest import PAGE, REPO
-from pool_helpers import bits, layers, random_bytes
+from pool_helpers import bits, fill_loan, layers, random_bytes
 from test_survive import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -84,7 +84,8 @@ def test_releases_in_sequence_with_changing_keeps(stay):
             assert rel.copied_bytes == kept and rel.stats.stayed_pages == 0
         elif stay is None:
             assert rel.copied_bytes == 0
-            assert rel.stats.stayed_pages == -(-kept // PAGE)
+            # a page group one of whose pages stays stays whole: its other pages are held
+            assert rel.stats.stayed_pages - rel.stats.held_pages == -(-kept // PAGE)
         else:
             assert rel.stats.stayed_pages <= 1
         rel.resume()
@@ -141,9 +142,13 @@ def test_what_a_release_refuses():
         sublet.release(cache, keep=[])
     with pytest.raises(ValueError, match="stay is bytes"):
         sublet.release(cache, stay=-1)
-    rel.resume()
+    rel.resume()                                   # in page groups: not lent ...
     with pytest.raises(sublet.BusyError, match="resumed already"):
         rel.resume()
+    with pytest.raises(sublet.BusyError, match=r"page groups.*resume\(groups=False\)"):
+        with sublet.lend(cache):
+            pass
+    sublet.release(cache, keep=[]).resume(groups=False)  # ... until resumed page by page
     with sublet.lend(cache):                       # a normal loan works again
         with pytest.raises(sublet.BusyError, match="is lent"):
             sublet.release(cache, keep=[])           # ... and its memory is not released
@@ -240,4 +245,78 @@ def test_daemon_killed_while_released_the_library_resumes(daemon, stay):
     assert all(torch.equal(v, b) for v, b in zip(keep, before))
     cache.fill_(1)                                  # the memory is this process's own now
     del cache
+    gc.collect()
+
+
+BLOCK = PAGE // 4
+
+
+def test_page_groups_come_back_whole_and_are_lent_only_page_by_page():
+    """A resume makes each run of released pages again as groups (a sixteenth of the run
+    each); later releases with a new keep each time give back whole groups and hold the rest
+    of a group that must stay. Every kept bit back, the memory counted exactly, then: a grouped
+    region is not lent until a resume page by page undoes the groups."""
+    n = 64
+    t = random_bytes(sublet.empty(n * PAGE, dtype=torch.uint8, device="cpu"), 11)
+    free0 = free_bytes()
+    with sublet.release(t, keep=[]) as rel:
+        assert rel.released_bytes == n * PAGE and free_bytes() == free0 + n * PAGE
+    assert rel.stats.allocations == 4                    # 64 pages as 4 groups of 16
+    rng = np.random.default_rng(7)
+    held = 0
+    for round_ in range(6):
+        blocks = sorted(rng.choice(4 * n, size=int(rng.integers(1, 60)), replace=False).tolist())
+        t[blocks[0] * BLOCK:(blocks[0] + 1) * BLOCK].copy_(
+            random_bytes(torch.empty(BLOCK, dtype=torch.uint8), 100 + round_))  # owner's work
+        keep = [t[b * BLOCK:(b + 1) * BLOCK] for b in blocks]
+        before = [bits(v) for v in keep]
+        rel = sublet.release(t, keep=keep)
+        assert rel.copied_bytes == 0, round_
+        assert rel.released_bytes + rel.stayed_bytes == n * PAGE
+        assert rel.stats.stayed_pages - rel.stats.held_pages == -(-len(blocks) * BLOCK // PAGE)
+        held += rel.stats.held_pages
+        assert free_bytes() == free0 + rel.released_bytes
+        taken = sublet.empty(rel.released_bytes, dtype=torch.uint8, device="cpu")
+        taken.fill_(0xEE)                                # someone else used it meanwhile
+        del taken
+        gc.collect()
+        rel.resume()
+        assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before)), round_
+        assert free_bytes() == free0
+    assert held > 0                                      # some group stayed whole
+    with pytest.raises(sublet.BusyError, match="groups=False"):
+        with sublet.lend(t, keep=[]):
+            pass
+    before = bits(t)
+    rel = sublet.release(t)                              # keep all: nothing released
+    assert rel.released_bytes == 0
+    rel.resume()
+    sublet.release(t, keep=[t[:PAGE]], stay=0).resume(groups=False)
+    assert np.array_equal(bits(t[:PAGE]), before[:PAGE])
+    with sublet.lend(t, keep=[t[:PAGE]]) as loan:        # lendable again
+        assert fill_loan(loan, 5) >= (n - 1) * PAGE  # the borrower wrote the rest
+    assert np.array_equal(bits(t[:PAGE]), before[:PAGE])
+    del t, keep, loan, rel
+    gc.collect()
+    assert free_bytes() == free0 + n * PAGE              # every group went with the region
+
+
+def test_daemon_killed_while_groups_are_released(daemon):
+    """Groups released, subletd SIGKILLed: the library makes the pages itself (a page each)
+    and puts the kept bytes back; the region's groups are unmapped cleanly at its end."""
+    n = 48
+    t = random_bytes(sublet.empty(n * PAGE, dtype=torch.uint8, device="cpu"), 12)
+    sublet.release(t, keep=[]).resume()                  # groups now
+    keep = [t[i * PAGE + 64:i * PAGE + 64 + BLOCK] for i in range(0, n, 5)]
+    before = [bits(v) for v in keep]
+    rel = sublet.release(t, keep=keep, stay=None)
+    assert rel.released_bytes > 0
+    daemon.kill()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        stats = rel.resume()
+    assert stats.daemon_died
+    assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before))
+    t.fill_(3)                                           # every page is mapped and writable
+    del t
     gc.collect()

@@ -127,6 +127,7 @@ def test_daemon_leaves_when_idle(fresh_user, monkeypatch):
         time.sleep(0.05)
     assert not _alive(pid), "the idle daemon did not leave"
     assert not sock.exists()
+    assert not sock.with_suffix(".pid").exists(), "the idle daemon left its .pid behind"
     assert "--idle-exit" in sock.with_suffix(".log").read_text()
     assert _daemon.connect(0, "memfd").info.client_id == 1  # the next comes up anew
 

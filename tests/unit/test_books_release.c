@@ -2,12 +2,13 @@
  *
  * What a release gives back and where its kept bytes go (into the holes of the pages that
  * stay, the host only past `stay`), the exact bytes against a byte map, releases side by side
- * on disjoint pages, every refusal, the resume and its failure, and an owner that goes; the
- * books checked after every step.
+ * on disjoint pages, every refusal, the resume and its failure, an owner that goes, and page
+ * groups; the books checked after every step.
  */
 #include "books.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
 
@@ -115,7 +116,7 @@ static void check_round_trip(uint64_t stay, uint64_t want_stayed, uint64_t want_
   sl_books_release_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), 0);
   CHECK_EQ(ri.state, SL_REL_RELEASED);
-  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
   BOOKS_OK(b);
   CHECK_EQ(u.nreleased, w.nreleased);
   CHECK(kept_back(&w, &u, KEEP8, 8, 16));
@@ -174,7 +175,7 @@ static void test_side_by_side(void) {
   BOOKS_OK(b);
   CHECK_EQ(sl_books_region_grow(b, o, r, 20, NULL), 0); /* a pool grows meanwhile */
   BOOKS_OK(b);
-  CHECK_EQ(sl_books_resume_begin(b, o, w1.release_id, &u, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w1.release_id, 0, &u, NULL), 0);
   sl_books_resume_done(b, w1.release_id, 1);
   sl_release_work_clear(&u);
   CHECK_EQ(sl_books_region_released(b, r), 8);
@@ -195,21 +196,21 @@ static void test_refusals(void) {
   CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EPERM);
   CHECK_EQ(release(b, o, r + 99, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
   CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
-  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, &err), SUBLET_EBUSY); /* releasing */
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, &err), SUBLET_EBUSY); /* releasing */
   CHECK_MSG(err, "releasing");
   sl_books_release_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 1, "x", token, &loan, &err), SUBLET_EBUSY);
   CHECK_MSG(err, "resume them before lending");
   CHECK_EQ(sl_books_pages_granted(b, o, r, w.released[0], 1, &err), SUBLET_EBUSY);
   CHECK_EQ(sl_books_pages_granted(b, o, r, 7, 1, NULL), 0); /* a kept page that stayed */
-  CHECK_EQ(sl_books_resume_begin(b, other, w.release_id, &u, &err), SUBLET_EPERM);
-  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id + 50, &u, &err), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_resume_begin(b, other, w.release_id, 0, &u, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id + 50, 0, &u, &err), SUBLET_ENOENT);
   /* A resume that failed (the device had no memory): released again, resumable again */
-  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
   sl_books_resume_done(b, w.release_id, 0);
   sl_release_work_clear(&u);
   CHECK_EQ(sl_books_region_released(b, r), w.nreleased);
-  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, &u, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
   sl_books_resume_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 1, "x", token, &loan, NULL), 0);
   CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EBUSY); /* lent */
@@ -244,11 +245,108 @@ static void test_failure_and_owner_gone(void) {
   sl_books_free(b);
 }
 
+/* Releases all of region r keeping keep[0..n) (stay as many as needed), then resumes it with
+ * or without groups; the kept bytes come back; w is the release's work. */
+static void cycle(struct sl_books *b, uint64_t o, uint64_t r, const struct sublet_range *keep,
+                  size_t n, int groups, struct sl_release_work *w, struct sl_release_work *u) {
+  CHECK_EQ(release(b, o, r, keep, n, NULL, 0, NONE, w, NULL), 0);
+  BOOKS_OK(b);
+  sl_books_release_done(b, w->release_id, 1);
+  CHECK_EQ(sl_books_resume_begin(b, o, w->release_id, groups, u, NULL), 0);
+  BOOKS_OK(b);
+  CHECK(kept_back(w, u, keep, n, 64));
+  sl_books_resume_done(b, w->release_id, 1);
+  BOOKS_OK(b);
+}
+
+/* Page groups (books.h): a resume makes each run of released pages again as groups of a
+ * sixteenth of it; a later release gives back whole groups only and holds the rest of a group
+ * one of whose pages stays; a grouped region is not lent, and PagesGet must ask for whole
+ * groups; a resume page by page undoes them. */
+static void test_page_groups(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  struct sl_release_work w = {0}, u = {0};
+  static const struct sublet_range keep5[] = {{5 * PS + 100, 200}};
+  uint8_t token[SUBLET_TOKEN_SIZE] = {1};
+  struct sl_err err;
+
+  cycle(b, o, r, NULL, 0, 1, &w, &u);                 /* 64 pages released: 4 groups of 16 */
+  CHECK_EQ(w.nreleased, 64);
+  CHECK_EQ(u.ngroups, 4);
+  CHECK_EQ(u.groups[0], 0);
+  CHECK_EQ(u.groups[1], 16);
+  CHECK_EQ(u.groups[6], 48);
+  CHECK_EQ(sl_books_pages_as_groups(b, r, 0, 32, 1, NULL), 0);
+  CHECK_EQ(sl_books_pages_as_groups(b, r, 2, 2, 1, &err), SUBLET_EINVAL); /* inside a group */
+  CHECK_EQ(sl_books_pages_as_groups(b, r, 0, 4, 0, &err), SUBLET_EBUSY);  /* an old library */
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 0, "x", token, &loan, &err), SUBLET_EBUSY);
+  CHECK(strstr(err.msg, "groups=False") != NULL);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+
+  cycle(b, o, r, keep5, 1, 1, &w, &u);                /* page 5 stays: its group [0, 16) too */
+  CHECK_EQ(w.nreleased, 48);
+  CHECK_EQ(w.stayed, 16);
+  CHECK_EQ(w.held, 15);
+  CHECK_EQ(w.released[0], 16);
+  CHECK_EQ(u.ngroups, 3);                             /* the run [16, 64) cut again */
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+
+  cycle(b, o, r, NULL, 0, 1, &w, &u);                 /* a 64-page run: 4 groups of 16 */
+  CHECK_EQ(u.ngroups, 4);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  static const struct sublet_range keep40[] = {{40 * PS, 3 * PS}};
+  cycle(b, o, r, keep40, 1, 1, &w, &u);               /* whole pages 40-42 kept: [32, 48) held */
+  CHECK_EQ(w.nreleased, 48);
+  CHECK_EQ(w.held, 13);
+  CHECK_EQ(u.ngroups, 2 + 1);                         /* [0, 32): 2 groups, [48, 64): 1 */
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+
+  cycle(b, o, r, NULL, 0, 0, &w, &u);                 /* all of it, page by page */
+  CHECK_EQ(w.nreleased, 64);
+  CHECK_EQ(u.ngroups, 0);
+  CHECK(u.groups == NULL);
+  CHECK_EQ(sl_books_pages_as_groups(b, r, 2, 2, 0, NULL), 0);
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 0, "x", token, &loan, NULL), 0);
+  BOOKS_OK(b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  sl_books_free(b);
+}
+
+/* A resume that fails leaves the region as it was: no spans made for nothing. */
+static void test_groups_resume_fails(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  struct sl_release_work w = {0}, u = {0};
+  uint8_t token[SUBLET_TOKEN_SIZE] = {2};
+
+  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, &w, NULL), 0);
+  sl_books_release_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 1, &u, NULL), 0);
+  sl_books_resume_done(b, w.release_id, 0);
+  BOOKS_OK(b);
+  sl_release_work_clear(&u);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
+  sl_books_resume_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 0, "y", token, &loan, NULL), 0);
+  BOOKS_OK(b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  sl_books_free(b);
+}
+
 int main(void) {
   test_where_kept_bytes_go();
   test_released_pages_ascend();
   test_side_by_side();
   test_refusals();
   test_failure_and_owner_gone();
+  test_page_groups();
+  test_groups_resume_fails();
   return check_report("books_release");
 }

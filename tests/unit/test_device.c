@@ -20,6 +20,7 @@
 
 #include "device.h"
 #include "hash.h"
+#include "seal.h"
 
 static int passed, failed;
 static struct sl_err err;
@@ -545,6 +546,40 @@ static void test_hash_definition(void) {
   CHECK(reference_hash(p, 3, 250) != whole);
 }
 
+/* Host memory pinned in a writable mapping made before its memfd was sealed read-only (how
+ * the daemon's save area grows, daemon/pool.c): copies reach it, a read-only fd sees them. */
+static void test_host_pin_sealed(struct sl_device *d) {
+  const uint64_t size = 4 * MiB;
+  struct sl_copy whole = {0, 0, size};
+  struct mapped m;
+  int fd = sl_seal_memfd("test-pinned");
+  char *window = MAP_FAILED, *seen = MAP_FAILED;
+
+  CHECK(fd >= 0);
+  if (fd < 0)
+    return;
+  CHECK(map_pages(d, size / sl_device_info(d)->page_size, &m) == 0);
+  window = mmap(NULL, 2 * size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+  CHECK(window != MAP_FAILED && sl_seal_read_only(fd) == 0);
+  CHECK(mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) == MAP_FAILED);
+  CHECK(sl_seal_grow_to(fd, 2 * size) == 0 && sl_seal_grow_to(fd, size) == 0);
+  if (window == MAP_FAILED)
+    goto cleanup;
+  CHECK(write_device(d, m.addr, size, 21) == 0);
+  CHECK(sl_device_host_pin(d, window + size, size, &err) == 0);
+  CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m.addr, window + size, &whole, 1, &err) == 0);
+  seen = mmap(NULL, 2 * size, PROT_READ, MAP_SHARED, fd, 0);
+  CHECK(seen != MAP_FAILED && check_pattern((uint8_t *)seen + size, size, 21));
+  sl_device_host_unpin(d, window + size, size);
+cleanup:
+  if (seen != MAP_FAILED)
+    munmap(seen, 2 * size);
+  if (window != MAP_FAILED)
+    munmap(window, 2 * size);
+  unmap_pages(d, &m);
+  close(fd);
+}
+
 static void run_common_checks(struct sl_device *d) {
   test_create_release(d);
   test_out_of_memory(d);
@@ -557,6 +592,7 @@ static void run_common_checks(struct sl_device *d) {
   test_import_in_process(d);
   test_share_with_child(d);
   test_hash(d);
+  test_host_pin_sealed(d);
 }
 
 /* --- memfd only */
@@ -610,6 +646,24 @@ static void test_memfd_direct_access(struct sl_device *d) {
   CHECK(sl_device_map(d, m.addr, m.size, m.handles[0], &err) == 0);
   CHECK(((uint8_t *)m.addr)[16] == 0x5a);
   unmap_pages(d, &m);
+}
+
+/* A page's fd as a client gets it (export): neither truncated nor grown under the daemon's
+ * mapping, where a shrink gave it SIGBUS (issue 25, item 9). */
+static void test_memfd_page_fixed_size(struct sl_device *d) {
+  sl_handle h = 0;
+  struct stat st;
+  int fd = -1;
+
+  CHECK(sl_device_create(d, 2 * MiB, &h, &err) == 0);
+  CHECK(sl_device_export(d, h, &fd, &err) == 0);
+  errno = 0;
+  CHECK(ftruncate(fd, 0) == -1 && errno == EPERM);
+  CHECK(ftruncate(fd, 4 * MiB) == -1 && errno == EPERM);
+  CHECK(fstat(fd, &st) == 0 && st.st_size == (off_t)(2 * MiB));
+  if (fd >= 0)
+    close(fd);
+  CHECK(sl_device_release(d, h) == 0);
 }
 
 static void test_memfd_bad_import(struct sl_device *d) {
@@ -711,6 +765,7 @@ static void test_memfd(void) {
   test_memfd_accounting(d);
   test_memfd_direct_access(d);
   test_memfd_bad_import(d);
+  test_memfd_page_fixed_size(d);
   run_common_checks(d);
   sl_device_close(d);
   test_memfd_close_closes_fds();

@@ -4,6 +4,7 @@
  * integers cannot hold), and NULL without a leak when memory runs out. Each output is also
  * parsed back with jansson, which refuses invalid JSON and invalid UTF-8.
  */
+#include <float.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdint.h>
@@ -320,6 +321,36 @@ static void test_seconds(void) {
   json_decref(parsed);
 }
 
+/* Times next to DBL_MAX print, at 15 digits, as 1.79769313486232e308: past DBL_MAX, which
+ * jansson refuses to read back (real number overflow; found by fuzz_status). They are null;
+ * a time a little smaller stays a number (issue 25, item 14). */
+static void test_reals_that_read_back(void) {
+  const double below = nextafter(DBL_MAX, 0);
+  const double near_max[] = {DBL_MAX, -DBL_MAX, below, -nextafter(below, 0)};
+  struct fixture f;
+  json_t *parsed;
+  char *text;
+
+  for (size_t i = 0; i < sizeof(near_max) / sizeof(near_max[0]); i++) {
+    fixture_init(&f);
+    fixture_lend(&f);
+    f.st.uptime_seconds = near_max[i];
+    f.stats.copy_out_seconds = near_max[i];
+    text = print_checked(&f.st, &parsed);
+    CHECK(text != NULL);
+    CHECK(json_is_null(json_object_get(parsed, "uptime_seconds")));
+    CHECK(json_is_null(json_object_get(json_object_get(parsed, "loan"), "copy_out_seconds")));
+    free(text);
+    json_decref(parsed);
+  }
+  fixture_init(&f);
+  f.st.uptime_seconds = -1.7976931348623e308;
+  text = print_checked(&f.st, &parsed);
+  CHECK(json_real_value(json_object_get(parsed, "uptime_seconds")) == -1.7976931348623e308);
+  free(text);
+  json_decref(parsed);
+}
+
 /* ------------------------------------------------------------------ out of memory */
 
 static long allocations_left;
@@ -361,6 +392,7 @@ int main(void) {
   test_odd_characters();
   test_numbers_at_their_limits();
   test_seconds();
+  test_reals_that_read_back();
   test_out_of_memory();
   printf("status_json: %d checks passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

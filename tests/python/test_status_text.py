@@ -1,0 +1,78 @@
+"""`sublet status` as people read it, on a terminal, whatever the daemon says (issue 25, items
+11 and 14). A loan's name is anyone's choice: control characters in it (an escape sequence, a
+newline that forges a line, a bidirectional override) must show as escapes, never reach the
+terminal raw. A time the daemon's JSON had to leave null (status_json.c) prints as unknown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import unicodedata
+
+import pytest
+
+from conftest import CHILD_ENV
+from test_status_prometheus import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
+
+pytestmark = pytest.mark.daemon
+
+EVIL = "kv\x1b[2J\x1b]0;owned\x07\nGPU 9: forged\u202etxt.exe\\x1b \x85\u2028 é 🙂"
+SHOWN = "kv\\x1b[2J\\x1b]0;owned\\x07\\nGPU 9: forged\\u202etxt.exe\\\\x1b \\x85\\u2028 é 🙂"
+BIDI = set("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def sublet_status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sublet", "status", *args], capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, **CHILD_ENV))
+
+
+def raw_controls(text: str) -> list[str]:
+    """The characters of text that act on a terminal, but for the newlines between lines."""
+    return [c for c in text if c != "\n" and (unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                                              or c in BIDI)]
+
+
+@pytest.fixture
+def offer(daemon):  # noqa: F811 (the fixture imported above)
+    """A loan on offer at the daemon, named EVIL."""
+    from sublet import _lib
+    client = _lib.Client.open(daemon)
+    region = client.region_create(client.get_info().page_size)
+    loan_id, _ = client.lend(region, None, EVIL)
+    yield daemon, client, loan_id
+    client.withdraw(loan_id)
+    client.close()
+
+
+def test_control_characters_in_a_name_are_escaped(offer):
+    sock, _, loan_id = offer
+    r = sublet_status("--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert raw_controls(r.stdout) == [], r.stdout
+    assert f'  loan {loan_id} "{SHOWN}": offered' in r.stdout
+    assert not any(line.startswith("GPU 9") for line in r.stdout.splitlines())
+    as_json = sublet_status("--json", "--socket", sock)  # JSON escapes them itself
+    assert as_json.returncode == 0 and raw_controls(as_json.stdout) == []
+
+
+def test_shown_escapes_and_leaves_the_rest():
+    from sublet._status import shown
+    assert shown(EVIL) == SHOWN
+    assert shown("kv-cache é 🙂 \u200d") == "kv-cache é 🙂 \u200d"  # a joiner acts on no terminal
+    assert shown(42) == "42"
+
+
+def test_times_json_left_null_print_as_unknown(offer):
+    """Times the daemon sent that JSON could not hold come as null: the text says so, and
+    Prometheus reads NaN."""
+    from sublet import _status
+    sock, client, _ = offer
+    s = dict(client.status(), socket=sock)
+    s["uptime_seconds"] = None
+    s["loan"] = dict(s["loan"], copy_out_seconds=None)
+    text = _status.text_status(s)
+    assert "up an unknown time" in text and "to the host in ? s" in text
+    metrics = _status.prometheus([s], [])
+    assert any(line.startswith("sublet_uptime_seconds{") and line.endswith(" NaN")
+               for line in metrics.splitlines())

@@ -1,0 +1,98 @@
+/* test_journal.c - the loan journal (common/journal.c) against a hostile reader: its memfd is
+ * sealed so that no fd of it writes or shrinks, it still grows past its first size, and the
+ * daemon's side never steers by what the shared header says (issue 25, item 1). The header is
+ * scribbled here through the daemon's own mapping, standing in for any write that got there. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "journal.h"
+#include "seal.h"
+
+static struct sl_err err;
+
+static struct sl_journal_entry entry(uint64_t i) {
+  return (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, i * 4096, i * 8192, 4096};
+}
+
+/* No fd of it, however opened, writes, maps writable or shrinks it. */
+static void test_sealed(void) {
+  struct sl_journal *j = NULL;
+  char path[64];
+  int rw;
+
+  CHECK(sl_journal_create(7, 3, 4, &j, &err) == 0);
+  if (j == NULL)
+    return;
+  CHECK(sl_seal_is_read_only(j->fd));
+  snprintf(path, sizeof(path), "/proc/self/fd/%d", j->fd);
+  rw = open(path, O_RDWR | O_CLOEXEC);
+  CHECK(rw >= 0 || errno == EACCES);
+  if (rw >= 0) {
+    CHECK(pwrite(rw, "x", 1, 0) == -1 && errno == EPERM);
+    CHECK(mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0) == MAP_FAILED &&
+          errno == EPERM);
+    CHECK(ftruncate(rw, 0) == -1 && errno == EPERM);
+    close(rw);
+  }
+  sl_journal_free(j);
+}
+
+/* Grows from 4 entries to 5000 after the seal: the daemon's mapping, not a new one. */
+static void test_grows_sealed(void) {
+  struct sl_journal *j = NULL;
+  struct sl_journal_view v;
+
+  CHECK(sl_journal_create(7, 3, 4, &j, &err) == 0);
+  if (j == NULL)
+    return;
+  for (uint64_t i = 0; i < 5000; i++) {
+    struct sl_journal_entry e = entry(i);
+    if (sl_journal_append(j, &e, 1, &err) != 0)
+      break;
+  }
+  CHECK_EQ(j->committed, 5000);
+  CHECK(sl_journal_open(j->fd, 7, &v, &err) == 0);
+  CHECK_EQ(v.committed, 5000);
+  CHECK(v.e != NULL && v.e[4999].src == 4999 * 4096 && v.e[4999].dst == 4999 * 8192);
+  sl_journal_close(&v);
+  sl_journal_free(j);
+}
+
+/* The shared counts say anything; the daemon appends after its own, grows by its own capacity,
+ * and puts the true counts back. */
+static void test_ignores_shared_counts(void) {
+  struct sl_journal_entry e[3] = {entry(0), entry(1), entry(2)};
+  struct sl_journal *j = NULL;
+  struct sl_journal_view v;
+
+  CHECK(sl_journal_create(9, 1, 2, &j, &err) == 0);
+  if (j == NULL)
+    return;
+  CHECK(sl_journal_append(j, e, 1, &err) == 0);
+  j->h->committed = UINT64_MAX - 1; /* appending there wrote far outside the mapping */
+  j->h->capacity = UINT64_MAX;      /* and no growth was seen to be needed */
+  CHECK(sl_journal_append(j, &e[1], 2, &err) == 0); /* past the 2 entries made: grows */
+  CHECK_EQ(j->committed, 3);
+  CHECK_EQ(j->h->committed, 3);
+  CHECK(j->h->capacity == j->capacity && j->capacity >= 3);
+  j->h->committed = UINT64_MAX; /* the end marks only the entries there are */
+  sl_journal_end(j);
+  CHECK(sl_journal_open(j->fd, 9, &v, &err) != 0); /* the header lies: the owner refuses it */
+  j->h->committed = 3;
+  CHECK(sl_journal_open(j->fd, 9, &v, &err) == 0);
+  CHECK(v.committed == 3 && v.e[2].src == 2 * 4096 && v.e[2].done == 1 && v.h->ended == 1);
+  sl_journal_close(&v);
+  sl_journal_free(j);
+}
+
+int main(void) {
+  test_sealed();
+  test_grows_sealed();
+  test_ignores_shared_counts();
+  return check_report("test_journal");
+}
