@@ -87,8 +87,8 @@ struct sl_loan {
 };
 
 /* A live release (books_release.c). Its draft holds the keep, the pages (unkept, then kept:
- * U + K of them, the region's less the pinned ones) and the plan whose one committed step
- * reached the first K - stayed kept pages. */
+ * U + K of them, the region's less the pinned ones) and the plan over zone, whose one
+ * committed step reached the kept pages outside the window of pages that stay. */
 struct sl_release {
   uint64_t id; /* first member: find_by_id() reads it */
   uint64_t region_id, owner_client;
@@ -100,6 +100,7 @@ struct sl_release {
   size_t ngroups;     /* pairs */
   uint64_t *released; /* ascending region pages */
   size_t nreleased;
+  uint64_t *zone;     /* the plan's kept zone (books_release.c): owned, the plan points in */
 };
 
 struct sl_books {

@@ -306,18 +306,30 @@ static int spans_equal(const struct spans *a, const struct spans *b) {
   return 1;
 }
 
-/* The kept zone index of the page holding region byte off, or npages when not a kept page. */
-static uint64_t zone_index(const struct sl_plan *p, uint64_t off) {
-  uint64_t page = off / p->page_size, lo = 0, hi = p->npages;
+/* The index of page in the ascending pages[lo, hi), or hi. */
+static uint64_t find_page(const uint64_t *pages, uint64_t lo, uint64_t hi, uint64_t page) {
+  uint64_t end = hi;
 
   while (lo < hi) {
     uint64_t mid = lo + (hi - lo) / 2;
-    if (p->pages[mid] < page)
+    if (pages[mid] < page)
       lo = mid + 1;
     else
       hi = mid;
   }
-  return lo < p->npages && p->pages[lo] == page ? lo : p->npages;
+  return lo < end && pages[lo] == page ? lo : end;
+}
+
+/* The kept zone index of the page holding region byte off, or npages when not a zone page.
+ * The zone ascends before and after the reached prefix (a loan's ascends throughout; a
+ * release's window follows the pages it reached: books_release.c). */
+static uint64_t zone_index(const struct sl_plan *p, uint64_t off) {
+  uint64_t page = off / p->page_size, i = find_page(p->pages, 0, p->reached, page);
+
+  if (i < p->reached)
+    return i;
+  i = find_page(p->pages, p->reached, p->npages, page);
+  return i < p->npages ? i : p->npages;
 }
 
 static int touches_kept(const struct sl_plan *p, uint64_t lo, uint64_t hi) {
@@ -367,11 +379,34 @@ static int plan_accounting(const struct sl_plan *p, struct spans *have, struct s
   return host == p->saved_bytes ? 0 : -1;
 }
 
+/* The plan's saves and moves account for the kept bytes of the pages it reached (what names
+ * the loan or release whose plan it is, for the message). */
+static int check_accounting(const struct sl_plan *p, const char *what, uint64_t id,
+                            struct check *ck) {
+  struct spans have = {0}, want = {0}, dsts = {0};
+  int rc = 0, how = plan_accounting(p, &have, &want, &dsts);
+
+  if (have.failed || want.failed || dsts.failed)
+    rc = broken(ck, "out of memory while checking");
+  else if (how == -1)
+    rc = broken(ck, "%s %" PRIu64 " saves are not packed in host memory", what, id);
+  else if (how == -2)
+    rc = broken(ck, "%s %" PRIu64 " moves a byte that is not kept in a lent page, or into "
+                "kept bytes", what, id);
+  else if (spans_normalize(&have) < 0 || spans_normalize(&dsts) < 0)
+    rc = broken(ck, "%s %" PRIu64 " saves or moves a byte twice", what, id);
+  else if (spans_normalize(&want), !spans_equal(&have, &want))
+    rc = broken(ck, "%s %" PRIu64 " lent kept pages whose bytes were neither saved nor "
+                "moved (or saved bytes that were not theirs)", what, id);
+  free(have.v);
+  free(want.v);
+  free(dsts.v);
+  return rc;
+}
+
 static int check_plan(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
   const struct sl_plan *p = &l->plan;
   uint64_t ks = sl_books_kept_start(l), reached = l->hwm > ks ? l->hwm - ks : 0;
-  struct spans have = {0}, want = {0}, dsts = {0};
-  int rc = 0, how;
 
   (void)b;
   if (p->reached != reached || p->npages != l->kept || p->saved_bytes != l->stats.copied_out_bytes ||
@@ -379,23 +414,7 @@ static int check_plan(const struct sl_books *b, const struct sl_loan *l, struct 
     return broken(ck, "loan %" PRIu64 " plan reached %" PRIu64 " of %" PRIu64 " kept pages "
                   "(hwm says %" PRIu64 ") or its byte counts disagree with the stats", l->id,
                   p->reached, p->npages, reached);
-  how = plan_accounting(p, &have, &want, &dsts);
-  if (have.failed || want.failed || dsts.failed)
-    rc = broken(ck, "out of memory while checking");
-  else if (how == -1)
-    rc = broken(ck, "loan %" PRIu64 " saves are not packed in host memory", l->id);
-  else if (how == -2)
-    rc = broken(ck, "loan %" PRIu64 " moves a byte that is not kept in a lent page, or into "
-                "kept bytes", l->id);
-  else if (spans_normalize(&have) < 0 || spans_normalize(&dsts) < 0)
-    rc = broken(ck, "loan %" PRIu64 " saves or moves a byte twice", l->id);
-  else if (spans_normalize(&want), !spans_equal(&have, &want))
-    rc = broken(ck, "loan %" PRIu64 " lent kept pages whose bytes were neither saved nor "
-                "moved (or saved bytes that were not theirs)", l->id);
-  free(have.v);
-  free(want.v);
-  free(dsts.v);
-  return rc;
+  return check_accounting(p, "loan", l->id, ck);
 }
 
 static int check_loan(const struct sl_books *b, struct check *ck) {
@@ -493,6 +512,22 @@ static int page_in(const struct sl_loan *l, uint64_t p) {
   return in_run(l->pages, l->unkept, p) || in_run(l->pages + l->unkept, l->kept, p);
 }
 
+/* Every kept byte of a released page left it: the plan reached each released page that holds
+ * one (its zone: books_release.c), and its saves and moves account for them. */
+static int check_release_plan(const struct sl_books *b, const struct sl_release *rel,
+                              struct check *ck) {
+  const struct sl_plan *p = &rel->l->plan;
+  uint64_t ps = b->cfg.page_size;
+
+  for (size_t i = 0; i < rel->nreleased; i++) {
+    uint64_t start = rel->released[i] * ps;
+    if (touches_kept(p, start, start + ps) && zone_index(p, start) >= p->reached)
+      return broken(ck, "release %" PRIu64 " lets go of page %" PRIu64 " with its kept bytes",
+                    rel->id, rel->released[i]);
+  }
+  return check_accounting(p, "release", rel->id, ck);
+}
+
 /* Releases: ascending ids, each of a live region's owner, its layout sound for the region as
  * it was (a growable one may have grown since), its released pages ascending pages of its own,
  * no page in two releases of a region, no release of a lent region. */
@@ -520,7 +555,7 @@ static int check_release(const struct sl_books *b, const struct sl_release *rel,
     if (!sl_books_whole_groups(r, rel->released[i], rel->released[j - 1] - rel->released[i] + 1))
       return broken(ck, "release %" PRIu64 " releases part of a page group", rel->id);
   }
-  return 0;
+  return check_release_plan(b, rel, ck);
 }
 
 static int check_releases(const struct sl_books *b, struct check *ck) {
