@@ -1,4 +1,6 @@
-/* borrow.c - libsublet: borrowing a loan, allocating from it and returning it. */
+/* borrow.c - libsublet: borrowing a loan, allocating from it and returning it; a local lend
+ * (the region lent to its own client and borrowed in the same step); the windows' side of the
+ * watch thread (watch_ops). */
 #include "client.h"
 
 #include <stdlib.h>
@@ -101,12 +103,17 @@ int sl_borrow_check_idle(sublet_client *c) {
                         (unsigned long long)c->loan_id);
 }
 
+/* What the watch thread does to this file's windows: watch.c sits below it, and calls up only
+ * through these. */
+static const struct sl_watch_ops watch_ops = {
+    .forget = sl_borrow_forget, .let_go_gone = sl_borrow_let_go_gone, .keeps = sl_borrow_keeps};
+
 int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd) {
   int rc = setup_window(c, b);
 
   if (rc != 0)
     give_back(c);
-  if (rc == 0 && (rc = sl_watch_start(c, release_fd)) != 0)
+  if (rc == 0 && (rc = sl_watch_start(c, release_fd, &watch_ops)) != 0)
     give_back(c); /* the watch took release_fd over */
   else if (rc != 0 && release_fd >= 0)
     close(release_fd);
@@ -115,8 +122,9 @@ int sl_borrow_take(sublet_client *c, const Sublet__Borrowed *b, int release_fd) 
   return rc;
 }
 
-SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_t token[16],
-                                const char *name, int timeout_ms) {
+SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id,
+                                const uint8_t token[SUBLET_TOKEN_SIZE], const char *name,
+                                int timeout_ms) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Borrow m = SUBLET__BORROW__INIT;
   Sublet__Reply *rep = NULL;
@@ -155,6 +163,78 @@ SUBLET_EXPORT int sublet_borrow(sublet_client *c, uint64_t loan_id, const uint8_
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
 }
+
+/* ------------------------------------------------------------------ local lends */
+
+/* A local loan, borrowed at once (the caller holds c->lock): *lent is its id once lent, even
+ * when the borrow failed. */
+static int lend_local(sublet_region *r, struct sl_lend_args *a, uint64_t *lent) {
+  Sublet__Reply *rep = NULL;
+  int release_fd = -1, rc = sl_borrow_check_idle(r->client);
+
+  a->known_layout = sl_borrow_known_layout(r->client);
+  if (rc == 0)
+    rc = sl_region_lend(r, a, &rep, &release_fd);
+  if (rc == 0) {
+    *lent = rep->lent->loan;
+    rc = sl_borrow_take(r->client, rep->lent->borrowed, release_fd);
+  } else if (release_fd >= 0) {
+    close(release_fd);
+  }
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+/* The region lent to its own client: pinned converted, then the Lend under the lock. */
+static int lend_here(sublet_region *r, struct sl_lend_args *a, const struct sublet_range *pinned,
+                     size_t npinned, uint64_t *loan_id) {
+  sublet_client *c = r->client;
+  uint64_t lent = 0;
+  int rc = sl_region_page_pairs(r, pinned, npinned, &a->pinned, &a->npinned);
+
+  if (rc != 0)
+    return rc;
+  pthread_mutex_lock(&c->lock);
+  rc = lend_local(r, a, &lent);
+  pthread_mutex_unlock(&c->lock);
+  free(a->pinned);
+  if (rc == 0)
+    *loan_id = lent;
+  else if (lent != 0) { /* lent, then given straight back: its end is ours to take */
+    struct sl_err saved = *sl_client_last_error();
+    sublet_reclaim(c, lent, -1, NULL);
+    *sl_client_last_error() = saved;
+  }
+  return rc;
+}
+
+/* Here, above region.c, since a local lend borrows: region.c makes offers only. */
+SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
+                                     size_t n, int keep_all, const struct sublet_range *pinned,
+                                     size_t npinned, int local, const char *name,
+                                     int timeout_ms, uint64_t *loan_id,
+                                     uint8_t token[SUBLET_TOKEN_SIZE]) {
+  struct sl_lend_args a = {.keep = keep, .nkeep = n, .keep_all = keep_all, .local = local != 0,
+                           .name = name, .timeout_ms = timeout_ms};
+
+  if (local)
+    return lend_here(r, &a, pinned, npinned, loan_id);
+  return sl_region_offer(r, &a, pinned, npinned, loan_id, token);
+}
+
+SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
+                                    int keep_all, uint64_t *loan_id) {
+  return sublet_lend_local_wait(r, keep, n, keep_all, 0, loan_id);
+}
+
+SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
+                                         size_t n, int keep_all, int timeout_ms,
+                                         uint64_t *loan_id) {
+  return sublet_lend_pinned(r, keep, n, keep_all, NULL, 0, 1, NULL, timeout_ms, loan_id, NULL);
+}
+
+/* ------------------------------------------------------------------ allocating */
 
 /* Imports the handles of the region pages at positions [pos, pos+n) that this process lacks
  * (a borrower in another process than the owner), in runs of consecutive pages. */

@@ -441,11 +441,12 @@ static int hello(sublet_client *c) {
     welcome_to_info(rep->welcome, &c->info);
   if (rc == 0) {
     c->can_cancel = rep->welcome->cancel;
-    c->keep_ranges = rep->welcome->keep_ranges;
-    c->keep_fd_ok = rep->welcome->keep_fd;
+    c->keep.bytes_ok = rep->welcome->keep_ranges;
+    c->keep.fd_ok = rep->welcome->keep_fd;
     c->grow_ok = rep->welcome->grow;
     c->pinned_ok = rep->welcome->pinned;
     c->release_ok = rep->welcome->release;
+    c->offer_ok = rep->welcome->release_offer;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -472,7 +473,7 @@ int sl_client_open(const char *path, sublet_client **out) {
   pthread_mutex_init(&c->send_lock, NULL);
   sl_wire_rx_init(&c->rx);
   c->wake_fd = -1;
-  c->keep_fd = -1;
+  sl_keepwire_tx_init(&c->keep);
   snprintf(c->path, sizeof(c->path), "%s", path);
   c->timeout_ms = timeout_from_env();
   rc = hello(c);
@@ -496,8 +497,7 @@ void sl_client_free(sublet_client *c) {
   if (c->dev != NULL)
     sl_device_close(c->dev);
   sl_wire_rx_destroy(&c->rx);
-  if (c->keep_fd >= 0)
-    close(c->keep_fd);
+  sl_keepwire_tx_destroy(&c->keep);
   pthread_mutex_destroy(&c->send_lock);
   pthread_mutex_destroy(&c->lock);
   free(c->gone);

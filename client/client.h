@@ -7,6 +7,7 @@
 #include <pthread.h>
 
 #include "device.h"
+#include "keepwire.h"
 #include "sublet.pb-c.h"
 #include "sublet.h"
 #include "window.h"
@@ -44,13 +45,11 @@ struct sublet_client {
   pthread_mutex_t send_lock;
   uint64_t waiting_id;  /* the request sent that waits in subletd (wait_ms != 0), or 0 */
   int can_cancel;       /* Welcome.cancel */
-  int keep_ranges;      /* Welcome.keep_ranges: Lend's keep goes as bytes */
-  int keep_fd_ok;       /* Welcome.keep_fd: ... or, when long, in a memfd */
   int grow_ok;          /* Welcome.grow: growable regions */
   int pinned_ok;        /* Welcome.pinned: Lend.pinned */
   int release_ok;       /* Welcome.release: Lend.release, Resume */
-  int keep_fd;          /* that memfd (region.c), reused from Lend to Lend; owned, -1: none */
-  size_t keep_fd_bytes; /* its size */
+  int offer_ok;         /* Welcome.release_offer: release offers (release_offer.c) */
+  struct sl_keepwire_tx keep; /* Welcome.keep_ranges, .keep_fd and the keep memfd (keepwire.h) */
   struct sl_wire_rx rx;
   uint64_t next_id;
   struct sublet_info info;
@@ -129,9 +128,26 @@ int sl_client_gone(const sublet_client *c);
 /* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
 int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
                           sl_handle *handles);
-/* Lend's keep in the form subletd reads best (*fd: the client's keep memfd to send, or -1). */
-void sl_region_lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
-                         size_t n, int keep_all, int *fd);
+/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
+struct sl_lend_args {
+  const struct sublet_range *keep;
+  size_t nkeep;
+  int keep_all;
+  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
+  size_t npinned;   /* pairs */
+  int local;        /* borrowed by this client in the same step (borrow.c) */
+  const char *name;
+  int timeout_ms;
+  uint64_t known_layout; /* local: the layout id of the window this client holds (0: none) */
+};
+/* Sends Lend (the caller holds c->lock) and takes Lent's fds: the three of the rescue (kept in
+ * r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
+int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
+                   int *release_fd);
+/* An offer of r (not local): pinned converted, then the Lend under c->lock. */
+int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
+                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
+                    uint8_t token[SUBLET_TOKEN_SIZE]);
 /* Byte ranges of whole pages of r, any order and overlap, as sorted merged (first page,
  * count) pairs in *out (malloc'd, *nout pairs). */
 int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *ranges,
@@ -171,15 +187,25 @@ int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_
 /* The region goes: its releases' records (fds, plans) too. */
 void sl_release_forget(struct sublet_region *r);
 
+/* ------------------------------------------------------------------ release_offer.c */
+
+/* A release offer's stats as the daemon relays them (m may be NULL: zeros). */
+void sl_offer_stats_from(const Sublet__OfferStats *m, struct sublet_release_stats *s);
+
 /* ------------------------------------------------------------------ watch.c */
 
 /* Watches c's connection from its first loan on (the caller holds c->lock): the daemon's end,
  * and notices while no request is in flight; takes over release_fd (this loan's release
  * pipe's write end, or -1) and closes the last loan's. loan_over (c->lock held): the loan
  * ended normally, its release fd is closed. stop: the client goes; settle: the watch stops if
- * nothing needs it now (no loan, no window of a region that may go: sl_borrow_keeps); both
- * never with c->lock held. sl_client_wake makes it look again at the client's state. */
-int sl_watch_start(sublet_client *c, int release_fd);
+ * nothing needs it now (no loan, no window of a region that may go: ops->keeps); both never
+ * with c->lock held. sl_client_wake makes it look again at the client's state. */
+struct sl_watch_ops { /* what the watch does to the borrower's windows (borrow.c's), c->lock held */
+  void (*forget)(sublet_client *c);      /* the daemon is gone: every window goes */
+  void (*let_go_gone)(sublet_client *c); /* the regions RegionGone named */
+  int (*keeps)(const sublet_client *c);  /* a window of a region that may go is kept */
+};
+int sl_watch_start(sublet_client *c, int release_fd, const struct sl_watch_ops *ops);
 void sl_watch_loan_over(sublet_client *c);
 void sl_watch_stop(sublet_client *c);
 void sl_watch_settle(sublet_client *c);

@@ -1,5 +1,6 @@
 /* region.c - libsublet: regions (a tensor's memory, mapped in the owner's process) and
- * lending them. */
+ * lending them: the Lend itself, and offers (a local lend, which borrows too, is borrow.c's:
+ * this file calls nothing above it). */
 #include "client.h"
 
 #include <errno.h>
@@ -9,62 +10,6 @@
 #include <unistd.h>
 
 #include "msg.h"
-
-/* Lend.keep_ranges are little-endian pairs: this host's struct sublet_range as it is, 16 bytes a
- * range. Past a million ranges varints go instead: they take a third of the room, and a frame
- * at most SL_WIRE_MAX_PAYLOAD. */
-#define KEEP_AS_BYTES (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
-#define KEEP_BYTES_MAX_RANGES (SL_WIRE_MAX_PAYLOAD / 2 / sizeof(struct sublet_range))
-
-/* Writes the keep ranges at the start of the client's keep memfd (made at the first long
- * list, then reused: its pages are there already). It shrinks when it holds more than twice
- * what this list needs: what a long list once took is not held for good. Returns 0, or -1
- * when the memfd cannot be made or written (no memory, no fd left): the list then goes
- * through the socket, as it would to a subletd without keep_fd. */
-static int keep_to_memfd(sublet_client *c, const struct sublet_range *keep, size_t n) {
-  const char *p = (const char *)keep;
-  size_t left = n * sizeof(*keep);
-  off_t at = 0;
-
-  if (c->keep_fd < 0 && (c->keep_fd = memfd_create("sublet-keep", MFD_CLOEXEC)) < 0)
-    return -1;
-  if (c->keep_fd_bytes / 2 > left && ftruncate(c->keep_fd, (off_t)left) == 0)
-    c->keep_fd_bytes = left;
-  c->keep_fd_bytes = c->keep_fd_bytes > left ? c->keep_fd_bytes : left;
-  while (left > 0) {
-    ssize_t w = pwrite(c->keep_fd, p, left, at);
-    if (w < 0 && errno == EINTR)
-      continue;
-    if (w <= 0)
-      return -1;
-    p += w;
-    at += w;
-    left -= (size_t)w;
-  }
-  return 0;
-}
-
-/* Lend's keep: in the memfd (*fd set), as bytes, or as varints, by what subletd reads and how
- * long the list is. */
-void sl_region_lend_keep(sublet_client *c, Sublet__Lend *m, const struct sublet_range *keep,
-                      size_t n, int keep_all, int *fd) {
-  *fd = -1;
-  if (keep_all || n == 0)
-    return;
-  if (c->keep_fd_ok && KEEP_AS_BYTES && n > SL_MSG_KEEP_SHORT_RANGES &&
-      n <= SL_MSG_KEEP_FD_MAX_RANGES && keep_to_memfd(c, keep, n) == 0) {
-    m->has_keep_fd_ranges = 1;
-    m->keep_fd_ranges = n;
-    *fd = c->keep_fd;
-  } else if (c->keep_ranges && n <= KEEP_BYTES_MAX_RANGES && KEEP_AS_BYTES) {
-    m->has_keep_ranges = 1; /* a copy to decode, not varints (Welcome.keep_ranges) */
-    m->keep_ranges.data = (uint8_t *)keep;
-    m->keep_ranges.len = n * sizeof(*keep);
-  } else {
-    m->keep = (uint64_t *)keep; /* struct sublet_range is two uint64_t: the pairs' layout */
-    m->n_keep = 2 * n;
-  }
-}
 
 /* ------------------------------------------------------------------ regions */
 
@@ -587,18 +532,6 @@ void sl_region_forget_all(sublet_client *c) {
 
 /* ------------------------------------------------------------------ lending */
 
-/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
-struct lend_args {
-  const struct sublet_range *keep;
-  size_t nkeep;
-  int keep_all;
-  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
-  size_t npinned;   /* pairs */
-  int local;
-  const char *name;
-  int timeout_ms;
-};
-
 static int cmp_pair(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
 
@@ -654,10 +587,9 @@ int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_rang
   return 0;
 }
 
-/* Sends Lend (local: borrowed by this client in the same step) and takes Lent's fds: the three
- * of the rescue (kept in r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
-static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Reply **rep,
-                       int *release_fd) {
+/* Local: borrowed by this client in the same step (borrow.c's sublet_lend_pinned). */
+int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
+                   int *release_fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
@@ -671,9 +603,7 @@ static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Repl
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin pages of a loan (it is "
                           "older than this library): update subletd, or lend without pinned");
   m.region = r->id;
-  sl_region_lend_keep(c, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
-  m.has_keep_all = 1;
-  m.keep_all = a->keep_all != 0;
+  sl_keepwire_encode(&c->keep, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
   m.pinned = a->pinned;
   m.n_pinned = 2 * a->npinned;
   m.has_name = a->name != NULL;
@@ -681,7 +611,7 @@ static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Repl
   m.name.len = a->name != NULL ? strlen(a->name) : 0;
   m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
   m.has_local = m.local = a->local != 0;
-  m.known_layout = a->local ? sl_borrow_known_layout(c) : 0;
+  m.known_layout = a->known_layout;
   m.has_known_layout = m.known_layout != 0;
   m.has_timeout_ms = a->timeout_ms != 0;
   m.timeout_ms = a->timeout_ms < 0 ? -1 : a->timeout_ms;
@@ -709,10 +639,10 @@ static int lend_locked(sublet_region *r, const struct lend_args *a, Sublet__Repl
 }
 
 /* An offer: the loan's id and token. */
-static int lend_offer(sublet_region *r, const struct lend_args *a, uint64_t *loan_id,
-                      uint8_t token[16]) {
+static int lend_offer(sublet_region *r, const struct sl_lend_args *a, uint64_t *loan_id,
+                      uint8_t token[SUBLET_TOKEN_SIZE]) {
   Sublet__Reply *rep = NULL;
-  int release_fd, rc = lend_locked(r, a, &rep, &release_fd);
+  int release_fd, rc = sl_region_lend(r, a, &rep, &release_fd);
 
   if (rc == 0) {
     *loan_id = rep->lent->loan;
@@ -724,70 +654,34 @@ static int lend_offer(sublet_region *r, const struct lend_args *a, uint64_t *loa
   return rc;
 }
 
-/* A local loan, borrowed at once: *lent is its id once lent, even when the borrow failed. */
-static int lend_local(sublet_region *r, const struct lend_args *a, uint64_t *lent) {
-  Sublet__Reply *rep = NULL;
-  int release_fd = -1, rc = sl_borrow_check_idle(r->client);
-
-  if (rc == 0)
-    rc = lend_locked(r, a, &rep, &release_fd);
-  if (rc == 0) {
-    *lent = rep->lent->loan;
-    rc = sl_borrow_take(r->client, rep->lent->borrowed, release_fd);
-  } else if (release_fd >= 0) {
-    close(release_fd);
-  }
-  if (rep != NULL)
-    sublet__reply__free_unpacked(rep, NULL);
-  return rc;
-}
-
-SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
-                                     size_t n, int keep_all, const struct sublet_range *pinned,
-                                     size_t npinned, int local, const char *name,
-                                     int timeout_ms, uint64_t *loan_id, uint8_t token[16]) {
-  sublet_client *c = r->client;
-  struct lend_args a = {keep, n, keep_all, NULL, 0, local, name, timeout_ms};
-  uint64_t lent = 0;
-  int rc = sl_region_page_pairs(r, pinned, npinned, &a.pinned, &a.npinned);
+int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
+                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
+                    uint8_t token[SUBLET_TOKEN_SIZE]) {
+  struct sl_lend_args own = *a;
+  int rc = sl_region_page_pairs(r, pinned, npinned, &own.pinned, &own.npinned);
 
   if (rc != 0)
     return rc;
-  pthread_mutex_lock(&c->lock);
-  rc = local ? lend_local(r, &a, &lent) : lend_offer(r, &a, loan_id, token);
-  pthread_mutex_unlock(&c->lock);
-  free(a.pinned);
-  if (local && rc == 0)
-    *loan_id = lent;
-  else if (local && lent != 0) { /* lent, then given straight back: its end is ours to take */
-    struct sl_err saved = *sl_client_last_error();
-    sublet_reclaim(c, lent, -1, NULL);
-    *sl_client_last_error() = saved;
-  }
+  pthread_mutex_lock(&r->client->lock);
+  rc = lend_offer(r, &own, loan_id, token);
+  pthread_mutex_unlock(&r->client->lock);
+  free(own.pinned);
   return rc;
 }
 
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
                               int keep_all, const char *name, uint64_t *loan_id,
-                              uint8_t token[16]) {
+                              uint8_t token[SUBLET_TOKEN_SIZE]) {
   return sublet_lend_wait(r, keep, n, keep_all, name, 0, loan_id, token);
 }
 
 SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *keep, size_t n,
                                    int keep_all, const char *name, int timeout_ms,
-                                   uint64_t *loan_id, uint8_t token[16]) {
-  return sublet_lend_pinned(r, keep, n, keep_all, NULL, 0, 0, name, timeout_ms, loan_id, token);
-}
+                                   uint64_t *loan_id, uint8_t token[SUBLET_TOKEN_SIZE]) {
+  struct sl_lend_args a = {.keep = keep, .nkeep = n, .keep_all = keep_all, .name = name,
+                          .timeout_ms = timeout_ms};
 
-SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
-                                    int keep_all, uint64_t *loan_id) {
-  return sublet_lend_local_wait(r, keep, n, keep_all, 0, loan_id);
-}
-
-SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
-                                         size_t n, int keep_all, int timeout_ms,
-                                         uint64_t *loan_id) {
-  return sublet_lend_pinned(r, keep, n, keep_all, NULL, 0, 1, NULL, timeout_ms, loan_id, NULL);
+  return sl_region_offer(r, &a, NULL, 0, loan_id, token);
 }
 
 /* A range that does not lie in the region, or -1. */

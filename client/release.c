@@ -182,9 +182,7 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot release pages (it is older "
                           "than this library): update subletd");
   m.region = r->id;
-  sl_region_lend_keep(c, &m, keep, n, keep_all, &keep_fd);
-  m.has_keep_all = 1;
-  m.keep_all = keep_all != 0;
+  sl_keepwire_encode(&c->keep, &m, keep, n, keep_all, &keep_fd);
   m.pinned = (uint64_t *)pinned;
   m.n_pinned = 2 * npinned;
   m.has_release = m.release = 1;

@@ -3,15 +3,23 @@
  * At Lend the daemon gives the owner three fds (daemon/rescue.c): the loan's journal and the
  * host save area (both read-only) and the read end of the loan's release pipe. When the owner
  * finds its connection gone while it waits for the loan to end, it
- *   1. waits until the borrower no longer touches the loan's pages: the borrower's library
- *      writes a byte to the pipe once it has stopped and unmapped (watch.c); end-of-file
- *      instead means it went without saying (or nobody borrowed): then its process must have
- *      fully exited (a pidfd), since GPU work may run until then. A byte from a borrower of
- *      another user is not taken on its word: it must exit;
+ *   1. makes sure the borrower no longer touches pages that will hold the owner's bytes:
+ *      - a borrower of the owner's user: waits until it has let go: its library writes a byte
+ *        to the pipe once it has stopped and unmapped (watch.c); end-of-file instead means it
+ *        went without saying (or nobody borrowed): then its process must have fully exited
+ *        (a pidfd), since GPU work may run until then;
+ *      - a borrower of another user may keep its fds (or a forked child's mappings) for good,
+ *        so waiting proves nothing: every page it was granted (the journal's GRANT entries)
+ *        gets fresh memory of this process's own, mapped at the same address, and the old
+ *        pages go from this process (docs/design/isolation.md). It never had the others. No
+ *        wait, unless the device lacks the memory: then once for it to let go (its memory
+ *        comes back), up to the timeout;
  *   2. undoes, last first, every committed entry of the journal that the daemon did not put
  *      back: saved bytes come from the save area, moved ones move back, through its own
  *      mapping of the region (it holds handles to all its pages);
  *   3. reports SUBLET_EDAEMONDIED with what it restored.
+ * A journal marked ended needs none of it: the daemon had put everything back, into pages no
+ * borrower of another user was granted, before it died (the owner had not asked yet).
  * The fds are the region's (owned by struct sl_rescue) until the loan ends either way.
  */
 #include "client.h"
@@ -31,6 +39,7 @@ struct sl_rescue {
   uint64_t loan_id;
   int journal_fd, area_fd, release_fd; /* owned */
   int released;                        /* the borrower let go: step 1 is done */
+  int dropped;                         /* the granted pages' old memory is let go of */
 };
 
 int sl_rescue_new(uint64_t loan_id, const int fds[3], struct sl_rescue **out) {
@@ -114,10 +123,95 @@ static int wait_released(struct sl_rescue *r, const struct sl_journal_header *h,
                         (unsigned long long)r->loan_id, (int)pid);
 }
 
-/* An entry points inside the region (src; dst too for a MOVE) and the save area (a SAVE). */
-static int entry_valid(const struct sl_journal_entry *e, uint64_t region, uint64_t area) {
+/* Was the loan borrowed by another user than its owner (who may keep its fds for good)? */
+static int other_user(const struct sl_journal_header *h) {
+  return __atomic_load_n(&h->borrower_pid, __ATOMIC_ACQUIRE) != 0 &&
+         h->borrower_uid != h->owner_uid;
+}
+
+/* The GRANT entries' pages (those in the region: the rest fails in step 2), each run once. */
+static void granted_run(const struct sublet_region *reg, const struct sl_journal_entry *e,
+                        uint64_t *first, uint64_t *count) {
+  uint64_t size = reg->npages * reg->page_size;
+
+  *first = *count = 0;
+  if (e->kind != SL_JOURNAL_GRANT || e->src % reg->page_size != 0 || e->src > size ||
+      e->len > size - e->src)
+    return;
+  *first = e->src / reg->page_size;
+  *count = e->len / reg->page_size;
+}
+
+/* This process lets go of the granted pages' old memory (unmapped, handles released): the
+ * borrower may reach it, and holding it would keep its memory from the device. */
+static void drop_granted(struct sublet_region *reg, const struct sl_journal_view *v) {
+  sl_device_synchronize(reg->client->dev, NULL);
+  for (uint64_t i = 0, first, count; i < v->committed; i++) {
+    granted_run(reg, &v->e[i], &first, &count);
+    if (count > 0)
+      sl_region_let_go(reg->client, reg, first, count);
+  }
+}
+
+/* Fresh memory of this process's own for the granted pages that have none, mapped where the
+ * old ones were (the tensor's addresses stay). */
+static int make_granted(struct sublet_region *reg, const struct sl_journal_view *v,
+                        struct sl_err *err) {
+  struct sl_device *dev = reg->client->dev;
+  uint64_t ps = reg->page_size;
+  int rc = 0;
+
+  for (uint64_t i = 0, first, count; rc == 0 && i < v->committed; i++) {
+    granted_run(reg, &v->e[i], &first, &count);
+    for (uint64_t p = first; rc == 0 && p < first + count; p++) {
+      if (reg->handles[p] != 0)
+        continue; /* made already (an earlier try, or an entry twice) */
+      if ((rc = sl_device_create(dev, ps, &reg->handles[p], err)) != 0)
+        break;
+      if ((rc = sl_device_map(dev, (char *)reg->base + p * ps, ps, reg->handles[p], err)) != 0) {
+        sl_device_release(dev, reg->handles[p]);
+        reg->handles[p] = 0;
+      }
+    }
+    if (rc == 0 && count > 0)
+      rc = sl_device_set_access(dev, (char *)reg->base + first * ps, count * ps, err);
+  }
+  return rc;
+}
+
+/* Step 1 for a borrower of another user: its granted pages made anew here. Lacking the memory,
+ * waits once for the borrower to let go (up to timeout_ms) and tries again. */
+static int fresh_granted(struct sublet_region *reg, struct sl_rescue *r,
+                         const struct sl_journal_view *v, int timeout_ms) {
+  struct sl_err err = {0};
+  int rc;
+
+  if (!r->dropped)
+    drop_granted(reg, v);
+  r->dropped = 1;
+  rc = make_granted(reg, v, &err);
+  if (rc != 0 && wait_released(r, v->h, timeout_ms) == 0) {
+    memset(&err, 0, sizeof(err));
+    rc = make_granted(reg, v, &err);
+  }
+  if (rc != 0)
+    return sl_client_fail(err.code != 0 ? err.code : rc, "subletd died during loan %llu to "
+                          "another user, and this process cannot make fresh pages in place of "
+                          "those it was granted (%s); the kept bytes are safe in the save area: "
+                          "free device memory and reclaim again", (unsigned long long)r->loan_id,
+                          err.msg);
+  return 0;
+}
+
+/* An entry points inside the region (src; dst too for a MOVE) and the save area (a SAVE); a
+ * GRANT names whole pages of the region. */
+static int entry_valid(const struct sl_journal_entry *e, uint64_t region, uint64_t area,
+                       uint64_t page_size) {
   uint64_t dst_end = e->kind == SL_JOURNAL_SAVE ? area : region;
 
+  if (e->kind == SL_JOURNAL_GRANT)
+    return e->src % page_size == 0 && e->len % page_size == 0 && e->src <= region &&
+           e->len <= region - e->src;
   return (e->kind == SL_JOURNAL_SAVE || e->kind == SL_JOURNAL_MOVE) && e->src <= region &&
          e->len <= region - e->src && e->dst <= dst_end && e->len <= dst_end - e->dst;
 }
@@ -125,6 +219,7 @@ static int entry_valid(const struct sl_journal_entry *e, uint64_t region, uint64
 /* Undoing the journal, one run of entries of one kind at a time, last entry first. */
 struct undo {
   struct sl_device *dev;
+  uint64_t page_size;
   void *region, *area;
   struct sl_copy *copies;  /* a run of SAVEs: from the save area back into the region */
   struct sl_move *moves;   /* a run of MOVEs: back from where they went */
@@ -164,10 +259,12 @@ static int undo_all(struct undo *u, const struct sl_journal_view *v, uint64_t re
 
   for (uint64_t i = v->committed; i-- > 0 && rc == 0;) {
     const struct sl_journal_entry *e = &v->e[i];
-    if (!entry_valid(e, region_size, area_size))
+    if (!entry_valid(e, region_size, area_size, u->page_size))
       return sl_client_fail(SUBLET_EPROTO, "entry %llu of loan %llu's journal is not one this "
                             "library can undo (kind %u)", (unsigned long long)i,
                             (unsigned long long)v->h->loan_id, e->kind);
+    if (e->kind == SL_JOURNAL_GRANT)
+      continue; /* step 1's: nothing to undo */
     if (e->kind == SL_JOURNAL_SAVE)
       st->copied_out_bytes += e->len;
     else
@@ -187,7 +284,7 @@ static int undo_all(struct undo *u, const struct sl_journal_view *v, uint64_t re
 
 static int restore(struct sublet_region *reg, struct sl_rescue *r,
                    const struct sl_journal_view *v, struct sublet_loan_stats *st) {
-  struct undo u = {.dev = reg->client->dev, .region = reg->base};
+  struct undo u = {.dev = reg->client->dev, .page_size = reg->page_size, .region = reg->base};
   uint64_t area_size;
   struct stat sa;
   int rc;
@@ -212,6 +309,28 @@ static int restore(struct sublet_region *reg, struct sl_rescue *r,
   return rc;
 }
 
+/* The journal says the daemon had ended the loan: nothing to wait for or undo. */
+static int ended_before(const struct sl_rescue *r, const struct sl_journal_view *v,
+                        struct sublet_loan_stats *stats) {
+  struct sublet_loan_stats st = {.loan_id = r->loan_id, .daemon_died = 1};
+  char a[16];
+
+  for (uint64_t i = 0; i < v->committed; i++) {
+    if (v->e[i].kind == SL_JOURNAL_SAVE)
+      st.copied_out_bytes += v->e[i].len;
+    else if (v->e[i].kind == SL_JOURNAL_MOVE)
+      st.moved_bytes += v->e[i].len;
+  }
+  st.copied_in_bytes = st.copied_out_bytes; /* by the daemon, before it died */
+  if (stats != NULL)
+    *stats = st;
+  return sl_client_fail(SUBLET_EDAEMONDIED, "subletd died after loan %llu had ended, before "
+                        "this process heard: it had put every kept byte back (%s saved and "
+                        "restored); nothing to restore here. The tensor is intact; a restarted "
+                        "subletd serves new work", (unsigned long long)r->loan_id,
+                        sl_format_size(a, st.copied_out_bytes));
+}
+
 int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_stats *stats) {
   struct sl_rescue *r = reg->rescue;
   struct sublet_loan_stats st = {.loan_id = r->loan_id, .daemon_died = 1};
@@ -222,7 +341,13 @@ int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_
 
   if (rc != 0)
     return sl_client_fail_err(&err);
-  rc = wait_released(r, v.h, timeout_ms);
+  if (__atomic_load_n(&v.h->ended, __ATOMIC_ACQUIRE)) {
+    rc = ended_before(r, &v, stats);
+    sl_journal_close(&v);
+    return rc;
+  }
+  rc = other_user(v.h) ? fresh_granted(reg, r, &v, timeout_ms)
+                       : wait_released(r, v.h, timeout_ms);
   if (rc == 0)
     rc = restore(reg, r, &v, &st);
   sl_journal_close(&v);

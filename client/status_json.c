@@ -111,6 +111,22 @@ static json_t *release_json(const void *item, uint64_t page_size) {
                    "moved_bytes", count_json(r->moved_bytes));
 }
 
+/* A release offer a scheduler may take, or took (ReleaseOfferStatus). */
+static json_t *release_offer_json(const void *item, uint64_t page_size) {
+  const Sublet__ReleaseOfferStatus *r = item;
+
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                   "id", count_json(r->offer), "state", text_json(r->state),
+                   "name", text_json(r->name), "region", count_json(r->region),
+                   "owner_pid", count_json(r->owner_pid), "owner_uid", count_json(r->owner_uid),
+                   "taker_pid", count_json(r->has_taker_pid ? r->taker_pid : 0),
+                   "taker_uid", count_json(r->has_taker_uid ? r->taker_uid : 0),
+                   "released_bytes", count_json(r->released_pages * page_size),
+                   "kept_bytes", count_json(r->kept_bytes),
+                   "copied_out_bytes", count_json(r->copied_out_bytes),
+                   "trouble", text_json(r->trouble));
+}
+
 /* A list of the message's items, each made by item_json. */
 static json_t *list_json(void *const *items, size_t n,
                          json_t *(*item_json)(const void *item, uint64_t page_size),
@@ -194,7 +210,7 @@ static json_t *totals_json(const Sublet__Status *st) {
                    "replaced_bytes", count_json(st->replaced_bytes));
 }
 
-static json_t *status_object(const Sublet__Status *st) {
+static json_t *status_fields(const Sublet__Status *st) {
   return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, "
                    "s:o, s:o, s:o, s:o}",
                    "daemon_version", text_json(st->daemon_version),
@@ -217,6 +233,24 @@ static json_t *status_object(const Sublet__Status *st) {
                    "retained", list_json((void *const *)st->retained, st->n_retained,
                                          retained_json, st->page_size),
                    "totals", totals_json(st));
+}
+
+/* The fields, then the release offers (beside them: json_pack takes so many at most). */
+static json_t *status_object(const Sublet__Status *st) {
+  json_t *obj = status_fields(st);
+  json_t *offers = list_json((void *const *)st->release_offers, st->n_release_offers,
+                             release_offer_json, st->page_size);
+
+  if (obj == NULL || offers == NULL) {
+    json_decref(obj);
+    json_decref(offers);
+    return NULL;
+  }
+  if (json_object_set_new(obj, "release_offers", offers) != 0) { /* it took offers all the same */
+    json_decref(obj);
+    return NULL;
+  }
+  return obj;
 }
 
 /* 15 digits: the rounded seconds print as the decimals they are (12.345, not 12.3450000001).

@@ -12,6 +12,9 @@
  * thread wakes only for the daemon's end (the loan's requests read the notices on the way) or
  * when woken. The release fd is the watch's: closed when the loan ends normally, so that a
  * normal Return leaves the owner nothing to read.
+ *
+ * The watch sits below borrow.c: what it does to the windows, it does through the callbacks
+ * borrow.c starts it with (struct sl_watch_ops).
  */
 #include "client.h"
 
@@ -24,6 +27,7 @@
 
 struct sl_watch {
   sublet_client *c;
+  const struct sl_watch_ops *ops;
   pthread_t thread;
   int wake_fd;    /* an eventfd: written to make the thread look again; owned */
   int release_fd; /* the loan's release pipe's write end, or -1; owned; under c->lock */
@@ -44,7 +48,7 @@ static void let_go(struct sl_watch *w) {
   pthread_mutex_lock(&c->lock);
   if (c->dev != NULL)
     sl_device_synchronize(c->dev, NULL);
-  sl_borrow_forget(c);
+  w->ops->forget(c);
   c->lost = c->loan_id != 0;
   c->loan_id = 0;
   while (w->release_fd >= 0 && (n = write(w->release_fd, "R", 1)) < 0 && errno == EINTR)
@@ -64,7 +68,7 @@ static int look(struct sl_watch *w, int readable) {
   if (idle == 1 && readable)
     sl_client_read_notices(c); /* a failure breaks the connection: the next poll sees it */
   if (idle >= 0)
-    sl_borrow_let_go_gone(c);
+    w->ops->let_go_gone(c);
   pthread_mutex_unlock(&c->lock);
   return idle;
 }
@@ -95,7 +99,7 @@ static void *watch(void *arg) {
   return NULL;
 }
 
-static int start(sublet_client *c, int release_fd) {
+static int start(sublet_client *c, int release_fd, const struct sl_watch_ops *ops) {
   struct sl_watch *w = calloc(1, sizeof(*w));
 
   if (w == NULL || (w->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) {
@@ -105,6 +109,7 @@ static int start(sublet_client *c, int release_fd) {
     return sl_client_fail(SUBLET_ENOMEM, "cannot watch the connection: out of resources");
   }
   w->c = c;
+  w->ops = ops;
   w->release_fd = release_fd;
   if (pthread_create(&w->thread, NULL, watch, w) != 0) {
     close(w->wake_fd);
@@ -117,9 +122,9 @@ static int start(sublet_client *c, int release_fd) {
   return 0;
 }
 
-int sl_watch_start(sublet_client *c, int release_fd) {
+int sl_watch_start(sublet_client *c, int release_fd, const struct sl_watch_ops *ops) {
   if (c->watch == NULL)
-    return start(c, release_fd);
+    return start(c, release_fd, ops);
   close_release(c->watch);
   c->watch->release_fd = release_fd;
   sl_client_wake(c); /* a loan now: the thread stops reading the socket */
@@ -170,7 +175,7 @@ void sl_watch_settle(sublet_client *c) {
   struct sl_watch *w = NULL;
 
   pthread_mutex_lock(&c->lock);
-  if (c->loan_id == 0 && !sl_borrow_keeps(c))
+  if (c->watch != NULL && c->loan_id == 0 && !c->watch->ops->keeps(c))
     w = detach(c);
   pthread_mutex_unlock(&c->lock);
   stop(w);

@@ -17,6 +17,7 @@
 #include "device.h"
 #include "hash.h"
 #include "kernels.h"
+#include "prefault.h" /* pinning touched memory costs a tenth of cuMemHostAlloc */
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -710,20 +711,6 @@ static int cuda_synchronize(struct sl_device *dev, struct sl_err *err) {
 
 /* --- pinned host memory */
 
-/* Touches the pages first: pinning touched memory costs a tenth of what cuMemHostAlloc does.
- * Huge pages, where the kernel gives them, mean fewer pages to pin and to translate. */
-static void prefault(void *mem, uint64_t size) {
-  uint64_t step = (uint64_t)sysconf(_SC_PAGESIZE), off;
-
-  madvise(mem, size, MADV_HUGEPAGE);
-#ifdef MADV_POPULATE_WRITE
-  if (madvise(mem, size, MADV_POPULATE_WRITE) == 0)
-    return;
-#endif
-  for (off = 0; off < size; off += step)
-    ((volatile char *)mem)[off] = 0;
-}
-
 static int host_register(struct cuda_device *d, void *mem, uint64_t size, unsigned flags,
                          struct sl_err *err) {
   int rc = cuda_enter(d, err);
@@ -743,7 +730,7 @@ static int cuda_host_alloc(struct sl_device *dev, uint64_t size, void **p, struc
   if (mem == MAP_FAILED)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot map %llu bytes of host memory: %s",
                       (unsigned long long)size, strerror(errno));
-  prefault(mem, size);
+  sl_prefault(mem, size);
   rc = host_register(to_cuda(dev), mem, size, 0, err);
   if (rc != 0) {
     munmap(mem, size);
@@ -774,7 +761,7 @@ static int host_map_read_only(struct cuda_device *d, int fd, uint64_t offset, ui
   if (mem == MAP_FAILED)
     return sl_err_set(err, SUBLET_ENOMEM, "cannot map %llu bytes of a host file: %s",
                       (unsigned long long)size, strerror(errno));
-  prefault(mem, size);
+  sl_prefault(mem, size);
   rc = host_register(d, mem, size, 0, err);
   if (rc != 0) {
     munmap(mem, size);
@@ -788,7 +775,7 @@ static int host_map_read_only(struct cuda_device *d, int fd, uint64_t offset, ui
 static int cuda_host_pin(struct sl_device *dev, void *p, uint64_t size, struct sl_err *err) {
   int rc;
 
-  prefault(p, size);
+  sl_prefault(p, size);
   rc = host_register(to_cuda(dev), p, size, 0, err);
   if (rc == SUBLET_ENOMEM && err != NULL)
     err->code = SUBLET_ENOHOSTMEM; /* pinning failed: host memory, not the device's */

@@ -74,6 +74,10 @@ void sl_journal_free(struct sl_journal *j) {
   free(j);
 }
 
+void sl_journal_set_owner(struct sl_journal *j, uid_t uid) {
+  j->h->owner_uid = (uint32_t)uid;
+}
+
 void sl_journal_set_borrower(struct sl_journal *j, pid_t pid, uid_t uid) {
   j->h->borrower_uid = (uint32_t)uid;
   __atomic_store_n(&j->h->borrower_pid, (int32_t)pid, __ATOMIC_RELEASE);

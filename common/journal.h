@@ -35,11 +35,16 @@
 #include "error.h"
 
 #define SL_JOURNAL_MAGIC 0x4c4e524aU /* "JRNL" */
-#define SL_JOURNAL_VERSION 1
+#define SL_JOURNAL_VERSION 2 /* 2: GRANT entries and owner_uid */
 
 enum sl_journal_kind {
   SL_JOURNAL_SAVE = 1, /* region bytes [src, src+len) are in the save area at dst */
   SL_JOURNAL_MOVE = 2, /* region bytes [src, src+len) are in the region at dst (on the device) */
+  SL_JOURNAL_GRANT = 3, /* region bytes [src, src+len) (whole pages) were granted to the
+                           borrower: it may hold fds of them for good. Written with (never
+                           before) the SAVE and MOVE entries that emptied their kept bytes, so
+                           that an owner may give those pages fresh memory and lose nothing
+                           (docs/design/isolation.md); dst is 0, nothing to undo */
 };
 
 struct sl_journal_entry {
@@ -57,8 +62,11 @@ struct sl_journal_header {
   uint64_t committed;     /* entries [0, committed) are valid: advanced last */
   int32_t borrower_pid;   /* set before the borrower gets the loan; 0: not borrowed */
   uint32_t borrower_uid;
-  uint32_t ended;         /* the daemon put everything back and told the owner */
-  uint32_t pad;
+  uint32_t ended;         /* the daemon put everything back, into pages no borrower of
+                             another user was granted: the owner has nothing to undo or wait
+                             for */
+  uint32_t owner_uid;     /* the region's owner, as the daemon saw it (SO_PEERCRED): a
+                             borrower of another uid may still reach its GRANT pages */
 };
 
 /* The daemon's side: a journal memfd of room for capacity entries, mapped read-write. What
@@ -74,6 +82,7 @@ struct sl_journal {
 int sl_journal_create(uint64_t loan_id, uint64_t region_id, uint64_t capacity,
                       struct sl_journal **out, struct sl_err *err);
 void sl_journal_free(struct sl_journal *j);
+void sl_journal_set_owner(struct sl_journal *j, uid_t uid);
 void sl_journal_set_borrower(struct sl_journal *j, pid_t pid, uid_t uid);
 /* Appends n entries and commits them, growing the journal as needed; on failure nothing is
  * committed. */

@@ -12,15 +12,6 @@
 #include "error.h"
 #include "sublet.pb-c.h"
 
-/* Keep lists of more ranges than this are long: the client library sends one in a memfd when
- * subletd reads them so (Welcome.keep_fd; through the socket, 220,000 ranges took 3 to 4 ms of
- * a Lend on an H200 host), and subletd drafts its loan off the loop. */
-#define SL_MSG_KEEP_SHORT_RANGES 65536
-/* The most ranges a keep memfd may hold (Lend.keep_fd_ranges, PROTOCOL.md): 64 MiB, what
- * subletd reads of it into its own memory. Longer lists go through the socket, within the
- * frame limit. A 141 GiB GPU of 64 KiB blocks, every other one kept, is 1.1 million ranges. */
-#define SL_MSG_KEEP_FD_MAX_RANGES (1ull << 22)
-
 /* Packs a message into a new buffer (*buf, freed by the caller), within the frame limit. */
 int sl_msg_pack(const ProtobufCMessage *m, uint8_t **buf, size_t *len, struct sl_err *err);
 /* Packs and sends a request with fds[0..nfds) (only a Lend's keep memfd: PROTOCOL.md; they

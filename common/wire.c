@@ -363,6 +363,14 @@ static int rx_recv(struct sl_wire_rx *rx, int sock, struct sl_err *err) {
   return rc < 0 ? rc : (int)n;
 }
 
+void sl_wire_rx_trim(struct sl_wire_rx *rx) {
+  if (rx->off < rx->len || rx->cap <= RX_KEEP)
+    return;
+  free(rx->buf);
+  rx->buf = NULL;
+  rx->len = rx->off = rx->cap = 0;
+}
+
 int sl_wire_rx_read(struct sl_wire_rx *rx, int sock, struct sl_err *err) {
   int rc = rx_check_between(rx, err);
 

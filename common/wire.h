@@ -97,6 +97,10 @@ int sl_wire_rx_read(struct sl_wire_rx *rx, int sock, struct sl_err *err);
  * error. */
 int sl_wire_rx_next(struct sl_wire_rx *rx, struct sl_frame_header *h, const uint8_t **payload,
                     int *fds, struct sl_err *err);
+/* Gives back a buffer grown past 1 MiB by a large frame once every frame in it has been handed
+ * out (their payloads are invalid after). For a receiver that holds many connections: what
+ * one large request took is not held until that connection reads again. */
+void sl_wire_rx_trim(struct sl_wire_rx *rx);
 /* Blocking convenience for clients: reads until one whole frame is there. Returns 0 with the
  * frame as sl_wire_rx_next gives it; SUBLET_ETIMEDOUT after timeout_ms (< 0: no limit);
  * SUBLET_EPIPE at EOF. */

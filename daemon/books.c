@@ -30,17 +30,9 @@ static int out_of_memory(struct sl_err *err) {
   return sl_err_set(err, SUBLET_ENOHOSTMEM, "subletd is out of host memory; free some and retry");
 }
 
-static uint64_t min_u64(uint64_t a, uint64_t b) {
-  return a < b ? a : b;
-}
-
-static uint64_t max_u64(uint64_t a, uint64_t b) {
-  return a > b ? a : b;
-}
-
 /* Length of [a0, a1) ∩ [b0, b1). */
 static uint64_t overlap(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) {
-  uint64_t lo = max_u64(a0, b0), hi = min_u64(a1, b1);
+  uint64_t lo = sl_max_u64(a0, b0), hi = sl_min_u64(a1, b1);
   return hi > lo ? hi - lo : 0;
 }
 
@@ -59,6 +51,32 @@ static int no_loan(struct sl_err *err, uint64_t loan_id) {
   return sl_err_set(err, SUBLET_ENOENT,
                     "no loan %" PRIu64 " on this device: it has ended or was withdrawn",
                     loan_id);
+}
+
+/* Does client_id see what uid holds? Status's rule (status.c): its own user's, and every
+ * user's when trusted. A refusal says no more to it than status would show it. */
+static int sees(const struct sl_books *b, uint64_t client_id, uid_t uid) {
+  const struct sl_client *c = sl_books_find_client(b, client_id);
+
+  return c != NULL && (c->peer.trusted || c->peer.uid == uid);
+}
+
+/* The client named in a refusal to client_id: "client N" where it may see uid's, else not. */
+static const char *who(const struct sl_books *b, uint64_t client_id, uid_t uid, uint64_t other,
+                       char buf[48]) {
+  if (sees(b, client_id, uid))
+    snprintf(buf, 48, "client %" PRIu64, other);
+  else
+    snprintf(buf, 48, "a client of another user");
+  return buf;
+}
+
+#define WHO(b, client_id, uid, other) who(b, client_id, uid, other, (char[48]){0})
+
+static uid_t loan_uid(const struct sl_books *b, const struct sl_loan *l) {
+  const struct sl_region *r = sl_books_find_region(b, l->region_id);
+
+  return r != NULL ? r->owner.uid : (uid_t)-1;
 }
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
@@ -189,8 +207,8 @@ int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t regi
     return no_region(err, region_id);
   if (r->owner_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,
-                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
-                      "release it", region_id, r->owner_client);
+                      "region %" PRIu64 " belongs to %s; only its owner may release it",
+                      region_id, WHO(b, client_id, r->owner.uid, r->owner_client));
   if (r->loan_id != 0)
     return sl_err_set(err, SUBLET_EBUSY,
                       "region %" PRIu64 " is lent (loan %" PRIu64 "); wait for the loan to end "
@@ -212,8 +230,9 @@ int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t reg
   if (r == NULL)
     return no_region(err, region_id);
   if (r->owner_client != client_id)
-    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to client %" PRIu64 "; "
-                      "only its owner may grow it", region_id, r->owner_client);
+    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to %s; only its owner "
+                      "may grow it", region_id,
+                      WHO(b, client_id, r->owner.uid, r->owner_client));
   if (!r->growable)
     return sl_err_set(err, SUBLET_EINVAL, "region %" PRIu64 " was not made growable: create "
                       "it growable to grow it", region_id);
@@ -262,8 +281,8 @@ int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_
     return 0;
   return sl_err_set(err, SUBLET_EPERM,
                     "client %" PRIu64 " may not use the pages of region %" PRIu64 ": only its "
-                    "owner (client %" PRIu64 ") and the borrower of its loan may; borrow the "
-                    "loan first", client_id, region_id, r->owner_client);
+                    "owner (%s) and the borrower of its loan may; borrow the loan first",
+                    client_id, region_id, WHO(b, client_id, r->owner.uid, r->owner_client));
 }
 
 
@@ -423,7 +442,7 @@ static size_t keep_merge(struct sublet_range *v, size_t n) {
       continue;
     if (m > 0 && v[m - 1].offset + v[m - 1].length >= v[i].offset) {
       uint64_t prev_end = v[m - 1].offset + v[m - 1].length;
-      v[m - 1].length = max_u64(prev_end, end) - v[m - 1].offset;
+      v[m - 1].length = sl_max_u64(prev_end, end) - v[m - 1].offset;
     } else {
       v[m++] = v[i];
     }
@@ -471,7 +490,7 @@ static int keep_take_sorted(struct sl_loan *l, const struct sublet_range *keep, 
       return 1;
     if (m > 0 && lo <= end) {
       kept += hi > end ? hi - end : 0;
-      end = max_u64(end, hi);
+      end = sl_max_u64(end, hi);
       v[m - 1].length = end - v[m - 1].offset;
     } else {
       v[m++] = keep[i];
@@ -568,9 +587,12 @@ static int loan_set_layout(const struct sl_books_config *cfg, struct sl_loan *l,
 
 /* ---- lending ------------------------------------------------------------------------------ */
 
-static int device_busy(const struct sl_books *b, struct sl_err *err) {
+static int device_busy(const struct sl_books *b, uint64_t client_id, struct sl_err *err) {
   const struct sl_loan *l = b->loan;
 
+  if (!sees(b, client_id, loan_uid(b, l)))
+    return sl_err_set(err, SUBLET_EBUSY, "this device already has a loan, of another user; "
+                      "one loan at a time: wait for it to end");
   return sl_err_set(err, SUBLET_EBUSY,
                     "this device already has loan %" PRIu64 " (region %" PRIu64 ", %s); one "
                     "loan at a time: wait for it to end", l->id, l->region_id,
@@ -586,8 +608,8 @@ static int owner_check(const struct sl_books *b, uint64_t client_id, const struc
     return no_region(err, region_id);
   if (r->owner_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,
-                      "region %" PRIu64 " belongs to client %" PRIu64 "; only its owner may "
-                      "lend it", region_id, r->owner_client);
+                      "region %" PRIu64 " belongs to %s; only its owner may lend it", region_id,
+                      WHO(b, client_id, r->owner.uid, r->owner_client));
   return 0;
 }
 
@@ -613,14 +635,14 @@ static int lend_check(const struct sl_books *b, uint64_t client_id, const struct
   if (rc != 0)
     return rc;
   if (b->loan != NULL)
-    return device_busy(b, err);
+    return device_busy(b, client_id, err);
   if (r->replacing)
     return replacing_error(r, err);
   if ((rc = released_error(b, region_id, err)) != 0)
     return rc;
-  if (name != NULL && strlen(name) >= NAME_SIZE)
+  if (name != NULL && strlen(name) >= SL_LOAN_NAME_SIZE)
     return sl_err_set(err, SUBLET_EINVAL, "loan name \"%.20s...\" is too long; use at most "
-                      "%d bytes", name, NAME_SIZE - 1);
+                      "%d bytes", name, SL_LOAN_NAME_SIZE - 1);
   if (token == NULL)
     return sl_err_set(err, SUBLET_EINVAL, "a loan needs a 16-byte token");
   return 0;
@@ -889,9 +911,9 @@ int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t l
     return no_loan(err, loan_id);
   if (l->owner_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,
-                      "loan %" PRIu64 " was lent by client %" PRIu64 ", not by client %" PRIu64
-                      "; only its owner may withdraw or reclaim it", loan_id, l->owner_client,
-                      client_id);
+                      "loan %" PRIu64 " was lent by %s, not by client %" PRIu64 "; only its "
+                      "owner may withdraw or reclaim it", loan_id,
+                      WHO(b, client_id, loan_uid(b, l), l->owner_client), client_id);
   return 0;
 }
 
@@ -906,7 +928,11 @@ static int token_equal(const uint8_t *a, const uint8_t *b) {
   return diff == 0;
 }
 
-static int loan_not_offered(const struct sl_loan *l, struct sl_err *err) {
+static int loan_not_offered(const struct sl_books *b, uint64_t client_id,
+                            const struct sl_loan *l, struct sl_err *err) {
+  if (!sees(b, client_id, loan_uid(b, l)))
+    return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is not on offer (borrowed "
+                      "already); wait for a new offer", l->id);
   return sl_err_set(err, SUBLET_EBUSY,
                     "loan %" PRIu64 " is already borrowed (%s, client %" PRIu64 "); wait for it "
                     "to end and for a new offer", l->id, state_names[l->state],
@@ -928,22 +954,25 @@ static int pick_by_id(const struct sl_books *b, uint64_t client_id, uint64_t loa
                       "wrong token for loan %" PRIu64 "; use the token its owner received "
                       "from lend", loan_id);
   if (l->state != SL_LOAN_OFFERED)
-    return loan_not_offered(l, err);
+    return loan_not_offered(b, client_id, l, err);
   *out = l;
   return 0;
 }
 
-static int pick_offer(const struct sl_books *b, const char *name, struct sl_loan **out,
-                      struct sl_err *err) {
+/* By name, another user's loan is none to a client that may not see it: status hides it. */
+static int pick_offer(const struct sl_books *b, uint64_t client_id, const char *name,
+                      struct sl_loan **out, struct sl_err *err) {
   struct sl_loan *l = b->loan;
   int by_name = name != NULL && name[0] != '\0';
 
-  if (by_name && (l == NULL || strcmp(l->name, name) != 0))
+  if (by_name && (l == NULL || strcmp(l->name, name) != 0 ||
+                  !sees(b, client_id, loan_uid(b, l))))
     return sl_err_set(err, SUBLET_ENOOFFER,
-                      "no loan named \"%.64s\" is on offer on this device; check the name or "
-                      "wait for its owner to lend", name);
+                      "no loan named \"%.64s\" that this user may borrow is on offer on this "
+                      "device; check the name or wait for its owner to lend (another user's "
+                      "loans are on offer only to root and --allow-group)", name);
   if (by_name && l->state != SL_LOAN_OFFERED)
-    return loan_not_offered(l, err);
+    return loan_not_offered(b, client_id, l, err);
   if (l == NULL || l->state != SL_LOAN_OFFERED)
     return sl_err_set(err, SUBLET_ENOOFFER,
                       "no loan is on offer on this device; wait for an owner to lend");
@@ -960,9 +989,9 @@ static int borrow_access(const struct sl_books *b, const struct sl_loan *l,
   if (c->peer.uid == owner_uid || c->peer.trusted)
     return 0;
   return sl_err_set(err, SUBLET_EPERM,
-                    "uid %u may not borrow loan %" PRIu64 " of uid %u; run both as the same "
-                    "user, or run subletd with --allow-group GROUP for a group the borrower "
-                    "is in", (unsigned)c->peer.uid, l->id, (unsigned)owner_uid);
+                    "uid %u may not borrow loan %" PRIu64 ": another user lent it; run both as "
+                    "the same user, or run subletd with --allow-group GROUP for a group the "
+                    "borrower is in", (unsigned)c->peer.uid, l->id);
 }
 
 static int fresh_fits(const struct sl_books *b, const struct sl_loan *l, uint64_t fresh_pages,
@@ -988,7 +1017,7 @@ static int pick_loan(const struct sl_books *b, const struct sl_client *c, uint64
   if (loan_id != 0)
     rc = pick_by_id(b, c->id, loan_id, token, out, err);
   else
-    rc = pick_offer(b, name, out, err);
+    rc = pick_offer(b, c->id, name, out, err);
   if (rc == 0)
     rc = borrow_access(b, *out, c, err);
   /* The next offer is one this user may borrow: another user's is not on offer to it. */
@@ -1109,7 +1138,7 @@ static int first_fit(const struct sl_books *b, const struct sl_loan *l, uint64_t
       *pos = start;
       return 0;
     }
-    largest = max_u64(largest, end - start);
+    largest = sl_max_u64(largest, end - start);
     if (i < l->nallocs)
       start = l->allocs[i].pos + l->allocs[i].npages;
   }
@@ -1128,9 +1157,9 @@ static void plan_served(const struct sl_books *b, const struct sl_loan *l, struc
  * and the kept bytes of kept pages among them must leave (moved or saved: plan.h). */
 static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
                               struct sl_grant *g) {
-  uint64_t lo = max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
+  uint64_t lo = sl_max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
   uint64_t ks = sl_books_kept_start(l);
-  uint64_t fresh_lo = max_u64(lo, l->unkept), fresh_hi = min_u64(hi, ks);
+  uint64_t fresh_lo = sl_max_u64(lo, l->unkept), fresh_hi = sl_min_u64(hi, ks);
   struct sl_plan_step s;
   int rc;
 
@@ -1139,9 +1168,9 @@ static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
     g->fresh_pos = fresh_lo;
     g->fresh_npages = fresh_hi - fresh_lo;
   }
-  if (hi <= max_u64(lo, ks))
+  if (hi <= sl_max_u64(lo, ks))
     return 0; /* no kept page is reached for the first time */
-  rc = sl_plan_reach(&l->plan, max_u64(lo, ks) - ks, hi - ks, &s);
+  rc = sl_plan_reach(&l->plan, sl_max_u64(lo, ks) - ks, hi - ks, &s);
   g->kept_from = s.from;
   g->kept_to = s.to;
   g->move = s.moves;
@@ -1212,9 +1241,9 @@ static int grant_current(const struct sl_books *b, const struct sl_grant *g, siz
 }
 
 static void loan_count_grant(struct sl_books *b, struct sl_loan *l, const struct sl_grant *g) {
-  l->hwm = max_u64(l->hwm, g->pos + g->npages);
+  l->hwm = sl_max_u64(l->hwm, g->pos + g->npages);
   l->live_bytes += g->npages * b->cfg.page_size;
-  l->stats.peak_bytes = max_u64(l->stats.peak_bytes, l->live_bytes);
+  l->stats.peak_bytes = sl_max_u64(l->stats.peak_bytes, l->live_bytes);
   l->stats.allocations++;
   l->stats.copied_out_bytes += g->save_bytes;
   b->counters.copied_out_bytes += g->save_bytes;
@@ -1314,6 +1343,9 @@ int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_i
     return sl_err_set(err, SUBLET_ENOENT,
                       "no live allocation %" PRIu64 ": it was freed already or never granted",
                       alloc_id);
+  if (l->borrower_client != client_id && !sees(b, client_id, loan_uid(b, l)))
+    return sl_err_set(err, SUBLET_EPERM, "allocation %" PRIu64 " is not this client's: only "
+                      "the borrower of its loan may free it", alloc_id);
   if (l->borrower_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,
                       "allocation %" PRIu64 " belongs to client %" PRIu64 ", the borrower of "
@@ -1378,7 +1410,7 @@ static int end_fill_restore(const struct sl_loan *l, struct sl_loan_end *end) {
 static int end_fill_replace(const struct sl_books *b, const struct sl_loan *l,
                             struct sl_loan_end *end) {
   const struct sl_region *r = sl_books_find_region(b, l->region_id);
-  uint64_t unkept = min_u64(l->hwm, l->unkept), kstart = sl_books_kept_start(l);
+  uint64_t unkept = sl_min_u64(l->hwm, l->unkept), kstart = sl_books_kept_start(l);
   uint64_t kept = l->hwm > kstart ? l->hwm - kstart : 0, n = unkept + kept;
 
   if (l->owner_gone || r == NULL || l->borrower.uid == r->owner.uid || n == 0)
@@ -1610,6 +1642,10 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
       .stats = l->stats};
   memcpy(li->name, l->name, sizeof(li->name));
   return 0;
+}
+
+const char *sl_books_loan_state_name(enum sl_loan_state s) {
+  return s >= SL_LOAN_OFFERED && s <= SL_LOAN_DRAINING ? state_names[s] : "?";
 }
 
 uint64_t sl_books_current_loan(const struct sl_books *b) {

@@ -47,6 +47,9 @@
 #include "error.h"
 #include "sublet.h"
 
+/* A loan's name and its NUL: 1 to 63 bytes of UTF-8 (LoanName in sublet.proto). */
+#define SL_LOAN_NAME_SIZE 64
+
 struct sl_books;
 
 enum sl_source { SL_SRC_UNKEPT = 0, SL_SRC_FRESH = 1, SL_SRC_KEPT = 2 };
@@ -137,7 +140,7 @@ struct sl_loan_info {
   enum sl_loan_state state;
   uint64_t owner_client, borrower_client;
   struct sl_peer borrower;
-  char name[64];
+  char name[SL_LOAN_NAME_SIZE];
   uint64_t unkept_pages, fresh_pages, kept_pages; /* U, F, K */
   uint64_t pinned_pages;      /* region pages in no window (Lend.pinned) */
   uint64_t kept_bytes;        /* all kept bytes of the region */
@@ -285,7 +288,7 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
 int sl_books_loan_finish(struct sl_books *b, uint64_t loan_id, struct sl_loan_end *end);
 /* The commit of an end's replace: the first `replaced` of end->replace have fresh pages now
  * (all of them, or none when creating them failed). The region's pages_version goes up, the
- * old pages count against the borrower (sl_books_client_retained) until it disconnects: the
+ * old pages count against the borrower (sl_books_retained) until it disconnects: the
  * daemon cannot see when the last fd of one dies. Call it once per end with nreplace > 0. */
 void sl_books_pages_replaced(struct sl_books *b, const struct sl_loan_end *end,
                              size_t replaced);
@@ -385,6 +388,8 @@ size_t sl_books_kept_held(const struct sl_books *b, struct sl_held_info *out, si
 
 /* Observation */
 int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li);
+/* "offered", "active", "draining" (status, messages). */
+const char *sl_books_loan_state_name(enum sl_loan_state s);
 /* The loan of this device, if any (there is at most one). */
 uint64_t sl_books_current_loan(const struct sl_books *b);
 uint64_t sl_books_client_loan(const struct sl_books *b, uint64_t client_id); /* borrowed */

@@ -54,14 +54,12 @@ struct sl_chunk {
   uint64_t id, pos, npages;
 };
 
-enum { NAME_SIZE = sizeof(((struct sl_loan_info *)0)->name) };
-
 struct sl_loan {
   uint64_t id, region_id;
   enum sl_loan_state state;
   uint64_t owner_client, borrower_client;
   struct sl_peer borrower;
-  char name[NAME_SIZE];
+  char name[SL_LOAN_NAME_SIZE];
   uint8_t token[SUBLET_TOKEN_SIZE];
   struct sublet_range *keep; /* merged: ascending, disjoint, not adjacent, none empty */
   size_t nkeep;

@@ -261,8 +261,8 @@ int sl_books_may_release(const struct sl_books *b, uint64_t client_id, uint64_t 
     return sl_err_set(err, SUBLET_ENOENT, "no region %" PRIu64 " (released, or its owner has "
                       "gone)", region_id);
   if (r->owner_client != client_id)
-    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to client %" PRIu64
-                      "; only its owner may release its pages", region_id, r->owner_client);
+    return sl_err_set(err, SUBLET_EPERM, "region %" PRIu64 " belongs to another client; only "
+                      "its owner may release its pages", region_id);
   if (r->loan_id != 0 || r->replacing)
     return sl_err_set(err, SUBLET_EBUSY, "region %" PRIu64 " is lent (loan %" PRIu64 "): its "
                       "pages are released once the loan has ended; reclaim it first",
@@ -521,8 +521,8 @@ int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t relea
     return sl_err_set(err, SUBLET_ENOENT, "no release %" PRIu64 " (resumed already, or its "
                       "region has gone)", release_id);
   if (rel->owner_client != client_id)
-    return sl_err_set(err, SUBLET_EPERM, "release %" PRIu64 " belongs to client %" PRIu64
-                      "; only its owner may resume it", release_id, rel->owner_client);
+    return sl_err_set(err, SUBLET_EPERM, "release %" PRIu64 " belongs to another client; only "
+                      "its owner may resume it", release_id);
   if (rel->state != SL_REL_RELEASED)
     return sl_err_set(err, SUBLET_EBUSY, "release %" PRIu64 " is %s: wait for that to finish",
                       release_id, rel_state_names[rel->state]);

@@ -11,14 +11,6 @@
 #include "books_impl.h"
 #include "grow.h"
 
-static uint64_t min_u64(uint64_t a, uint64_t b) {
-  return a < b ? a : b;
-}
-
-static uint64_t max_u64(uint64_t a, uint64_t b) {
-  return a > b ? a : b;
-}
-
 struct check {
   char *why;
   size_t n;
@@ -234,7 +226,7 @@ static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struc
 }
 
 static int check_chunks(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
-  uint64_t pos = l->unkept, end = max_u64(l->unkept, min_u64(l->hwm, sl_books_kept_start(l)));
+  uint64_t pos = l->unkept, end = sl_max_u64(l->unkept, sl_min_u64(l->hwm, sl_books_kept_start(l)));
 
   for (size_t i = 0; i < l->nchunks; i++) {
     const struct sl_chunk *c = &l->chunks[i];
@@ -289,7 +281,7 @@ static int spans_normalize(struct spans *s) {
     if (m > 0 && s->v[m - 1].hi > s->v[i].lo)
       overlap = 1;
     if (m > 0 && s->v[m - 1].hi >= s->v[i].lo)
-      s->v[m - 1].hi = max_u64(s->v[m - 1].hi, s->v[i].hi);
+      s->v[m - 1].hi = sl_max_u64(s->v[m - 1].hi, s->v[i].hi);
     else
       s->v[m++] = s->v[i];
   }
@@ -372,8 +364,8 @@ static int plan_accounting(const struct sl_plan *p, struct spans *have, struct s
   for (uint64_t q = 0; q < p->reached; q++) {
     uint64_t start = p->pages[q] * ps, end = start + ps;
     for (size_t k = sl_plan_keep_after(p, start); k < p->nkeep && p->keep[k].offset < end; k++) {
-      uint64_t lo = max_u64(start, p->keep[k].offset);
-      spans_add(want, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
+      uint64_t lo = sl_max_u64(start, p->keep[k].offset);
+      spans_add(want, lo, sl_min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
     }
   }
   return host == p->saved_bytes ? 0 : -1;

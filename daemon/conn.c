@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "daemon.h"
+#include "decode.h"
 #include "log.h"
 #include "msg.h"
 
@@ -38,13 +39,16 @@ static void deliver(struct sl_conn *c, Sublet__Request *req, int *fds, size_t nf
 }
 
 /* A frame whose decoding would hold the loop for milliseconds (a Lend with millions of keep
- * ranges: 3 million take 50 ms) is decoded off it, the connection paused meanwhile. */
+ * ranges: 3 million take 50 ms) is decoded off it, the connection paused meanwhile, as the
+ * host work of the peer's uid (jobs.c): its turn comes among that user's, and the payload's
+ * copy and the decoding's limit count against the user until it is done. */
 #define CONN_DECODE_INLINE_BYTES (1u << 20)
 
 struct decode_job {
   struct sl_job job; /* first member */
   uint8_t *payload;
-  size_t len;
+  size_t len, limit;
+  uint64_t id;              /* the request's, read undecoded: for a refusal */
   Sublet__Request *req;
   int fds[SL_WIRE_MAX_FDS];
   size_t nfds;
@@ -53,11 +57,19 @@ struct decode_job {
 static void decode_run(struct sl_job *j) {
   struct decode_job *dj = (struct decode_job *)j;
 
-  dj->req = sl_msg_unpack_request(dj->payload, dj->len, &j->err);
+  dj->req = sl_decode_request(dj->payload, dj->len, dj->limit, &j->err);
   j->rc = dj->req != NULL ? 0 : j->err.code;
 }
 
-static void refuse_frame(struct sl_conn *c, const struct sl_err *err) {
+/* A request too large to decode (or to queue) is answered, and the conversation goes on; a
+ * frame that is no request ends it. */
+static void refuse_frame(struct sl_conn *c, uint64_t id, const struct sl_err *err) {
+  if (err->code == SUBLET_E2BIG || err->code == SUBLET_EBUSY) {
+    sl_info("client pid %d: request %llu refused: %s", (int)c->peer.pid,
+            (unsigned long long)id, err->msg);
+    sl_conn_send_error(c, id, err);
+    return;
+  }
   sl_warn("client pid %d: %s; disconnecting it", (int)c->peer.pid, err->msg);
   sl_conn_send_error(c, 0, err);
   sl_conn_close(c);
@@ -74,7 +86,8 @@ static void decode_done(struct sl_job *j) {
       sublet__request__free_unpacked(dj->req, NULL);
   } else if (dj->req == NULL) {
     sl_wire_close_fds(dj->fds, dj->nfds);
-    refuse_frame(c, &j->err);
+    refuse_frame(c, dj->id, &j->err);
+    sl_conn_resume(c);
   } else {
     deliver(c, dj->req, dj->fds, dj->nfds);
     sl_conn_resume(c);
@@ -82,22 +95,29 @@ static void decode_done(struct sl_job *j) {
   free(dj);
 }
 
+/* 0 once queued (fds taken), else an error in err (fds still the caller's). */
 static int decode_off_loop(struct sl_conn *c, const struct sl_frame_header *h,
-                           const uint8_t *payload, int *fds) {
+                           const uint8_t *payload, int *fds, struct sl_err *err) {
   struct decode_job *dj = calloc(1, sizeof(*dj));
 
   if (dj == NULL || (dj->payload = malloc(h->length)) == NULL) {
     free(dj);
-    return SUBLET_ENOHOSTMEM;
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   }
   memcpy(dj->payload, payload, h->length);
   dj->len = h->length;
+  dj->limit = sl_decode_limit(h->length);
+  dj->id = sl_decode_request_id(payload, h->length);
   dj->nfds = h->nfds;
   memcpy(dj->fds, fds, h->nfds * sizeof(*fds));
   dj->job.run = decode_run;
   dj->job.done = decode_done;
   dj->job.conn = c;
-  sl_job_submit(c->d, &dj->job);
+  if (sl_job_submit_host(c->d, &dj->job, c->peer.uid, dj->len + dj->limit, err) != 0) {
+    free(dj->payload);
+    free(dj);
+    return err->code;
+  }
   sl_transport_pause(c->t, 1);
   return 0;
 }
@@ -115,13 +135,16 @@ static void on_frame(struct sl_transport *t, const struct sl_frame_header *h,
                "versions of sublet and subletd", SUBLET_PROTOCOL_VERSION, h->version);
   else if (h->kind != SL_WIRE_REQUEST)
     sl_err_set(&err, SUBLET_EPROTO, "a client sent a reply frame");
-  else if (h->length > CONN_DECODE_INLINE_BYTES && decode_off_loop(c, h, payload, fds) == 0)
+  else if (h->length > CONN_DECODE_INLINE_BYTES &&
+           decode_off_loop(c, h, payload, fds, &err) == 0)
     return;
-  else
-    req = sl_msg_unpack_request(payload, h->length, &err);
+  /* on the loop: a small one, or a large one when no job could be had for it (not over the
+   * user's budget: that one is refused) */
+  if (err.code == 0 || err.code == SUBLET_ENOHOSTMEM)
+    req = sl_decode_request(payload, h->length, sl_decode_limit(h->length), &err);
   if (req == NULL) {
     sl_wire_close_fds(fds, h->nfds);
-    refuse_frame(c, &err);
+    refuse_frame(c, sl_decode_request_id(payload, h->length), &err);
     return;
   }
   deliver(c, req, fds, h->nfds);

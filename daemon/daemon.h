@@ -1,9 +1,10 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), transport.c
  * (connections below the protocol: frames, output queues, bounds), conn.c (one client's
- * conversation on its transport), handlers.c (requests; regions.c the region ones), waiters.c
- * (requests answered later), endings.c (how loans end, what a client leaves), retire.c (a
- * region leaves, its keepers told), status.c (the Status reply), idle.c (--idle-exit), jobs.c
- * (copies off the loop).
+ * conversation on its transport), handlers.c (requests; lends.c, allocs.c, regions.c and
+ * releases.c the larger ones; release_offers.c release offers), waiters.c (requests answered
+ * later), endings.c (how loans end, what a client leaves), retire.c (a region leaves, its
+ * keepers told), status.c (the Status reply), idle.c (--idle-exit), jobs.c (copies off the
+ * loop).
  *
  * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, retire.c, status.c ->
  * conn.c -> transport.c. The lower ones reach the upper ones only through the callbacks they
@@ -50,6 +51,7 @@ struct sl_daemon_config {
 struct sl_conn;
 struct sl_waiter;
 struct sl_job;
+struct sl_job_user;
 struct sl_rescue;
 
 /* What the request layer does with a connection's requests and its end (handlers.c gives
@@ -82,9 +84,14 @@ struct sl_daemon {
   struct sl_conn *conns;
   struct sl_waiter *waiters;
   struct sl_drain *drains;
+  struct sl_stalled *stalled;      /* loan ends waiting for fresh pages' memory (endings.c) */
   struct sl_job *jobs, *jobs_tail; /* copies in submission order; the first one runs */
+  struct sl_job_user *job_users;   /* host work queued per uid, in turn order (jobs.c) */
+  struct sl_job *host_running;     /* the host job running now, beside the copies */
   struct sl_rescue *rescues;       /* per loan whose owner can restore itself (rescue.c) */
   struct sl_live_release *releases; /* live releases' save areas (releases.c) */
+  struct sl_release_offer *release_offers; /* release offers, oldest first (release_offers.c) */
+  uint64_t release_offers_made;    /* the last offer's id */
   double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
   double move_seconds;      /* the same, moving kept bytes on the device */
   uint64_t building_bytes;  /* of regions whose pages a job is creating: not free any more */
@@ -108,9 +115,12 @@ struct sl_conn {
   struct sl_conn *next;
 };
 
-enum sl_waiter_kind { SL_WAIT_RECLAIM, SL_WAIT_BORROW, SL_WAIT_LEND };
+/* SL_WAIT_TAKE, SL_WAIT_TAKE_WAIT, SL_WAIT_OFFER_STEP: release offers' (release_offers.c),
+ * loan_id the offer's id (0 for a Take), name a Take's name. */
+enum sl_waiter_kind { SL_WAIT_RECLAIM, SL_WAIT_BORROW, SL_WAIT_LEND, SL_WAIT_TAKE,
+                      SL_WAIT_TAKE_WAIT, SL_WAIT_OFFER_STEP };
 
-/* What a waiting Lend lends when its turn comes (handlers.c fills it in). */
+/* What a waiting Lend lends when its turn comes (lends.c fills it in). */
 struct sl_lend_wait {
   uint64_t region;
   int rescue, local;
@@ -133,7 +143,7 @@ struct sl_waiter {
   int has_token;
   int rescue;               /* Borrow.rescue */
   uint64_t known_layout;    /* Borrow's or Lend's: the layout id of the client's window */
-  char name[64];
+  char name[SL_LOAN_NAME_SIZE];
   uv_timer_t timer;
   struct sl_waiter *next;
 };
@@ -177,10 +187,24 @@ struct sl_job {
   double move_seconds;  /* moving on the device */
   double submitted_at, ran_at; /* sl_clock_now(), for the debug log */
   int started;
+  int host;             /* submitted with sl_job_submit_host: queued by uid */
+  uid_t uid;
+  size_t held;          /* host memory the job holds for uid (sl_jobs_held) */
   struct sl_job *next;
 };
 
 void sl_job_submit(struct sl_daemon *d, struct sl_job *j);
+/* Host work that touches only the job (run; no transfer), which need not keep its place among
+ * the copies: decoding a large request, drafting a long keep list. Queued per uid, served one
+ * job per user in turn, one at a time, beside the copies: one user's many such jobs delay
+ * another user's by one job at most. held (bytes of host memory) counts against uid until
+ * done runs; over SL_JOBS_HELD_PER_USER in all the job is refused: SUBLET_EBUSY (err says
+ * why), and it stays the caller's. */
+#define SL_JOBS_HELD_PER_USER (256ull << 20)
+int sl_job_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t held,
+                       struct sl_err *err);
+/* Bytes held by uid's host jobs, queued or running. */
+size_t sl_jobs_held(const struct sl_daemon *d, uid_t uid);
 int sl_jobs_idle(const struct sl_daemon *d);
 /* May a copy of bytes run on the loop now? Nothing queued (it would overtake), and small. */
 #define SL_JOB_INLINE_BYTES (1ull << 20)
@@ -230,9 +254,13 @@ void sl_waiters_device_free(struct sl_daemon *d);
 int sl_waiters_lend_first(const struct sl_waiter *w);
 size_t sl_waiters_lends(const struct sl_daemon *d);
 /* Tells the owner that a loan ended, and which of its region's pages are new (replaced, the
- * caller's): its waiting Reclaim, else its next one. */
-void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
-                           uint64_t owner_client, const uint64_t *replaced, size_t n);
+ * caller's): its waiting Reclaim (returns 1), else its next one (0). */
+int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
+                          uint64_t owner_client, const uint64_t *replaced, size_t n);
+/* The owner's waiting Reclaims of the loan are answered with err: its end waits for device
+ * memory (endings.c), and a later Reclaim may wait again. */
+void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint64_t loan_id,
+                               const struct sl_err *err);
 /* Takes an ended loan off the conn's list (NULL if not there); sl_ended_free() frees it. */
 struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan);
 void sl_ended_free(struct sl_ended *e);
@@ -265,12 +293,16 @@ int sl_rescue_has(const struct sl_daemon *d, uint64_t loan_id);
 /* A read-only fd of the same file (an owner must not write what it only reads); where /proc
  * is not mounted, a copy of fd itself. The caller owns it. */
 int sl_rescue_read_only_fd(int fd);
-int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_move *m, size_t nm,
-                      const struct sl_copy *c, size_t nc, struct sl_err *err);
+/* Journals what grant g emptied (its moves and saves) and the region pages it hands out for
+ * the first time, before the borrower may touch them. */
+int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_err *err);
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);
 void sl_rescue_prune(struct sl_daemon *d);
 void sl_rescue_free_all(struct sl_daemon *d);
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
+/* The device's loan as a message to c names it: "loan N" where status shows it to c, else as
+ * another user's (a refusal says no more than status). */
+const char *sl_status_loan_text(const struct sl_conn *c, uint64_t loan, char buf[48]);
 /* A region has left the books (released, or gone with its owner), or its last holder let go
  * (retire.c): the clients that still hold its pages hear RegionGone; with none, its pages are
  * released. */
@@ -280,8 +312,6 @@ void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
 void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
                           uint64_t req_id);
 
-/* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
- * a job with the connection paused), else an error in err for the caller to send. */
 /* releases.c: Lend.release (takes the Lend's keep and pinned lists, and *keep_fd), Resume;
  * the areas of releases that left the books go back; what live releases hold pinned. */
 int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
@@ -290,7 +320,43 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err);
 void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
-/* handlers.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
+/* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,
+ * OfferStep, Take, TakeWait, GiveBack); 0 when answered (now, or later through a waiter),
+ * else an error in x->err. gone: a connection went (an owner's or a taker's); timed_out: the
+ * text of one of its waiters' timeouts; status: the offers c may see, into st (the arrays
+ * are the caller's to free with sl_release_offers_status_free). */
+struct sl_req;
+int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m);
+int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m);
+int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m);
+int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m);
+int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m);
+void sl_release_offers_gone(struct sl_conn *c);
+void sl_release_offers_timed_out(const struct sl_waiter *w, struct sl_err *err);
+int sl_release_offers_status(struct sl_conn *c, Sublet__Status *st);
+void sl_release_offers_status_free(Sublet__Status *st);
+/* One request being handled (handlers.c, and the files it dispatches to that take one):
+ * its connection, its id, the error to answer with. */
+struct sl_req {
+  struct sl_conn *c;
+  struct sl_daemon *d;
+  uint64_t id;
+  struct sl_err err;
+  int keep_fd; /* a Lend's keep memfd: the request's until a Lend takes it (-1: none) */
+};
+/* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
+ * in x->err for the caller to send. A Lend may take x->keep_fd. */
+/* A request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes, no NUL)
+ * into out, "" when absent; what names it in the refusal. */
+int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
+                  ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
+int sl_lends_lend(struct sl_req *x, Sublet__Lend *m);
+int sl_lends_borrow(struct sl_req *x, const Sublet__Borrow *m);
+/* Called when an offer appears: wakes borrowers waiting for one. */
+void sl_lends_offer_posted(struct sl_daemon *d);
+/* allocs.c: Alloc, the same way (answered later when kept bytes are saved off the loop). */
+int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m);
+/* lends.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
  * own arrays (protobuf-c malloc'd them), or (keep_fd_ranges) the keep memfd, which the draft
  * reads into the daemon's own buffer (the client could change it meanwhile). take: on the
  * loop (*keep_fd is taken, -1 after); draft: any thread, the lists stay the owner's; clear
@@ -304,6 +370,10 @@ struct sl_lend_lists {
   size_t npinned;
 };
 void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd);
+/* The host memory the lists take (a memfd's once read), for sl_job_submit_host. */
+static inline size_t sl_lend_lists_bytes(const struct sl_lend_lists *l) {
+  return (l->nkeep + l->npinned) * 2 * sizeof(uint64_t);
+}
 int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
                         uint64_t npages, struct sl_loan **draft, struct sl_err *err);
 void sl_lend_lists_clear(struct sl_lend_lists *l);
@@ -314,6 +384,8 @@ uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve);
 /* --check: the books checked after a step, abort if broken. */
 void sl_check_books(struct sl_daemon *d, uint64_t req_id);
 
+/* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
+ * a job with the connection paused), else an error in err for the caller to send. */
 int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
                       struct sl_err *err);
 int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
@@ -333,7 +405,5 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
 void sl_handle_disconnect(struct sl_conn *c);
 /* Ends what still waits for a dead borrower's exit: the daemon is going away. */
 void sl_handle_shutdown(struct sl_daemon *d);
-/* Called when an offer appears: wakes borrowers waiting for one. */
-void sl_handle_offer_posted(struct sl_daemon *d);
 
 #endif

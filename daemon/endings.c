@@ -5,6 +5,12 @@
  * a pidfd. Either way the kept bytes come back before the owner hears of it. When the borrower
  * is another user than the owner, the pages it was granted get fresh pages first (books.h),
  * the kept bytes are restored into those, and the owner hears which to map.
+ *
+ * Never into the old ones (docs/design/isolation.md): that borrower may hold their fds for
+ * good. When the device lacks the memory for the fresh pages, the end stalls: nothing is
+ * restored, the region stays getting fresh pages (no Lend, no PagesGet), the save area becomes
+ * the end's alone, and the owner's Reclaim gets SUBLET_ENOMEM saying so. A timer tries again
+ * while it waits; once the memory is there the end completes like any other.
  */
 #include <errno.h>
 #include <signal.h>
@@ -20,18 +26,36 @@ struct end_job {
   struct sl_job job; /* first member */
   struct sl_loan_end end;
   size_t replaced;   /* of end.replace: written by the transfer's run */
+  struct sl_pool_area *area; /* the save area it restores from, held (end.nreplace > 0) */
   sl_loan_answer_fn answer;
   void *arg;
+  struct end_job *next_stalled;
 };
+
+/* Ends waiting for the memory of their fresh pages, and the timer that tries them again. */
+struct sl_stalled {
+  uv_timer_t timer;
+  struct end_job *first;
+};
+
+#define SL_STALL_RETRY_MS 100
+
+static int stall_keeps(struct sl_daemon *d, struct end_job *ej, const char *why,
+                       struct sl_conn *c);
+static void stalled_drop(struct sl_daemon *d, struct end_job *ej);
+static void on_stall_tick(uv_timer_t *t);
 
 /* The kept bytes are back (or could not be, rc): the books learn which pages are new, the
  * owner is told (with them, to map them where the old ones were), the request that ended the
  * loan answered. */
-static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const char *why,
-                       double seconds, double move_seconds, struct sl_conn *c) {
+static int end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const char *why,
+                      double seconds, double move_seconds, struct sl_conn *c) {
   struct sl_loan_end *end = &ej->end;
   char size[16];
+  int told;
 
+  if (rc != 0 && end->nreplace > 0 && ej->replaced == 0) /* nothing was restored */
+    return stall_keeps(d, ej, why, c);
   if (rc != 0) {
     sl_error("loan %llu: restoring kept bytes failed: %s", (unsigned long long)end->loan_id,
              why);
@@ -54,20 +78,28 @@ static void end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const ch
   if (ej->replaced > 0)
     sl_info("loan %llu: %zu pages the borrower (uid %u) was granted were replaced by fresh "
             "ones", (unsigned long long)end->loan_id, ej->replaced, (unsigned)end->borrower_uid);
-  sl_waiters_loan_ended(d, &end->stats, end->owner_client, end->replace, ej->replaced);
+  told = sl_waiters_loan_ended(d, &end->stats, end->owner_client, end->replace, ej->replaced);
   if (ej->answer != NULL)
     ej->answer(c, ej->arg, &end->stats);
+  /* Until the owner has mapped its fresh pages, its library would restore from this area if
+   * the daemon died: an owner that has not asked yet may take long, and no later loan may
+   * save into the area meanwhile (one that asked maps them at once: the area stays). */
+  if (ej->replaced > 0 && !told)
+    sl_pool_area_detach(d->pool, ej->area);
+  sl_pool_area_put(d->pool, ej->area);
   sl_loan_end_clear(end);
+  return 0;
 }
 
 static void end_restored(struct sl_job *j) {
   struct end_job *ej = (struct end_job *)j;
   struct sl_conn *c = j->conn;
+  int kept = end_finish(j->d, ej, j->rc, j->err.msg, j->seconds, j->move_seconds, c);
 
-  end_finish(j->d, ej, j->rc, j->err.msg, j->seconds, j->move_seconds, c);
   if (c != NULL)
     sl_conn_resume(c);
-  free(ej);
+  if (!kept)
+    free(ej);
 }
 
 /* The device work of the end: fresh pages for the borrower's (another user's), then the kept
@@ -80,8 +112,19 @@ static int end_transfer(struct sl_daemon *d, struct end_job *ej, struct sl_pool_
   *t = NULL;
   if (end->nrestore + end->nunmove + end->nreplace == 0)
     return 0;
-  rc = sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, end->region_id, end->restore,
-                            end->nrestore, end->unmove, end->nunmove, t, err);
+  /* An end that may stall holds its area: it must outlast the wait, and no later loan of the
+   * owner's user may save into it meanwhile (stall_keeps detaches it). */
+  if (end->nreplace > 0 && ej->area == NULL) {
+    if ((rc = sl_pool_host_reserve(d->pool, 0, err)) != 0)
+      return rc;
+    ej->area = sl_pool_area_hold(d->pool);
+  }
+  rc = ej->area != NULL
+           ? sl_pool_transfer_new_in(d->pool, ej->area, SL_COPY_TO_DEVICE, end->region_id,
+                                     end->restore, end->nrestore, end->unmove, end->nunmove, t,
+                                     err)
+           : sl_pool_transfer_new(d->pool, SL_COPY_TO_DEVICE, end->region_id, end->restore,
+                                  end->nrestore, end->unmove, end->nunmove, t, err);
   if (rc == 0 && end->nreplace > 0)
     rc = sl_pool_transfer_replace(*t, end->replace, end->nreplace, &ej->replaced, err);
   if (rc != 0) {
@@ -101,8 +144,8 @@ static void end_now(struct sl_daemon *d, struct end_job *ej, struct sl_conn *c) 
   if (rc == 0 && t != NULL)
     rc = sl_pool_transfer_run(t, &copy, &move, &err);
   sl_pool_transfer_free(t);
-  end_finish(d, ej, rc, err.msg, copy, move, c);
-  free(ej);
+  if (!end_finish(d, ej, rc, err.msg, copy, move, c))
+    free(ej);
 }
 
 /* What the end costs on the device, in bytes, for sl_jobs_inline. */
@@ -149,6 +192,131 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
   sl_job_submit(d, &ej->job);
 }
 
+/* ---- ends that wait for fresh memory ------------------------------------------------------ */
+
+static void stalled_link(struct sl_daemon *d, struct end_job *ej) {
+  ej->next_stalled = d->stalled->first;
+  d->stalled->first = ej;
+  if (!uv_is_active((uv_handle_t *)&d->stalled->timer))
+    uv_timer_start(&d->stalled->timer, on_stall_tick, SL_STALL_RETRY_MS, SL_STALL_RETRY_MS);
+}
+
+static void stalled_unlink(struct sl_daemon *d, struct end_job *ej) {
+  struct end_job **link = &d->stalled->first;
+
+  while (*link != NULL && *link != ej)
+    link = &(*link)->next_stalled;
+  if (*link != NULL)
+    *link = ej->next_stalled;
+  if (d->stalled->first == NULL)
+    uv_timer_stop(&d->stalled->timer);
+}
+
+/* The owner's Reclaims of the loan hear why it has not ended. */
+static void tell_owner(struct sl_daemon *d, const struct end_job *ej, const char *why) {
+  struct sl_err err = {0};
+
+  sl_err_set(&err, SUBLET_ENOMEM, "loan %llu was returned, but its kept bytes are not back "
+             "yet: %s", (unsigned long long)ej->end.loan_id, why);
+  sl_waiters_reclaim_failed(d, ej->end.owner_client, ej->end.loan_id, &err);
+}
+
+/* An end of a loan to another user that restored nothing (its fresh pages could not all be
+ * made): kept, to be tried again. The borrower's request (c's) is answered: its loan is over;
+ * the owner hears that its kept bytes wait. Returns 1: ej is taken. When the daemon stops (or
+ * has no host memory to wait with) it is dropped instead, nothing restored: the owner's
+ * library restores from its journal, into fresh pages of its own (client/rescue.c). */
+static int stall_keeps(struct sl_daemon *d, struct end_job *ej, const char *why,
+                       struct sl_conn *c) {
+  if (!d->stopping && d->stalled == NULL && (d->stalled = calloc(1, sizeof(*d->stalled))) != NULL)
+    uv_timer_init(d->loop, &d->stalled->timer);
+  sl_error("loan %llu: its kept bytes wait: %s", (unsigned long long)ej->end.loan_id, why);
+  ej->end.stats.replaced_pages = 0;
+  if (ej->answer != NULL)
+    ej->answer(c, ej->arg, &ej->end.stats);
+  ej->answer = NULL;
+  tell_owner(d, ej, why);
+  if (d->stalled == NULL || d->stopping) {
+    stalled_drop(d, ej);
+    return 1;
+  }
+  d->stalled->timer.data = d;
+  sl_pool_area_detach(d->pool, ej->area);
+  stalled_link(d, ej);
+  return 1;
+}
+
+/* A stalled end no one waits for any more (its region is gone, or the daemon stops). */
+static void stalled_drop(struct sl_daemon *d, struct end_job *ej) {
+  sl_books_pages_replaced(d->books, &ej->end, 0);
+  sl_rescue_end(d, ej->end.loan_id, 0);
+  sl_pool_area_put(d->pool, ej->area);
+  sl_loan_end_clear(&ej->end);
+  free(ej);
+}
+
+/* Is there the memory for the end's fresh pages now? */
+static int room_for(struct sl_daemon *d, const struct end_job *ej) {
+  uint64_t free_bytes = 0;
+
+  return sl_device_free_bytes(d->dev, &free_bytes, NULL) == 0 &&
+         free_bytes / sl_device_info(d->dev)->page_size >= ej->end.nreplace;
+}
+
+static void stall_retry(struct sl_daemon *d, struct end_job *ej) {
+  memset(&ej->job, 0, sizeof(ej->job));
+  ej->replaced = 0;
+  ej->job.done = end_restored;
+  ej->job.rc = end_transfer(d, ej, &ej->job.transfer, &ej->job.err);
+  sl_job_submit(d, &ej->job);
+}
+
+static void on_stall_tick(uv_timer_t *t) {
+  struct sl_daemon *d = t->data;
+  struct sl_region_info ri;
+
+  for (struct end_job *ej = d->stalled->first, *next; ej != NULL; ej = next) {
+    next = ej->next_stalled;
+    if (sl_books_region_info(d->books, ej->end.region_id, &ri) != 0) {
+      stalled_unlink(d, ej);
+      stalled_drop(d, ej); /* its owner released it, or left */
+    } else if (room_for(d, ej)) {
+      stalled_unlink(d, ej);
+      stall_retry(d, ej); /* back here if it fails again */
+    } else {
+      tell_owner(d, ej, "the device still lacks the memory for fresh pages in place of the "
+                 "pages a borrower of another user was granted; free device memory and "
+                 "reclaim again");
+    }
+  }
+}
+
+static void free_stalled(uv_handle_t *h) {
+  free(h->data);
+}
+
+/* At shutdown: the owners' libraries restore from their journals, into fresh pages. */
+static void stalled_free_all(struct sl_daemon *d) {
+  if (d->stalled == NULL)
+    return;
+  while (d->stalled->first != NULL) {
+    struct end_job *ej = d->stalled->first;
+    stalled_unlink(d, ej);
+    stalled_drop(d, ej);
+  }
+  d->stalled->timer.data = d->stalled;
+  uv_close((uv_handle_t *)&d->stalled->timer, free_stalled);
+  d->stalled = NULL;
+}
+
+static int stalled_has(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client) {
+  for (const struct end_job *ej = d->stalled != NULL ? d->stalled->first : NULL; ej != NULL;
+       ej = ej->next_stalled)
+    if (ej->end.loan_id == loan_id && (owner_client == 0 || ej->end.owner_client == owner_client))
+      return 1;
+  return 0;
+}
+
 int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client) {
   for (const struct sl_job *j = d->jobs; j != NULL; j = j->next) {
     const struct end_job *ej = (const struct end_job *)j;
@@ -156,19 +324,23 @@ int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_c
         (owner_client == 0 || ej->end.owner_client == owner_client))
       return 1;
   }
-  return 0;
+  return stalled_has(d, loan_id, owner_client);
 }
 
 /* Ends loans whose borrower is gone: kept bytes restored, the owner told. When the daemon is
  * going away, a loan whose owner can restore itself is left to it instead: the borrower's
  * process may still touch the pages (it lets go once it sees the daemon go, or exits), which
- * the owner's library waits for and the daemon cannot (it would have to outstay it). */
+ * the owner's library waits for and the daemon cannot (it would have to outstay it). A
+ * borrower of another user is not waited for: the owner's library gives the pages it was
+ * granted fresh memory of its own first (client/rescue.c), since the daemon's fresh pages
+ * would die with it. */
 static void finish_now(struct sl_daemon *d, const uint64_t *loans, size_t n) {
   for (size_t i = 0; i < n; i++) {
     struct sl_loan_end end = {0};
     if (d->stopping && sl_rescue_has(d, loans[i])) {
       sl_info("loan %llu is left to its owner's library: it restores the kept bytes from the "
-              "save area once the borrower has let go", (unsigned long long)loans[i]);
+              "save area once the borrower has let go (or, another user's, into fresh pages)",
+              (unsigned long long)loans[i]);
       continue;
     }
     if (sl_books_loan_finish(d->books, loans[i], &end) == 0)
@@ -247,6 +419,7 @@ static int drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
 }
 
 void sl_handle_shutdown(struct sl_daemon *d) {
+  stalled_free_all(d);
   while (d->drains != NULL) {
     struct sl_drain *dr = d->drains;
     drain_done(dr); /* unlinks dr */

@@ -1,10 +1,19 @@
 /* grow.h - the daemon's array helpers (books, plans, checks, the pool): the one growth rule,
- * and copies. */
+ * copies, and the min and max their arithmetic takes. */
 #ifndef SL_GROW_H
 #define SL_GROW_H
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+static inline uint64_t sl_min_u64(uint64_t a, uint64_t b) {
+  return a < b ? a : b;
+}
+
+static inline uint64_t sl_max_u64(uint64_t a, uint64_t b) {
+  return a > b ? a : b;
+}
 
 /* Returns p grown to hold at least want elements of elem bytes (capacity doubles from 8), or
  * NULL with p untouched. *cap is updated on success. */

@@ -9,7 +9,7 @@
 static int idle_now(struct sl_daemon *d) {
   struct sl_books_totals t;
 
-  if (d->conns != NULL || d->drains != NULL || d->jobs != NULL)
+  if (d->conns != NULL || d->drains != NULL || !sl_jobs_idle(d))
     return 0;
   sl_books_totals(d->books, &t);
   return t.clients == 0 && t.regions == 0 && t.loans == 0;

@@ -33,10 +33,6 @@ struct cursor {
   uint64_t k_sink; /* UINT64_MAX: k not known */
 };
 
-static uint64_t min_u64(uint64_t a, uint64_t b) {
-  return a < b ? a : b;
-}
-
 static int move_add(struct move_list *l, uint64_t src, uint64_t dst, uint64_t len) {
   struct sl_move *last = l->n ? &l->v[l->n - 1] : NULL;
   struct sl_move *v;
@@ -151,7 +147,7 @@ static int next_hole(const struct sl_plan *p, struct cursor *c, uint64_t *at, ui
     }
     if (x < end) {
       *at = x;
-      *len = min_u64(end, k < p->nkeep ? p->keep[k].offset : end) - x;
+      *len = sl_min_u64(end, k < p->nkeep ? p->keep[k].offset : end) - x;
       c->off = x - start;
       c->k = k; /* place() uses at most the hole: k stays the first range ending after it */
       c->k_sink = c->sink;
@@ -173,7 +169,7 @@ static int place(const struct sl_plan *p, struct cursor *c, uint64_t src, uint64
   uint64_t at, hole;
 
   while (len > 0 && next_hole(p, c, &at, &hole)) {
-    uint64_t n = min_u64(len, hole);
+    uint64_t n = sl_min_u64(len, hole);
     if (move_add(ml, src, at, n) < 0)
       return SUBLET_ENOHOSTMEM;
     c->off += n;
@@ -211,7 +207,7 @@ static int save_dense(const struct sl_plan *p, uint64_t i, size_t k, struct save
       break;
     if (have_k && (!have_m || p->keep[k].offset < p->moves[m].dst_off)) {
       uint64_t lo = p->keep[k].offset > start ? p->keep[k].offset : start;
-      rc = save_add(sl, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
+      rc = save_add(sl, lo, sl_min_u64(end, p->keep[k].offset + p->keep[k].length) - lo);
       k++;
     } else {
       rc = save_add(sl, p->moves[m].dst_off, p->moves[m].len);
@@ -233,7 +229,7 @@ static int empty_page(const struct sl_plan *p, uint64_t i, size_t k, struct curs
     return save_dense(p, i, k, sl);
   for (; rc == 0 && k < p->nkeep && p->keep[k].offset < end; k++) {
     uint64_t lo = p->keep[k].offset > start ? p->keep[k].offset : start;
-    rc = place(p, c, lo, min_u64(end, p->keep[k].offset + p->keep[k].length) - lo, ml, sl);
+    rc = place(p, c, lo, sl_min_u64(end, p->keep[k].offset + p->keep[k].length) - lo, ml, sl);
   }
   return rc;
 }

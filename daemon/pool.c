@@ -39,13 +39,6 @@ struct sl_pool_region {
   struct sl_pool_region *next;
 };
 
-/* One batch of a transfer: copies within one host piece, offsets from its start. */
-struct pool_batch {
-  void *host;
-  struct sl_copy *copies;
-  size_t n;
-};
-
 /* The host save area: a memfd pinned in pieces of SL_HOST_PIECE bytes. Its clients get it
  * sealed read-only (common/seal.h), so the daemon's one writable mapping, the window, is made
  * before the seal, over all the area may ever hold: a piece is pinned in it as the file grows
@@ -61,24 +54,30 @@ struct sl_pool_area {
   int doomed;     /* replaced while busy: freed when the last transfer is */
 };
 
+/* Why a transfer makes pages before it copies (it copies nothing unless it made them all). */
+enum must_replace {
+  MUST_NONE = 0,
+  MUST_RESUME = 1, /* a release's resume: the pages were given back to the driver */
+  MUST_FRESH = 2,  /* a loan's end: the pages a borrower of another user was granted */
+};
+
 struct sl_pool_transfer {
   struct sl_pool *pool;
   struct sl_pool_region *region;
   struct sl_pool_area *area;
   enum sl_copy_dir dir;
-  struct pool_batch *batches;
-  size_t nbatches;
   struct sl_copy *copies; /* as given */
   size_t ncopies;
   struct sl_move *moves;  /* inside the region */
   size_t nmoves;
-  struct sl_copy *pieces; /* the storage of every batch's copies, split at host pieces */
+  struct sl_copy *pieces; /* the copies split where they cross host pieces: npieces */
+  size_t npieces;
   uint64_t *replace;      /* region pages to give new pages first (sl_pool_transfer_replace) */
   uint32_t *rspan;        /* the pages each new handle backs (a group's): NULL, one each */
   sl_handle *fresh;       /* their new handles: created by the run */
   size_t nreplace, nfresh, nreplaced;
   size_t *replaced;       /* the caller's: nreplaced once the run is done */
-  int must_replace;       /* a release's resume: no copy runs unless every page was made */
+  enum must_replace must; /* no copy runs unless every page was made: whose pages they are */
 };
 
 struct pool_chunk {
@@ -516,6 +515,25 @@ void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
     area_free(p->dev, loser);
 }
 
+struct sl_pool_area *sl_pool_area_hold(struct sl_pool *p) {
+  if (p->area != NULL)
+    p->area->busy++;
+  return p->area;
+}
+
+void sl_pool_area_detach(struct sl_pool *p, struct sl_pool_area *a) {
+  if (a == NULL)
+    return;
+  if (p->area == a)
+    p->area = NULL; /* the next loan claims a new one */
+  a->doomed = 1;    /* freed at the last put */
+}
+
+void sl_pool_area_put(struct sl_pool *p, struct sl_pool_area *a) {
+  if (a != NULL && --a->busy == 0 && a->doomed)
+    area_free(p->dev, a);
+}
+
 /* How many pieces the copies make once split where they cross host pieces. */
 static size_t count_pieces(const struct sl_copy *c, size_t n) {
   size_t total = 0;
@@ -527,26 +545,21 @@ static size_t count_pieces(const struct sl_copy *c, size_t n) {
   return total;
 }
 
-/* Splits copies where they cross host pieces: one batch per run of pieces in one host piece. */
-static int split_batches(struct sl_pool_transfer *t, const struct sl_copy *c, size_t n,
-                         struct sl_err *err) {
-  size_t cap = count_pieces(c, n), np = 0;
-  uint64_t piece = UINT64_MAX;
-
-  t->pieces = malloc((cap + 1) * sizeof(*t->pieces));
-  t->batches = malloc((cap + 1) * sizeof(*t->batches));
-  if (t->pieces == NULL || t->batches == NULL)
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a copy's batches");
+/* Splits copies where they cross host pieces, each pinned on its own (a copy must lie in one
+ * pinned range). The pieces sit side by side in the window, so the split copies keep their
+ * offsets from its start and run as one call: a call per piece waited for the device after
+ * each 256 MiB. */
+static int split_pieces(struct sl_pool_transfer *t, const struct sl_copy *c, size_t n,
+                        struct sl_err *err) {
+  t->pieces = malloc((count_pieces(c, n) + 1) * sizeof(*t->pieces));
+  if (t->pieces == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a copy's pieces");
   for (size_t i = 0; i < n; i++) {
     struct sl_copy cur = c[i];
     while (cur.len > 0) {
-      uint64_t pc = cur.host_off / SL_HOST_PIECE, in = cur.host_off % SL_HOST_PIECE;
+      uint64_t in = cur.host_off % SL_HOST_PIECE;
       uint64_t len = cur.len < SL_HOST_PIECE - in ? cur.len : SL_HOST_PIECE - in;
-      if (pc != piece)
-        t->batches[t->nbatches++] = (struct pool_batch){t->area->host[pc], &t->pieces[np], 0};
-      piece = pc;
-      t->pieces[np++] = (struct sl_copy){cur.dev_off, in, len};
-      t->batches[t->nbatches - 1].n++;
+      t->pieces[t->npieces++] = (struct sl_copy){cur.dev_off, cur.host_off, len};
       cur.dev_off += len;
       cur.host_off += len;
       cur.len -= len;
@@ -554,7 +567,6 @@ static int split_batches(struct sl_pool_transfer *t, const struct sl_copy *c, si
   }
   return 0;
 }
-
 
 static int no_pages(uint64_t region_id, struct sl_err *err) {
   return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
@@ -605,8 +617,8 @@ int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum s
   return 0;
 }
 
-int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
-                             size_t *replaced, struct sl_err *err) {
+static int replace_init(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                        size_t *replaced, enum must_replace must, struct sl_err *err) {
   for (size_t i = 0; i < n; i++)
     if (pages[i] >= t->region->npages)
       return sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
@@ -617,14 +629,19 @@ int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, 
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu fresh pages", n);
   t->nreplace = n;
   t->replaced = replaced;
+  t->must = must;
   *replaced = 0;
   return 0;
 }
 
+int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                             size_t *replaced, struct sl_err *err) {
+  return replace_init(t, pages, n, replaced, MUST_FRESH, err);
+}
+
 int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                                  size_t *replaced, struct sl_err *err) {
-  t->must_replace = 1;
-  return sl_pool_transfer_replace(t, pages, n, replaced, err);
+  return replace_init(t, pages, n, replaced, MUST_RESUME, err);
 }
 
 int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *groups, size_t n,
@@ -646,9 +663,8 @@ int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *gro
     heads[i] = first;
     t->rspan[i] = (uint32_t)count;
   }
-  t->must_replace = 1;
   if (rc == 0)
-    rc = sl_pool_transfer_replace(t, heads, n, replaced, err);
+    rc = replace_init(t, heads, n, replaced, MUST_RESUME, err);
   free(heads);
   return rc;
 }
@@ -735,7 +751,8 @@ static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   return rc;
 }
 
-/* New pages for the region pages of t->replace, all or none (the restore goes on either way). */
+/* New pages for the region pages of t->replace, all or none: without all of them the run
+ * copies nothing (sl_pool_transfer_run). */
 static void run_replace(struct sl_pool_transfer *t) {
   struct sl_err err = {0};
   int rc = 0;
@@ -747,8 +764,8 @@ static void run_replace(struct sl_pool_transfer *t) {
   if (rc == 0)
     rc = swap_mappings(t, &err);
   if (rc != 0) {
-    sl_error("region %llu keeps its %zu lent pages (a borrower of another user may still "
-             "reach them): %s", (unsigned long long)t->region->id, t->nreplace, err.msg);
+    sl_warn("region %llu: no fresh memory for %zu pages: %s", (unsigned long long)t->region->id,
+            t->nreplace, err.msg);
     return;
   }
   t->nreplaced = t->nreplace;
@@ -791,10 +808,10 @@ static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
       host_end = t->copies[i].host_off + t->copies[i].len;
   rc = area_reserve(t->pool->dev, t->area, host_end, err);
   if (rc == 0 && t->ncopies > 0)
-    rc = split_batches(t, t->copies, t->ncopies, err);
-  for (size_t i = 0; i < t->nbatches && rc == 0; i++)
-    rc = sl_device_copy(t->pool->dev, t->dir, t->region->base, t->batches[i].host,
-                        t->batches[i].copies, t->batches[i].n, err);
+    rc = split_pieces(t, t->copies, t->ncopies, err);
+  if (rc == 0 && t->npieces > 0)
+    rc = sl_device_copy(t->pool->dev, t->dir, t->region->base, t->area->window, t->pieces,
+                        t->npieces, err);
   return rc;
 }
 
@@ -811,6 +828,20 @@ static uint64_t replace_bytes(const struct sl_pool_transfer *t) {
   return n;
 }
 
+/* The pages could not all be made: the run copies nothing, and says why. */
+static int no_room(const struct sl_pool_transfer *t, struct sl_err *err) {
+  char size[16];
+
+  sl_format_size(size, replace_bytes(t));
+  if (t->must == MUST_FRESH)
+    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks %s of memory for fresh pages in "
+                      "place of the %zu pages a borrower of another user was granted: nothing "
+                      "is restored into pages it may still reach (the kept bytes wait, safe); "
+                      "free device memory and reclaim again", size, t->nreplace);
+  return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %s again: "
+                    "whoever holds it must free it first; the release goes on", size);
+}
+
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err) {
   int save = t->dir == SL_COPY_TO_HOST, rc;
@@ -818,10 +849,8 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
 
   if (t->nreplace > 0)
     run_replace(t);
-  if (t->must_replace && t->nreplaced != t->nreplace)
-    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %llu bytes "
-                      "again: whoever holds it must free it first; the release goes on",
-                      (unsigned long long)replace_bytes(t));
+  if (t->must != MUST_NONE && t->nreplaced != t->nreplace)
+    return no_room(t, err);
   rc = save ? run_moves(t, err) : run_copies(t, err);
   t1 = sl_clock_now();
   if (rc == 0)
@@ -845,7 +874,6 @@ void sl_pool_transfer_free(struct sl_pool_transfer *t) {
   free(t->copies);
   free(t->moves);
   free(t->pieces);
-  free(t->batches);
   free(t);
 }
 

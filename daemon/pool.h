@@ -72,14 +72,16 @@ int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t regio
                          size_t nm, struct sl_pool_transfer **out, struct sl_err *err);
 /* A restore's transfer can first give region pages pages[0..n) (ascending) new pages: created,
  * mapped in the daemon's own mapping where the old ones were, the old ones released (their
- * memory lives on for whoever else holds them; nothing is copied from them). All or none: the
- * run writes to *replaced (the caller's, read after the run) n, or 0 when they could not be
- * created or mapped (logged); then the old pages stay. The pool's table of handles changes
- * when the transfer is freed, on the loop. */
+ * memory lives on for whoever else holds them; nothing is copied from them). All or none, and
+ * before any copy: the run writes to *replaced (the caller's, read after the run) the pages
+ * made, and when it could not make them all it copies nothing and fails with SUBLET_ENOMEM,
+ * the old pages staying and holding nothing restored (a loan's end to another user: its
+ * borrower may still reach them, docs/design/isolation.md). The pool's table of handles
+ * changes when the transfer is freed, on the loop. */
 int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                              size_t *replaced, struct sl_err *err);
-/* The same where the run must make every page (a release's resume): otherwise it copies
- * nothing and fails with SUBLET_ENOMEM, the old (no) pages staying. */
+/* The same for a release's resume (the pages were given back to the driver; its error says
+ * the release goes on). */
 int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                                  size_t *replaced, struct sl_err *err);
 /* The same, for a resume that makes groups (books.h, "Page groups"): groups holds n (first,
@@ -111,6 +113,13 @@ int sl_pool_area_take(struct sl_pool *p, uid_t uid, struct sl_pool_area **out, i
                       struct sl_err *err);
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a);
 uint64_t sl_pool_area_bytes(const struct sl_pool_area *a);
+/* The loans' current save area (NULL: none yet), held: it outlives the transfers that use it
+ * and a claim of another user that replaces it, until sl_pool_area_put. detach makes it the
+ * holder's alone (a loan's end waiting for fresh pages keeps its saved bytes there): the next
+ * loan claims a new one, and the last put frees it. */
+struct sl_pool_area *sl_pool_area_hold(struct sl_pool *p);
+void sl_pool_area_detach(struct sl_pool *p, struct sl_pool_area *a);
+void sl_pool_area_put(struct sl_pool *p, struct sl_pool_area *a);
 /* The save area for a loan of uid's region: the current one if it is uid's (or nobody's
  * yet), else a new one. *fd is its memfd, the pool's: the caller may send it, not close it. */
 int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err);

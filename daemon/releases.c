@@ -309,7 +309,11 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
   rj->job.run = draft_run;
   rj->job.done = draft_done;
   rj->job.conn = c;
-  sl_job_submit(c->d, &rj->job);
+  if (sl_job_submit_host(c->d, &rj->job, c->peer.uid, sl_lend_lists_bytes(&rj->lists),
+                         err) != 0) {
+    job_free(rj);
+    return err->code;
+  }
   return 0;
 }
 

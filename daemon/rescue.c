@@ -84,6 +84,8 @@ int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_i
   rc = sl_journal_create(loan_id, li->region_id, li->keep_ranges + li->kept_pages, &r->journal,
                          err);
   if (rc == 0)
+    sl_journal_set_owner(r->journal, owner_uid);
+  if (rc == 0)
     rc = sl_pool_host_claim(d->pool, owner_uid, &area_fd, err);
   if (rc != 0) {
     rescue_free(r);
@@ -118,23 +120,54 @@ int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer
   return fd;
 }
 
-int sl_rescue_emptied(struct sl_daemon *d, uint64_t loan_id, const struct sl_move *m, size_t nm,
-                      const struct sl_copy *c, size_t nc, struct sl_err *err) {
-  struct sl_rescue *r = find(d, loan_id);
+/* The region pages of window positions [from, to) (the fresh zone has none), as GRANT
+ * entries of runs of consecutive pages. Returns how many it wrote to e. */
+static size_t grant_entries(const struct sl_daemon *d, uint64_t loan_id, uint64_t from,
+                            uint64_t to, struct sl_journal_entry *e) {
+  uint64_t ps = sl_device_info(d->dev)->page_size, u, f, k;
+  const uint64_t *pages;
+  size_t n = 0;
+
+  if (sl_books_loan_layout(d->books, loan_id, &pages, &u, &f, &k) != 0)
+    return 0;
+  for (uint64_t pos = from; pos < to; pos++) {
+    uint64_t page = pos < u ? pages[pos] : pos >= u + f ? pages[pos - f] : UINT64_MAX;
+    if (page == UINT64_MAX)
+      continue;
+    if (n > 0 && e[n - 1].src + e[n - 1].len == page * ps)
+      e[n - 1].len += ps;
+    else
+      e[n++] = (struct sl_journal_entry){SL_JOURNAL_GRANT, 0, page * ps, 0, ps};
+  }
+  return n;
+}
+
+/* The grant's moves, saves and the region pages it hands out for the first time (positions
+ * from the loan's hwm on: those below were granted before), in one commit: an owner that
+ * gives a granted page fresh memory finds in the journal all that page held. */
+int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_err *err) {
+  struct sl_rescue *r = find(d, g->loan_id);
+  struct sl_loan_info li;
   struct sl_journal_entry *e;
+  uint64_t from;
   size_t n = 0;
   int rc;
 
-  if (r == NULL || nm + nc == 0)
+  if (r == NULL || sl_books_loan_info(d->books, g->loan_id, &li) != 0)
     return 0; /* an owner that did not ask */
-  e = malloc((nm + nc) * sizeof(*e));
+  from = li.hwm > g->pos ? li.hwm : g->pos;
+  e = malloc((g->nmove + g->nsave + g->npages + 1) * sizeof(*e));
   if (e == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
-  for (size_t i = 0; i < nm; i++)
-    e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, m[i].src_off, m[i].dst_off, m[i].len};
-  for (size_t i = 0; i < nc; i++)
-    e[n++] = (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, c[i].dev_off, c[i].host_off, c[i].len};
-  rc = sl_journal_append(r->journal, e, n, err);
+  for (size_t i = 0; i < g->nmove; i++)
+    e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, g->move[i].src_off,
+                                       g->move[i].dst_off, g->move[i].len};
+  for (size_t i = 0; i < g->nsave; i++)
+    e[n++] = (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, g->save[i].dev_off,
+                                       g->save[i].host_off, g->save[i].len};
+  if (from < g->pos + g->npages)
+    n += grant_entries(d, g->loan_id, from, g->pos + g->npages, e + n);
+  rc = n > 0 ? sl_journal_append(r->journal, e, n, err) : 0;
   free(e);
   return rc;
 }

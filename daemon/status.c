@@ -5,15 +5,12 @@
  * A client sees only what it may: the regions of its own user and the loan of one of them (or
  * that it borrows); root and the --allow-group group see every user's. The device and the
  * totals are everyone's. */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "clock.h"
 #include "daemon.h"
 #include "msg.h"
-
-static const char *loan_state_name(enum sl_loan_state s) {
-  return s == SL_LOAN_OFFERED ? "offered" : s == SL_LOAN_ACTIVE ? "active" : "draining";
-}
 
 static int may_see(const struct sl_conn *c, uid_t uid) {
   return c->peer.trusted || c->peer.uid == uid;
@@ -152,7 +149,7 @@ static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__Lo
   sl_msg_stats_to_proto(&li->stats, stats);
   ls->loan = li->id;
   ls->region = li->region_id;
-  ls->state = (char *)loan_state_name(li->state);
+  ls->state = (char *)sl_books_loan_state_name(li->state);
   ls->name = li->name;
   ls->has_borrower_pid = ls->has_borrower_uid = li->borrower_client != 0;
   ls->borrower_pid = (uint32_t)li->borrower.pid;
@@ -178,6 +175,16 @@ static int loan_visible(const struct sl_conn *c, uint64_t loan) {
   if (li.borrower_client == c->client_id)
     return 1;
   return sl_books_region_info(c->d->books, li.region_id, &ri) == 0 && may_see(c, ri.owner.uid);
+}
+
+const char *sl_status_loan_text(const struct sl_conn *c, uint64_t loan, char buf[48]) {
+  if (loan == 0)
+    snprintf(buf, 48, "no loan yet");
+  else if (loan_visible(c, loan))
+    snprintf(buf, 48, "loan %llu", (unsigned long long)loan);
+  else
+    snprintf(buf, 48, "a loan of another user");
+  return buf;
 }
 
 static void status_device(struct sl_daemon *d, Sublet__Status *st) {
@@ -230,6 +237,8 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
     rc = status_held(c, &st, &held);
   if (rc == 0)
     rc = status_releases(c, &st, &releases);
+  if (rc == 0)
+    rc = sl_release_offers_status(c, &st);
   if (rc == 0) {
     if (loan_visible(c, sl_books_current_loan(c->d->books))) {
       status_loan(c->d, &li, &ls, &stats);
@@ -248,5 +257,6 @@ int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
   free(st.held);
   free(releases);
   free(st.releases);
+  sl_release_offers_status_free(&st);
   return rc != 0 ? sl_err_set(err, rc, "out of host memory") : 0;
 }

@@ -8,10 +8,16 @@
  *     like everyone); over tx_max, or with output pending and nothing taken for stall_ms, it
  *     is cut off;
  *   - fds sent and not yet taken: a frame with fds waits while more than fds_in_flight of
- *     this connection's are still in its socket (the kernel's limit on fds in flight is the
- *     daemon user's, shared by all connections: ETOOMANYREFS must not reach the others);
+ *     this connection's, fds_per_user of its uid's connections', or half the daemon's
+ *     open-files limit in all are still in their sockets (the kernel's limit on fds in
+ *     flight is the daemon user's, shared by all connections: ETOOMANYREFS must not reach the
+ *     others); a connection cut off while its client still holds fds unread stays counted
+ *     (its socket open, shut down) until the client takes them or closes; a frame that meets
+ *     ETOOMANYREFS all the same waits stall_ms at most, then the client is told and cut off;
  *   - a frame begun must be complete within frame_ms;
- *   - connections, overall and per uid, and receive buffers per uid.
+ *   - connections, overall and per uid, the last eighth of the overall ones kept for users
+ *     with fewer than 4; receive buffers per uid (over the cap, the connection of that uid
+ *     holding the largest buffer is cut off, not whichever read last).
  * Closing is deferred to the loop: sl_transport_close() from anywhere (another connection's
  * handler included) only marks the connection; its closed callback runs later, from the loop.
  *
@@ -35,6 +41,7 @@ struct sl_transport_limits {
   size_t tx_high;           /* queued output bytes over which requests are not read */
   size_t tx_max;            /* queued output bytes over which the client is cut off */
   unsigned fds_in_flight;   /* fds of one connection sent and not yet taken */
+  unsigned fds_per_user;    /* of one uid's connections (at most a quarter of the budget) */
   unsigned stall_ms;        /* output pending, nothing taken this long: cut off */
   unsigned frame_ms;        /* a partial frame older than this: cut off */
   unsigned conns;           /* connections at once, all users */
@@ -44,8 +51,9 @@ struct sl_transport_limits {
 
 #define SL_TRANSPORT_LIMITS_DEFAULT                                                          \
   {.tx_high = 64u << 10, .tx_max = 2 * (SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD),               \
-   .fds_in_flight = SL_WIRE_MAX_FDS, .stall_ms = 2000, .frame_ms = 2000, .conns = 1024,     \
-   .conns_per_user = 128, .rx_per_user = 4 * (SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD)}
+   .fds_in_flight = SL_WIRE_MAX_FDS, .fds_per_user = 4 * SL_WIRE_MAX_FDS, .stall_ms = 2000,  \
+   .frame_ms = 2000, .conns = 1024, .conns_per_user = 128,                                   \
+   .rx_per_user = 4 * (SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD)}
 
 struct sl_transport_ops {
   /* A whole frame: payload valid during the call, the h->nfds fds are the callee's. */
@@ -66,6 +74,9 @@ struct sl_transports {
   unsigned nconns;
   struct sl_transport_user *users; /* uids with connections, and their counts */
   int spare_fd;             /* kept open to accept (and refuse) when the fd table is full */
+  unsigned fds_in_flight;   /* sent by all connections, not yet taken */
+  unsigned fds_budget;      /* the most of them: half the open-files limit */
+  uint64_t fds_scanned;     /* loop ms when every holder's socket was last looked at */
   uint64_t cut_off;         /* connections cut off for exceeding a bound, since start */
 };
 
@@ -101,7 +112,6 @@ int sl_transport_send(struct sl_transport *t, uint16_t kind, uint8_t *payload, s
 void sl_transport_close(struct sl_transport *t, const char *why);
 /* The same at once: for shutdown, outside every connection's callbacks. */
 void sl_transport_close_now(struct sl_transport *t, const char *why);
-int sl_transport_closing(const struct sl_transport *t);
 /* Pauses reading the connection's requests (on), or resumes it (off: the frames buffered
  * meanwhile are handed out on the next turn of the loop, never inside the caller). */
 void sl_transport_pause(struct sl_transport *t, int on);

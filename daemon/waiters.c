@@ -42,10 +42,14 @@ static void on_wait_timeout(uv_timer_t *t) {
   if (w->kind == SL_WAIT_RECLAIM)
     sl_err_set(&err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet; it goes on",
                (unsigned long long)w->loan_id);
+  else if (w->kind == SL_WAIT_TAKE || w->kind == SL_WAIT_TAKE_WAIT ||
+           w->kind == SL_WAIT_OFFER_STEP)
+    sl_release_offers_timed_out(w, &err);
   else if (w->kind == SL_WAIT_LEND)
-    sl_err_set(&err, SUBLET_ETIMEDOUT, "the device was not free within %d ms (loan %llu runs, "
+    sl_err_set(&err, SUBLET_ETIMEDOUT, "the device was not free within %d ms (%s runs, "
                "%zu other lends wait): nothing was lent; lend again with a longer timeout, or later",
-               w->lend.timeout_ms, (unsigned long long)sl_books_current_loan(w->d->books),
+               w->lend.timeout_ms,
+               sl_status_loan_text(w->conn, sl_books_current_loan(w->d->books), (char[48]){0}),
                sl_waiters_lends(w->d) - 1);
   else
     sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
@@ -141,18 +145,18 @@ static struct sl_conn *conn_of_client(struct sl_daemon *d, uint64_t client_id) {
 }
 
 /* The owner learns of the end through its waiting Reclaim, or its next one. */
-void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
-                           uint64_t owner_client, const uint64_t *replaced, size_t n) {
+int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
+                          uint64_t owner_client, const uint64_t *replaced, size_t n) {
   struct sl_conn *owner = conn_of_client(d, owner_client);
   struct sl_ended *e;
 
   if (owner == NULL)
-    return;
+    return 0;
   for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next) {
     if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == s->loan_id) {
       sl_conn_send_stats(owner, w->req_id, 0, s, replaced, n);
       sl_waiter_done(w);
-      return;
+      return 1;
     }
   }
   e = calloc(1, sizeof(*e));
@@ -163,7 +167,7 @@ void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *
   if (e == NULL) {
     sl_error("out of host memory: the owner of loan %llu will not hear of its end",
              (unsigned long long)s->loan_id);
-    return;
+    return 0;
   }
   e->stats = *s;
   if (n > 0)
@@ -171,6 +175,20 @@ void sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *
   e->nreplaced = n;
   e->next = owner->ended;
   owner->ended = e;
+  return 0;
+}
+
+void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint64_t loan_id,
+                               const struct sl_err *err) {
+  struct sl_conn *owner = conn_of_client(d, owner_client);
+
+  for (struct sl_waiter *w = d->waiters; owner != NULL && w != NULL; w = w->next) {
+    if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == loan_id) {
+      sl_conn_send_error(owner, w->req_id, err);
+      sl_waiter_done(w);
+      return; /* a connection waits for one request at a time */
+    }
+  }
 }
 
 struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan) {

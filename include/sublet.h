@@ -186,7 +186,7 @@ SUBLET_EXPORT int sublet_blocks_ranges(const int64_t *rows, size_t n, uint64_t n
  * keeps nothing. Offers the loan; on success *loan_id and token identify it. */
 SUBLET_EXPORT int sublet_lend(sublet_region *r, const struct sublet_range *keep, size_t n,
                               int keep_all, const char *name, uint64_t *loan_id,
-                              uint8_t token[16]);
+                              uint8_t token[SUBLET_TOKEN_SIZE]);
 /* Lends the region to its own client in one step: the client borrows the loan at once (as
  * sublet_borrow() would: sublet_alloc() serves from it), and it is never on offer, so no other
  * process can take it or sees it but in the daemon's status. End it with sublet_return(), then
@@ -200,7 +200,7 @@ SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range 
  * client's other calls wait meanwhile (its lock is held). */
 SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *keep, size_t n,
                                    int keep_all, const char *name, int timeout_ms,
-                                   uint64_t *loan_id, uint8_t token[16]);
+                                   uint64_t *loan_id, uint8_t token[SUBLET_TOKEN_SIZE]);
 SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_range *keep,
                                          size_t n, int keep_all, int timeout_ms,
                                          uint64_t *loan_id);
@@ -214,7 +214,8 @@ SUBLET_EXPORT int sublet_lend_local_wait(sublet_region *r, const struct sublet_r
 SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
                                      size_t n, int keep_all, const struct sublet_range *pinned,
                                      size_t npinned, int local, const char *name,
-                                     int timeout_ms, uint64_t *loan_id, uint8_t token[16]);
+                                     int timeout_ms, uint64_t *loan_id,
+                                     uint8_t token[SUBLET_TOKEN_SIZE]);
 /* Waits until the loan ends (timeout_ms < 0: forever), then the region is the owner's again and
  * its kept bytes are back. After a loan to another user, the pages that borrower was granted
  * are fresh ones, mapped here at the same addresses (stats->replaced_pages); use the region only
@@ -309,6 +310,63 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
 #define SUBLET_RESUME_PAGES 1
 SUBLET_EXPORT int sublet_resume(sublet_region *r, uint64_t release_id, int flags,
                                 struct sublet_release_stats *stats);
+
+/* Release offers: a release that a scheduler in another process starts and ends
+ * (docs/design/release.md, "Release offers"). The owner offers; a background thread of this
+ * library, on a connection of its own, waits for a taker; when one takes the offer
+ * (sublet_take), that thread releases the pages as sublet_release() would (pages, keep,
+ * keep_all, stay_pages as there: the lists are copied), and when the taker gives it back (or
+ * goes), resumes them as sublet_resume() would (page groups), then the offer is over. The
+ * owner must not touch the region's released pages, nor free the region or its client, until
+ * it is over (sublet_release_offer_wait): its owner is paused. name: LoanName, unique among
+ * live release offers (SUBLET_EBUSY), or NULL. SUBLET_ENOTSUP from a subletd that cannot. */
+typedef struct sublet_release_offer sublet_release_offer;
+
+/* Where a release offer is (the protocol's OfferPhase). */
+enum sublet_offer_state {
+  SUBLET_OFFER_OFFERED = 1,   /* no taker yet */
+  SUBLET_OFFER_TAKEN = 2,     /* taken: the owner releases */
+  SUBLET_OFFER_RELEASED = 3,  /* the memory is the driver's */
+  SUBLET_OFFER_RETURNING = 4, /* given back: the owner resumes */
+  SUBLET_OFFER_ENDED = 5      /* over: resumed, withdrawn, or failed */
+};
+
+SUBLET_EXPORT int sublet_offer_release(sublet_region *r, const struct sublet_range *pages,
+                                       size_t npages, const struct sublet_range *keep,
+                                       size_t nkeep, int keep_all, uint64_t stay_pages,
+                                       const char *name, sublet_release_offer **out);
+SUBLET_EXPORT uint64_t sublet_release_offer_id(const sublet_release_offer *o);
+SUBLET_EXPORT int sublet_release_offer_state(sublet_release_offer *o);
+/* Waits until the offer is over (timeout_ms < 0: forever; SUBLET_ETIMEDOUT: not yet, call
+ * again). 0: released and resumed, the kept bytes back (*released, *resumed: the stats of
+ * each; either may be NULL). SUBLET_EBORROWERDIED: the taker went without giving it back, and
+ * it was resumed all the same (stats as for 0). SUBLET_EDAEMONDIED: subletd died; if the pages
+ * were released, this library resumed them itself (resumed->daemon_died), else nothing was
+ * released. SUBLET_ECANCELED: withdrawn. Any other code: the release or the resume failed
+ * (nothing released, or see the message). */
+SUBLET_EXPORT int sublet_release_offer_wait(sublet_release_offer *o, int timeout_ms,
+                                            struct sublet_release_stats *released,
+                                            struct sublet_release_stats *resumed);
+/* Ends an offer nobody has taken: 0 (also when it is over already), SUBLET_EBUSY when it has
+ * been taken (it comes back once given back: wait for it). */
+SUBLET_EXPORT int sublet_release_offer_withdraw(sublet_release_offer *o);
+/* Withdraws the offer, or waits until it is over, then frees it (NULL: nothing). */
+SUBLET_EXPORT void sublet_release_offer_free(sublet_release_offer *o);
+
+/* The scheduler's side. sublet_take takes a release offer by name (NULL: the oldest one this
+ * user may take: the owner's user, root, or subletd --allow-group), waiting up to timeout_ms
+ * (0: at once; < 0: forever) for one to be on offer (SUBLET_ENOOFFER, or SUBLET_EBUSY when the
+ * one of that name is taken, at once; SUBLET_ETIMEDOUT after a wait); *offer_id names it. It
+ * returns once taken, before the owner has released: sublet_take_wait waits for that
+ * (*state SUBLET_OFFER_RELEASED, *stats the release's), and after sublet_give_back for the
+ * resume (*state SUBLET_OFFER_ENDED, *stats the resume's); SUBLET_ETIMEDOUT changes nothing.
+ * SUBLET_EOWNERGONE: the owner went (its memory went back to the driver with it); another
+ * code: the owner's release or resume failed (the offer is over). */
+SUBLET_EXPORT int sublet_take(sublet_client *c, const char *name, int timeout_ms,
+                              uint64_t *offer_id);
+SUBLET_EXPORT int sublet_take_wait(sublet_client *c, uint64_t offer_id, int timeout_ms,
+                                   int *state, struct sublet_release_stats *stats);
+SUBLET_EXPORT int sublet_give_back(sublet_client *c, uint64_t offer_id);
 
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
  * device index of this process to a client that is borrowing; NULL unbinds. With no loan

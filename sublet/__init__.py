@@ -18,7 +18,7 @@ MemPools nested in the loan. The owner must not use the lent tensor during the l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
                    DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from ._lent import Lendable
     from ._memory import empty
     from ._pool import Pool, pool
-    from ._release import Release, release
+    from ._release import Release, ReleaseOffer, release
+    from ._take import Taken, take
     from ._torch import LeakedBlock
 
     __version__: str
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 __all__ = [
     "empty", "pool", "Pool", "lend", "offer", "borrow", "Loan", "LocalLoan", "BorrowedLoan",
     "Offer", "LoanStats",
-    "DaemonInfo", "blocks", "Blocks", "release", "Release", "ReleaseStats",
+    "DaemonInfo", "blocks", "Blocks", "release", "Release", "ReleaseStats", "ReleaseOffer",
+    "take", "Taken",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
     "ProtocolError", "BusyError",
@@ -56,7 +58,8 @@ __all__ = [
 _LAZY = {"empty": "._memory", "pool": "._pool", "Pool": "._pool", "Loan": "._loan",
          "Offer": "._loan", "LocalLoan": "._loan",
          "BorrowedLoan": "._loan", "LeakedBlock": "._torch", "blocks": "._keep",
-         "Blocks": "._keep", "release": "._release", "Release": "._release"}
+         "Blocks": "._keep", "release": "._release", "Release": "._release",
+         "ReleaseOffer": "._release", "take": "._take", "Taken": "._take"}
 # A process that makes sublet memory is about to lend it: the lending modules load with
 # sublet.empty, not in the first loan's time (13 to 19 ms of imports, on the H200 and here).
 _LOADED_WITH = {"empty": ("._loan",), "pool": ("._loan",)}
@@ -115,13 +118,35 @@ def lend(what: Lendable, keep: Keep = None, verify: bool | None = None,
     return LocalLoan(what, keep, verify, timeout)
 
 
+@overload
 def offer(what: Lendable, keep: Keep = None, name: str | None = None,
-          verify: bool | None = None, timeout: float | None = None) -> Offer:
+          verify: bool | None = None, timeout: float | None = None, *,
+          release: Literal[False] = False, stay: int | None = None) -> Offer: ...
+@overload
+def offer(what: Lendable, keep: Keep = None, name: str | None = None,
+          verify: bool | None = None, timeout: float | None = None, *,
+          release: Literal[True], stay: int | None = None) -> ReleaseOffer: ...
+
+
+def offer(what: Lendable, keep: Keep = None, name: str | None = None,
+          verify: bool | None = None, timeout: float | None = None, *,
+          release: bool = False, stay: int | None = None) -> Offer | ReleaseOffer:
     """Offers memory (what: as for lend()) to another process (which calls sublet.borrow(name=...))
     and returns an Offer as soon as it is made; Offer.wait() blocks until it comes back. In a
     `with` block, leaving it withdraws an untaken offer or waits for the borrower to finish.
     verify: as for lend(), checked when wait() sees the loan back. timeout: as for lend(), the
-    wait for the device while another loan runs on it."""
+    wait for the device while another loan runs on it.
+
+    release=True: a release offer instead (a ReleaseOffer), for a scheduler that calls
+    sublet.take(name=...): when it takes the offer this process's library releases the memory
+    to the CUDA driver (as sublet.release(what, keep, stay) would: for any process to
+    allocate), and when it gives it back resumes it. verify and timeout do not apply."""
+    if release:
+        if verify or timeout is not None:
+            raise ValueError("verify and timeout are a routed offer's: a release offer takes "
+                             "what, keep, name and stay")
+        from ._release import ReleaseOffer
+        return ReleaseOffer(what, keep, name, stay)
     from ._loan import Offer
     return Offer(what, keep, name, verify, timeout)
 

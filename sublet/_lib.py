@@ -242,6 +242,9 @@ class CReleaseStats(Structure):
 
 
 RESUME_PAGES = 1  # SUBLET_RESUME_PAGES
+# enum sublet_offer_state: where a release offer is
+OFFER_STATES = {1: "offered", 2: "taken", 3: "released", 4: "returning", 5: "ended"}
+OFFER_RELEASED, OFFER_ENDED = 3, 5
 STAY_ANY = 2**64 - 1  # SUBLET_STAY_ANY: as many kept pages stay as the kept bytes need
 
 
@@ -286,6 +289,18 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                c_uint64, POINTER(c_uint64), POINTER(CReleaseStats)]),
     "sublet_resume": (c_int, [c_void_p, c_uint64, c_int, POINTER(CReleaseStats)]),
+    "sublet_offer_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
+                                     c_uint64, c_char_p, POINTER(c_void_p)]),
+    "sublet_release_offer_id": (c_uint64, [c_void_p]),
+    "sublet_release_offer_state": (c_int, [c_void_p]),
+    "sublet_release_offer_wait": (c_int, [c_void_p, c_int, POINTER(CReleaseStats),
+                                          POINTER(CReleaseStats)]),
+    "sublet_release_offer_withdraw": (c_int, [c_void_p]),
+    "sublet_release_offer_free": (None, [c_void_p]),
+    "sublet_take": (c_int, [c_void_p, c_char_p, c_int, POINTER(c_uint64)]),
+    "sublet_take_wait": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_int),
+                                 POINTER(CReleaseStats)]),
+    "sublet_give_back": (c_int, [c_void_p, c_uint64]),
     "sublet_cancel": (c_int, [c_void_p]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
@@ -650,6 +665,72 @@ class Client:
                                  ctypes.byref(stats))
         return rc, (last_error() if rc < 0 else ""), ReleaseStats.from_c(stats)
 
+    # ---- release offers (the owner's side: a thread of the library steps each offer)
+    @staticmethod
+    def offer_release(region: RegionHandle, pages: Any, ranges: Any, stay_pages: int,
+                      name: str | None) -> c_void_p:
+        """Offers a release of region (pages, ranges and stay_pages as for release) for a
+        scheduler to take; returns the offer's handle (release_offer_free frees it)."""
+        offer = c_void_p()
+        keep_all = ranges is None
+        n = 0 if keep_all else len(ranges)
+        spans = _pinned(pages)  # the library copies the lists
+        check(lib().sublet_offer_release(region.handle, _data(spans), len(spans),
+                                         ranges.ctypes.data if n else None, n, int(keep_all),
+                                         stay_pages, _name(name), ctypes.byref(offer)))
+        return offer
+
+    @staticmethod
+    def release_offer_id(offer: c_void_p) -> int:
+        return int(lib().sublet_release_offer_id(offer))
+
+    @staticmethod
+    def release_offer_state(offer: c_void_p) -> str:
+        """"offered", "taken", "released", "returning" or "ended"."""
+        return OFFER_STATES.get(lib().sublet_release_offer_state(offer), "ended")
+
+    @staticmethod
+    def release_offer_wait(offer: c_void_p, timeout_ms: int
+                           ) -> tuple[int, str, ReleaseStats, ReleaseStats]:
+        """Waits up to timeout_ms (-1: forever) for the offer to be over: the code (0,
+        ETIMEDOUT: not yet, EBORROWERDIED, EDAEMONDIED, ECANCELED: withdrawn, or a failure),
+        its message, and the release's and the resume's stats."""
+        released, resumed = CReleaseStats(), CReleaseStats()
+        rc = lib().sublet_release_offer_wait(offer, timeout_ms, ctypes.byref(released),
+                                             ctypes.byref(resumed))
+        return (rc, last_error() if rc < 0 else "", ReleaseStats.from_c(released),
+                ReleaseStats.from_c(resumed))
+
+    @staticmethod
+    def release_offer_withdraw(offer: c_void_p) -> None:
+        """Ends an untaken offer; BusyError once taken."""
+        check(lib().sublet_release_offer_withdraw(offer))
+
+    @staticmethod
+    def release_offer_free(offer: c_void_p) -> None:
+        """Withdraws the offer or waits until it is over, then frees it."""
+        lib().sublet_release_offer_free(offer)
+
+    # ---- release offers (the scheduler's side)
+    def take(self, name: str | None, timeout_ms: int) -> int:
+        """Takes a release offer (by name; None: the oldest this user may take), waiting up
+        to timeout_ms (0: at once, NoOfferError or BusyError); returns its id."""
+        offer = c_uint64()
+        check(lib().sublet_take(self.handle, _name(name), timeout_ms, ctypes.byref(offer)))
+        return offer.value
+
+    def take_wait(self, offer: int, timeout_ms: int) -> tuple[str, ReleaseStats]:
+        """Waits until the taken offer is released (or, given back, over): its state and the
+        release's (or the resume's) stats. SubletTimeoutError changes nothing."""
+        state, stats = c_int(), CReleaseStats()
+        check(lib().sublet_take_wait(self.handle, offer, timeout_ms, ctypes.byref(state),
+                                     ctypes.byref(stats)))
+        return OFFER_STATES.get(state.value, "ended"), ReleaseStats.from_c(stats)
+
+    def give_back(self, offer: int) -> None:
+        """Gives a taken offer back: its owner resumes (take_wait waits for that)."""
+        check(lib().sublet_give_back(self.handle, offer))
+
     def cancel(self) -> None:
         """Gives up the call of another thread that waits in the daemon (ECANCELED there)."""
         check(lib().sublet_cancel(self.handle))
@@ -669,7 +750,8 @@ class Client:
         return stats
 
     def reclaim_raw(self, loan_id: int, timeout_ms: int) -> tuple[int, str, LoanStats]:
-        """Like reclaim, but returns the code, so that a died borrower's stats are kept."""
+        """Like reclaim, but returns the code: EDAEMONDIED comes with the stats of the loan
+        this library restored itself, which the caller keeps."""
         stats = CLoanStats()
         rc = lib().sublet_reclaim(self.handle, loan_id, timeout_ms, ctypes.byref(stats))
         return rc, (last_error() if rc < 0 else ""), LoanStats.from_c(stats)

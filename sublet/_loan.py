@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
-import time
 import weakref
-from typing import Callable, TypeVar
 
 import torch
 
@@ -28,7 +26,6 @@ from ._memory import Region, as_dtype, nbytes_of, parse_size, resolve_device, wr
 from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
 from ._units import human
 
-_WAIT_SLICE_MS = 200
 _ELEAK = _lib.ERROR_CODES["ELEAK"]
 _EOWNERGONE = _lib.ERROR_CODES["EOWNERGONE"]
 _EBORROWERDIED = _lib.ERROR_CODES["EBORROWERDIED"]
@@ -38,7 +35,6 @@ _EDAEMONDIED = _lib.ERROR_CODES["EDAEMONDIED"]
 _active: dict[torch.device, "Loan"] = {}
 _active_lock = threading.Lock()
 
-T = TypeVar("T")
 
 
 class Loan:
@@ -379,13 +375,15 @@ class Offer:
     def wait(self, timeout: float | None = None) -> LoanStats:
         """Blocks until the loan has ended and the kept bytes are back; returns its stats.
         Raises SubletTimeoutError after `timeout` seconds (the offer stands: wait again),
-        BorrowerDiedError when the borrower died (the kept data is back all the same), and
-        with verify, VerifyError when kept bytes did not come back as they were."""
+        BorrowerDiedError when the borrower died (the kept data is back all the same),
+        SubletOutOfMemoryError when another user borrowed it and the device lacks the memory
+        for the fresh pages its end needs (the kept data waits, safe: free memory and wait
+        again), and with verify, VerifyError when kept bytes did not come back as they were."""
         if self.done:
             if self.stats is None:
                 raise RuntimeError("the offer was withdrawn: there is nothing to wait for")
             return self.stats
-        code, message, stats = _in_slices(
+        code, message, stats = _wait.in_slices(
             lambda ms: self._reclaim_slice(ms), timeout,
             f"the loan {self.name or self.loan_id} did not come back within {timeout} s")
         self.stats = stats
@@ -394,7 +392,7 @@ class Offer:
             self._snapshot.check()  # the kept data is back, the borrower died or not
         if code == _EDAEMONDIED:
             raise DaemonDiedError(message, code, stats)
-        if code == _EBORROWERDIED or stats.borrower_died:
+        if stats.borrower_died:  # subletd sends no EBORROWERDIED: the stats say so
             raise BorrowerDiedError(
                 message or "the borrower died during the loan; the kept data was restored",
                 _EBORROWERDIED, stats)
@@ -402,7 +400,7 @@ class Offer:
 
     def _reclaim_slice(self, timeout_ms: int) -> tuple[int, str, LoanStats]:
         code, message, stats = self._region.client.reclaim_raw(self.loan_id, timeout_ms)
-        if code < 0 and code not in (_EBORROWERDIED, _EDAEMONDIED):
+        if code < 0 and code != _EDAEMONDIED:
             raise _lib.error_for(code, message)
         return code, message, stats
 
@@ -446,7 +444,7 @@ class BorrowedLoan(Loan):
         _check_device_free(device)
         _prepare(device, routing=True)
         what = f"named {self.name!r}" if self.name else "(any)"
-        _in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
+        _wait.in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
                    f"no loan {what} was offered on {device} within {self._timeout} s",
                    NoOfferError)
         try:
@@ -480,23 +478,3 @@ class BorrowedLoan(Loan):
                                  "work ran, but the loan's memory is gone", _EOWNERGONE)
         if result.code < 0:
             raise _lib.error_for(result.code, result.message)
-
-
-def _in_slices(call: Callable[[int], T], timeout: float | None, timeout_message: str,
-               timeout_error: type[SubletError] = SubletTimeoutError) -> T:
-    """Calls call(timeout_ms) with short timeouts until it stops timing out or `timeout`
-    seconds (None: forever) have passed; Ctrl-C lands between slices."""
-    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-    while True:
-        # A slice of 0 ms asks "at once" (another error); a positive timeout's last slice,
-        # rounded down, is 1 ms.
-        left = _WAIT_SLICE_MS if deadline is None else \
-            int(max(0.0, deadline - time.monotonic()) * 1000)
-        if deadline is not None and timeout > 0:
-            left = max(1, left)
-        try:
-            return call(min(left, _WAIT_SLICE_MS))
-        except SubletTimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise timeout_error(timeout_message, _lib.ERROR_CODES[
-                    "ENOOFFER" if timeout_error is NoOfferError else "ETIMEDOUT"]) from None

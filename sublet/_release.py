@@ -14,14 +14,20 @@ a GPU fault, as after torch_memory_saver's pause.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
 from . import _keep, _lent
-from ._lib import STAY_ANY, BusyError, ReleaseStats, error_for
+from ._lib import (ERROR_CODES, STAY_ANY, BorrowerDiedError, BusyError, Client, DaemonDiedError,
+                   ReleaseStats, SubletTimeoutError, error_for)
 from ._units import human
+from ._wait import in_slices
 
-_EDAEMONDIED = -4007
+_EDAEMONDIED = ERROR_CODES["EDAEMONDIED"]
+_EBORROWERDIED = ERROR_CODES["EBORROWERDIED"]
+_ECANCELED = ERROR_CODES["ECANCELED"]
+_ETIMEDOUT = ERROR_CODES["ETIMEDOUT"]
 
 
 class Release:
@@ -138,3 +144,117 @@ def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = No
     the host (torch_memory_saver's CPU backup). Kept pages beyond `stay` are saved and released.
     """
     return Release(what, keep, stay)
+
+
+# --------------------------------------------------------------------------- release offers
+
+def _stay_pages(stay: int | None, page: int) -> int:
+    if stay is not None and stay < 0:
+        raise ValueError(f"stay is bytes of GPU memory the kept bytes may keep (0: all of them "
+                         f"go to the host; None: as many pages as they need), not {stay}")
+    return STAY_ANY if stay is None else stay // page
+
+
+class ReleaseOffer:
+    """sublet.offer(..., release=True): a release that another process (a scheduler) starts
+    and ends. The offer is made at once; when a scheduler takes it (sublet.take), a thread of
+    libsublet in this process releases the memory (as sublet.release would, with this keep and
+    stay), and when the scheduler gives it back (or dies) resumes it. wait() blocks until
+    then and returns the resume's stats.
+
+    While offered, this process is paused as for a routed offer: it must not touch what it
+    offered (nor free it) until wait() has returned; its other memory it may use.
+    """
+
+    def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None, name: str | None = None,
+                 stay: int | None = None):
+        self._lent = _lent.resolve(what, free=False)  # held: its tensors keep the region
+        region = self._lent.region
+        stay_pages = _stay_pages(stay, region.client.info.page_size)
+        self.what = self._lent.what
+        self.name = name
+        self._region = region
+        ranges = _lent.keep_ranges(self._lent, keep)
+        self._handle = region.handle
+        self._offer = Client.offer_release(self._handle, _lent.touched_pages(self._lent), ranges,
+                                           stay_pages, name)
+        self.offer_id = Client.release_offer_id(self._offer)
+        # The library's thread outlives nothing: freeing withdraws, or waits for the end.
+        self._finalizer = weakref.finalize(self, Client.release_offer_free, self._offer)
+        self._withdrawn = False
+        self._outcome: tuple[int, str, ReleaseStats, ReleaseStats] | None = None
+
+    @property
+    def state(self) -> str:
+        """"offered", "taken", "released", "returning" or "ended"."""
+        return "ended" if self._outcome else Client.release_offer_state(self._offer)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "ended"
+
+    @property
+    def released_stats(self) -> ReleaseStats | None:
+        """The release's stats once the memory was released (None before)."""
+        if self._outcome is not None:
+            return self._outcome[2] if self._outcome[2].release_id else None
+        rc, _, released, _ = Client.release_offer_wait(self._offer, 0)
+        return released if released.release_id else None
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes given back to the driver by the release (0 before it)."""
+        stats = self.released_stats
+        return stats.released_pages * self._region.client.info.page_size if stats else 0
+
+    def wait(self, timeout: float | None = None) -> ReleaseStats:
+        """Blocks until the offer is over: taken, released, given back and resumed, the kept
+        bytes back bit-identical; returns the resume's stats. SubletTimeoutError after
+        `timeout` seconds (it goes on: wait again). BorrowerDiedError when the scheduler died
+        holding it, DaemonDiedError when subletd died (the kept bytes are back all the same:
+        stats in .stats); the release's own failure (nothing released) as its error."""
+        rc, message, _, resumed = self._outcome or in_slices(
+            self._wait_slice, timeout,
+            f"release offer {self.name or self.offer_id} was not over within {timeout} s")
+        if rc == _EBORROWERDIED:
+            raise BorrowerDiedError(message, rc, resumed)
+        if rc == _EDAEMONDIED:
+            raise DaemonDiedError(message, rc, resumed)
+        if rc == _ECANCELED and self._withdrawn:
+            raise RuntimeError("the release offer was withdrawn: there is nothing to wait for")
+        if rc < 0:
+            raise error_for(rc, message)
+        return resumed
+
+    def _wait_slice(self, timeout_ms: int) -> tuple[int, str, ReleaseStats, ReleaseStats]:
+        outcome = Client.release_offer_wait(self._offer, timeout_ms)
+        if outcome[0] == _ETIMEDOUT and Client.release_offer_state(self._offer) != "ended":
+            raise SubletTimeoutError(outcome[1], _ETIMEDOUT)
+        self._outcome = outcome
+        return outcome
+
+    def withdraw(self) -> None:
+        """Ends the offer if nobody has taken it; BusyError once taken (wait for it)."""
+        Client.release_offer_withdraw(self._offer)
+        outcome = self._outcome or self._wait_slice(-1)  # over now
+        self._withdrawn = outcome[0] == _ECANCELED
+
+    def close(self) -> None:
+        """Withdraws the offer, or (taken) waits until it is over."""
+        if self.done:
+            return
+        try:
+            self.withdraw()
+        except BusyError:
+            self.wait()
+
+    def __enter__(self) -> "ReleaseOffer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        name = f"{self.name!r}, " if self.name else ""
+        return (f"<sublet.ReleaseOffer {name}offer {self.offer_id} of {self.what}: "
+                f"{self.state}, {human(self.released_bytes)} released>")

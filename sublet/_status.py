@@ -139,6 +139,15 @@ def text_status(s: dict[str, Any]) -> str:
                      f"{human(r['stayed_bytes'])} stayed holding {human(r['kept_bytes'])} kept "
                      f"({human(r['moved_bytes'])} moved there, "
                      f"{human(r['copied_out_bytes'])} on the host)")
+    for o in s.get("release_offers", []):  # releases a scheduler starts and ends
+        name = f" \"{shown(o['name'])}\"" if o.get("name") else ""
+        taker = (f", taken by pid {o['taker_pid']} (uid {o['taker_uid']})" if o["taker_pid"]
+                 else "")
+        released = (f", {human(o['released_bytes'])} given back to the driver"
+                    if o["released_bytes"] else "")
+        trouble = f"; resume fails: {shown(o['trouble'])}" if o.get("trouble") else ""
+        lines.append(f"  offer    {o['id']}{name} (release) of region {o['region']}, owner pid "
+                     f"{o['owner_pid']}: {shown(o['state'])}{taker}{released}{trouble}")
     for r in s.get("retained", []):
         lines.append(f"  retained {human(r['bytes'])} of old pages by pid {r['pid']} "
                      f"(uid {r['uid']}): replaced at the end of its loan, counted until it "

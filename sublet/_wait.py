@@ -11,14 +11,38 @@ before the exception goes on: after Ctrl-C nothing is lent.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, TypeVar
 
 from ._client import Client
-from ._lib import BusyError, RegionHandle, SubletError
+from ._lib import (ERROR_CODES, BusyError, NoOfferError, RegionHandle, SubletError,
+                   SubletTimeoutError)
 
 _SLICE_S = 0.2
+_SLICE_MS = 200
 
 T = TypeVar("T")
+
+
+def in_slices(call: Callable[[int], T], timeout: float | None, timeout_message: str,
+              timeout_error: type[SubletError] | None = None) -> T:
+    """Calls call(timeout_ms) with timeouts of at most 0.2 s until it stops timing out or
+    `timeout` seconds (None: forever) have passed, then raises timeout_error (default
+    SubletTimeoutError; NoOfferError takes code ENOOFFER) with timeout_message: Ctrl-C lands
+    between slices. For waits that lose nothing by being asked again (TakeWait, a release
+    offer's end); a Lend, which holds a place in line, waits with _waiting instead."""
+    error = timeout_error or SubletTimeoutError
+    code = ERROR_CODES["ENOOFFER" if error is NoOfferError else "ETIMEDOUT"]
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    while True:
+        left = _SLICE_MS if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000)
+        if deadline is not None and timeout is not None and timeout > 0:
+            left = max(1, left)  # a positive timeout's last slice asks 1 ms, not "at once"
+        try:
+            return call(min(left, _SLICE_MS))
+        except SubletTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise error(timeout_message, code) from None
 
 
 def timeout_ms(timeout: float | None) -> int:

@@ -1,13 +1,15 @@
 /* fuzz_request.c - fuzzes the decoding of the protocol's messages (proto/sublet.proto) as the
  * daemon and the client do it: the input is a frame's payload, unpacked as a Request and as a
  * Reply. A message that parses is walked field by field (only the oneof member that is set),
- * packed again, then freed.
+ * packed again, then freed. A Lend's keep list is decoded too, as subletd decodes it
+ * (common/keepwire.c), before the walk: what the decoder leaves must still be a message.
  */
 #include "fuzz.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "keepwire.h"
 #include "sublet.pb-c.h"
 
 static uint64_t walk_message(const ProtobufCMessage *m, int depth);
@@ -104,6 +106,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   Sublet__Request *req = sublet__request__unpack(NULL, size, data);
   Sublet__Reply *rep = sublet__reply__unpack(NULL, size, data);
 
+  if (req != NULL && req->body_case == SUBLET__REQUEST__BODY_LEND)
+    sink += (uint64_t)sl_keepwire_decode(req->lend, -1, NULL);
   if (req != NULL) {
     sink += walk_message(&req->base, 0);
     repack(&req->base);

@@ -162,3 +162,25 @@ int sl_test_summary(const char *suite) {
   printf("%s: %d passed, %d failed\n", suite, sl_test_passed, sl_test_failed);
   return sl_test_failed == 0 ? 0 : 1;
 }
+
+double sl_test_now(void) {
+  struct timespec ts;
+
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+pid_t sl_test_child(void) {
+  pid_t pid = fork();
+
+  if (pid == 0)
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+  return pid;
+}
+
+void sl_test_reap(pid_t pid) {
+  int status;
+
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+}

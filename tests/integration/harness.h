@@ -28,6 +28,14 @@ extern int sl_test_failed, sl_test_passed;
     }                                                                                   \
   } while (0)
 
+/* Seconds on the monotonic clock. */
+double sl_test_now(void);
+/* fork(), the child set to die with this process whatever check fails first (a hoarder or a
+ * keeper left behind would hold fds and pages). */
+pid_t sl_test_child(void);
+/* Kills and reaps a child. */
+void sl_test_reap(pid_t pid);
+
 struct sl_test_daemon {
   pid_t pid;
   char socket[108];

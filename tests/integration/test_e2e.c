@@ -15,6 +15,7 @@
 
 #include "harness.h"
 #include "sublet.h"
+#include "keepwire.h"
 #include "msg.h"
 #include "wire.h"
 
@@ -114,7 +115,7 @@ static void lend_in_process(const struct sublet_range *keep, size_t nkeep, int k
   /* A long list went in the client's keep memfd (this subletd reads one); a short one, or one
    * longer than a memfd may hold, through the socket. */
   CHECK(sl_test_count_memfds(getpid(), "sublet-keep") ==
-        (!keep_all && nkeep > SL_MSG_KEEP_SHORT_RANGES && nkeep <= SL_MSG_KEEP_FD_MAX_RANGES));
+        (!keep_all && nkeep > SL_KEEPWIRE_SHORT_RANGES && nkeep <= SL_KEEPWIRE_FD_MAX_RANGES));
   CHECK_RC(sublet_borrow(c, loan, NULL, NULL, 0), 0);
   if (everything) {
     uint64_t taken = take_everything(c, ptrs, &n, 1024);
@@ -1031,7 +1032,7 @@ static void raw_session(struct sl_wire_rx *rx, uint64_t npages, int *fd, uint64_
  * missing one, one sent without keep_fd_ranges, keep beside it, or too many ranges are
  * refused, and subletd goes on. */
 static void test_keep_in_a_memfd(void) {
-  static struct sublet_range keep[100000], many[SL_MSG_KEEP_FD_MAX_RANGES + 1];
+  static struct sublet_range keep[100000], many[SL_KEEPWIRE_FD_MAX_RANGES + 1];
   struct sublet_range two[2] = {{100, 50}, {2 * PAGE + 7, 9}};
   char path[64];
   struct sl_wire_rx rx;
@@ -1041,9 +1042,9 @@ static void test_keep_in_a_memfd(void) {
   for (size_t i = 0; i < 100000; i++)
     keep[i] = (struct sublet_range){i * 40, 3};
   lend_in_process(keep, 100000, 0, 1);
-  for (size_t i = 0; i < SL_MSG_KEEP_FD_MAX_RANGES + 1; i++) /* overlapping: merged */
+  for (size_t i = 0; i < SL_KEEPWIRE_FD_MAX_RANGES + 1; i++) /* overlapping: merged */
     many[i] = (struct sublet_range){(i % 4096) * 1000, 10};
-  lend_in_process(many, SL_MSG_KEEP_FD_MAX_RANGES + 1, 0, 0);
+  lend_in_process(many, SL_KEEPWIRE_FD_MAX_RANGES + 1, 0, 0);
   raw_session(&rx, 4, &fd, &region);
   CHECK(mfd >= 0 && pwrite(mfd, two, sizeof(two), 0) == (ssize_t)sizeof(two));
   raw_local_lend_memfd(fd, &rx, region, mfd, 2, &code, &kept);
@@ -1061,7 +1062,7 @@ static void test_keep_in_a_memfd(void) {
   CHECK(raw_lend_keep_fd(2, -1, 0) == SUBLET_EPROTO);
   CHECK(raw_lend_keep_fd(0, mfd, 0) == SUBLET_EPROTO);
   CHECK(raw_lend_keep_fd(2, mfd, 1) == SUBLET_EINVAL);
-  CHECK(raw_lend_keep_fd(SL_MSG_KEEP_FD_MAX_RANGES + 1, mfd, 0) == SUBLET_EINVAL);
+  CHECK(raw_lend_keep_fd(SL_KEEPWIRE_FD_MAX_RANGES + 1, mfd, 0) == SUBLET_EINVAL);
   CHECK(sl_test_count_memfds(daemon_.pid, "keep") == 0);
   sl_wire_rx_destroy(&rx);
   close(fd);

@@ -30,31 +30,7 @@
 
 static struct sl_test_daemon daemon_;
 
-static uint8_t pattern(uint64_t i) {
-  return (uint8_t)((i * 2654435761u) >> 11);
-}
-
-/* Kept: the first 5000 bytes of each even page, and all of page 9; the rest is unkept. */
-static size_t keep_ranges(struct sublet_range *k) {
-  size_t n = 0;
-
-  for (uint64_t p = 0; p < NPAGES; p += 2)
-    k[n++] = (struct sublet_range){p * PAGE, 5000};
-  k[n++] = (struct sublet_range){9ull * PAGE, PAGE};
-  return n;
-}
-
-/* Bytes of the kept ranges that differ from the pattern. */
-static uint64_t kept_changed(const uint8_t *base) {
-  struct sublet_range k[NPAGES];
-  size_t n = keep_ranges(k);
-  uint64_t changed = 0;
-
-  for (size_t i = 0; i < n; i++)
-    for (uint64_t x = k[i].offset; x < k[i].offset + k[i].length; x++)
-      changed += base[x] != pattern(x);
-  return changed;
-}
+#include "kept16.h"
 
 static int say(int fd, char c) {
   return write(fd, &c, 1) == 1 ? 0 : -1;

@@ -25,13 +25,6 @@
 
 static struct sl_test_daemon daemon_;
 
-static double now_s(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The byte at offset i of owner `who`'s region in its loan `n`. */
 static uint8_t pattern(unsigned who, unsigned n, uint64_t i) {
   return (uint8_t)(((i + 1) * 2654435761u + who * 40503u + n * 977u) >> 11);
@@ -78,7 +71,7 @@ static long lends_waiting_anyone(void) {
 
 /* Waits (up to 20 s) until n Lends wait for the device. */
 static int wait_for_line(sublet_client *c, long n) {
-  for (double end = now_s() + 20; now_s() < end; usleep(10000))
+  for (double end = sl_test_now() + 20; sl_test_now() < end; usleep(10000))
     if (lends_waiting(c) == n)
       return 1;
   return 0;
@@ -274,7 +267,7 @@ static void test_timeout_and_disconnect_leave_the_line(void) {
   CHECK(pipe(fds) == 0);
   CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
   CHECK((holder = hold_device(&held, &release)) > 0);
-  t0 = now_s();
+  t0 = sl_test_now();
   if ((timing_out = fork()) == 0)
     waiting_owner(0, 500, fds[1]);
   CHECK(wait_for_line(c, 1));
@@ -286,7 +279,7 @@ static void test_timeout_and_disconnect_leave_the_line(void) {
   CHECK(wait_for_line(c, 3));
   CHECK(read_report(fds[0], &got, sizeof(got)));
   CHECK(got.rank == 0 && got.rc == SUBLET_ETIMEDOUT && got.loan == 0);
-  CHECK(now_s() - t0 >= 0.5);
+  CHECK(sl_test_now() - t0 >= 0.5);
   CHECK(wait_for_line(c, 2));
   kill(killed, SIGKILL);
   waitpid(killed, &status, 0);
@@ -332,7 +325,7 @@ static void test_cancel_a_waiting_lend(void) {
   CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &wl.r), 0);
   CHECK_RC(sublet_cancel(c), 0); /* nothing waits: nothing happens */
   CHECK(pthread_create(&th, NULL, lend_and_wait, &wl) == 0);
-  for (double end = now_s() + 20; now_s() < end && lends_waiting_anyone() != 1;)
+  for (double end = sl_test_now() + 20; sl_test_now() < end && lends_waiting_anyone() != 1;)
     usleep(10000);
   CHECK_RC(sublet_cancel(c), 0);
   pthread_join(th, NULL);
@@ -375,10 +368,10 @@ static void *ping(void *arg) {
   if (sublet_connect(p->socket != NULL ? p->socket : daemon_.socket, &c) != 0)
     return NULL;
   while (!p->stop) {
-    double t = now_s();
+    double t = sl_test_now();
     if (sublet_get_info(c, &info) != 0)
       break;
-    t = now_s() - t;
+    t = sl_test_now() - t;
     p->worst = t > p->worst ? t : p->worst;
     p->trips++;
   }
@@ -457,9 +450,9 @@ static void test_region_pages_made_off_the_loop(void) {
   usleep(300000);
   idle = p.worst;
   p.worst = 0;
-  t = now_s();
+  t = sl_test_now();
   CHECK_RC(sublet_region_create(c, SLOW_REGION, &r), 0);
-  t = now_s() - t;
+  t = sl_test_now() - t;
   CHECK_RC(sublet_get_info(c, &info), 0);
   CHECK(info.free_bytes == SLOW_TOTAL - SLOW_REGION);
   CHECK_RC(sublet_region_release(r), 0); /* a job: answered once the pages are gone */

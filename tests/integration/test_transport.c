@@ -22,74 +22,21 @@
 
 #include "harness.h"
 #include "msg.h"
+#include "raw.h"
 #include "sublet.h"
 #include "wire.h"
 
 #define PAGE (64u << 10)
 #define NOBODY 65534
+#define HOARDER_UID 4242 /* another user than the good client's: fds are capped per user */
 #ifdef __SANITIZE_ADDRESS__
 #define WORST_CYCLE_S 0.250 /* ASan's daemon runs a few times slower */
 #else
 #define WORST_CYCLE_S 0.100
 #endif
 
-static double now_s(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static uint8_t pattern(uint64_t i) {
   return (uint8_t)((i * 2654435761u) >> 13);
-}
-
-static int raw_connect(const char *path) {
-  struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-  strcpy(addr.sun_path, path);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
-    if (fd >= 0)
-      close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-static int send_hello(int fd) {
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Hello hello = SUBLET__HELLO__INIT;
-
-  hello.protocol = SUBLET_PROTOCOL_VERSION;
-  req.id = 1;
-  req.body_case = SUBLET__REQUEST__BODY_HELLO;
-  req.hello = &hello;
-  return sl_msg_send_request(fd, &req, NULL, 0, 2000, NULL);
-}
-
-/* Reads one reply and closes its fds; returns the reply (freed by the caller) or NULL. */
-static Sublet__Reply *read_reply(int fd, struct sl_wire_rx *rx) {
-  struct sl_frame_header h;
-  const uint8_t *payload;
-  int fds[SL_WIRE_MAX_FDS];
-  Sublet__Reply *rep;
-
-  if (sl_wire_recv(rx, fd, &h, &payload, fds, 5000, NULL) != 0)
-    return NULL;
-  sl_wire_close_fds(fds, h.nfds);
-  rep = sl_msg_unpack_reply(payload, h.length, NULL);
-  return rep;
-}
-
-/* A child that dies with this process, whatever check fails first: a hoarder left behind
- * would hold the daemon user's fds in flight (the kernel counts them per user). */
-static pid_t child(void) {
-  pid_t pid = fork();
-
-  if (pid == 0)
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-  return pid;
 }
 
 /* Floods StatsGet and never reads, once connected (said on ready_fd); exits 0 once the
@@ -97,9 +44,11 @@ static pid_t child(void) {
 static void deaf_flooder(const char *path, int ready_fd) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__StatsGet stats = SUBLET__STATS_GET__INIT;
-  int fd = raw_connect(path);
+  struct sl_wire_rx rx;
+  int fd = sl_raw_connect(path);
 
-  if (fd < 0 || send_hello(fd) != 0 || write(ready_fd, "x", 1) != 1)
+  sl_wire_rx_init(&rx);
+  if (fd < 0 || sl_raw_hello(fd, &rx) != 0 || write(ready_fd, "x", 1) != 1)
     _exit(2);
   req.body_case = SUBLET__REQUEST__BODY_STATS_GET;
   req.stats_get = &stats;
@@ -110,31 +59,22 @@ static void deaf_flooder(const char *path, int ready_fd) {
   }
 }
 
-/* 4 connections, each with a region of 16 pages, send 1,229 PagesGet of 16 pages in all and
- * read no reply; they hold their sockets open until killed. */
+/* 4 connections of another user, each with a region of 16 pages, send 1,229 PagesGet of 16
+ * pages in all and read no reply; they hold their sockets open until killed. */
 static void fd_hoarder(const char *path, int ready_fd) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__RegionCreate rc = SUBLET__REGION_CREATE__INIT;
   Sublet__PagesGet pg = SUBLET__PAGES_GET__INIT;
   struct sl_wire_rx rx[4];
   int fds[4];
 
+  if (sl_raw_become(HOARDER_UID) != 0)
+    _exit(5);
   for (int i = 0; i < 4; i++) {
-    Sublet__Reply *rep;
     sl_wire_rx_init(&rx[i]);
-    fds[i] = raw_connect(path);
-    if (fds[i] < 0 || send_hello(fds[i]) != 0 || (rep = read_reply(fds[i], &rx[i])) == NULL)
-      _exit(2);
-    sublet__reply__free_unpacked(rep, NULL);
-    rc.size = 16 * PAGE;
-    req.id = 2;
-    req.body_case = SUBLET__REQUEST__BODY_REGION_CREATE;
-    req.region_create = &rc;
-    if (sl_msg_send_request(fds[i], &req, NULL, 0, 2000, NULL) != 0 ||
-        (rep = read_reply(fds[i], &rx[i])) == NULL || rep->region_created == NULL)
+    fds[i] = sl_raw_connect(path);
+    if (fds[i] < 0 || sl_raw_hello(fds[i], &rx[i]) != 0 ||
+        (pg.region = sl_raw_region(fds[i], &rx[i], 2, 16 * PAGE)) == 0)
       _exit(3);
-    pg.region = rep->region_created->region;
-    sublet__reply__free_unpacked(rep, NULL);
     pg.first = 0;
     pg.count = 16;
     req.body_case = SUBLET__REQUEST__BODY_PAGES_GET;
@@ -182,12 +122,12 @@ static int loan_cycle(sublet_client *owner, sublet_client *borrower, sublet_regi
 /* Cycles loans for `seconds`; returns the worst cycle's time, *rc the first failure. */
 static double cycle_for(sublet_client *owner, sublet_client *borrower, sublet_region *r,
                         double seconds, int *cycles, int *rc) {
-  double start = now_s(), worst = 0;
+  double start = sl_test_now(), worst = 0;
 
-  for (*cycles = 0, *rc = 0; now_s() < start + seconds && *rc == 0; (*cycles)++) {
-    double t0 = now_s(), took;
+  for (*cycles = 0, *rc = 0; sl_test_now() < start + seconds && *rc == 0; (*cycles)++) {
+    double t0 = sl_test_now(), took;
     *rc = loan_cycle(owner, borrower, r);
-    took = now_s() - t0;
+    took = sl_test_now() - t0;
     worst = took > worst ? took : worst;
     if (getenv("SUBLET_TEST_SLOW") && took > 0.02)
       printf("  slow cycle at %.3f s: %.1f ms\n", t0 - start, took * 1e3);
@@ -209,6 +149,8 @@ static void test_hostile_clients_beside_a_good_one(void) {
 
   CHECK(sl_test_daemon_start_ex(&d, PAGE, 256 * PAGE,
                                 &(struct sl_test_daemon_opts){args, NOBODY, 2048}) == 0);
+  chmod(d.dir, 0755); /* the hoarder is another user */
+  chmod(d.socket, 0666);
   CHECK_RC(sublet_connect(d.socket, &owner), 0);
   CHECK_RC(sublet_connect(d.socket, &borrower), 0);
   CHECK_RC(sublet_region_create(owner, size, &r), 0);
@@ -217,11 +159,11 @@ static void test_hostile_clients_beside_a_good_one(void) {
   quiet = cycle_for(owner, borrower, r, 3.5, &cycles, &rc);
   CHECK_RC(rc, 0);
   CHECK(pipe(pipefd) == 0);
-  if ((hoarder = child()) == 0)
+  if ((hoarder = sl_test_child()) == 0)
     fd_hoarder(d.socket, pipefd[1]);
   CHECK(read(pipefd[0], &x, 1) == 1);
   for (int i = 0; i < 4; i++)
-    if ((deaf[i] = child()) == 0)
+    if ((deaf[i] = sl_test_child()) == 0)
       deaf_flooder(d.socket, pipefd[1]);
   for (int i = 0; i < 4; i++) /* timed from their flood on, not from their fork and connect */
     CHECK(read(pipefd[0], &x, 1) == 1);
@@ -265,17 +207,17 @@ static void test_partial_frame_deadline(void) {
   int fd;
 
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
-  fd = raw_connect(d.socket);
+  fd = sl_raw_connect(d.socket);
   CHECK(fd >= 0);
   sl_wire_header_encode(&h, head);
   CHECK(write(fd, head, sizeof(head)) == sizeof(head));
   CHECK(write(fd, part, sizeof(part)) == sizeof(part)); /* 1 MiB of 32 */
-  t0 = now_s();
+  t0 = sl_test_now();
   CHECK_RC(sublet_connect(d.socket, &c), 0);
   CHECK_RC(sublet_get_info(c, &info), 0);
   while ((n = read(fd, buf, sizeof(buf))) > 0) /* the Error that says why, then EOF */
     ;
-  took = now_s() - t0;
+  took = sl_test_now() - t0;
   printf("  a partial frame was cut off after %.2f s\n", took);
   CHECK(n == 0);
   CHECK(took > 1.5 && took < 5.0);
@@ -350,18 +292,18 @@ static void test_stopped_daemon(void) {
   CHECK_RC(sublet_set_timeout(a, 300), 0);
   CHECK_RC(sublet_set_timeout(b, 300), 0);
   kill(d.pid, SIGSTOP);
-  t0 = now_s();
+  t0 = sl_test_now();
   CHECK_RC(sublet_get_info(a, &info), SUBLET_ETIMEDOUT);
-  took[0] = now_s() - t0;
+  took[0] = sl_test_now() - t0;
   CHECK(strstr(sublet_last_error(), "did not answer") != NULL);
   CHECK(strstr(sublet_last_error(), d.socket) != NULL);
-  t0 = now_s();
+  t0 = sl_test_now();
   CHECK_RC(sublet_reclaim(b, 1, 200, NULL), SUBLET_ETIMEDOUT);
-  took[1] = now_s() - t0;
+  took[1] = sl_test_now() - t0;
   setenv("SUBLET_TIMEOUT", "0.3", 1);
-  t0 = now_s();
+  t0 = sl_test_now();
   CHECK_RC(sublet_connect(d.socket, &c), SUBLET_ETIMEDOUT); /* accepted by the kernel, no Hello */
-  took[2] = now_s() - t0;
+  took[2] = sl_test_now() - t0;
   unsetenv("SUBLET_TIMEOUT");
   kill(d.pid, SIGCONT);
   printf("  stopped daemon: info after %.2f s, reclaim(200 ms) after %.2f s, connect after "
@@ -431,7 +373,7 @@ static void test_allowed_group_by_supplementary_membership(void) {
   for (int round = 0; round < 2; round++) {
     int trusted = round == 1;
     CHECK_RC(sublet_lend(r, NULL, 0, 1, "grp", &loan, token), 0);
-    if ((pid = child()) == 0)
+    if ((pid = sl_test_child()) == 0)
       _exit(stranger(d.socket, trusted ? 2000 : 3000, trusted ? member : other,
                      trusted ? 2 : 1, loan, token, trusted));
     CHECK(waitpid(pid, &status, 0) == pid);

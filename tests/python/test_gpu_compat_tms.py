@@ -27,7 +27,7 @@ from sublet.compat import torch_memory_saver as tms_module
 from sublet.compat.__main__ import install
 
 from conftest import CHILD_ENV
-from test_gpu import cuda_daemon, random_fill  # noqa: F401 (fixture)
+from test_gpu import cuda_daemon, random_fill, settled_free_memory  # noqa: F401 (fixture)
 from test_gpu_pool import bits, kv_layers, same_bits
 from gpu_memory import free_now, scribble
 
@@ -65,7 +65,11 @@ def test_torch_memory_saver_example_runs_unchanged(example, hook_mode, shim):
     """simple: 1 GB freed by pause() and back at the same address; rl_example: two tags
     paused and resumed, a plain CUDA graph replays on them; cuda_graph: in "preload" mode the
     graph is captured with torch_memory_saver.cuda_graph(g, tag="graph"), and pause("graph")
-    must free its 4 GB of intermediates (sublet: the graph's memory is the tag's pool)."""
+    must free its 4 GB of intermediates (sublet: the graph's memory is the tag's pool).
+    The examples measure the whole device's free memory, so an earlier test's process still
+    giving memory back would count as theirs (run after test_gpu.py, all three failed in
+    torch mode, the first to run): wait until it has settled."""
+    settled_free_memory()
     out = run_child(f"""
         import torch_memory_saver, {example}
         from sublet.compat import torch_memory_saver as ours

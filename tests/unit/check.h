@@ -1,6 +1,7 @@
-/* check.h - the C tests' checks: CHECK counts, CHECK_EQ prints both sides, CHECK_MSG looks for
- * a phrase in an sl_err's message; check_report() prints the tally and gives main's exit code.
- * One header so that a new test file needs no macros of its own (test_books_release.c). */
+/* check.h - the C unit tests' checks: CHECK counts, CHECK_EQ prints both sides, CHECK_MSG looks
+ * for a phrase in an sl_err's message; check_report() prints the tally and gives main's exit
+ * code. One header so that a test file needs no macros of its own. (The integration tests'
+ * CHECK and CHECK_RC are harness.h's: their tally spans harness.c and the test, per test.) */
 #ifndef SL_TEST_CHECK_H
 #define SL_TEST_CHECK_H
 
@@ -9,14 +10,19 @@
 #include <string.h>
 
 static int check_passed, check_failed;
+/* When set, printed under each failure: the test's last error message (test_device.c). */
+static const char *check_note;
 
 static inline void check_at(int ok, const char *what, const char *file, int line) {
   if (ok) {
     check_passed++;
     return;
   }
-  if (check_failed++ < 30)
-    fprintf(stderr, "%s:%d: FAILED: %s\n", file, line, what);
+  if (check_failed++ >= 30)
+    return;
+  fprintf(stderr, "%s:%d: FAILED: %s\n", file, line, what);
+  if (check_note != NULL && check_note[0] != '\0')
+    fprintf(stderr, "    last error: %s\n", check_note);
 }
 
 #define CHECK(cond) check_at(!!(cond), #cond, __FILE__, __LINE__)

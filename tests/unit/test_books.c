@@ -532,7 +532,8 @@ static void test_borrow_paths(void) {
   CHECK_EQ(sl_books_borrow(b, same, 0, NULL, "other", 0, &got, &err), SUBLET_ENOOFFER);
   CHECK_EQ(sl_books_borrow(b, stranger, loan, TOKEN, NULL, 0, &got, &err), SUBLET_EPERM);
   CHECK_MSG(err, "--allow-group");
-  CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, "kv", 0, &got, &err), SUBLET_EPERM);
+  /* by name, another user's loan is none to the stranger: status shows it none */
+  CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, "kv", 0, &got, &err), SUBLET_ENOOFFER);
   /* the next offer is one this user may borrow: to the stranger, nothing is on offer */
   CHECK_EQ(sl_books_borrow(b, stranger, 0, NULL, NULL, 0, &got, &err), SUBLET_ENOOFFER);
   CHECK_EQ(sl_books_borrow(b, same, loan, TOKEN, NULL, UINT64_MAX, &got, &err), SUBLET_EINVAL);
@@ -1471,15 +1472,16 @@ static int m_borrow_rc(const struct model *m, uint64_t cid, uint64_t lid, const 
     return SUBLET_EPERM;
   if (lid != 0 && token != NULL && memcmp(token, l->token, 16) != 0)
     return SUBLET_EPERM;
-  if (lid == 0 && name[0] != '\0' && (l == NULL || strcmp(name, l->name) != 0))
-    return SUBLET_ENOOFFER;
+  if (lid == 0 && name[0] != '\0' &&
+      (l == NULL || strcmp(name, l->name) != 0 || !m_may_borrow(m, cid)))
+    return SUBLET_ENOOFFER; /* another user's loan is none to a client that may not see it */
   if (lid == 0 && name[0] == '\0' && (l == NULL || l->state != SL_LOAN_OFFERED))
     return SUBLET_ENOOFFER;
   if (l->state != SL_LOAN_OFFERED)
     return SUBLET_EBUSY;
   if (m_may_borrow(m, cid))
     return 0;
-  return lid == 0 && name[0] == '\0' ? SUBLET_ENOOFFER : SUBLET_EPERM; /* not on offer to it */
+  return lid == 0 ? SUBLET_ENOOFFER : SUBLET_EPERM; /* not on offer to it */
 }
 
 static void op_borrow(struct model *m) {

@@ -18,23 +18,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "device.h"
 #include "hash.h"
 #include "seal.h"
 
-static int passed, failed;
-static struct sl_err err;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (cond) {                                                                     \
-      passed++;                                                                     \
-    } else {                                                                        \
-      failed++;                                                                     \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, \
-              #cond, err.msg);                                                      \
-    }                                                                               \
-  } while (0)
+static struct sl_err err; /* the last error: check_note, under each failure */
 
 #define MiB (1ull << 20)
 
@@ -900,9 +889,9 @@ static void test_cuda(void) {
 int main(int argc, char **argv) {
   if (argc == 7 && strcmp(argv[1], "--child") == 0)
     return run_child(argv);
+  check_note = err.msg;
   test_hash_definition();
   test_memfd();
   test_cuda();
-  printf("device: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return check_report("device");
 }

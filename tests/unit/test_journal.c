@@ -90,9 +90,31 @@ static void test_ignores_shared_counts(void) {
   sl_journal_free(j);
 }
 
+/* Who owns and who borrowed, and the pages granted, reach the owner's view as written. */
+static void test_owner_and_grants(void) {
+  struct sl_journal_entry e[2] = {entry(0), {SL_JOURNAL_GRANT, 0, 4 * 4096, 0, 3 * 4096}};
+  struct sl_journal *j = NULL;
+  struct sl_journal_view v;
+
+  CHECK(sl_journal_create(11, 2, 4, &j, &err) == 0);
+  if (j == NULL)
+    return;
+  sl_journal_set_owner(j, 1000);
+  sl_journal_set_borrower(j, 4321, 3000);
+  CHECK(sl_journal_append(j, e, 2, &err) == 0);
+  CHECK(sl_journal_open(j->fd, 11, &v, &err) == 0);
+  CHECK(v.h->version == SL_JOURNAL_VERSION && v.h->owner_uid == 1000 &&
+        v.h->borrower_uid == 3000 && v.h->borrower_pid == 4321 && v.h->ended == 0);
+  CHECK(v.committed == 2 && v.e[1].kind == SL_JOURNAL_GRANT && v.e[1].src == 4 * 4096 &&
+        v.e[1].len == 3 * 4096);
+  sl_journal_close(&v);
+  sl_journal_free(j);
+}
+
 int main(void) {
   test_sealed();
   test_grows_sealed();
   test_ignores_shared_counts();
+  test_owner_and_grants();
   return check_report("test_journal");
 }

@@ -12,19 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "status_json.h"
-
-static int passed, failed;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (cond) {                                                                     \
-      passed++;                                                                     \
-    } else {                                                                        \
-      failed++;                                                                     \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);      \
-    }                                                                               \
-  } while (0)
 
 #define CHECK_TEXT(got, want)                                                       \
   do {                                                                              \
@@ -129,7 +118,7 @@ static void test_idle_daemon(void) {
       "\"retained\": [], \"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, "
       "\"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
-      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}}");
+      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}, \"release_offers\": []}");
   free(text);
   json_decref(parsed);
 }
@@ -394,6 +383,5 @@ int main(void) {
   test_seconds();
   test_reals_that_read_back();
   test_out_of_memory();
-  printf("status_json: %d checks passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return check_report("status_json");
 }

@@ -15,17 +15,8 @@
 #include <unistd.h>
 #include <dirent.h>
 
+#include "check.h"
 #include "wire.h"
-
-static int test_failed;
-
-#define CHECK(cond)                                                         \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      test_failed = 1;                                                      \
-    }                                                                       \
-  } while (0)
 
 #define POOL 253
 
@@ -593,21 +584,15 @@ static void test_other_version_passes(void) {
 
 /* ------------------------------------------------------------------ runner */
 
-static int passed, failed;
-
 static void run(const char *name, void (*test)(void)) {
-  int before = count_open_fds();
+  int before = count_open_fds(), failed = check_failed;
 
-  test_failed = 0;
   test();
-  if (count_open_fds() != before) {
+  if (count_open_fds() != before)
     fprintf(stderr, "%s: %d fds open before, %d after\n", name, before, count_open_fds());
-    test_failed = 1;
-  }
-  if (test_failed)
+  CHECK(count_open_fds() == before);
+  if (check_failed != failed)
     fprintf(stderr, "FAIL %s\n", name);
-  passed += !test_failed;
-  failed += test_failed;
 }
 
 int main(void) {
@@ -630,13 +615,9 @@ int main(void) {
   run("send_to_a_peer_that_does_not_read", test_send_to_a_peer_that_does_not_read);
   run("send_to_closed_peer", test_send_to_closed_peer);
   run("other_version_passes", test_other_version_passes);
-  if (count_open_fds() != before) {
+  if (count_open_fds() != before)
     fprintf(stderr, "FAIL no_fd_leak: %d fds open before, %d after\n", before,
             count_open_fds());
-    failed++;
-  } else {
-    passed++;
-  }
-  printf("wire: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  CHECK(count_open_fds() == before);
+  return check_report("wire");
 }

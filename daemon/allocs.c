@@ -1,0 +1,143 @@
+/* allocs.c - a borrower's Alloc in subletd: the books plan the grant, the pool makes its
+ * fresh chunk and empties the kept pages it reaches (their kept bytes moved or saved: on the
+ * loop when small, else off it with the connection paused), the books commit it. handlers.c
+ * dispatches it here.
+ */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "daemon.h"
+
+/* An allocation that reaches kept pages: answered once their kept bytes are moved or saved. */
+struct alloc_job {
+  struct sl_job job; /* first member: the job is the alloc_job */
+  uint64_t req_id;
+  struct sl_grant g;
+  int fd;            /* the fresh chunk's export, or -1 */
+};
+
+static void reply_allocated(struct sl_conn *c, uint64_t id, const struct sl_grant *g, int fd) {
+  Sublet__Reply rep = SUBLET__REPLY__INIT;
+  Sublet__Allocated a = SUBLET__ALLOCATED__INIT;
+
+  a.alloc = g->alloc_id;
+  a.pos = g->pos;
+  a.pages = g->npages;
+  a.has_fresh_pos = a.has_fresh_pages = g->fresh_npages > 0;
+  a.fresh_pos = g->fresh_pos;
+  a.fresh_pages = g->fresh_npages;
+  rep.id = id;
+  rep.body_case = SUBLET__REPLY__BODY_ALLOCATED;
+  rep.allocated = &a;
+  sl_conn_send(c, &rep, &fd, fd >= 0 ? 1 : 0);
+}
+
+/* The device work is done (or failed): commit the grant and answer, or undo it. */
+static int alloc_finish(struct sl_daemon *d, struct sl_conn *c, uint64_t id, struct sl_grant *g,
+                        int fd, int rc, struct sl_err *err) {
+  if (rc == 0 && c == NULL)
+    rc = SUBLET_EPIPE; /* the borrower went while its kept pages were saved */
+  if (rc == 0) /* journaled before the pages are lent: the owner can undo what they lose */
+    rc = sl_rescue_emptied(d, g, err);
+  if (rc == 0 && (rc = sl_books_alloc_commit(d->books, g)) != 0)
+    rc = sl_err_set(err, rc, "internal error: an allocation's plan went stale");
+  if (rc == 0)
+    reply_allocated(c, id, g, fd);
+  else
+    sl_books_alloc_release(d->books, g);
+  if (rc != 0 && g->fresh_npages > 0)
+    sl_pool_chunk_release(d->pool, g->fresh_chunk_id);
+  if (fd >= 0)
+    close(fd);
+  sl_grant_clear(g);
+  return rc;
+}
+
+static void alloc_saved(struct sl_job *j) {
+  struct alloc_job *aj = (struct alloc_job *)j;
+  struct sl_conn *c = j->conn;
+  int rc;
+
+  j->d->copy_out_seconds += j->seconds;
+  j->d->move_seconds += j->move_seconds;
+  rc = alloc_finish(j->d, c, aj->req_id, &aj->g, aj->fd, j->rc, &j->err);
+  if (c != NULL && rc != 0)
+    sl_conn_send_error(c, aj->req_id, &j->err);
+  if (c != NULL)
+    sl_conn_resume(c);
+  free(aj);
+}
+
+/* Holds the grant's positions in the books and saves its kept bytes off the loop. */
+static int alloc_save(struct sl_req *x, struct sl_grant *g, int fd) {
+  struct alloc_job *aj = calloc(1, sizeof(*aj));
+  struct sl_loan_info li;
+  int rc;
+
+  if (aj == NULL)
+    return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
+  sl_books_loan_info(x->d->books, g->loan_id, &li);
+  rc = sl_pool_transfer_new(x->d->pool, SL_COPY_TO_HOST, li.region_id, g->save, g->nsave,
+                            g->move, g->nmove, &aj->job.transfer, &x->err);
+  if (rc == 0)
+    rc = sl_books_alloc_hold(x->d->books, g, &x->err);
+  if (rc != 0) {
+    sl_pool_transfer_free(aj->job.transfer);
+    free(aj);
+    return rc;
+  }
+  aj->req_id = x->id;
+  aj->g = *g; /* the job owns the grant's arrays now */
+  aj->fd = fd;
+  aj->job.done = alloc_saved;
+  aj->job.conn = x->c;
+  sl_job_submit(x->d, &aj->job);
+  return 0;
+}
+
+/* A small emptying of kept pages, on the loop (sl_jobs_inline): moves first (they fill holes
+ * of pages that stay unlent), then saves (which may read bytes a move just wrote). A failure
+ * leaves the kept bytes where they were: nothing was granted, and moved copies are copies. */
+static int empty_now(struct sl_req *x, const struct sl_grant *g) {
+  struct sl_pool_transfer *t = NULL;
+  struct sl_loan_info li;
+  double copy = 0, move = 0;
+  int rc;
+
+  sl_books_loan_info(x->d->books, g->loan_id, &li);
+  rc = sl_pool_transfer_new(x->d->pool, SL_COPY_TO_HOST, li.region_id, g->save, g->nsave,
+                            g->move, g->nmove, &t, &x->err);
+  if (rc == 0)
+    rc = sl_pool_transfer_run(t, &copy, &move, &x->err);
+  sl_pool_transfer_free(t);
+  x->d->copy_out_seconds += copy;
+  x->d->move_seconds += move;
+  return rc;
+}
+
+/* Plan, do, commit: the books plan the grant, the pool makes the fresh chunk and (off the
+ * loop, unless small) saves the kept bytes, the books commit it. */
+int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m) {
+  struct sl_grant g = {0};
+  int fd = -1, rc;
+
+  rc = sl_books_alloc_plan(x->d->books, x->c->client_id, m->size, &g, &x->err);
+  if (rc == 0 && g.fresh_npages > 0)
+    rc = sl_pool_chunk_create(x->d->pool, g.fresh_chunk_id, g.fresh_npages, &fd, &x->err);
+  if (rc == 0 && g.nsave + g.nmove > 0 && sl_jobs_inline(x->d, g.save_bytes + g.move_bytes)) {
+    rc = empty_now(x, &g);
+  } else if (rc == 0 && g.nsave + g.nmove > 0) {
+    rc = alloc_save(x, &g, fd);
+    if (rc == 0)
+      return 0; /* answered once the save is done */
+  }
+  if (rc != 0) {
+    if (fd >= 0) {
+      close(fd);
+      sl_pool_chunk_release(x->d->pool, g.fresh_chunk_id);
+    }
+    sl_grant_clear(&g);
+    return rc;
+  }
+  return alloc_finish(x->d, x->c, x->id, &g, fd, 0, &x->err);
+}

@@ -1,0 +1,211 @@
+/* test_release_offer.c - release offers through the C API and by hand (daemon/release_offers.c,
+ * client/release_offer.c, client/take.c), against a real subletd on the memfd backend.
+ *
+ * Through libsublet: an owner offers, a scheduler (another client) takes it, the memory is
+ * the device's again while taken, every kept byte comes back after the give back; a withdraw.
+ * By hand (raw.h): what a careless or hostile client may send: an offer of a region of another
+ * process, steps of an offer that is not its own, reports that did not happen, bad names, a
+ * take-wait of an offer never taken; the daemon answers each with a typed error and serves on.
+ */
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "raw.h"
+#include "sublet.h"
+
+#define PAGE (64u * 1024)
+
+static uint8_t pattern(uint64_t i) {
+  return (uint8_t)((i * 2654435761u) >> 13);
+}
+
+static uint64_t free_bytes(sublet_client *c) {
+  struct sublet_info info;
+
+  return sublet_get_info(c, &info) == 0 ? info.free_bytes : 0;
+}
+
+static void test_taken_released_given_back(void) {
+  struct sl_test_daemon d;
+  struct sublet_release_stats rel, res, seen;
+  struct sublet_range keep[3] = {{100, 900}, {5 * PAGE, 10}, {9 * PAGE + 7, PAGE}};
+  sublet_client *owner, *sched;
+  sublet_region *r;
+  sublet_release_offer *o;
+  uint64_t id, free0, bad = 0;
+  int state;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &owner), 0);
+  CHECK_RC(sublet_connect(d.socket, &sched), 0);
+  CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
+  for (uint64_t i = 0; i < 16 * PAGE; i++)
+    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  free0 = free_bytes(sched);
+  CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "c-kv", &o), 0);
+  CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED);
+  CHECK_RC(sublet_release_offer_wait(o, 0, NULL, NULL), SUBLET_ETIMEDOUT);
+  CHECK_RC(sublet_take(sched, "c-kv", 5000, &id), 0);
+  CHECK(id == sublet_release_offer_id(o));
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
+  CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages > 0);
+  CHECK(free_bytes(sched) == free0 + seen.released_pages * PAGE);
+  CHECK_RC(sublet_take_wait(sched, id, 0, &state, &seen), 0); /* settled: answered again */
+  CHECK_RC(sublet_give_back(sched, id), 0);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
+  CHECK(state == SUBLET_OFFER_ENDED);
+  CHECK_RC(sublet_take_wait(sched, id, 0, &state, NULL), SUBLET_ENOENT); /* heard the end */
+  CHECK_RC(sublet_release_offer_wait(o, 5000, &rel, &res), 0);
+  CHECK(rel.released_pages == seen.released_pages && res.release_id == rel.release_id);
+  CHECK(free_bytes(sched) == free0);
+  for (int i = 0; i < 3; i++)
+    for (uint64_t b = keep[i].offset; b < keep[i].offset + keep[i].length; b++)
+      bad += ((uint8_t *)sublet_region_addr(r))[b] != pattern(b);
+  CHECK(bad == 0);
+  sublet_release_offer_free(o);
+  sublet_disconnect(sched);
+  sublet_disconnect(owner);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+static void test_withdrawn_before_anyone_takes_it(void) {
+  struct sl_test_daemon d;
+  sublet_client *c;
+  sublet_region *r;
+  sublet_release_offer *o;
+  uint64_t id;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &c), 0);
+  CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
+  CHECK_RC(sublet_offer_release(r, NULL, 0, NULL, 0, 0, SUBLET_STAY_ANY, "w", &o), 0);
+  CHECK_RC(sublet_release_offer_withdraw(o), 0);
+  CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_ENDED);
+  CHECK_RC(sublet_release_offer_wait(o, 1000, NULL, NULL), SUBLET_ECANCELED);
+  CHECK_RC(sublet_take(c, "w", 0, &id), SUBLET_ENOOFFER);
+  sublet_release_offer_free(o);
+  sublet_release_offer_free(NULL);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* ------------------------------------------------------------------ by hand */
+
+static Sublet__Reply *ask(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
+  return sl_raw_send(fd, req, NULL, 0) == 0 ? sl_raw_reply(fd, rx, 5000) : NULL;
+}
+
+/* The error code of the reply to req (0: not an error, 1: no reply). */
+static int code_of(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
+  Sublet__Reply *rep = ask(fd, rx, req);
+  int code = rep == NULL ? 1 : rep->body_case == SUBLET__REPLY__BODY_ERROR ? rep->error->code : 0;
+
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return code;
+}
+
+static int offer_raw(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t region,
+                     const char *name, size_t len) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__ReleaseOffer m = SUBLET__RELEASE_OFFER__INIT;
+
+  m.region = region;
+  m.has_name = name != NULL;
+  m.name.data = (uint8_t *)name;
+  m.name.len = len;
+  req.id = id;
+  req.body_case = SUBLET__REQUEST__BODY_RELEASE_OFFER;
+  req.release_offer = &m;
+  return code_of(fd, rx, &req);
+}
+
+static int step_raw(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t offer, int reached) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__OfferStep m = SUBLET__OFFER_STEP__INIT;
+  Sublet__OfferStats st = SUBLET__OFFER_STATS__INIT;
+  Sublet__ReleaseStats rs = SUBLET__RELEASE_STATS__INIT;
+
+  m.offer = offer;
+  m.has_reached = reached != 0;
+  m.reached = reached;
+  rs.release = 424242;
+  st.release = &rs;
+  m.stats = reached != 0 ? &st : NULL;
+  req.id = id;
+  req.body_case = SUBLET__REQUEST__BODY_OFFER_STEP;
+  req.offer_step = &m;
+  return code_of(fd, rx, &req);
+}
+
+static int take_wait_raw(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t offer) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__TakeWait m = SUBLET__TAKE_WAIT__INIT;
+
+  m.offer = offer;
+  m.has_timeout_ms = 1;
+  m.timeout_ms = 0;
+  req.id = id;
+  req.body_case = SUBLET__REQUEST__BODY_TAKE_WAIT;
+  req.take_wait = &m;
+  return code_of(fd, rx, &req);
+}
+
+/* A forked child (another process of this user) offers the parent's region: EPERM. */
+static int offer_from_child(const char *socket, uint64_t region) {
+  struct sl_wire_rx rx;
+  int status, fd;
+  pid_t pid = fork();
+
+  if (pid == 0) {
+    sl_wire_rx_init(&rx);
+    fd = sl_raw_connect(socket);
+    _exit(fd >= 0 && sl_raw_hello(fd, &rx) == 0 &&
+          offer_raw(fd, &rx, 2, region, "x", 1) == SUBLET_EPERM ? 0 : 1);
+  }
+  return pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) ? WEXITSTATUS(status)
+                                                                          : -1;
+}
+
+static void test_what_the_daemon_refuses(void) {
+  struct sl_test_daemon d;
+  struct sl_wire_rx rx, rx2;
+  int a, b;
+  uint64_t region;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  sl_wire_rx_init(&rx);
+  sl_wire_rx_init(&rx2);
+  a = sl_raw_connect(d.socket);
+  b = sl_raw_connect(d.socket);
+  CHECK(a >= 0 && b >= 0 && sl_raw_hello(a, &rx) == 0 && sl_raw_hello(b, &rx2) == 0);
+  region = sl_raw_region(a, &rx, 2, 4 * PAGE);
+  CHECK(region != 0);
+  CHECK(offer_from_child(d.socket, region) == 0);
+  CHECK(offer_raw(a, &rx, 3, region + 99, "x", 1) == SUBLET_ENOENT);
+  CHECK(offer_raw(a, &rx, 4, region, "a\0b", 3) == SUBLET_EINVAL);       /* a NUL */
+  CHECK(offer_raw(a, &rx, 5, region, "\xff", 1) == SUBLET_EINVAL);       /* not UTF-8 */
+  CHECK(offer_raw(b, &rx2, 2, region, "ok", 2) == 0); /* b: the same process, its offer 1 */
+  CHECK(offer_raw(a, &rx, 6, region, "ok", 2) == SUBLET_EBUSY);          /* a name taken */
+  CHECK(step_raw(a, &rx, 7, 1, 0) == SUBLET_EPERM);                      /* not a's offer */
+  CHECK(step_raw(b, &rx2, 3, 1, SUBLET__OFFER_PHASE__OFFER_RELEASED) == SUBLET_EINVAL);
+  CHECK(step_raw(b, &rx2, 4, 1, SUBLET__OFFER_PHASE__OFFER_ENDED) == SUBLET_EINVAL);
+  CHECK(step_raw(b, &rx2, 5, 1, 9) == SUBLET_EINVAL);                   /* no such phase */
+  CHECK(step_raw(b, &rx2, 6, 77, 0) == SUBLET_ENOENT);
+  CHECK(take_wait_raw(a, &rx, 8, 1) == SUBLET_EPERM);                    /* never taken */
+  CHECK(take_wait_raw(a, &rx, 9, 77) == SUBLET_ENOENT);
+  close(b); /* the owner's connection goes: its offer with it */
+  close(a);
+  sl_wire_rx_destroy(&rx);
+  sl_wire_rx_destroy(&rx2);
+  CHECK(sl_test_daemon_stop(&d) == 0); /* --check held, and it stops cleanly */
+}
+
+int main(void) {
+  sl_test_run("taken, released, given back", test_taken_released_given_back);
+  sl_test_run("withdrawn before anyone takes it", test_withdrawn_before_anyone_takes_it);
+  sl_test_run("what the daemon refuses", test_what_the_daemon_refuses);
+  return sl_test_summary("test_release_offer");
+}
