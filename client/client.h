@@ -190,6 +190,9 @@ void sl_release_forget(struct sublet_region *r);
 /* ------------------------------------------------------------------ release_offer.c */
 
 /* A release offer's stats as the daemon relays them (m may be NULL: zeros). */
+/* A ReleaseStats's figures into s (release.c); the seconds and allocations it leaves are the
+ * caller's. */
+void sl_release_stats_from(const Sublet__ReleaseStats *m, struct sublet_release_stats *s);
 void sl_offer_stats_from(const Sublet__OfferStats *m, struct sublet_release_stats *s);
 
 /* ------------------------------------------------------------------ watch.c */

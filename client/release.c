@@ -147,7 +147,7 @@ static int rec_fill(const struct sublet_region *r, const Sublet__ReleaseStats *m
   return 0;
 }
 
-static void stats_from(const Sublet__ReleaseStats *m, struct sublet_release_stats *s) {
+void sl_release_stats_from(const Sublet__ReleaseStats *m, struct sublet_release_stats *s) {
   s->release_id = m->release;
   s->released_pages = m->released_pages;
   s->stayed_pages = m->stayed_pages;
@@ -213,7 +213,7 @@ static int release_locked(struct sublet_region *r, const struct sublet_range *ke
 
   if (rc == 0) {
     rec->id = rep->released->release;
-    stats_from(rep->released, &rec->stats);
+    sl_release_stats_from(rep->released, &rec->stats);
     rc = rec_fill(r, rep->released, rec);
   }
   if (rc == 0) {
@@ -347,7 +347,7 @@ static int resume_request(sublet_client *c, struct sublet_region *r, int flags,
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RESUMED, &rep, NULL, NULL, work_ms(r));
   if (rc == 0) {
     uint64_t out = rec->stats.copied_out_bytes;
-    stats_from(rep->resumed, &rec->stats);
+    sl_release_stats_from(rep->resumed, &rec->stats);
     rec->stats.copied_out_bytes = out;
     t0 = sl_clock_now();
     rec->stats.allocations = rep->resumed->n_groups > 0 ? rep->resumed->n_groups / 2

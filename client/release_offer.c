@@ -67,18 +67,8 @@ void sl_offer_stats_from(const Sublet__OfferStats *m, struct sublet_release_stat
   s->map_seconds = m->map_seconds;
   s->allocations = m->allocations;
   s->daemon_died = m->daemon_died;
-  if (r == NULL)
-    return;
-  s->release_id = r->release;
-  s->released_pages = r->released_pages;
-  s->stayed_pages = r->stayed_pages;
-  s->held_pages = r->held_pages;
-  s->kept_bytes = r->kept_bytes;
-  s->moved_bytes = r->moved_bytes;
-  s->copied_out_bytes = r->copied_out_bytes;
-  s->copied_in_bytes = r->copied_in_bytes;
-  s->move_seconds = r->move_seconds;
-  s->copy_seconds = r->has_copy_in_seconds ? r->copy_in_seconds : r->copy_out_seconds;
+  if (r != NULL)
+    sl_release_stats_from(r, s);
 }
 
 /* The report's stats into m and rs (the caller's, filled in place: nothing to free). */

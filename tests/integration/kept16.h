@@ -1,10 +1,12 @@
-/* kept16.h - the keep of test_fresh.c and test_isolate.c: a pattern written over a region of
+/* kept16.h - what test_fresh.c and test_isolate.c share: a pattern written over a region of
  * NPAGES pages of PAGE bytes (both defined before this is included), the ranges kept of it,
- * and the count of kept bytes that no longer hold the pattern. */
+ * the count of kept bytes that no longer hold the pattern, and the one-byte messages between
+ * the test, its borrower and the borrower's keeper child. */
 #ifndef SL_TEST_KEPT16_H
 #define SL_TEST_KEPT16_H
 
 #include <stdint.h>
+#include <unistd.h>
 
 #include "sublet.h"
 
@@ -33,5 +35,18 @@ static uint64_t kept_changed(const uint8_t *base) {
       changed += base[x] != pattern(x);
   return changed;
 }
+
+static int say(int fd, char c) {
+  return write(fd, &c, 1) == 1 ? 0 : -1;
+}
+
+static int hear(int fd, char want) {
+  char c = 0;
+  return read(fd, &c, 1) == 1 && c == want ? 0 : -1;
+}
+
+struct pipes {
+  int to_borrower[2], from_borrower[2], to_keeper[2], from_keeper[2];
+};
 
 #endif

@@ -32,19 +32,6 @@ static struct sl_test_daemon daemon_;
 
 #include "kept16.h"
 
-static int say(int fd, char c) {
-  return write(fd, &c, 1) == 1 ? 0 : -1;
-}
-
-static int hear(int fd, char want) {
-  char c = 0;
-  return read(fd, &c, 1) == 1 && c == want ? 0 : -1;
-}
-
-struct pipes {
-  int to_borrower[2], from_borrower[2], to_keeper[2], from_keeper[2];
-};
-
 /* In the borrower's child: holds the granted pages' mappings it inherited; once told, after
  * the loan, writes every byte of them. */
 static void keeper(struct pipes *p, void *const *ptrs, size_t n) {

@@ -34,26 +34,6 @@ static const char *const daemon_args[] = {"--allow-group", "4242", NULL};
 
 #include "kept16.h"
 
-static double now(void) {
-  struct timespec ts;
-
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
-static int say(int fd, char c) {
-  return write(fd, &c, 1) == 1 ? 0 : -1;
-}
-
-static int hear(int fd, char want) {
-  char c = 0;
-  return read(fd, &c, 1) == 1 && c == want ? 0 : -1;
-}
-
-struct pipes {
-  int to_borrower[2], from_borrower[2], to_keeper[2], from_keeper[2];
-};
-
 /* What the borrower does once it holds the whole window and the keeper is forked. */
 enum plan {
   RETURN,      /* frees everything, returns, says 'r', leaves once told 'q' */
@@ -322,9 +302,9 @@ static void test_ended_loan_no_wait(void) {
     CHECK(!"the borrower returned the loan");
   }
   CHECK(kill(d.pid, SIGKILL) == 0 && waitpid(d.pid, NULL, 0) == d.pid);
-  t0 = now();
+  t0 = sl_test_now();
   CHECK_RC(sublet_reclaim(owner, loan, 3000, &st), SUBLET_EDAEMONDIED);
-  CHECK(now() - t0 < 1.0); /* the borrower lives on: waiting for it would take the 3 s */
+  CHECK(sl_test_now() - t0 < 1.0); /* the borrower lives on: waiting for it would take the 3 s */
   CHECK(st.daemon_died && st.copied_in_bytes == st.copied_out_bytes);
   CHECK(kept_changed(base) == 0);
   CHECK(say(p.to_borrower[1], 'q') == 0);
