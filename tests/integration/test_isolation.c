@@ -388,6 +388,14 @@ static double one_long_lend(const char *path, int keep_fd) {
   return took;
 }
 
+#ifdef __SANITIZE_ADDRESS__
+#define CREATE_SLACK_S 0.5
+#define CREATE_DRAFTS 6.0
+#else
+#define CREATE_SLACK_S 0.2
+#define CREATE_DRAFTS 1.5
+#endif
+
 /* One job queue for all: another user's calls waited behind every long keep list queued
  * (27 to 29 s in the report). Now the users take turns: the victim's region (a job among the
  * copies) waits for none of them, and its own long list for one of the attacker's at most. */
@@ -422,8 +430,10 @@ static void test_long_keep_lists_of_one_user(void) {
          "region in %.0f ms at worst, its own long Lend in %.0f ms\n", draft * 1e3,
          JOBS_CONNS, worst_create * 1e3, lend_took * 1e3);
   sl_test_reap(attacker);
-  /* Before: the region waited for the whole queue (about 10 drafts), the Lend too. */
-  CHECK(worst_create < 0.2 + 1.5 * draft);
+  /* Before: the region waited for the whole queue (about 10 drafts, 12 x draft measured),
+   * the Lend too. Under ASan on 2 cores the attacker's 10 connections also take the CPU
+   * from subletd's loop (3.7 x draft seen in CI): the bound stays well below the queue. */
+  CHECK(worst_create < CREATE_SLACK_S + CREATE_DRAFTS * draft);
   CHECK(lend_took > 0 && lend_took < 0.5 + 4 * draft);
   sublet_disconnect(victim);
   close(keep_fd);
