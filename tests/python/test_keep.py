@@ -632,7 +632,8 @@ def test_bulk_views_of_many_tensors_of_one_region(monkeypatch):
 
 def test_200k_block_views_and_blocks_of_64_tables_are_quick():
     """Targets (on the GPU host): 200,000 views to ranges in 20 ms; sublet_blocks_ranges for
-    64 tables x 200,000 of 600,000 rows in 20 ms. Asserted loosely here (shared machines);
+    64 tables x 200,000 of 600,000 rows in 20 ms. Asserted loosely here, against a quadratic
+    walk (seconds), not the target: a loaded machine once took 0.30 s.
     bench/bench_keep.py measures them beside a memory-bandwidth reference."""
     cache = torch.empty(2, 300_000, 16, 8, 16, dtype=torch.bfloat16)  # 2.3 GiB, untouched
     live = np.sort(np.random.default_rng(4).choice(300_000, 200_000, replace=False)).tolist()
@@ -648,4 +649,4 @@ def test_200k_block_views_and_blocks_of_64_tables_are_quick():
                  for _ in range(3))
     print(f"\n200,000 views: {seconds * 1e3:.1f} ms; blocks of 64 tables x 200,000 rows: "
           f"{blocks * 1e3:.1f} ms (targets 20 ms on the GPU host)")
-    assert seconds < 0.25 and blocks < 0.25
+    assert seconds < 1.0 and blocks < 1.0
