@@ -1,11 +1,13 @@
 /* kept16.h - what test_fresh.c and test_isolate.c share: a pattern written over a region of
  * NPAGES pages of PAGE bytes (both defined before this is included), the ranges kept of it,
  * the count of kept bytes that no longer hold the pattern, and the one-byte messages between
- * the test, its borrower and the borrower's keeper child. */
+ * the test, its borrower and the borrower's keeper child, and the borrower's exit. */
 #ifndef SL_TEST_KEPT16_H
 #define SL_TEST_KEPT16_H
 
 #include <stdint.h>
+#include <stdio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "sublet.h"
@@ -48,5 +50,17 @@ static int hear(int fd, char want) {
 struct pipes {
   int to_borrower[2], from_borrower[2], to_keeper[2], from_keeper[2];
 };
+
+/* Waits for the borrower; 0 if it did all it should. */
+static int borrower_exit(pid_t pid) {
+  int status;
+
+  if (waitpid(pid, &status, 0) != pid)
+    return -1;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fprintf(stderr, "  the borrower failed at step %d\n",
+            WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
+}
 
 #endif

@@ -137,18 +137,6 @@ static void close_pipes(struct pipes *p) {
   close(p->from_keeper[0]);
 }
 
-/* Waits for the borrower; 0 if it did all it should. */
-static int borrower_exit(pid_t pid) {
-  int status;
-
-  if (waitpid(pid, &status, 0) != pid)
-    return -1;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    fprintf(stderr, "  the borrower failed at step %d\n",
-            WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
-}
-
 static void test_other_user_gets_nothing_after_the_loan(void) {
   struct sublet_range keep[NPAGES];
   struct sublet_loan_stats st;

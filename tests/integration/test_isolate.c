@@ -119,18 +119,6 @@ static pid_t start_borrower(struct pipes *p, const struct borrower_args *a) {
   return pid;
 }
 
-/* Waits for the borrower; 0 if it did all it should. */
-static int borrower_exit(pid_t pid) {
-  int status;
-
-  if (waitpid(pid, &status, 0) != pid)
-    return -1;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-    fprintf(stderr, "  the borrower failed at step %d\n",
-            WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : -1;
-}
-
 /* The test's ends; the keeper sees EOF and leaves. */
 static void close_pipes(struct pipes *p) {
   close(p->to_borrower[1]);
