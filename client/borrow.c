@@ -71,7 +71,7 @@ static int setup_window(sublet_client *c, const Sublet__Borrowed *b) {
                                   !region_has_forfeit(c, b->region) && !own->torch_blocks};
   rc = sl_window_new(c->dev, b->page_size, b->region, b->region_pages, b->unkept_pages,
                      b->fresh_pages, b->kept_pages, layout, own != NULL ? &mine : NULL,
-                     &c->win, &err);
+                     c->info.total_bytes / b->page_size, &c->win, &err);
   if (rc == 0 && last != NULL && b->keep_window)
     sl_window_take_handles(c->win, last);
   sl_window_free(last); /* another region's: it may be gone */
@@ -415,6 +415,7 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   Sublet__Return m = SUBLET__RETURN__INIT;
   Sublet__Reply *rep = NULL;
   double map_seconds = c->win != NULL ? c->win->map_seconds : 0;
+  uint64_t mapped_pages = c->win != NULL ? c->win->mapped_pages : 0;
   int rc;
 
   if (c->lost)
@@ -439,10 +440,13 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   if (rc == 0 || (rc == SUBLET_ELEAK && force)) {
     const Sublet__LoanStats *s = rc == 0 ? rep->returned : rep->error->stats;
     c->win->map_seconds = 0;
+    c->win->mapped_pages = 0;
     end_borrowing(c, rc != 0, s == NULL || s->owner_gone);
   }
-  if (stats != NULL)
+  if (stats != NULL) {
     stats->map_seconds = map_seconds;
+    stats->mapped_pages = mapped_pages;
+  }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
@@ -532,8 +536,10 @@ SUBLET_EXPORT int sublet_loan_stats(sublet_client *c, struct sublet_loan_stats *
   rc = sl_client_status(c, &rep);
   if (rc == 0 && rep->status->loan != NULL)
     sl_msg_stats_from_proto(rep->status->loan->stats, stats);
-  if (c->win != NULL)
+  if (c->win != NULL) {
     stats->map_seconds = c->win->map_seconds;
+    stats->mapped_pages = c->win->mapped_pages;
+  }
   pthread_mutex_unlock(&c->lock);
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

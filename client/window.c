@@ -13,6 +13,9 @@ static uint64_t window_pages(const struct sl_window *w) {
   return w->unkept + w->fresh + w->kept;
 }
 
+static int reserve(struct sl_window *w, uint64_t room, struct sl_err *err);
+static int refresh(struct sl_window *w, uint64_t fresh);
+
 /* Is window position p the region's own mapping (served in place)? */
 static int own_position(const struct sl_window *w, uint64_t p) {
   return p >= w->own_from && p < w->own_to;
@@ -61,15 +64,17 @@ static void try_alias(struct sl_window *w, const struct sl_window_own *own) {
 
   if (own == NULL || !own->in_place)
     return;
-  if (lead_alias(w, own))
+  if (lead_alias(w, own)) {
     alias(w, region - w->fresh * w->page_size, w->fresh, window_pages(w));
+    w->room = own->lead_pages;
+  }
   else if (tail_alias(w, own))
     alias(w, region + (w->region_pages - w->unkept) * w->page_size, 0, w->unkept);
 }
 
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
                   uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
-                  const uint64_t *layout, const struct sl_window_own *own,
+                  const uint64_t *layout, const struct sl_window_own *own, uint64_t room,
                   struct sl_window **out, struct sl_err *err) {
   struct sl_window *w = calloc(1, sizeof(*w));
   sl_handle *handles = own != NULL ? own->handles : NULL;
@@ -100,7 +105,7 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
     w->mapped[i] = POS_UNMAPPED;
   try_alias(w, own);
   if (w->base == NULL && total > 0)
-    rc = sl_device_reserve(dev, total * page_size, &w->base, err);
+    rc = reserve(w, room, err);
   if (rc != 0) {
     sl_window_free(w);
     return rc;
@@ -109,10 +114,45 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   return 0;
 }
 
+/* With no unkept zone, room pages for the fresh zone below the kept zone: base lies where the
+ * fresh zone of this loan starts. */
+static int reserve(struct sl_window *w, uint64_t room, struct sl_err *err) {
+  int rc;
+
+  w->room = w->unkept == 0 && room > w->fresh ? room : w->fresh;
+  w->reserved_pages = w->unkept == 0 ? w->room + w->kept : window_pages(w);
+  rc = sl_device_reserve(w->dev, w->reserved_pages * w->page_size, &w->reserved, err);
+  if (rc == 0)
+    w->base = (char *)w->reserved + (w->reserved_pages - window_pages(w)) * w->page_size;
+  return rc;
+}
+
+/* Another fresh zone for a window with no unkept zone (and no chunk mapped: the last loan
+ * ended): the kept zone's positions shift, its addresses and mappings stay. */
+static int refresh(struct sl_window *w, uint64_t fresh) {
+  int64_t *mapped = malloc((fresh + w->kept + 1) * sizeof(*mapped));
+
+  if (mapped == NULL)
+    return 0;
+  for (uint64_t p = 0; p < fresh; p++)
+    mapped[p] = POS_UNMAPPED;
+  memcpy(mapped + fresh, w->mapped + w->fresh, w->kept * sizeof(*mapped));
+  free(w->mapped);
+  w->mapped = mapped;
+  w->base = (char *)w->base + ((int64_t)w->fresh - (int64_t)fresh) * (int64_t)w->page_size;
+  if (w->own_to > 0) { /* aliased: the kept zone is the region's own mapping */
+    w->own_from = fresh;
+    w->own_to = fresh + w->kept;
+  }
+  w->fresh = fresh;
+  return 1;
+}
+
 int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,
                     uint64_t kept, const uint64_t *layout) {
-  if (w->region_id != region_id || w->unkept != unkept || w->fresh != fresh ||
-      w->kept != kept || w->nallocs != 0)
+  if (w->region_id != region_id || w->unkept != unkept || w->kept != kept || w->nallocs != 0)
+    return 0;
+  if (w->fresh != fresh && (unkept != 0 || fresh > w->room || w->nchunks != 0 || !refresh(w, fresh)))
     return 0;
   /* Served in place, it can take only a layout with the same pages there. */
   for (uint64_t p = w->own_from; p < w->own_to; p++)
@@ -161,8 +201,10 @@ static int map_position(struct sl_window *w, uint64_t pos, int64_t page, struct 
     return sl_err_set(err, SUBLET_EPROTO, "no handle for region page %lld",
                       (long long)page);
   rc = sl_device_map(w->dev, pos_addr(w, pos), w->page_size, w->handles[page], err);
-  if (rc == 0)
+  if (rc == 0) {
     w->mapped[pos] = page;
+    w->mapped_pages++;
+  }
   return rc;
 }
 
@@ -271,8 +313,8 @@ void sl_window_free(struct sl_window *w) {
     sl_window_drop_chunks(w);
     sl_device_synchronize(w->dev, NULL);
     unmap_pages(w);
-    if (w->own_to == 0) /* not aliased: the reservation is the window's */
-      sl_device_unreserve(w->dev, w->base, window_pages(w) * w->page_size);
+    if (w->reserved != NULL) /* not aliased: the reservation is the window's */
+      sl_device_unreserve(w->dev, w->reserved, w->reserved_pages * w->page_size);
   }
   if (w->owns_handles && w->handles != NULL)
     for (uint64_t i = 0; i < w->region_pages; i++)

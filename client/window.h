@@ -43,6 +43,10 @@ struct sl_window {
   uint64_t unkept, fresh, kept;   /* U, F, K */
   uint64_t *layout;               /* U + K region page indices */
   void *base;                     /* U + F + K pages reserved, or aliased */
+  void *reserved;                 /* the window's own reservation (NULL: aliased) ... */
+  uint64_t reserved_pages;        /* ... of room + K pages, or U + F + K when U > 0 */
+  uint64_t room;                  /* with U = 0, the most pages its fresh zone may grow to
+                                     below the kept zone, which stays where it is */
   uint64_t own_from, own_to;      /* positions [from, to) are the region's own mapping (none:
                                      base is the window's own reservation) */
   void *region_base;              /* the region's own mapping in this process, or NULL */
@@ -57,6 +61,7 @@ struct sl_window {
   struct sl_window_alloc *allocs;
   size_t nallocs, alloccap;
   double map_seconds;
+  uint64_t mapped_pages;          /* region pages mapped since the loan began */
 };
 
 /* The region this process owns, for a loan of it in the owner's process. */
@@ -70,12 +75,15 @@ struct sl_window_own {
 };
 
 /* A window for a loan's layout. own: the region when this process owns it, else NULL (the
- * window imports the handles it needs, and owns them). */
+ * window imports the handles it needs, and owns them). room: with no unkept zone (a loan in
+ * order: books.h), the pages of address space its fresh zone may grow to (the device's), so
+ * that a later loan with another fresh zone keeps the kept zone's mappings. */
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
                   uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
-                  const uint64_t *layout, const struct sl_window_own *own,
+                  const uint64_t *layout, const struct sl_window_own *own, uint64_t room,
                   struct sl_window **out, struct sl_err *err);
-/* Can w serve this loan's layout (same region and zone sizes)? Then adopt its layout. */
+/* Can w serve this loan's layout (same region and zone sizes, or with no unkept zone another
+ * fresh zone that fits its room)? Then adopt its layout. */
 int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,
                     uint64_t kept, const uint64_t *layout);
 /* The region page at a window position, or -1 for a fresh position. */

@@ -580,9 +580,38 @@ static int loan_set_layout(const struct sl_books_config *cfg, struct sl_loan *l,
       l->pages[i++] = p;
   }
   l->unkept = u;
-  l->kept = k;
+  l->kept = l->holding = k;
   free(flags);
   return 0;
+}
+
+/* The pinned pages are none, or the region's last ones: the window can end before them. */
+static int pinned_tail_only(const struct sl_loan *l, uint64_t npages) {
+  return l->npinned == 0 ||
+         (l->npinned == 1 && l->pinned[0] + l->pinned[1] == npages);
+}
+
+/* The unkept pages are the region's last ones, the kept ones its head (a tensor that keeps
+ * its first bytes): served in place as it is, the tail first, with nothing moved. */
+static int keeps_head(const struct sl_loan *l) {
+  return l->unkept > 0 && l->kept > 0 && l->npinned == 0 &&
+         l->pages[0] == l->kept && l->pages[l->unkept - 1] == l->kept + l->unkept - 1;
+}
+
+/* Lays l out in order (books.h) when it may be: its pages become the region's own, in order
+ * (pinned ones excepted), all of them the kept zone. */
+static void loan_set_in_order(const struct sl_books_config *cfg, struct sl_loan *l,
+                              uint64_t npages) {
+  uint64_t n = l->unkept + l->kept;
+
+  if (cfg->no_compact || !pinned_tail_only(l, npages) || keeps_head(l))
+    return;
+  for (uint64_t p = 0; p < n; p++) /* with U = 0 they were so already */
+    l->pages[p] = p;
+  l->unkept = 0;
+  l->kept = n;
+  l->in_order = 1;
+  sl_plan_init(&l->plan, cfg->page_size, l->keep, l->nkeep, l->pages, n, 1);
 }
 
 /* ---- lending ------------------------------------------------------------------------------ */
@@ -831,6 +860,7 @@ int sl_books_lend_draft(struct sl_books *b, uint64_t client_id, uint64_t region_
   l->stats.loan_id = l->id;
   snprintf(l->name, sizeof(l->name), "%s", name ? name : "");
   memcpy(l->token, token, sizeof(l->token));
+  loan_set_in_order(&b->cfg, l, r->npages);
   l->layout_id = same_layout(r, l) ? r->layout_id : b->next_layout++;
   r->loan_id = l->id;
   b->loan = l;
@@ -1070,6 +1100,7 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
   l->borrower_client = c->id;
   l->borrower = c->peer;
   l->fresh = region->last_fresh = steady_fresh(region->last_fresh, fresh_pages, b->cfg.fresh_give);
+  l->lo = l->hwm = l->in_order ? l->fresh : 0; /* in order: the kept zone's first page on */
   c->loan_id = l->id;
   if (borrowed_loan != NULL)
     *borrowed_loan = l->id;
@@ -1126,48 +1157,56 @@ static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t s
                     sl_format_size(win, sl_books_window_size(l) * ps), sl_format_size(used, l->live_bytes));
 }
 
-/* First fit over the gaps between live allocations (sorted by position). */
-static int first_fit(const struct sl_books *b, const struct sl_loan *l, uint64_t size,
-                     uint64_t *pos, struct sl_err *err) {
-  uint64_t npages = sl_books_pages_for(b, size), start = 0, largest = 0;
-  size_t i;
+/* Kept zone indices [from, to) of an in-order loan whose pages hold no kept byte. */
+static uint64_t empty_pages(const struct sl_loan *l, uint64_t ps, uint64_t from, uint64_t to) {
+  uint64_t n = 0;
 
-  for (i = 0; i <= l->nallocs; i++) {
-    uint64_t end = i < l->nallocs ? l->allocs[i].pos : sl_books_window_size(l);
-    if (end - start >= npages) {
-      *pos = start;
-      return 0;
-    }
-    largest = sl_max_u64(largest, end - start);
-    if (i < l->nallocs)
-      start = l->allocs[i].pos + l->allocs[i].npages;
+  for (uint64_t k = from; k < to; k++) {
+    uint64_t off = l->pages[l->unkept + k] * ps;
+    size_t i = sl_plan_keep_after(&l->plan, off);
+    n += i == l->nkeep || l->keep[i].offset >= off + ps;
   }
-  return no_room(b, l, size, largest, err);
+  return n;
 }
 
+/* Bytes by source: unkept pages (in order: kept zone pages that hold no kept byte), fresh,
+ * kept pages. */
 static void plan_served(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g) {
-  uint64_t ps = b->cfg.page_size, end = g->pos + g->npages;
+  uint64_t ps = b->cfg.page_size, end = g->pos + g->npages, ks = sl_books_kept_start(l);
+  uint64_t kept = overlap(g->pos, end, ks, sl_books_window_size(l)), empty = 0;
 
-  g->served[SL_SRC_UNKEPT] = overlap(g->pos, end, 0, l->unkept) * ps;
-  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, sl_books_kept_start(l)) * ps;
-  g->served[SL_SRC_KEPT] = overlap(g->pos, end, sl_books_kept_start(l), sl_books_window_size(l)) * ps;
+  if (l->in_order && kept > 0)
+    empty = empty_pages(l, ps, sl_max_u64(g->pos, ks) - ks, end - ks);
+  g->served[SL_SRC_UNKEPT] = (overlap(g->pos, end, 0, l->unkept) + empty) * ps;
+  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, ks) * ps;
+  g->served[SL_SRC_KEPT] = (kept - empty) * ps;
 }
 
-/* The positions no allocation reached before, [max(pos, hwm), end), may need a fresh chunk,
- * and the kept bytes of kept pages among them must leave (moved or saved: plan.h). */
+/* The fresh positions of [from, to) (none when to <= from), as g's new chunk. */
+static void plan_chunk(const struct sl_books *b, const struct sl_loan *l, uint64_t from,
+                       uint64_t to, struct sl_grant *g) {
+  uint64_t lo = sl_max_u64(from, l->unkept), hi = sl_min_u64(to, sl_books_kept_start(l));
+
+  if (to <= from || hi <= lo)
+    return;
+  g->fresh_chunk_id = b->next_chunk;
+  g->fresh_pos = lo;
+  g->fresh_npages = hi - lo;
+}
+
+/* The positions no allocation reached before, those of [pos, end) outside [lo, hwm): below
+ * lo (in order: fresh ones only) and from hwm on. Fresh ones need a chunk (at most one of the
+ * two parts has any), and the kept bytes of kept pages among them must leave (moved or
+ * saved: plan.h). */
 static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
                               struct sl_grant *g) {
   uint64_t lo = sl_max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
   uint64_t ks = sl_books_kept_start(l);
-  uint64_t fresh_lo = sl_max_u64(lo, l->unkept), fresh_hi = sl_min_u64(hi, ks);
   struct sl_plan_step s;
   int rc;
 
-  if (fresh_hi > fresh_lo) {
-    g->fresh_chunk_id = b->next_chunk;
-    g->fresh_pos = fresh_lo;
-    g->fresh_npages = fresh_hi - fresh_lo;
-  }
+  plan_chunk(b, l, g->pos, sl_min_u64(hi, l->lo), g);
+  plan_chunk(b, l, lo, hi, g);
   if (hi <= sl_max_u64(lo, ks))
     return 0; /* no kept page is reached for the first time */
   rc = sl_plan_reach(&l->plan, sl_max_u64(lo, ks) - ks, hi - ks, &s);
@@ -1182,6 +1221,74 @@ static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
   g->sink = s.sink;
   g->sink_off = s.sink_off;
   return rc;
+}
+
+/* Where a grant may go (place() picks): the first gap among the positions handed out that
+ * fits, and the runs that grow the handed-out span at its top and at its bottom. */
+struct fits {
+  uint64_t inner, up, down; /* positions, UINT64_MAX: none */
+  uint64_t largest;         /* the longest run there is, for the error */
+};
+
+static struct fits find_fits(const struct sl_books *b, const struct sl_loan *l, uint64_t n) {
+  struct fits f = {UINT64_MAX, UINT64_MAX, UINT64_MAX, 0};
+  uint64_t start = l->lo, window = sl_books_window_size(l);
+  uint64_t bottom = l->nallocs > 0 ? l->allocs[0].pos : l->hwm;
+
+  for (size_t i = 0; i <= l->nallocs; i++) {
+    uint64_t end = i < l->nallocs ? l->allocs[i].pos : l->hwm;
+    if (f.inner == UINT64_MAX && end - start >= n)
+      f.inner = start;
+    f.largest = sl_max_u64(f.largest, end - start);
+    if (i < l->nallocs)
+      start = l->allocs[i].pos + l->allocs[i].npages;
+  }
+  /* start: the top's free run; bottom: where the bottom's ends (below lo nothing is live) */
+  if (window - start >= n)
+    f.up = start;
+  if (bottom >= n)
+    f.down = bottom - n;
+  else if (l->nallocs == 0 && window >= n)
+    f.down = 0; /* nothing live: the run may cover the span and grow both ways */
+  f.largest = sl_max_u64(f.largest, sl_max_u64(window - start, l->nallocs ? bottom : window));
+  (void)b;
+  return f;
+}
+
+/* Plans g at pos: its sources, and what its new positions need. */
+static int plan_at(const struct sl_books *b, const struct sl_loan *l, uint64_t pos,
+                   struct sl_grant *g, struct sl_err *err) {
+  g->pos = pos;
+  plan_served(b, l, g);
+  return plan_new_positions(b, l, g) < 0 ? out_of_memory(err) : 0;
+}
+
+/* g as before plan_at: its identity only. */
+static void grant_reset(struct sl_grant *g) {
+  struct sl_grant id = {.loan_id = g->loan_id, .alloc_id = g->alloc_id, .size = g->size,
+                        .npages = g->npages};
+
+  sl_grant_clear(g);
+  *g = id;
+}
+
+/* A gap handed out before if one fits; else the top, unless it saves bytes to the host and
+ * the bottom can take the run (in order: fresh pages) without. */
+static int place(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g,
+                 struct sl_err *err) {
+  struct fits f = find_fits(b, l, g->npages);
+  int rc;
+
+  if (f.inner != UINT64_MAX)
+    return plan_at(b, l, f.inner, g, err);
+  if (f.up != UINT64_MAX) {
+    if ((rc = plan_at(b, l, f.up, g, err)) < 0 || g->save_bytes == 0 || f.down == UINT64_MAX)
+      return rc;
+    grant_reset(g);
+  }
+  if (f.down != UINT64_MAX)
+    return plan_at(b, l, f.down, g, err);
+  return no_room(b, l, g->size, f.largest, err);
 }
 
 int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t size,
@@ -1202,20 +1309,13 @@ int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t s
   if (l->held_alloc != 0)
     return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is saving kept bytes for the last "
                       "allocation: wait for its reply before asking for another", l->id);
-  rc = first_fit(b, l, size, &g->pos, err);
-  if (rc < 0)
-    return rc;
   g->loan_id = l->id;
   g->alloc_id = b->next_alloc;
   g->size = size;
   g->npages = sl_books_pages_for(b, size);
-  plan_served(b, l, g);
-  rc = plan_new_positions(b, l, g);
-  if (rc < 0) {
+  if ((rc = place(b, l, g, err)) < 0)
     sl_grant_clear(g);
-    return out_of_memory(err);
-  }
-  return 0;
+  return rc;
 }
 
 /* Nothing was committed since the plan (ids match) and its positions are still free. */
@@ -1241,6 +1341,7 @@ static int grant_current(const struct sl_books *b, const struct sl_grant *g, siz
 }
 
 static void loan_count_grant(struct sl_books *b, struct sl_loan *l, const struct sl_grant *g) {
+  l->lo = sl_min_u64(l->lo, g->pos);
   l->hwm = sl_max_u64(l->hwm, g->pos + g->npages);
   l->live_bytes += g->npages * b->cfg.page_size;
   l->stats.peak_bytes = sl_max_u64(l->stats.peak_bytes, l->live_bytes);
@@ -1287,7 +1388,10 @@ int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
   l->nallocs++;
   b->next_alloc++;
   if (g->fresh_chunk_id != 0) {
-    chunks[l->nchunks++] = (struct sl_chunk){g->fresh_chunk_id, g->fresh_pos, g->fresh_npages};
+    size_t at = g->fresh_pos < l->lo ? 0 : l->nchunks; /* below every other one, or above */
+    memmove(&chunks[at + 1], &chunks[at], (l->nchunks - at) * sizeof(*chunks));
+    chunks[at] = (struct sl_chunk){g->fresh_chunk_id, g->fresh_pos, g->fresh_npages};
+    l->nchunks++;
     l->fresh_chunk_pages += g->fresh_npages;
     b->next_chunk++;
   }
@@ -1632,10 +1736,10 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
   *li = (struct sl_loan_info){
       .id = l->id, .region_id = l->region_id, .state = l->state,
       .owner_client = l->owner_client, .borrower_client = l->borrower_client,
-      .borrower = l->borrower, .unkept_pages = l->unkept, .fresh_pages = l->fresh,
-      .kept_pages = l->kept, .pinned_pages = l->pinned_pages, .kept_bytes = l->kept_bytes,
-      .keep_ranges = l->nkeep,
-      .hwm = l->hwm,
+      .borrower = l->borrower, .unkept_pages = l->unkept + l->kept - l->holding,
+      .fresh_pages = l->fresh, .kept_pages = l->holding, .pinned_pages = l->pinned_pages,
+      .kept_bytes = l->kept_bytes, .keep_ranges = l->nkeep,
+      .lo = l->lo, .hwm = l->hwm,
       .live_allocs = l->nallocs, .live_bytes = l->live_bytes,
       .fresh_chunk_pages = l->fresh_chunk_pages, .layout_id = l->layout_id,
       .owner_gone = l->owner_gone,

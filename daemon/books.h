@@ -14,12 +14,26 @@
  *             address window: positions [0, U) are the unkept pages (ascending region index),
  *             [U, U+F) fresh pages from free device memory, [U+F, U+F+K) the kept pages
  *             (ascending). F is fixed when the loan is borrowed.
- *   alloc     a contiguous run of window positions, first fit. Since a run is contiguous and
- *             first fit, the positions ever handed out in a loan are always a prefix [0, hwm) of
- *             the window: an allocation reaches new positions only as one run [hwm, end). That
- *             run may need one new fresh chunk (one device handle for all its fresh pages) and
- *             may reach kept pages, whose kept bytes are saved to host memory before the
- *             allocation is granted.
+ *   in order  the window most loans get: no unkept zone, and the kept zone is every page of
+ *             the region (less a pinned tail) in the region's own order, whether it holds kept
+ *             bytes or not. Its pages are then where the region's own mapping has them, so the
+ *             owner's process maps nothing for it, ever, and another process keeps its window
+ *             from one loan to the next whatever the keep (window.h). The kept zone is handed
+ *             out from its first page up while the plan can move the pages' kept bytes into
+ *             holes of pages not reached (GPU moves: about 1.6 TB/s, where mapping a page
+ *             costs what moving 30 MiB would), then the fresh zone from its top down, then
+ *             the kept zone on, saving to the host what no hole can take. Not in order: a
+ *             loan with --no-compact (it moves nothing, so pages without kept bytes must come
+ *             first), pinned pages other than a tail, and a keep of the region's head only
+ *             (its unkept tail is served in place as it is).
+ *   alloc     a contiguous run of window positions: first fit among the positions handed out
+ *             already, [lo, hwm), else that span grows by one run at its top (kept pages
+ *             reached: moved or saved) or, in order, at its bottom (fresh), whichever saves
+ *             fewer bytes to the host, the top on ties. So the positions ever handed out are
+ *             always one span: [0, hwm) for a window not in order, [lo, hwm) around the fresh
+ *             zone's top for one in order. A run may need one new fresh chunk (one device
+ *             handle for all its fresh pages) and may reach kept pages, whose kept bytes are
+ *             moved or saved before the allocation is granted.
  *
  * Fresh pages for the owner: a borrower gets fds of the pages it is granted, and an fd cannot be
  * revoked. When the borrower is another user than the owner, the loan's end (sl_loan_end's
@@ -141,11 +155,13 @@ struct sl_loan_info {
   uint64_t owner_client, borrower_client;
   struct sl_peer borrower;
   char name[SL_LOAN_NAME_SIZE];
-  uint64_t unkept_pages, fresh_pages, kept_pages; /* U, F, K */
+  uint64_t unkept_pages, fresh_pages, kept_pages; /* pages without kept bytes, F, pages with
+                                 kept bytes (a window in order has them all in its kept zone:
+                                 sl_books_loan_layout gives the zones) */
   uint64_t pinned_pages;      /* region pages in no window (Lend.pinned) */
   uint64_t kept_bytes;        /* all kept bytes of the region */
   uint64_t keep_ranges;       /* merged keep ranges */
-  uint64_t hwm;               /* window positions handed out so far */
+  uint64_t lo, hwm;           /* window positions [lo, hwm) handed out so far */
   uint64_t live_allocs, live_bytes;
   uint64_t fresh_chunk_pages; /* fresh pages created so far */
   uint64_t layout_id;         /* names the layout (the region pages of positions, U and K) and

@@ -71,11 +71,13 @@ struct sl_loan {
   uint64_t pinned_pages; /* their pages: U + K + pinned_pages is the region's npages */
   uint64_t layout_id; /* names pages and U (books.h, sl_loan_info.layout_id) */
   uint64_t unkept, fresh, kept;
-  uint64_t hwm;
+  int in_order;       /* pages are the region's own, in order (books.h, "In order") */
+  uint64_t holding;   /* window pages that hold kept bytes */
+  uint64_t lo, hwm;   /* window positions [lo, hwm) have been handed out */
   struct sl_alloc *allocs; /* ascending pos */
   size_t nallocs, cap_allocs;
   uint64_t live_bytes;
-  struct sl_chunk *chunks; /* ascending pos, covering [unkept, min(hwm, unkept + fresh)) */
+  struct sl_chunk *chunks; /* ascending pos, covering the fresh positions in [lo, hwm) */
   size_t nchunks, cap_chunks;
   uint64_t fresh_chunk_pages;
   uint64_t held_alloc; /* a grant whose kept bytes are being saved: 0, or its alloc id */

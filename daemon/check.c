@@ -164,6 +164,42 @@ static int keep_in_pinned(const struct sl_loan *l, uint64_t ps, const uint8_t *f
   return 0;
 }
 
+/* Pinned pages are in no window position: each position's page is unkept or kept as its
+ * zone says, ascending in its zone; with the counts, every other page is in the window. */
+static int check_zones(const struct sl_loan *l, uint64_t npages, const uint8_t *flags,
+                       struct check *ck) {
+  for (uint64_t i = 0; i < l->unkept + l->kept; i++) {
+    uint64_t p = l->pages[i];
+    int want = i >= l->unkept ? SL_PAGE_KEPT : SL_PAGE_UNKEPT;
+    if (p >= npages || flags[p] != want || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
+      return broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
+  }
+  if (l->holding != l->kept)
+    return broken(ck, "loan %" PRIu64 " counts %" PRIu64 " pages holding kept bytes, not its "
+                  "%" PRIu64 " kept ones", l->id, l->holding, l->kept);
+  return 0;
+}
+
+/* In order: the kept zone is the region's pages from 0 (a pinned tail excepted, which the
+ * counts leave out), and holding counts those with kept bytes. */
+static int check_in_order(const struct sl_loan *l, const uint8_t *flags, struct check *ck) {
+  uint64_t holding = 0;
+
+  if (l->unkept != 0 || (l->npinned > 0 && l->pinned[0] != l->kept))
+    return broken(ck, "loan %" PRIu64 " is in order with %" PRIu64 " unkept pages or pinned "
+                  "pages before its last", l->id, l->unkept);
+  for (uint64_t i = 0; i < l->kept; i++) {
+    if (l->pages[i] != i)
+      return broken(ck, "loan %" PRIu64 " in order has page %" PRIu64 " at %" PRIu64, l->id,
+                    l->pages[i], i);
+    holding += flags[i] == SL_PAGE_KEPT;
+  }
+  if (holding != l->holding)
+    return broken(ck, "loan %" PRIu64 " counts %" PRIu64 " pages holding kept bytes, not "
+                  "%" PRIu64, l->id, l->holding, holding);
+  return 0;
+}
+
 static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint64_t npages,
                         struct check *ck) {
   uint64_t bytes = 0, limit = npages * b->cfg.page_size;
@@ -190,14 +226,8 @@ static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint6
   if (keep_in_pinned(l, b->cfg.page_size, flags))
     rc = broken(ck, "loan %" PRIu64 " keeps bytes of a pinned page", l->id);
   sl_books_mark_kept_pages(l->keep, l->nkeep, b->cfg.page_size, flags);
-  /* Pinned pages are in no window position: each position's page is unkept or kept as its
-   * zone says, ascending in its zone; with the counts, every other page is in the window. */
-  for (uint64_t i = 0; i < l->unkept + l->kept && rc == 0; i++) {
-    uint64_t p = l->pages[i];
-    int want = i >= l->unkept ? SL_PAGE_KEPT : SL_PAGE_UNKEPT;
-    if (p >= npages || flags[p] != want || (i != l->unkept && i > 0 && p <= l->pages[i - 1]))
-      rc = broken(ck, "loan %" PRIu64 " window page %" PRIu64 " is misplaced", l->id, i);
-  }
+  if (rc == 0)
+    rc = l->in_order ? check_in_order(l, flags, ck) : check_zones(l, npages, flags, ck);
   free(flags);
   return rc;
 }
@@ -205,12 +235,17 @@ static int check_layout(const struct sl_books *b, const struct sl_loan *l, uint6
 static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
   uint64_t bytes = 0, prev_end = 0, ps = b->cfg.page_size;
 
-  if (l->hwm > sl_books_window_size(l))
-    return broken(ck, "loan %" PRIu64 " hwm %" PRIu64 " is past its window", l->id, l->hwm);
+  if (l->hwm > sl_books_window_size(l) || l->lo > l->hwm || (!l->in_order && l->lo != 0) ||
+      (l->in_order && l->state != SL_LOAN_OFFERED && (l->lo > l->fresh || l->hwm < l->fresh)))
+    return broken(ck, "loan %" PRIu64 " handed out [%" PRIu64 ", %" PRIu64 "): not one span "
+                  "of its window that a loan %s may have", l->id, l->lo, l->hwm,
+                  l->in_order ? "in order" : "not in order");
+  prev_end = l->lo;
   for (size_t i = 0; i < l->nallocs; i++) {
     const struct sl_alloc *a = &l->allocs[i];
     if (a->npages == 0 || a->pos < prev_end || a->pos + a->npages > l->hwm)
-      return broken(ck, "allocation %" PRIu64 " overlaps another or lies past hwm", a->id);
+      return broken(ck, "allocation %" PRIu64 " overlaps another or lies outside [lo, hwm)",
+                    a->id);
     if (a->id == 0 || a->id >= b->next_alloc || a->size == 0 || sl_books_pages_for(b, a->size) != a->npages)
       return broken(ck, "allocation %" PRIu64 " has a bad id or size", a->id);
     for (size_t j = 0; j < i; j++)
@@ -226,16 +261,18 @@ static int check_allocs(const struct sl_books *b, const struct sl_loan *l, struc
 }
 
 static int check_chunks(const struct sl_books *b, const struct sl_loan *l, struct check *ck) {
-  uint64_t pos = l->unkept, end = sl_max_u64(l->unkept, sl_min_u64(l->hwm, sl_books_kept_start(l)));
+  uint64_t start = sl_max_u64(l->lo, l->unkept), pos = start;
+  uint64_t end = sl_max_u64(start, sl_min_u64(l->hwm, sl_books_kept_start(l)));
 
   for (size_t i = 0; i < l->nchunks; i++) {
     const struct sl_chunk *c = &l->chunks[i];
+    /* made in the order the span grew: up (ids ascend), or in order down (ids descend) */
     if (c->pos != pos || c->npages == 0 || c->id == 0 || c->id >= b->next_chunk ||
-        (i > 0 && c->id <= c[-1].id))
+        (i > 0 && (l->in_order ? c->id >= c[-1].id : c->id <= c[-1].id)))
       return broken(ck, "loan %" PRIu64 " fresh chunk %" PRIu64 " is misplaced", l->id, c->id);
     pos += c->npages;
   }
-  if (pos != end || l->fresh_chunk_pages != end - l->unkept)
+  if (pos != end || l->fresh_chunk_pages != end - start)
     return broken(ck, "loan %" PRIu64 " fresh positions up to %" PRIu64 " are not all backed "
                   "by chunks (%" PRIu64 " are)", l->id, end, pos);
   return 0;

@@ -103,6 +103,8 @@ struct sublet_loan_stats {
   uint64_t replaced_pages;     /* pages the borrower (another user) was granted, replaced by
                                   fresh ones at the end: the owner's mapping has them now, at
                                   the same addresses; 0 for a borrower of the owner's user */
+  uint64_t mapped_pages;       /* client side: region pages this loan mapped (fresh chunks are
+                                  not counted); 0 where the window was kept or in place */
 };
 
 /* An allocation still alive when the borrower tried to return the loan. */

@@ -219,6 +219,7 @@ class CLoanStats(Structure):
         ("move_seconds", c_double),
         ("daemon_died", c_int),
         ("replaced_pages", c_uint64),
+        ("mapped_pages", c_uint64),
     ]
 
 
@@ -438,6 +439,9 @@ class LoanStats:
     # pages a borrower of another user was granted, given fresh pages at the end (the tensor's
     # addresses stay); 0 for a borrower of the owner's own user
     replaced_pages: int = 0
+    # region pages the borrower's process mapped for this loan (its fresh chunks aside): 0
+    # once a window is kept or served in place, whatever the keep
+    mapped_pages: int = 0
 
     def __repr__(self) -> str:
         flags = [name for name, on in (("borrower died", self.borrower_died),
@@ -450,7 +454,8 @@ class LoanStats:
                 f"fresh, {human(self.served_kept_bytes)} kept (peak {human(self.peak_bytes)}, "
                 f"{self.allocations} allocations); {human(self.copied_out_bytes)} to the host, "
                 f"{human(self.copied_in_bytes)} back, {human(self.moved_bytes)} moved; "
-                f"{self.map_seconds:.3f} s mapping, {self.copy_out_seconds:.3f} s copying out, "
+                f"{self.map_seconds:.3f} s mapping ({self.mapped_pages} pages), "
+                f"{self.copy_out_seconds:.3f} s copying out, "
                 f"{self.copy_in_seconds:.3f} s in, {self.move_seconds:.3f} s moving"
                 + "".join(f"; {flag}" for flag in flags) + ">")
 

@@ -928,7 +928,7 @@ static int raw_expect(int fd, struct sl_wire_rx *rx, Sublet__Request *req,
 /* What a raw test reads of Borrowed. */
 struct raw_borrowed {
   size_t n_layout;
-  uint64_t layout_id, kept_pages;
+  uint64_t layout_id, kept_pages; /* Lent's: pages that hold kept bytes */
 };
 
 /* Sends lend (made local here; with sendfd unless -1) on a raw connection, then ends the loan
@@ -952,7 +952,7 @@ static void raw_local_lend(int fd, struct sl_wire_rx *rx, Sublet__Lend *lend, in
   if (rep->body_case == SUBLET__REPLY__BODY_LENT && rep->lent->borrowed != NULL) {
     *code = 0;
     *got = (struct raw_borrowed){rep->lent->borrowed->n_layout, rep->lent->borrowed->layout_id,
-                                 rep->lent->borrowed->kept_pages};
+                                 rep->lent->kept_pages};
     reclaim.loan = rep->lent->loan;
   }
   sublet__reply__free_unpacked(rep, NULL);
@@ -987,7 +987,7 @@ static void raw_local_loan(int fd, struct sl_wire_rx *rx, uint64_t region, uint6
 }
 
 /* A local Lend of region whose n keep ranges are in memfd: the Lend's Error code, and when
- * lent, Borrowed's kept pages in *kept. */
+ * lent, Lent's kept pages (those that hold kept bytes) in *kept. */
 static void raw_local_lend_memfd(int fd, struct sl_wire_rx *rx, uint64_t region, int memfd,
                                  uint64_t n, int *code, uint64_t *kept) {
   Sublet__Lend lend = SUBLET__LEND__INIT;

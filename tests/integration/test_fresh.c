@@ -281,7 +281,10 @@ static void test_kept_window_follows_fresh_pages(void) {
   for (uint64_t p = 1; p < NPAGES; p += 2) /* odd pages but 9 keep nothing */
     for (uint64_t x = 0; p != 9 && x < PAGE; x++)
       unkept_not_written += base[p * PAGE + x] != 0x77;
-  CHECK(unkept_not_written == 0);
+  /* Every unkept byte was written but those that took kept bytes moved out of the way (the
+   * restore brings those back there before moving them home); a stale window would have
+   * written none of them. */
+  CHECK(unkept_not_written <= st.moved_bytes);
   sublet_disconnect(same);
   CHECK_RC(sublet_region_release(r), 0);
   sublet_disconnect(owner);

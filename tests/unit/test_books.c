@@ -1229,8 +1229,10 @@ struct m_loan {
   uint8_t token[16];
   uint8_t *kept;     /* per region byte */
   uint64_t *host_of; /* per region byte: 1 + its offset in the save area; 0: not saved */
-  uint64_t *order;   /* region pages: unkept then kept, each ascending */
-  uint64_t u, f, k, hwm, chunk_pages, copied_out, nallocs;
+  uint64_t *order;   /* region pages: unkept then kept, each ascending; in order: 0, 1, ... */
+  int in_order;      /* the window is the region in order (books.h), all of it the kept zone */
+  uint64_t u, f, k, lo, hwm, chunk_pages, copied_out, nallocs; /* [lo, hwm): handed out */
+  uint64_t holding;  /* region pages with kept bytes */
   uint64_t *owner_of; /* per window position: the alloc id there, 0: free */
   uint64_t *size_of;  /* per alloc id (indexed by id): its size while live */
   /* Compacting books: the device and the save area, byte by byte. Region byte x holds x + 1
@@ -1359,6 +1361,21 @@ static size_t random_keep(struct model *m, uint64_t bytes, struct sublet_range *
   return n;
 }
 
+/* Compacting books lay a loan out in order unless it keeps exactly the region's head (its
+ * unkept tail is served as it is): the kept zone is then every page, in the region's order. */
+static void m_loan_in_order(const struct model *m, struct m_loan *l) {
+  uint64_t n = l->u + l->k;
+
+  if (!m->compact || (l->u > 0 && l->k > 0 && l->order[l->u] == 0 &&
+                      l->order[l->u + l->k - 1] == l->k - 1))
+    return;
+  for (uint64_t p = 0; p < n; p++)
+    l->order[p] = p;
+  l->u = 0;
+  l->k = n;
+  l->in_order = 1;
+}
+
 static struct m_loan *m_loan_new(struct model *m, uint64_t rid, const struct sublet_range *keep,
                                  size_t n, int keep_all) {
   struct m_loan *l = calloc(1, sizeof(*l));
@@ -1387,6 +1404,8 @@ static struct m_loan *m_loan_new(struct model *m, uint64_t rid, const struct sub
       *(pass ? &l->k : &l->u) += 1;
     }
   }
+  l->holding = l->k;
+  m_loan_in_order(m, l);
   return l;
 }
 
@@ -1514,6 +1533,7 @@ static void op_borrow(struct model *m) {
   l->f = last > 0 && fresh + M_GIVE >= last && fresh <= last + (last / 8 > 1024 ? last / 8 : 1024)
              ? last : fresh;
   m->r[l->region].last_fresh = l->f;
+  l->lo = l->hwm = l->in_order ? l->f : 0; /* in order: from the kept zone's first page */
   l->owner_of = calloc(l->u + l->f + l->k + 1, sizeof(uint64_t));
   l->size_of = calloc(1, sizeof(uint64_t));
 }
@@ -1522,16 +1542,50 @@ static uint64_t m_window(const struct m_loan *l) {
   return l->u + l->f + l->k;
 }
 
-/* First fit, position by position. Returns the position or UINT64_MAX. */
-static uint64_t m_first_fit(const struct m_loan *l, uint64_t n) {
+/* First fit among positions [from, to), position by position: the position or UINT64_MAX. */
+static uint64_t m_first_fit(const struct m_loan *l, uint64_t from, uint64_t to, uint64_t n) {
   uint64_t run = 0;
 
-  for (uint64_t q = 0; q < m_window(l); q++) {
+  for (uint64_t q = from; q < to; q++) {
     run = l->owner_of[q] ? 0 : run + 1;
     if (run == n)
       return q + 1 - n;
   }
   return UINT64_MAX;
+}
+
+/* Would reaching the kept zone up to window position end save bytes to the host? Compacting,
+ * the host holds exactly what the unreached kept pages cannot (m_check_host_minimal). */
+static int m_up_saves(const struct model *m, const struct m_loan *l, uint64_t end) {
+  uint64_t ks = l->u + l->f, reached = end > ks ? end - ks : 0, room;
+
+  if (!m->compact)
+    return 1; /* not in order: the top is the only way anyway */
+  room = (l->k - (reached > l->hwm - ks ? reached : l->hwm - ks)) * l->ps;
+  return (l->kept_bytes > room ? l->kept_bytes - room : 0) > l->copied_out;
+}
+
+/* books.h: a gap in [lo, hwm); else the span grows at its top, unless that saves bytes and the
+ * bottom can take the run without; a run over nothing live may cover the span both ways. */
+static uint64_t m_place(const struct model *m, const struct m_loan *l, uint64_t n) {
+  uint64_t w = m_window(l), top = l->hwm, bottom = l->lo, up = UINT64_MAX, down = UINT64_MAX;
+  uint64_t pos = m_first_fit(l, l->lo, l->hwm, n);
+
+  if (pos != UINT64_MAX)
+    return pos;
+  while (top > l->lo && !l->owner_of[top - 1])
+    top--;
+  while (bottom < l->hwm && !l->owner_of[bottom])
+    bottom++;
+  if (w - top >= n)
+    up = top;
+  if (bottom >= n)
+    down = bottom - n;
+  else if (top == l->lo && w >= n) /* nothing live */
+    down = 0;
+  if (up != UINT64_MAX && (down == UINT64_MAX || !m_up_saves(m, l, up + n)))
+    return up;
+  return down;
 }
 
 static int m_alloc_rc(const struct model *m, uint64_t cid, uint64_t size, uint64_t *pos) {
@@ -1545,7 +1599,7 @@ static int m_alloc_rc(const struct model *m, uint64_t cid, uint64_t size, uint64
     return SUBLET_EOWNERGONE;
   if (size == 0)
     return SUBLET_EINVAL;
-  *pos = m_first_fit(l, (size + m->ps - 1) / m->ps);
+  *pos = m_place(m, l, (size + m->ps - 1) / m->ps);
   return *pos == UINT64_MAX ? SUBLET_ENOMEM : 0;
 }
 
@@ -1642,6 +1696,11 @@ static void m_check_grant(const struct model *m, const struct sl_grant *g, uint6
   uint64_t flo = lo > l->u ? lo : l->u, fhi = hi < l->u + l->f ? hi : l->u + l->f;
   uint64_t by_zone[3] = {0};
 
+  if (pos < l->lo) { /* grown at the bottom: in order, fresh positions below lo */
+    flo = pos;
+    fhi = hi < l->lo ? hi : l->lo;
+  }
+
   CHECK_EQ(g->pos, pos);
   CHECK_EQ(g->npages, n);
   CHECK_EQ(g->alloc_id, m->next_alloc);
@@ -1649,8 +1708,13 @@ static void m_check_grant(const struct model *m, const struct sl_grant *g, uint6
   CHECK_EQ(g->fresh_npages, fhi > flo ? fhi - flo : 0);
   if (fhi > flo)
     CHECK_EQ(g->fresh_pos, flo);
-  for (uint64_t q = pos; q < hi; q++)
-    by_zone[q < l->u ? 0 : q < l->u + l->f ? 1 : 2] += m->ps;
+  for (uint64_t q = pos; q < hi; q++) {
+    int z = q < l->u ? 0 : q < l->u + l->f ? 1 : 2;
+    uint64_t p = z == 2 ? l->order[l->u + q - l->u - l->f] : 0;
+    if (z == 2 && memchr(l->kept + p * m->ps, 1, m->ps) == NULL)
+      z = 0; /* a page of the kept zone that holds no kept byte */
+    by_zone[z] += m->ps;
+  }
   for (int z = 0; z < 3; z++)
     CHECK_EQ(g->served[z], by_zone[z]);
   if (m->compact)
@@ -1672,6 +1736,8 @@ static void m_apply_grant(struct model *m, const struct sl_grant *g) {
       l->host_of[g->save[i].dev_off + x] = 1 + g->save[i].host_off + x;
   if (g->pos + g->npages > l->hwm)
     l->hwm = g->pos + g->npages;
+  if (g->pos < l->lo)
+    l->lo = g->pos;
   l->moved += g->move_bytes;
   l->chunk_pages += g->fresh_npages;
   l->copied_out += g->save_bytes;
@@ -1974,16 +2040,17 @@ static void m_compare_loan(const struct model *m) {
   const struct m_loan *l = m->loan;
   struct sl_loan_info li = info(m->b, l->id);
   const uint64_t *pages = NULL;
-  uint64_t live = 0, misplaced = 0;
+  uint64_t live = 0, misplaced = 0, zone_u = 0, zone_k = 0;
 
   CHECK_EQ(li.state, l->state);
   CHECK_EQ(li.region_id, l->region);
   CHECK_EQ(li.owner_client, l->owner);
   CHECK_EQ(li.borrower_client, l->borrower);
   CHECK_EQ(li.owner_gone, l->owner_gone);
-  CHECK_EQ(li.unkept_pages, l->u);
+  CHECK_EQ(li.unkept_pages, l->u + l->k - l->holding);
   CHECK_EQ(li.fresh_pages, l->f);
-  CHECK_EQ(li.kept_pages, l->k);
+  CHECK_EQ(li.kept_pages, l->holding);
+  CHECK_EQ(li.lo, l->lo);
   CHECK_EQ(li.hwm, l->hwm);
   CHECK_EQ(li.live_allocs, l->nallocs);
   CHECK_EQ(li.fresh_chunk_pages, l->chunk_pages);
@@ -1993,7 +2060,9 @@ static void m_compare_loan(const struct model *m) {
     live += l->owner_of[q] != 0;
   CHECK_EQ(li.live_bytes, live * m->ps);
   CHECK_EQ(sl_books_leaks(m->b, l->id, NULL, 0), l->nallocs);
-  CHECK_EQ(sl_books_loan_layout(m->b, l->id, &pages, NULL, NULL, NULL), 0);
+  CHECK_EQ(sl_books_loan_layout(m->b, l->id, &pages, &zone_u, NULL, &zone_k), 0);
+  CHECK_EQ(zone_u, l->u);
+  CHECK_EQ(zone_k, l->k);
   for (uint64_t i = 0; pages != NULL && i < l->u + l->k; i++)
     misplaced += pages[i] != l->order[i];
   CHECK_EQ(misplaced, 0);
