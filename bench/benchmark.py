@@ -4,12 +4,18 @@ CUDA GPU (issues 4 and 10).
 
 A tensor of S bytes made with sublet.empty sits on the GPU with only F bytes of free memory
 beside it (a ballast allocated outside sublet takes the rest). A fraction of it (30%) holds
-data the owner keeps, in one of three patterns:
+data the owner keeps, in one of these patterns:
 
-  rows    rows of 1 GiB, every third one kept (one strided view)
-  blocks  64 KiB blocks, 30% of them chosen at random with a fixed seed, kept as row indices of
-          the tensor viewed by blocks, the way a paged KV cache holds its live blocks
-  slice   one contiguous slice of 30%
+  rows        rows of 1 GiB, every third one kept (one strided view)
+  blocks      64 KiB blocks, 30% of them chosen at random with a fixed seed, kept as row
+              indices of the tensor viewed by blocks, the way a paged KV cache holds its live
+              blocks: nearly every 2 MiB page holds some
+  slice       one contiguous slice of 30%
+  runs        64 KiB blocks whose 30% live ones come in runs (3 MiB on average, between
+              geometric free gaps), as an engine's free list and eviction leave them: about
+              half the 2 MiB pages hold no kept byte
+  blocks-new  blocks, with a new live set every cycle (seeded by the seed and the cycle)
+  runs-new    runs, with a new live set every cycle
 
 A job allocates one tensor of 25%, 75% or 100% of S with torch.empty and fills it with random
 numbers, or (the fourth case) runs one training step of a small transformer. A cycle makes
@@ -26,20 +32,29 @@ room for the job, runs it and gets the owner's data back:
 copy-all and tms run all their jobs in one process each (the host buffer is pinned once);
 every sublet (pattern, job) runs in a fresh process of this script (--child): its first cycle
 is the "first" figure, its next --cycles cycles the "later" ones. Beside every figure: the bytes
-copied each way, the bytes sublet moved on the GPU, and the physical limit: the job alone
-(timed on plain torch memory) plus the kept bytes that cannot stay on the GPU, max(0, kept +
-job - (S + F)), at the pinned link bandwidth each way, plus sublet's moves there and back at the
-device-to-device speed, all measured in the same run; and the ratio figure / limit. The kept
-bytes are digested on the GPU (every bit, position-weighted) after every cycle: a change fails
-the case, and the run exits 1.
+copied each way, the bytes sublet moved on the GPU, and the physical limit (least_displaced):
+the job alone (timed on plain torch memory), plus the least kept bytes any choice of pages
+could displace, moved on the GPU there and back at the device-to-device speed, plus what of
+them cannot fit in the holes of the other pages, over the pinned link each way. A job of J
+bytes beside F free needs m = ceil(max(0, J - F) / page) of the region's pages; the least
+displaced is the sum of the m smallest kept bytes per page; the host part is max(0, displaced
+- the other pages' holes). All measured in the same run; the ratio figure / limit. Targets,
+PASS/MISS beside each sublet case: later cycles within 1.25 x the limit, the first within
+1.5 x the later ones. The kept bytes are digested on the GPU (every bit, position-weighted)
+after every cycle; a changing live set is written with contents computed from each word's
+place and the cycle before its loan and compared with them bit for bit after it. A change
+fails the case, and the run exits 1.
 
 With the default --daemon shared, the sublet processes use one subletd started for the run
-(as a system service would be), which pins host memory for the kept bytes ahead of need; the
-client processes are fresh for every first cycle all the same. --daemon private lets each
-process start its own daemon (the package's default with no service set up).
+(as a system service would be); by default it pins nothing ahead (--daemon-pin 0), as the
+daemon a user gets on demand: host memory is pinned at a loan's first save.
+--daemon-pin ahead pins the kept fraction of S ahead, as earlier runs did. The client
+processes are fresh for every first cycle all the same. --daemon private lets each process
+start its own daemon (the package's default with no service set up).
 
     python3 bench/benchmark.py            # the full run
     python3 bench/benchmark.py --quick    # the whole table at S = 64 GiB, fewer cycles
+    python3 bench/benchmark.py --size max --methods sublet --append  # ... and at the most
     python3 bench/benchmark.py --quick --phases   # ... with where each case's time goes
     python3 bench/benchmark.py --report   # the table and targets again, from the JSON
     python3 bench/plot.py                 # the chart, from the JSON
@@ -83,7 +98,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 BLOCK = 64 << 10               # a KV-cache block
 ROW = GiB                      # a row of the "rows" pattern
-PATTERNS = ("rows", "blocks", "slice")
+PATTERNS = ("rows", "blocks", "slice", "runs", "blocks-new", "runs-new")
+CHANGING = {"blocks-new": "blocks", "runs-new": "runs"}  # a new live set every cycle
+RUN_BLOCKS = 48                # the runs patterns' mean live run: 3 MiB of 64 KiB blocks
 METHODS = ("copy-all", "tms", "sublet")
 JOBS = ("fill", "train")       # fill a tensor of the job's size; one transformer training step
 ANY_PATTERN = "any"            # copy-all's pattern: it copies everything whatever is kept
@@ -381,17 +398,128 @@ def make_ballast(free_bytes: int) -> tuple["torch.Tensor | None", int]:
 
 # --------------------------------------------------------------------------- keep patterns
 
+def page_kept_hist(offsets: Any, lengths: Any, size: int, page: int) -> list[list[int]]:
+    """Kept bytes per page of a tensor of `size` bytes, as [[kept bytes, pages], ...] by kept
+    bytes (at most a few dozen rows: what the limit needs, small enough for the JSON).
+    offsets, lengths: the kept ranges (numpy-like), disjoint; a range may span pages."""
+    import numpy as np
+    off = np.asarray(offsets, dtype=np.int64)
+    end = off + np.asarray(lengths, dtype=np.int64)
+    npages = -(-size // page)
+    kept = np.zeros(npages + 1, dtype=np.int64)
+    first, last = off // page, (end - 1) // page
+    one = first == last
+    np.add.at(kept, first[one], (end - off)[one])
+    many = ~one  # a range over pages: its two ends in part, the pages between whole
+    np.add.at(kept, first[many], (first[many] + 1) * page - off[many])
+    np.add.at(kept, last[many], end[many] - last[many] * page)
+    between = np.zeros(npages + 1, dtype=np.int64)
+    np.add.at(between, first[many] + 1, 1)
+    np.add.at(between, last[many], -1)
+    kept += np.cumsum(between) * page
+    values, counts = np.unique(kept[:npages], return_counts=True)
+    return [[int(v), int(c)] for v, c in zip(values, counts)]
+
+
+def uniform_ids(nblocks: int, fraction: float, rng: Any) -> Any:
+    """round(nblocks x fraction) block ids chosen at random, sorted."""
+    import numpy as np
+    return np.sort(rng.choice(nblocks, size=round(nblocks * fraction), replace=False))
+
+
+def run_ids(nblocks: int, fraction: float, rng: Any) -> Any:
+    """Block ids that come in runs, as an engine's free list and eviction leave them: live
+    runs of RUN_BLOCKS blocks on average between free gaps of RUN_BLOCKS x (1 - f) / f, both
+    geometric, so that about f of the blocks are live and, at 30%, about half the 2 MiB pages
+    hold none (a gap mostly spans several pages)."""
+    import numpy as np
+    gap = RUN_BLOCKS * (1 - fraction) / fraction
+    n = int(nblocks / (RUN_BLOCKS + gap) * 1.5) + 16
+    lengths = np.empty(2 * n, dtype=np.int64)
+    lengths[0::2] = rng.geometric(1 / gap, n)          # free, then live, alternately
+    lengths[1::2] = rng.geometric(1 / RUN_BLOCKS, n)
+    live = np.repeat(np.tile([False, True], n), lengths)[:nblocks]
+    return np.flatnonzero(live)
+
+
+CHOOSERS = {"blocks": uniform_ids, "runs": run_ids}
+
+
 @dataclass
 class KeepPattern:
+    """What one case keeps: a fixed set, checked by its digest after every loan."""
     lent: Any                      # what is lent: the tensor, or a view of it by blocks
     keep: Any                      # what sublet.lend(keep=...) gets: a view, or row indices
     kept_bytes: int
     views: int
     pieces: Callable[[], Iterator["torch.Tensor"]]  # the kept bytes, contiguous, in order
-    ranges: list[tuple[int, int]]  # (offset, length) of the kept bytes: tms splits them off
+    page_kept: Callable[[int], list[list[int]]]     # page size -> page_kept_hist
+    before: int | None = None      # the digest taken at the first begin()
 
     def digest(self) -> int:
         return digest(self.pieces())
+
+    def begin(self, i: int) -> None:
+        """Before cycle i's loan (untimed): the kept bytes' digest, once."""
+        if self.before is None:
+            self.before = self.digest()
+
+    def check(self, i: int) -> None:
+        """After cycle i's loan: the kept bytes are what they were, every bit."""
+        check_kept(self.digest(), self.before or 0, i)
+
+
+@dataclass
+class ChangingBlocks(KeepPattern):
+    """Blocks whose live set is new every cycle (seeded by (seed, cycle): reproducible). Before
+    each loan the cycle's live blocks are written with contents that depend on the block, the
+    word and the cycle (an engine writes its new blocks); after it, every kept byte is
+    compared with them, bit for bit. No copy is kept: the contents are computed again."""
+    blocks: Any = None             # the tensor viewed as [blocks, BLOCK]
+    choose: Callable[[int], Any] | None = None      # cycle -> sorted block ids
+    on_gpu: Any = None             # this cycle's ids on the device
+    seed: int = 0
+    begun: int = -1                # the cycle whose live set is written
+
+    def begin(self, i: int) -> None:
+        import torch
+        if i == self.begun:
+            return
+        self.begun = i
+        ids = self.choose(i)
+        self.keep = torch.from_numpy(ids)
+        self.on_gpu = self.keep.to(self.blocks.device)
+        self.kept_bytes, self.views = len(ids) * BLOCK, len(ids)
+        self.page_kept = lambda page, ids=ids: page_kept_hist(ids * BLOCK, BLOCK, self.lent
+                                                              .numel(), page)
+        words = self.blocks.view(torch.int64)
+        for part in self.on_gpu.split(DIGEST_CHUNK // BLOCK):
+            words[part] = block_contents(part, i, self.seed)
+        if self.blocks.is_cuda:  # written before the timed loan starts
+            sync()
+
+    def check(self, i: int) -> None:
+        import torch
+        words = self.blocks.view(torch.int64)
+        for part in self.on_gpu.split(DIGEST_CHUNK // BLOCK):
+            wrong = int((words[part] != block_contents(part, i, self.seed)).sum().item())
+            if wrong:
+                raise KeptDataChanged(f"KEPT DATA CHANGED after cycle {i}: {wrong} words of "
+                                      f"its live blocks differ from what was written")
+
+
+def block_contents(ids: "torch.Tensor", cycle: int, seed: int) -> "torch.Tensor":
+    """The 8-byte words of blocks `ids` in `cycle`: [len(ids), BLOCK / 8] int64, a mix of each
+    word's position, the cycle and the seed (integer ops on the device, wrapping)."""
+    import torch
+    per = BLOCK // 8
+    x = (ids.to(torch.int64).unsqueeze(1) * per
+         + torch.arange(per, device=ids.device, dtype=torch.int64))
+    salt = ((cycle + 1) * 0x3C6EF372FE94F82B + seed * 0x1B873593A5C2E4F1) % (1 << 64)
+    x = x * 0x7E3779B97F4A7C15 + (salt - (1 << 64) if salt >> 63 else salt)  # as an int64
+    x ^= x >> 31
+    x *= 0x2545F4914F6CDD1D
+    return x ^ (x >> 29)
 
 
 def keep_pattern(tensor: "torch.Tensor", pattern: str, kept_fraction: float,
@@ -404,26 +532,30 @@ def keep_pattern(tensor: "torch.Tensor", pattern: str, kept_fraction: float,
             raise ValueError("the rows pattern needs a tensor of at least 1 GiB")
         stride = max(1, round(1 / kept_fraction))  # 30% -> every third row
         kept = tensor[: nrows * ROW].view(nrows, ROW)[0::stride]
+        starts = [r * ROW for r in range(0, nrows, stride)]
         return KeepPattern(tensor, kept, kept.numel(), 1, lambda: iter(kept.unbind(0)),
-                           [(r * ROW, ROW) for r in range(0, nrows, stride)])
+                           lambda page: page_kept_hist(starts, ROW, size, page))
     if pattern == "slice":
         n = int(size * kept_fraction) // BLOCK * BLOCK
         kept = tensor[:n]
-        return KeepPattern(tensor, kept, n, 1, lambda: iter([kept]), [(0, n)])
-    if pattern == "blocks":
-        return _blocks_pattern(tensor, kept_fraction, seed)
+        return KeepPattern(tensor, kept, n, 1, lambda: iter([kept]),
+                           lambda page: page_kept_hist([0], [n], size, page))
+    if pattern in CHOOSERS:
+        return _blocks_pattern(tensor, CHOOSERS[pattern], kept_fraction, seed)
+    if pattern in CHANGING:
+        return _changing_pattern(tensor, CHOOSERS[CHANGING[pattern]], kept_fraction, seed)
     raise ValueError(f"unknown pattern {pattern!r}: use one of {', '.join(PATTERNS)}")
 
 
-def _blocks_pattern(tensor: "torch.Tensor", kept_fraction: float, seed: int) -> KeepPattern:
-    """Scattered 64 KiB blocks, kept as row indices of the tensor viewed by blocks (sublet's
-    fast form: no Python object per block)."""
+def _blocks_pattern(tensor: "torch.Tensor", choose: Callable[..., Any], kept_fraction: float,
+                    seed: int) -> KeepPattern:
+    """64 KiB blocks chosen once, kept as row indices of the tensor viewed by blocks
+    (sublet's fast form: no Python object per block)."""
     import numpy as np
     import torch
     nblocks = tensor.numel() // BLOCK
     blocks = tensor[: nblocks * BLOCK].view(nblocks, BLOCK)
-    chosen = np.sort(np.random.default_rng(seed).choice(
-        nblocks, size=round(nblocks * kept_fraction), replace=False))
+    chosen = choose(nblocks, kept_fraction, np.random.default_rng(seed))
     index = torch.from_numpy(chosen)
     on_gpu = index.to(tensor.device)
 
@@ -432,7 +564,21 @@ def _blocks_pattern(tensor: "torch.Tensor", kept_fraction: float, seed: int) -> 
             yield blocks[part].view(-1)
 
     return KeepPattern(blocks, index, len(chosen) * BLOCK, len(chosen), pieces,
-                       [(int(b) * BLOCK, BLOCK) for b in chosen.tolist()])
+                       lambda page: page_kept_hist(chosen * BLOCK, BLOCK, tensor.numel(),
+                                                   page))
+
+
+def _changing_pattern(tensor: "torch.Tensor", choose: Callable[..., Any],
+                      kept_fraction: float, seed: int) -> ChangingBlocks:
+    """Blocks chosen anew each cycle by `choose`, from the generator of (seed, cycle)."""
+    import numpy as np
+    nblocks = tensor.numel() // BLOCK
+    blocks = tensor[: nblocks * BLOCK].view(nblocks, BLOCK)
+    pattern = ChangingBlocks(blocks, None, 0, 0, lambda: iter(()), lambda page: [],
+                             blocks=blocks, seed=seed, choose=lambda i: choose(
+                                 nblocks, kept_fraction, np.random.default_rng([seed, i])))
+    pattern.begin(0)  # the first cycle's live set: its size for the log
+    return pattern
 
 
 # --------------------------------------------------------------------------- child: probe
@@ -716,7 +862,8 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
     log(f"sublet.empty: {empty_s:.3f} s ({empty_s / (size / GiB):.4f} s per GiB)")
     with step(f"building the {spec['pattern']} keep pattern"):
         pattern = keep_pattern(tensor, spec["pattern"], spec["kept_fraction"], spec["seed"])
-        before = pattern.digest()
+        pattern.begin(0)
+    page = sublet.info().page_size
     log(f"keeping {gib(pattern.kept_bytes)} in {pattern.views} block(s) or view(s)")
     # What a serving process has done long before it lends (cuBLAS's workspace made): done
     # here before the ballast, or free memory shrinks after the first loan and the next loan's
@@ -728,6 +875,7 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
 
     def cycle_for(kind: str, n_job: int) -> Callable[[int], dict[str, Any]]:
         def cycle(i: int) -> dict[str, Any]:
+            pattern.begin(i)  # untimed: a changing live set is chosen and written
             t0 = now()
             loan = sublet.lend(pattern.lent, keep=pattern.keep)  # keep -> kept ranges
             t_lend = now()
@@ -736,11 +884,12 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
                 run_any_job(kind, n_job, release=False)
                 t_job = now()
             t_exit = now()
-            check_kept(pattern.digest(), before, i)
+            pattern.check(i)
             stats = asdict(loan.stats)
             return {"seconds": t_exit - t0, "out_bytes": stats["copied_out_bytes"],
                     "in_bytes": stats["copied_in_bytes"], "moved_bytes": stats["moved_bytes"],
-                    "stats": stats, "phases": {
+                    "kept_bytes": pattern.kept_bytes, "page_bytes": page,
+                    "page_kept": pattern.page_kept(page), "stats": stats, "phases": {
                         "lend_call": t_lend - t0, "enter": t_enter - t_lend,
                         "job": t_job - t_enter, "exit": t_exit - t_job,
                         "daemon_move": stats["move_seconds"],
@@ -952,32 +1101,65 @@ def summarize(cycles: list[dict[str, Any]]) -> dict[str, Any] | None:
             "out_bytes": statistics.fmean(c["out_bytes"] for c in cycles),
             "in_bytes": statistics.fmean(c["in_bytes"] for c in cycles),
             "moved_bytes": statistics.fmean(c.get("moved_bytes", 0) for c in cycles),
+            "limit_moved_bytes": statistics.fmean(c.get("limit_moved_bytes", 0)
+                                                  for c in cycles),
             "limit_s": limit, "ratio": statistics.fmean(seconds) / limit, "phases": phases}
 
 
-def physical_limit(job_s: float, kept: int, job: int, tensor: int, free: int,
-                   bandwidth: dict[str, Any], moved: float) -> float:
-    """The job alone, plus the kept bytes that cannot stay on the GPU, max(0, kept + job -
-    (tensor + free)), over the measured pinned link each way, plus the kept bytes moved on
-    the GPU (there and back) at the measured device-to-device speed."""
-    host = max(0, kept + job - (tensor + free))
+def least_displaced(page_kept: list[list[int]], page: int, job: int, free: int
+                    ) -> tuple[int, int]:
+    """The least a job of `job` bytes must displace from a region of pages holding
+    page_kept ([[kept bytes, pages], ...]) with `free` bytes of free memory beside it:
+    (bytes moved on the GPU, bytes over the host link, each way).
+
+    The job needs m = ceil(max(0, job - free) / page) of the region's pages; whatever pages
+    it takes, their kept bytes must leave them, so the least displaced is the sum of the m
+    smallest kept bytes per page. What of that fits in the holes of the pages left (their
+    unkept bytes) moves on the GPU; the rest, max(0, displaced - holes), crosses the host
+    link (the same for any choice of pages: max(0, kept - pages left x page))."""
+    pages = sum(n for _, n in page_kept)
+    m = min(pages, -(-max(0, job - free) // page))
+    displaced, left = 0, m
+    for kept, n in sorted(page_kept):
+        take = min(n, left)
+        displaced += take * kept
+        left -= take
+    total = sum(kept * n for kept, n in page_kept)
+    holes = (pages - m) * page - (total - displaced)
+    host = max(0, displaced - holes)
+    return displaced - host, host
+
+
+def physical_limit(job_s: float, host: float, moved: float, bandwidth: dict[str, Any]) -> float:
+    """The job alone, plus `host` bytes over the measured pinned link each way, plus `moved`
+    bytes moved on the GPU (there and back) at the measured device-to-device speed."""
     d2d = bandwidth.get("d2d", {}).get("bytes_per_s")
     return (job_s + host / bandwidth["d2h_bytes_per_s"] + host / bandwidth["h2d_bytes_per_s"]
             + (2 * moved / d2d if d2d else 0.0))
 
 
+def cycle_least(result: dict[str, Any], cycle: dict[str, Any], job: int) -> tuple[int, int]:
+    """(moved on the GPU, over the host link) at the least for one cycle: from the pages'
+    kept bytes where the cycle has them (sublet), else (copy-all, tms, results of older
+    runs) only the kept bytes that cannot stay on the GPU, max(0, kept + job - (S + F))."""
+    if cycle.get("page_kept"):
+        return least_displaced(cycle["page_kept"], cycle["page_bytes"], job,
+                               result["free_bytes"])
+    return 0, max(0, result["kept_bytes_limit"] + job - (result["size_bytes"] +
+                                                         result["free_bytes"]))
+
+
 def add_limits(result: dict[str, Any], bandwidth: dict[str, Any], job_alone: dict[str, Any]
                ) -> None:
-    """The physical limit of each cycle (physical_limit; the job's size is its measured peak
-    for the training step), the same for every method; then the first and later summaries."""
+    """The physical limit of each cycle (cycle_least, physical_limit; the job's size is its
+    measured peak for the training step); then the first and later summaries."""
     job_s = job_alone["median_s"]
     job = job_alone.get("peak_bytes", result["job_bytes"]) if result.get("job") == "train" \
         else result["job_bytes"]
     for cycle in result["cycles"]:
-        moved = cycle.get("moved_bytes", 0) if result["method"] == "sublet" else 0
-        cycle["limit_s"] = physical_limit(job_s, result["kept_bytes_limit"], job,
-                                          result["size_bytes"], result["free_bytes"],
-                                          bandwidth, moved)
+        moved, host = cycle_least(result, cycle, job)
+        cycle["limit_moved_bytes"], cycle["limit_host_bytes"] = moved, host
+        cycle["limit_s"] = physical_limit(job_s, host, moved, bandwidth)
         cycle["ratio"] = cycle["seconds"] / cycle["limit_s"]
     result["job_alone_s"] = job_s
     result["first"] = summarize(result["cycles"][:1])
@@ -1024,7 +1206,7 @@ class Settings:
     append: bool
     uncapped_sublet: bool
     daemon: str
-    daemon_pin_gib: float | None
+    daemon_pin_gib: float | str | None
     seed: int
     bandwidth_gib: float
     job_reps: int
@@ -1131,8 +1313,8 @@ def run_benchmark(s: Settings) -> int:
         done += 1
         run_case(case, done, len(cases), {}, probe, run_id, plan, doc, s)
     if sublet_cases:
-        pin = s.daemon_pin_gib * GiB if s.daemon_pin_gib is not None else \
-            s.kept_fraction * max(plan["sublet_sizes"])
+        pin = s.kept_fraction * max(plan["sublet_sizes"]) if s.daemon_pin_gib == "ahead" \
+            else (s.daemon_pin_gib or 0) * GiB  # default 0: the daemon a user gets
         with daemon_for_run(s.daemon, int(pin)) as daemon:
             run["daemon"] = daemon.describe()
             for case in sublet_cases:
@@ -1182,8 +1364,10 @@ def run_case(case: dict[str, Any], index: int, total: int, env: dict[str, str],
 
 # --------------------------------------------------------------------------- report
 
-def _fmt_row(label: str, cycle: str, summary: dict[str, Any] | None, job_s: float) -> str:
-    """One table row; later rows are means, with the spread of the cycles after them."""
+def _fmt_row(label: str, cycle: str, summary: dict[str, Any] | None, job_s: float,
+             verdict: str = "") -> str:
+    """One table row; later rows are means, with the spread of the cycles after them; verdict:
+    the row's target, PASS or MISS with what it asks."""
     if summary is None:
         return f"  {label:<24} {cycle:<6} (no cycles)"
     spread = "" if summary["n"] < 2 else \
@@ -1191,7 +1375,21 @@ def _fmt_row(label: str, cycle: str, summary: dict[str, Any] | None, job_s: floa
     return (f"  {label:<24} {cycle:<6} {summary['seconds']:>9.3f} "
             f"{summary['out_bytes'] / GiB:>8.2f} {summary['in_bytes'] / GiB:>8.2f} "
             f"{summary.get('moved_bytes', 0) / GiB:>8.2f} "
-            f"{job_s:>8.3f} {summary['limit_s']:>9.3f} {summary['ratio']:>8.2f}x{spread}")
+            f"{summary.get('limit_moved_bytes', 0) / GiB:>8.2f} "
+            f"{job_s:>8.3f} {summary['limit_s']:>9.3f} {summary['ratio']:>8.2f}x"
+            f"{'  ' + verdict if verdict else ''}{spread}")
+
+
+def row_verdicts(r: dict[str, Any]) -> tuple[str, str]:
+    """(first, later) targets of a sublet case beside its rows: the first within
+    TARGET_FIRST_RATIO x its later cycles, the later within TARGET_LIMIT_RATIO x the limit."""
+    if r["method"] != "sublet" or not r.get("later"):
+        return "", ""
+    first = r["first"]["seconds"] / r["later"]["seconds"]
+    return (f"{'PASS' if first <= TARGET_FIRST_RATIO else 'MISS'} {first:.2f}x later "
+            f"(<= {TARGET_FIRST_RATIO:g})",
+            f"{'PASS' if r['later']['ratio'] <= TARGET_LIMIT_RATIO else 'MISS'} "
+            f"(<= {TARGET_LIMIT_RATIO:g}x limit)")
 
 
 def _phase_line(cycle: str, summary: dict[str, Any] | None) -> str | None:
@@ -1230,7 +1428,8 @@ def table_lines(doc: dict[str, Any], phases: bool = False) -> list[str]:
         lines.append(f"S = {gib(size)}{f' ({note})' if note else ''}, F = {gib(free)}, "
                      f"kept {pct(at_size[0]['kept_fraction'])}")
         lines.append(f"  {'case':<24} {'cycle':<6} {'seconds':>9} {'out GiB':>8} "
-                     f"{'in GiB':>8} {'moved':>8} {'job s':>8} {'limit s':>9} {'x limit':>9}")
+                     f"{'in GiB':>8} {'moved':>8} {'least':>8} {'job s':>8} {'limit s':>9} "
+                     f"{'x limit':>9}  target")
         for job in sorted({(r.get("job", "fill"), r["fraction"]) for r in at_size}):
             group = [r for r in at_size if (r.get("job", "fill"), r["fraction"]) == job]
             lines.append(_job_label(group[0]))
@@ -1240,11 +1439,20 @@ def table_lines(doc: dict[str, Any], phases: bool = False) -> list[str]:
     return lines
 
 
+def _pin_note(daemon: dict[str, Any]) -> str:
+    if daemon.get("mode") != "shared":
+        return ""
+    pinned = daemon.get("pin_bytes", 0)
+    return f", pinned ahead {gib(pinned)}" if pinned else ", nothing pinned ahead (as a " \
+        "user's daemon starts)"
+
+
 def _case_lines(r: dict[str, Any], phases: bool) -> list[str]:
     label, lines = _case_label(r), []
     if r.get("first"):
-        lines.append(_fmt_row(label, "first", r["first"], r["job_alone_s"]))
-        lines.append(_fmt_row("", "later", r["later"], r["job_alone_s"]))
+        first, later = row_verdicts(r)
+        lines.append(_fmt_row(label, "first", r["first"], r["job_alone_s"], first))
+        lines.append(_fmt_row("", "later", r["later"], r["job_alone_s"], later))
         if phases:
             lines += [p for p in (_phase_line("first", r["first"]),
                                   _phase_line("later", r["later"])) if p]
@@ -1323,7 +1531,7 @@ def target_lines(results: list[dict[str, Any]]) -> list[str]:
     for name in dict.fromkeys(t.name for t in targets):
         lines.append(f" {name}")
         for t in (t for t in targets if t.name == name):
-            lines.append(f"  {'met    ' if t.met else 'NOT MET'}  {t.case:<30} {t.detail}")
+            lines.append(f"  {'PASS' if t.met else 'MISS'}  {t.case:<36} {t.detail}")
     return lines
 
 
@@ -1333,9 +1541,11 @@ def print_report(doc: dict[str, Any], phases: bool = False) -> None:
           f"{machine.get('cuda_runtime')}), torch {machine.get('torch')}, host "
           f"{gib(machine.get('host_memory_bytes') or 0)}")
     print("figures are seconds per cycle (make room, run the job, get the data back); limit = "
-          "the job alone + the kept bytes that cannot stay on the GPU, max(0, kept + job - "
-          "(S + F)), over the pinned link each way + sublet's on-GPU moves there and back at "
-          "the device-to-device speed; moved = GiB moved on the GPU each way")
+          "the job alone + the least kept bytes any choice of the pages the job needs "
+          "displaces (the m = ceil((job - F) / page) pages holding the fewest), moved on the "
+          "GPU there and back at the device-to-device speed, less what cannot fit in the "
+          "other pages' holes, which crosses the pinned link each way; moved = GiB sublet "
+          "moved on the GPU each way, least = the limit's")
     for line in table_lines(doc, phases) + [""] + target_lines(doc["results"]):
         print(line)
 
@@ -1362,13 +1572,18 @@ def _size(text: str) -> float | str:
     return "max" if text == "max" else float(text)
 
 
+def _pin(text: str) -> float | str:
+    return "ahead" if text == "ahead" else float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="sublet against copy-all on one CUDA GPU: seconds per cycle, bytes copied, "
                     "the physical limit; a table on stdout and a JSON file (bench/plot.py "
-                    "draws it). A full run at S = 64 GiB takes about 7 minutes on an H200 "
-                    "(estimated: copy-all's first cycles pin host memory at about 0.6 s/GiB, "
-                    "each case is a fresh process).",
+                    "draws it). A full run at S = 64 GiB takes about 7 minutes on an H200 with "
+                    "the three first patterns and about 10 with all six (estimated: "
+                    "copy-all's first cycles pin host memory at about 0.6 s/GiB, each case "
+                    "is a fresh process).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--size", type=_size, default=None, metavar="GiB",
                         help="S, the lent tensor's size in GiB; 'max': all free GPU memory but "
@@ -1385,7 +1600,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="later cycles per case, after the first (default 3; quick: 1 "
                              "for copy-all and tms, 3 for sublet)")
     parser.add_argument("--patterns", type=_choices(PATTERNS), default=list(PATTERNS),
-                        help="keep patterns, comma-separated")
+                        help="keep patterns, comma-separated: rows (every third 1 GiB row), "
+                             "blocks (30%% of 64 KiB blocks at random), slice (the first "
+                             "30%%), runs (blocks in runs: about half the 2 MiB pages hold no "
+                             "kept byte), blocks-new and runs-new (a new live set every "
+                             "cycle, checked bit for bit)")
     parser.add_argument("--methods", type=_choices(METHODS), default=list(METHODS),
                         help="methods, comma-separated")
     parser.add_argument("--json", type=Path, default=REPO / "bench" / "results.json",
@@ -1401,10 +1620,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shared: one subletd started for the run serves every sublet "
                              "process (as a system service would); private: each process "
                              "starts its own. $SUBLET_SOCKET, when set, wins over both")
-    parser.add_argument("--daemon-pin", type=float, default=None, metavar="GiB",
-                        help="host memory the shared subletd pins ahead (default: the kept "
-                             "fraction of the largest S; 0: pinned as loans need it)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the blocks pattern")
+    parser.add_argument("--daemon-pin", type=_pin, default=0.0, metavar="GiB",
+                        help="host memory the shared subletd pins ahead (--pin): 0, the "
+                             "default, starts it as a user gets it (host memory pinned at a "
+                             "loan's first save); 'ahead': the kept fraction of the largest S, "
+                             "as earlier runs of this benchmark did")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the block patterns (the changing ones: with the cycle)")
     parser.add_argument("--bandwidth-size", type=float, default=None, metavar="GiB",
                         help="pinned buffer for the bandwidth measurement (default 4, quick 1)")
     parser.add_argument("--job-reps", type=int, default=None,
@@ -1423,7 +1645,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--child-timeout", type=float, default=None, metavar="S",
                         help="seconds before a case's process is killed (default: from S)")
     parser.add_argument("--quick", action="store_true",
-                        help="the whole table fast (about 6 minutes on an H200): S = 64 "
+                        help="the whole table fast (about 6 minutes on an H200 with the three "
+                             "first patterns, 8 to 9 with all six, estimated): S = 64 "
                              "GiB, 1 later cycle of copy-all and tms (seconds each; sublet's "
                              "take milliseconds and keep 3, so that one slow exit does not "
                              "make the figure), a 1 GiB bandwidth buffer, 2 repetitions of the "
