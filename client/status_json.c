@@ -235,18 +235,32 @@ static json_t *status_fields(const Sublet__Status *st) {
                    "totals", totals_json(st));
 }
 
-/* The fields, then the release offers (beside them: json_pack takes so many at most). */
+/* The pin ahead of the save area in progress, or null. */
+static json_t *pin_json(const Sublet__Status *st) {
+  if (!st->has_pin_target_bytes)
+    return json_null();
+  return json_pack("{s:o, s:o}", "target_bytes", count_json(st->pin_target_bytes),
+                   "done_bytes", count_json(st->pin_done_bytes));
+}
+
+/* The fields, then the release offers and the pin (beside them: json_pack takes so many at
+ * most). */
 static json_t *status_object(const Sublet__Status *st) {
   json_t *obj = status_fields(st);
   json_t *offers = list_json((void *const *)st->release_offers, st->n_release_offers,
                              release_offer_json, st->page_size);
+  json_t *pin = pin_json(st);
 
-  if (obj == NULL || offers == NULL) {
+  if (obj == NULL || offers == NULL || pin == NULL) {
     json_decref(obj);
     json_decref(offers);
+    json_decref(pin);
     return NULL;
   }
-  if (json_object_set_new(obj, "release_offers", offers) != 0) { /* it took offers all the same */
+  /* set_new takes its value even when it fails: each is called */
+  int bad = json_object_set_new(obj, "release_offers", offers) != 0;
+  bad |= json_object_set_new(obj, "pin", pin) != 0;
+  if (bad) {
     json_decref(obj);
     return NULL;
   }

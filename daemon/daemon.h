@@ -39,6 +39,7 @@ struct sl_daemon_config {
   const char *backend;      /* --backend */
   uint64_t reserve_bytes;   /* --reserve: free device memory no loan takes */
   uint64_t pin_bytes;       /* --pin: host memory pinned ahead of need */
+  double pin_keep_seconds;  /* --pin-keep: a save area outlives its user's last region so long */
   gid_t allow_gid;          /* --allow-group */
   pid_t parent_pid;         /* --parent-pid: exit when it does (a private daemon) */
   double idle_exit_seconds; /* --idle-exit: leave after this long serving nobody; 0: never */
@@ -53,6 +54,7 @@ struct sl_waiter;
 struct sl_job;
 struct sl_job_user;
 struct sl_rescue;
+struct sl_pinner;
 
 /* What the request layer does with a connection's requests and its end (handlers.c gives
  * them, through server.c, to conn.c). */
@@ -88,6 +90,8 @@ struct sl_daemon {
   struct sl_job *jobs, *jobs_tail; /* copies in submission order; the first one runs */
   struct sl_job_user *job_users;   /* host work queued per uid, in turn order (jobs.c) */
   struct sl_job *host_running;     /* the host job running now, beside the copies */
+  struct sl_pinner *pinner;        /* the pin ahead running now, beside both (pins.c) */
+  uv_timer_t pin_keep_timer;       /* --pin-keep (pins.c) */
   struct sl_rescue *rescues;       /* per loan whose owner can restore itself (rescue.c) */
   struct sl_live_release *releases; /* live releases' save areas (releases.c) */
   struct sl_release_offer *release_offers; /* release offers, oldest first (release_offers.c) */
@@ -205,7 +209,11 @@ int sl_job_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t 
                        struct sl_err *err);
 /* Bytes held by uid's host jobs, queued or running. */
 size_t sl_jobs_held(const struct sl_daemon *d, uid_t uid);
+/* No job of either lane, and no pin ahead (pins.c), runs or waits. */
 int sl_jobs_idle(const struct sl_daemon *d);
+/* The loop stops once shutdown has begun and sl_jobs_idle: for each lane's (and the pin's)
+ * last callback. */
+void sl_jobs_maybe_stop(struct sl_daemon *d);
 /* May a copy of bytes run on the loop now? Nothing queued (it would overtake), and small. */
 #define SL_JOB_INLINE_BYTES (1ull << 20)
 int sl_jobs_inline(const struct sl_daemon *d, uint64_t bytes);
@@ -218,6 +226,16 @@ void sl_server_unlink_socket(struct sl_daemon *d);
 void sl_server_unlink_pid(struct sl_daemon *d);
 /* One sd_notify(3) message (READY=1, EXTEND_TIMEOUT_USEC=...) to $NOTIFY_SOCKET, if set. */
 void sl_server_notify(const char *msg);
+/* The save area pinned ahead (pins.c). ahead: a Lend of bytes kept was lent (the area
+ * claimed for its user): the area is pinned up to them in the background. progress: 1 while
+ * a pin ahead runs, with its goal and what is pinned (bytes). regions_changed: a region went;
+ * once the area's user has had none for --pin-keep, the area is released. init at start;
+ * stop at shutdown (the pin ends after its piece in progress). */
+void sl_pins_ahead(struct sl_daemon *d, uint64_t bytes);
+int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done);
+void sl_pins_regions_changed(struct sl_daemon *d);
+void sl_pins_init(struct sl_daemon *d);
+void sl_pins_stop(struct sl_daemon *d);
 /* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
 void sl_idle_start(struct sl_daemon *d);
 void sl_idle_stop(struct sl_daemon *d);

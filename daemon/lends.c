@@ -201,6 +201,8 @@ static int lend_now(struct sl_req *x, struct sl_waiter *w) {
   w->lend.draft = NULL; /* the books' now */
   sl_books_loan_info(x->d->books, loan, &li);
   rc = lend_setup(x, loan, &li, m->rescue, fds);
+  if (rc == 0) /* what its saves may need, pinned while the borrower starts (pins.c) */
+    sl_pins_ahead(x->d, li.kept_bytes);
   if (rc == 0 && m->local && (rc = borrow_own(x, loan)) != 0 && m->rescue)
     sl_wire_close_fds(fds, 3);
   if (rc != 0)

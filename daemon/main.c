@@ -35,8 +35,12 @@ static void usage(FILE *out) {
           "                         cuda, 0 on memfd); SIZE takes K, M, G suffixes\n"
           "  -g, --allow-group GRP  members of GRP may borrow other users' loans\n"
           "  -p, --pin SIZE         pin SIZE of host memory for saved kept bytes at start,\n"
-          "                         so that no loan pays for pinning (default 0: pinned\n"
-          "                         as loans need it, then kept)\n"
+          "                         so that no loan pays for pinning (default 0: each\n"
+          "                         Lend pins up to its kept bytes in the background,\n"
+          "                         then they are kept)\n"
+          "      --pin-keep SECONDS\n"
+          "                         release a user's pinned save area once the user has\n"
+          "                         had no region for SECONDS (default 600; not with --pin)\n"
           "      --max-connections N       clients connected at once (default 1024)\n"
           "      --max-user-connections N  of them from one user (default 128)\n"
           "      --pid-file PATH    write subletd's pid to PATH once it serves; removed\n"
@@ -131,7 +135,7 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
       {"backend", required_argument, NULL, 'b'}, {"reserve", required_argument, NULL, 'r'},
       {"allow-group", required_argument, NULL, 'g'}, {"pin", required_argument, NULL, 'p'},
       {"parent-pid", required_argument, NULL, 'P'}, {"pid-file", required_argument, NULL, 'F'},
-      {"idle-exit", required_argument, NULL, 'I'},
+      {"idle-exit", required_argument, NULL, 'I'}, {"pin-keep", required_argument, NULL, 'K'},
       {"max-connections", required_argument, NULL, 'M'},
       {"max-user-connections", required_argument, NULL, 'N'},
       {"log-level", required_argument, NULL, 'l'}, {"check", no_argument, NULL, 'C'},
@@ -172,6 +176,11 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
         cfg->idle_exit_seconds = strtod(optarg, &end);
         if (end == optarg || *end != '\0' || !(cfg->idle_exit_seconds > 0))
           return usage_error("--idle-exit takes a number of seconds above 0, not '%s'", optarg);
+        break;
+      case 'K':
+        cfg->pin_keep_seconds = strtod(optarg, &end);
+        if (end == optarg || *end != '\0' || !(cfg->pin_keep_seconds >= 0))
+          return usage_error("--pin-keep takes a number of seconds from 0, not '%s'", optarg);
         break;
       case 'M':
         if (parse_count(optarg, &cfg->limits.conns) != 0)
@@ -291,6 +300,7 @@ int main(int argc, char **argv) {
   int reserve_set = 0, rc;
 
   d.cfg.backend = "cuda";
+  d.cfg.pin_keep_seconds = 600;
   d.cfg.allow_gid = (gid_t)-1;
   d.cfg.limits = (struct sl_transport_limits)SL_TRANSPORT_LIMITS_DEFAULT;
   rc = parse_args(argc, argv, &d.cfg, &reserve_set);

@@ -8,6 +8,7 @@
 #include "pool.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <stdlib.h>
@@ -48,9 +49,20 @@ struct sl_pool_area {
   uid_t uid;      /* whose kept bytes it holds; (uid_t)-1: nobody's yet */
   char *window;   /* MAP_SHARED of window_bytes, from offset 0; or NULL */
   uint64_t window_bytes;
-  void **host;    /* the pinned pieces: window + i * SL_HOST_PIECE */
+  /* A running transfer and the pin ahead (sl_pool_pin_step) grow the area on two threads,
+   * one piece at a time: whoever sets growing (under grow_lock) pins the next piece, the
+   * lock released meanwhile; the other waits on grown for it, and goes on as soon as the
+   * pieces it needs are there (a save never waits for more), or pins the next one itself
+   * once nobody does. nhost only grows, stored after its piece is pinned: read without the
+   * lock (atomically) it says what is usable now. */
+  pthread_mutex_t grow_lock;
+  pthread_cond_t grown;
+  int growing;    /* a thread pins the next piece now (under grow_lock) */
+  void **host;    /* the pinned pieces: window + i * SL_HOST_PIECE (the grower's) */
   size_t nhost;
-  int busy;       /* transfers that use it */
+  size_t host_cap; /* host's room */
+  size_t pin_target; /* pieces the pin ahead grows it to (atomic; 0: none, or stopped) */
+  int busy;       /* transfers (and the pin ahead) that use it */
   int doomed;     /* replaced while busy: freed when the last transfer is */
 };
 
@@ -343,6 +355,8 @@ void sl_pool_chunk_release(struct sl_pool *p, uint64_t chunk_id) {
 static void area_free(struct sl_device *dev, struct sl_pool_area *a) {
   for (size_t i = 0; i < a->nhost; i++)
     sl_device_host_unpin(dev, a->host[i], SL_HOST_PIECE);
+  pthread_mutex_destroy(&a->grow_lock);
+  pthread_cond_destroy(&a->grown);
   free(a->host);
   if (a->window != NULL)
     munmap(a->window, a->window_bytes);
@@ -379,6 +393,8 @@ static int area_new(uid_t uid, struct sl_pool_area **out, struct sl_err *err) {
 
   if (a == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  pthread_mutex_init(&a->grow_lock, NULL);
+  pthread_cond_init(&a->grown, NULL);
   if ((rc = area_open(a)) != 0) {
     area_free(NULL, a); /* nothing pinned yet: no device call */
     return sl_err_set(err, SUBLET_ENOMEM, "cannot make the save area: %s%s", strerror(-rc),
@@ -394,6 +410,8 @@ static void area_drop(struct sl_pool *p) {
   struct sl_pool_area *a = p->area;
 
   p->area = NULL;
+  if (a != NULL)
+    __atomic_store_n(&a->pin_target, 0, __ATOMIC_RELAXED); /* the pin ahead stops */
   if (a != NULL && a->busy > 0)
     a->doomed = 1;
   else if (a != NULL)
@@ -412,33 +430,75 @@ int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err
   return 0;
 }
 
-/* Grows an area to hold bytes: pieces pinned at their place in the window. The file only
- * grows (a client may have grown it further: no error, and a shrink would be refused). */
-static int area_reserve(struct sl_device *dev, struct sl_pool_area *a, uint64_t bytes,
-                        struct sl_err *err) {
-  size_t want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
+static size_t pinned_pieces(const struct sl_pool_area *a) {
+  return __atomic_load_n(&a->nhost, __ATOMIC_ACQUIRE);
+}
+
+/* One more piece, pinned at its place in the window (by the thread that set growing). The
+ * file only grows (a client may have grown it further: no error, and a shrink would be
+ * refused). */
+static int grow_piece(struct sl_device *dev, struct sl_pool_area *a, struct sl_err *err) {
+  size_t n = a->nhost;
+  void *piece = a->window + n * SL_HOST_PIECE;
   void **host;
   int rc;
 
-  if (want <= a->nhost)
+  if (n == a->host_cap) {
+    host = realloc(a->host, (2 * n + 8) * sizeof(*host));
+    if (host == NULL)
+      return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+    a->host = host;
+    a->host_cap = 2 * n + 8;
+  }
+  if ((rc = sl_seal_grow_to(a->fd, (n + 1) * SL_HOST_PIECE)) != 0)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot grow the save area to %zu pieces: %s",
+                      n + 1, strerror(-rc));
+  if ((rc = sl_device_host_pin(dev, piece, SL_HOST_PIECE, err)) != 0)
+    return rc;
+  a->host[n] = piece;
+  __atomic_store_n(&a->nhost, n + 1, __ATOMIC_RELEASE);
+  return 0;
+}
+
+/* Toward want pieces: waits while another thread pins one and fewer than want are there;
+ * then, if still short, pins the next piece itself. 0 once a piece was added or want are
+ * there, or an error of its own pin. */
+static int grow_next(struct sl_device *dev, struct sl_pool_area *a, size_t want,
+                     struct sl_err *err) {
+  int rc = 0;
+
+  pthread_mutex_lock(&a->grow_lock);
+  while (a->growing && a->nhost < want)
+    pthread_cond_wait(&a->grown, &a->grow_lock);
+  if (a->nhost >= want) {
+    pthread_mutex_unlock(&a->grow_lock);
+    return 0;
+  }
+  a->growing = 1;
+  pthread_mutex_unlock(&a->grow_lock);
+  rc = grow_piece(dev, a, err); /* the lock free meanwhile: a waiter may see nhost at once */
+  pthread_mutex_lock(&a->grow_lock);
+  a->growing = 0;
+  pthread_cond_broadcast(&a->grown);
+  pthread_mutex_unlock(&a->grow_lock);
+  return rc;
+}
+
+/* Grows an area to hold bytes, a piece at a time: the pieces the pin ahead pins meanwhile
+ * are not pinned again, and the wait ends as soon as the bytes are there. */
+static int area_reserve(struct sl_device *dev, struct sl_pool_area *a, uint64_t bytes,
+                        struct sl_err *err) {
+  size_t want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
+  int rc = 0;
+
+  if (want <= pinned_pieces(a))
     return 0;
   if (want * SL_HOST_PIECE > a->window_bytes)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "the save area cannot grow to %zu pieces of %llu "
                       "bytes: past the host's memory", want, SL_HOST_PIECE);
-  host = realloc(a->host, want * sizeof(*host));
-  if (host == NULL)
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
-  a->host = host;
-  if ((rc = sl_seal_grow_to(a->fd, want * SL_HOST_PIECE)) != 0)
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "cannot grow the save area to %zu pieces: %s", want,
-                      strerror(-rc));
-  for (; a->nhost < want; a->nhost++) {
-    void *piece = a->window + a->nhost * SL_HOST_PIECE;
-    if ((rc = sl_device_host_pin(dev, piece, SL_HOST_PIECE, err)) != 0)
-      return rc;
-    a->host[a->nhost] = piece;
-  }
-  return 0;
+  while (rc == 0 && pinned_pieces(a) < want)
+    rc = grow_next(dev, a, want, err);
+  return rc;
 }
 
 int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err) {
@@ -450,7 +510,7 @@ int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err) 
 }
 
 static uint64_t area_bytes(const struct sl_pool_area *a) {
-  return a != NULL ? (uint64_t)a->nhost * SL_HOST_PIECE : 0;
+  return a != NULL ? (uint64_t)pinned_pieces(a) * SL_HOST_PIECE : 0;
 }
 
 uint64_t sl_pool_host_bytes(const struct sl_pool *p) {
@@ -459,6 +519,63 @@ uint64_t sl_pool_host_bytes(const struct sl_pool *p) {
   for (int i = 0; i < SL_POOL_SPARES; i++)
     n += area_bytes(p->spares[i]);
   return n;
+}
+
+const struct sl_pool_area *sl_pool_host_area(const struct sl_pool *p) {
+  return p->area;
+}
+
+int sl_pool_host_owner(const struct sl_pool *p, uid_t *uid) {
+  if (p->area == NULL || p->area->uid == (uid_t)-1)
+    return -1;
+  *uid = p->area->uid;
+  return 0;
+}
+
+void sl_pool_host_release(struct sl_pool *p) {
+  area_drop(p);
+}
+
+/* ------------------------------------------------------------------ pinning ahead */
+
+/* The current area's goal: bytes in whole pieces, within the window (pinned bytes cannot
+ * pass the host's memory). It only rises: a smaller keep lent later needs no less room. */
+int sl_pool_pin_ahead(struct sl_pool *p, uint64_t bytes) {
+  struct sl_pool_area *a = p->area;
+  size_t want;
+
+  if (a == NULL)
+    return 0;
+  if (bytes > a->window_bytes)
+    bytes = a->window_bytes;
+  want = (size_t)((bytes + SL_HOST_PIECE - 1) / SL_HOST_PIECE);
+  if (want > __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED))
+    __atomic_store_n(&a->pin_target, want, __ATOMIC_RELAXED);
+  return pinned_pieces(a) < __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED);
+}
+
+int sl_pool_pin_step(struct sl_pool *p, struct sl_pool_area *a, struct sl_err *err) {
+  size_t n = pinned_pieces(a);
+  int rc;
+
+  if (n >= __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED))
+    return 0;
+  if ((rc = grow_next(p->dev, a, n + 1, err)) != 0) /* a save may have pinned it meanwhile */
+    return rc;
+  return pinned_pieces(a) < __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED);
+}
+
+void sl_pool_pin_stop(struct sl_pool_area *a) {
+  if (a != NULL)
+    __atomic_store_n(&a->pin_target, 0, __ATOMIC_RELAXED);
+}
+
+int sl_pool_pin_progress(const struct sl_pool_area *a, uint64_t *target, uint64_t *done) {
+  size_t want = a != NULL ? __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED) : 0;
+
+  *target = (uint64_t)want * SL_HOST_PIECE;
+  *done = area_bytes(a);
+  return a != NULL && pinned_pieces(a) < want;
 }
 
 /* The spare of uid holding the most, or -1. */
@@ -526,6 +643,7 @@ void sl_pool_area_detach(struct sl_pool *p, struct sl_pool_area *a) {
     return;
   if (p->area == a)
     p->area = NULL; /* the next loan claims a new one */
+  __atomic_store_n(&a->pin_target, 0, __ATOMIC_RELAXED); /* the pin ahead stops */
   a->doomed = 1;    /* freed at the last put */
 }
 
@@ -797,21 +915,51 @@ static void settle_replace(struct sl_pool_transfer *t) {
   free(t->fresh);
 }
 
+/* Puts the pieces that lie wholly in the first ready bytes of the area first; returns how
+ * many they are. */
+static size_t ready_first(struct sl_copy *pc, size_t n, uint64_t ready) {
+  size_t k = 0;
+
+  for (size_t i = 0; i < n; i++) {
+    if (pc[i].host_off + pc[i].len <= ready) {
+      struct sl_copy tmp = pc[k];
+      pc[k++] = pc[i];
+      pc[i] = tmp;
+    }
+  }
+  return k;
+}
+
+static int copy_pieces(struct sl_pool_transfer *t, const struct sl_copy *pc, size_t n,
+                       struct sl_err *err) {
+  return n > 0 ? sl_device_copy(t->pool->dev, t->dir, t->region->base, t->area->window, pc, n,
+                                err)
+               : 0;
+}
+
 /* The copies to or from the save area. Off the loop: growing the save area pins host memory
- * (a fraction of a second per GiB), and only the running transfer touches the area. */
+ * (a fraction of a second per GiB), and only the running transfer (and the pin ahead, under
+ * the area's lock) touches the area. A save that reaches pieces not pinned yet first copies
+ * into those that are, while the pin ahead goes on, then pins the rest (waiting at most for
+ * the piece being pinned) and copies into it: two copy calls, not one per piece. */
 static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
   uint64_t host_end = 0;
-  int rc;
+  size_t k = 0;
+  int rc = 0;
 
   for (size_t i = 0; i < t->ncopies; i++)
     if (t->copies[i].host_off + t->copies[i].len > host_end)
       host_end = t->copies[i].host_off + t->copies[i].len;
-  rc = area_reserve(t->pool->dev, t->area, host_end, err);
-  if (rc == 0 && t->ncopies > 0)
+  if (t->ncopies > 0)
     rc = split_pieces(t, t->copies, t->ncopies, err);
-  if (rc == 0 && t->npieces > 0)
-    rc = sl_device_copy(t->pool->dev, t->dir, t->region->base, t->area->window, t->pieces,
-                        t->npieces, err);
+  if (rc == 0 && host_end > area_bytes(t->area)) {
+    k = ready_first(t->pieces, t->npieces, area_bytes(t->area));
+    rc = copy_pieces(t, t->pieces, k, err);
+  }
+  if (rc == 0)
+    rc = area_reserve(t->pool->dev, t->area, host_end, err);
+  if (rc == 0)
+    rc = copy_pieces(t, t->pieces + k, t->npieces - k, err);
   return rc;
 }
 

@@ -128,4 +128,23 @@ int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err);
 /* Pinned by the loans' area and the spares (not by live releases' areas). */
 uint64_t sl_pool_host_bytes(const struct sl_pool *p);
 
+/* Pinning ahead (daemon/pins.c runs it). pin_ahead (the loop): the loans' current area is to
+ * hold bytes (capped at the host's memory, in whole pieces; the goal only rises, until the
+ * area goes); 1 if that needs pinning, else 0. pin_step (any thread, the area held with
+ * sl_pool_area_hold): pins one more piece toward the goal; 1 while more remain, 0 once there
+ * (or stopped), or an error. A save running meanwhile shares the pinning, a piece at a time:
+ * it waits at most for one piece, never for the goal. pin_stop: the goal drops to what is
+ * pinned (an area replaced, detached or freed stops by itself). pin_progress: the goal and
+ * what is pinned so far (bytes); 1 while the goal is not reached. */
+int sl_pool_pin_ahead(struct sl_pool *p, uint64_t bytes);
+int sl_pool_pin_step(struct sl_pool *p, struct sl_pool_area *a, struct sl_err *err);
+void sl_pool_pin_stop(struct sl_pool_area *a);
+int sl_pool_pin_progress(const struct sl_pool_area *a, uint64_t *target, uint64_t *done);
+/* The loans' current area (NULL: none), to look at; its user (0), or -1 when there is none
+ * or it is nobody's yet; release: it goes (once no transfer uses it), the next loan claims a
+ * new one. */
+const struct sl_pool_area *sl_pool_host_area(const struct sl_pool *p);
+int sl_pool_host_owner(const struct sl_pool *p, uid_t *uid);
+void sl_pool_host_release(struct sl_pool *p);
+
 #endif

@@ -78,6 +78,7 @@ void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_con
   struct sl_pool_region *r = holders == 0 ? sl_pool_region_take(d->pool, region_id) : NULL;
 
   sl_releases_prune(d); /* the region's releases left the books with it */
+  sl_pins_regions_changed(d);
   if (r != NULL) {
     free_pages(d, r, answer, req_id);
     return;

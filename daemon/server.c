@@ -226,6 +226,7 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
     return rc;
   sl_idle_start(d);
+  sl_pins_init(d);
   if (d->cfg.notify)
     sl_server_notify("READY=1\nSTATUS=serving");
   return 0;
@@ -288,6 +289,7 @@ void sl_server_stop(struct sl_daemon *d) {
   close_handle((uv_handle_t *)&d->sigint);
   close_handle((uv_handle_t *)&d->sighup);
   sl_idle_stop(d);
+  sl_pins_stop(d);
   if (d->parent_pidfd >= 0)
     close_handle((uv_handle_t *)&d->parent_watch);
   if (sl_jobs_idle(d))

@@ -215,6 +215,8 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   st->replaced_bytes = t.replaced_pages * info->page_size;
   st->has_lends_waiting = 1;
   st->lends_waiting = sl_waiters_lends(d);
+  st->has_pin_target_bytes = st->has_pin_done_bytes =
+      sl_pins_progress(d, &st->pin_target_bytes, &st->pin_done_bytes);
 }
 
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {

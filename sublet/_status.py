@@ -113,6 +113,13 @@ def text_loan(loan: dict[str, Any]) -> list[str]:
     ]
 
 
+def pin_shown(pin: dict[str, Any] | None) -> str:
+    """The pin ahead of the save area in progress (a Lend's kept bytes), if one runs."""
+    if not pin:
+        return ""
+    return f" (pinning ahead: {human(pin['done_bytes'])} of {human(pin['target_bytes'])})"
+
+
 def text_status(s: dict[str, Any]) -> str:
     t = s["totals"]
     lines = [
@@ -120,7 +127,8 @@ def text_status(s: dict[str, Any]) -> str:
         f"  daemon   subletd {shown(s['daemon_version'])}, {shown(s['backend'])} backend, "
         f"up {duration(s['uptime_seconds'])}, {s['clients']} clients, {shown(s['socket'])}",
         f"  memory   {human(s['total_bytes'])} total, {human(s['free_bytes'])} free, "
-        f"pages of {human(s['page_size'])}, {human(s['host_bytes'])} pinned on the host",
+        f"pages of {human(s['page_size'])}, {human(s['host_bytes'])} pinned on the host"
+        + pin_shown(s.get("pin")),
         f"  regions  {len(s['regions'])}",
     ]
     for r in s["regions"]:

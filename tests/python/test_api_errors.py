@@ -236,11 +236,12 @@ def test_stats_reprs_give_sizes_as_people_read_them():
         loan_id=7, copied_out_bytes=3 << 19, copied_in_bytes=3 << 19, served_unkept_bytes=1 << 30,
         served_fresh_bytes=0, served_kept_bytes=2 << 20, peak_bytes=(1 << 30) + (2 << 20),
         allocations=12, map_seconds=0.0012, copy_out_seconds=0.25, copy_in_seconds=0.5,
-        borrower_died=True, owner_gone=False, moved_bytes=512, move_seconds=0.0)
+        borrower_died=True, owner_gone=False, moved_bytes=512, move_seconds=0.0,
+        mapped_pages=3)
     assert repr(loan) == (
         "<sublet.LoanStats of loan 7: served 1.00 GiB unkept, 0 B fresh, 2.00 MiB kept (peak "
         "1.00 GiB, 12 allocations); 1.50 MiB to the host, 1.50 MiB back, 512 B moved; 0.001 s "
-        "mapping, 0.250 s copying out, 0.500 s in, 0.000 s moving; borrower died>")
+        "mapping (3 pages), 0.250 s copying out, 0.500 s in, 0.000 s moving; borrower died>")
     release = _lib.ReleaseStats(
         release_id=2, released_pages=7, stayed_pages=1, kept_bytes=64 << 10,
         moved_bytes=56 << 10, copied_out_bytes=0, copied_in_bytes=0, seconds=0.004,

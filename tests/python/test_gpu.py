@@ -314,9 +314,10 @@ def test_fifty_loans_in_a_row_do_not_grow():
 
 
 def test_owner_process_maps_once_though_torch_caches_between_loans():
-    """The second and third loans of a region map nothing new: PyTorch caching memory between
-    loans (the checksum below, any work a server runs) must not shrink the next loan's fresh
-    zone, or the window, laid out by zone sizes, is built and mapped again (issue 10)."""
+    """No loan of a region maps a page of it, the first included (a loan in order is served
+    on the region's own mapping, whatever its keep: books.h), and PyTorch caching memory
+    between loans (the checksum below, any work a server runs) changes nothing of that: only
+    the fresh chunk (one handle) is mapped each loan (issues 10 and 23)."""
     cache = random_fill(sublet.empty(6 * GiB, dtype=torch.uint8), seed=5)
     keep = cache.view(24, GiB // 4)[::3]          # 2 GiB in 8 rows: unkept runs of 512 MiB
     before = keep.clone()
@@ -328,13 +329,13 @@ def test_owner_process_maps_once_though_torch_caches_between_loans():
                 torch.cuda.synchronize()
                 del x
             maps.append(loan.stats.map_seconds)
+            assert loan.stats.mapped_pages == 0, loan.stats
             assert loan.stats.served_fresh_bytes > 0
             assert torch.equal(keep, before)       # uint8: equal values, equal bits
             torch.empty(300 * 1024 ** 2, dtype=torch.uint8, device="cuda").fill_(1)  # cached
     print(f"\nmap seconds per loan: {maps}")
-    assert maps[0] > 0.01                          # 4 GiB of unkept pages mapped once ...
-    # ... later loans map only their fresh chunk (1 GiB, one handle), not the window
-    assert maps[1] < maps[0] / 3 and maps[2] < maps[0] / 3, maps
+    # 6 GiB of 2 MiB pages would take about 0.1 s; a fresh chunk, one handle, well under 0.01
+    assert max(maps) < 0.01, maps
 
 
 def _rss() -> int:

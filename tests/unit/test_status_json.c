@@ -118,7 +118,7 @@ static void test_idle_daemon(void) {
       "\"retained\": [], \"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, "
       "\"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
-      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}, \"release_offers\": []}");
+      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}, \"release_offers\": [], \"pin\": null}");
   free(text);
   json_decref(parsed);
 }

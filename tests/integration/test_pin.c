@@ -1,0 +1,228 @@
+/* test_pin.c - the save area pinned ahead of a loan's saves (daemon/pins.c). Real daemon
+ * (memfd backend), its pinning paced at SUBLET_MEMFD_PIN (a GPU's pace, slowed), real sockets.
+ *
+ * A Lend starts pinning the owner's save area up to the loan's kept bytes in the background
+ * (Status.pin shows the goal and how far it is); nothing is pinned past them; a save that
+ * needs only the first piece waits for that piece, not for the whole pin; the area stays
+ * between loans and is released once its user has had no region for --pin-keep seconds; a
+ * daemon started with --pin keeps its area and pins ahead only past it.
+ */
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "sublet.h"
+
+#define PAGE (2ull << 20)
+#define PIECE (256ull << 20) /* SL_HOST_PIECE: the area is pinned in these */
+#define REGION (4 * PIECE)
+#define PIN_PACE "512M"      /* bytes per second: a piece in 0.5 s, the region in 2 s */
+
+struct pin_state {
+  uint64_t host_bytes;
+  int pinning; /* Status.pin is there */
+  uint64_t target, done;
+};
+
+static uint64_t field(const char *json, const char *name) {
+  const char *at = strstr(json, name);
+
+  return at != NULL ? strtoull(at + strlen(name), NULL, 10) : UINT64_MAX;
+}
+
+static int pin_state(sublet_client *c, struct pin_state *s) {
+  char *json = NULL;
+  int rc = sublet_status_json(c, &json);
+
+  if (rc != 0)
+    return rc;
+  s->host_bytes = field(json, "\"host_bytes\": ");
+  s->pinning = strstr(json, "\"pin\": null") == NULL;
+  s->target = s->pinning ? field(json, "\"target_bytes\": ") : 0;
+  s->done = s->pinning ? field(json, "\"done_bytes\": ") : 0;
+  sublet_string_free(json);
+  return 0;
+}
+
+/* Waits (up to seconds) for no pin to run; its last state in *s. */
+static int pin_settled(sublet_client *c, struct pin_state *s, double seconds) {
+  double end = sl_test_now() + seconds;
+
+  while (pin_state(c, s) == 0 && s->pinning && sl_test_now() < end)
+    usleep(20000);
+  return s->pinning ? -1 : 0;
+}
+
+/* A client of the daemon and a region of REGION bytes, filled (NULL: could not). */
+static sublet_region *open_region(const struct sl_test_daemon *d, sublet_client **c) {
+  sublet_region *r = NULL;
+
+  if (sublet_connect(d->socket, c) != 0 || sublet_region_create(*c, REGION, &r) != 0)
+    return NULL;
+  memset(sublet_region_addr(r), 0x5A, REGION);
+  return r;
+}
+
+/* A Lend of r keeping its first keep bytes. */
+static int lend_first(sublet_region *r, uint64_t keep, uint64_t *loan,
+                      uint8_t token[SUBLET_TOKEN_SIZE]) {
+  struct sublet_range k = {0, keep};
+
+  return sublet_lend(r, &k, 1, 0, NULL, loan, token);
+}
+
+static void test_lend_pins_ahead_up_to_its_kept_bytes(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, REGION + PIECE) == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(lend_first(r, 3 * PIECE - PAGE, &loan, token), 0); /* 3 pieces, the last not full */
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.pinning && s.target == 3 * PIECE && s.done < s.target); /* at the Lend, running */
+  CHECK(pin_settled(c, &s, 10) == 0);
+  CHECK(s.host_bytes == 3 * PIECE); /* the kept bytes, in whole pieces: nothing past them */
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  CHECK_RC(lend_first(r, PIECE, &loan, token), 0); /* less kept: nothing more to pin */
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(!s.pinning && s.host_bytes == 3 * PIECE);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* The borrower takes 64 MiB of kept pages (no free memory beside the region): their save
+ * needs the first piece only, pinned in 0.5 s, while the whole pin takes 2 s. */
+static void test_first_save_waits_for_its_pieces_only(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  struct sublet_loan_stats st;
+  sublet_client *c, *b = NULL;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+  void *p;
+  double t0, took;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(lend_first(r, REGION, &loan, token), 0);
+  CHECK_RC(sublet_connect(d.socket, &b), 0);
+  CHECK_RC(sublet_borrow(b, loan, token, NULL, 0), 0);
+  t0 = sl_test_now();
+  CHECK_RC(sublet_alloc(b, 64ull << 20, &p), 0);
+  took = sl_test_now() - t0;
+  CHECK_RC(pin_state(c, &s), 0);
+  fprintf(stderr, "  first save of 64 MiB: %.3f s; pin %llu of %llu MiB\n", took,
+          (unsigned long long)(s.done >> 20), (unsigned long long)(s.target >> 20));
+  CHECK(took < 1.5);                     /* not the 2 s of the whole pin */
+  CHECK(s.pinning && s.done < s.target); /* which goes on */
+  memset(p, 0xEE, 64ull << 20);
+  CHECK_RC(sublet_free(b, p), 0);
+  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, -1, &st), 0);
+  for (uint64_t i = 0; i < REGION; i += 4096)
+    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  sublet_disconnect(b);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* --pin-keep: once the user has no region, the area goes; while one is back, it stays. */
+static void test_area_released_after_last_region(void) {
+  static const char *const keep[] = {"--pin-keep", "1", NULL};
+  struct sl_test_daemon d;
+  struct pin_state s;
+  sublet_client *c, *watch = NULL;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+  double t0;
+
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, REGION, &(struct sl_test_daemon_opts){.args = keep})
+        == 0);
+  CHECK_RC(sublet_connect(d.socket, &watch), 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(lend_first(r, PIECE, &loan, token), 0);
+  CHECK(pin_settled(watch, &s, 10) == 0 && s.host_bytes == PIECE);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  usleep(500000);
+  CHECK_RC(pin_state(watch, &s), 0);
+  CHECK(s.host_bytes == PIECE); /* a region is left: kept between loans */
+  t0 = sl_test_now();
+  sublet_disconnect(c);         /* its regions go with it */
+  CHECK_RC(pin_state(watch, &s), 0);
+  if (sl_test_now() - t0 < 0.8) /* else a slow machine's disconnect took the time */
+    CHECK(s.host_bytes == PIECE); /* not yet: --pin-keep */
+  usleep(1500000);
+  CHECK_RC(pin_state(watch, &s), 0);
+  CHECK(s.host_bytes == 0);
+  sublet_disconnect(watch);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* --pin pins at start and keeps it: a Lend within it pins nothing, one past it the rest. */
+static void test_pin_option_still_works(void) {
+  static const char *const pin[] = {"--pin", "512M", "--pin-keep", "0", NULL};
+  struct sl_test_daemon d;
+  struct pin_state s;
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+
+  CHECK(sl_test_daemon_start_ex(&d, PAGE, REGION, &(struct sl_test_daemon_opts){.args = pin})
+        == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(lend_first(r, PIECE, &loan, token), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(!s.pinning && s.host_bytes == 2 * PIECE);
+  CHECK_RC(sublet_withdraw(c, loan), 0);
+  CHECK_RC(lend_first(r, 3 * PIECE, &loan, token), 0);
+  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == 3 * PIECE);
+  sublet_disconnect(c);
+  usleep(200000);
+  CHECK_RC(sublet_connect(d.socket, &c), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.host_bytes == 3 * PIECE); /* --pin's area stays */
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* A daemon stopped in the middle of a pin ahead stops after the piece in progress. */
+static void test_stop_during_pin(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  sublet_client *c;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+  double t0;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(lend_first(r, REGION, &loan, token), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.pinning);
+  sublet_disconnect(c);
+  t0 = sl_test_now();
+  CHECK(sl_test_daemon_stop(&d) == 0);
+  CHECK(sl_test_now() - t0 < 1.5); /* a piece (0.5 s), not the rest of the pin */
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  setenv("SUBLET_MEMFD_PIN", PIN_PACE, 1);
+  sl_test_run("a lend pins ahead up to its kept bytes", test_lend_pins_ahead_up_to_its_kept_bytes);
+  sl_test_run("the first save waits for its pieces only", test_first_save_waits_for_its_pieces_only);
+  sl_test_run("the area goes after the last region", test_area_released_after_last_region);
+  sl_test_run("--pin still works", test_pin_option_still_works);
+  sl_test_run("a stop during a pin", test_stop_during_pin);
+  return sl_test_summary("pin");
+}
