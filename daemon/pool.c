@@ -947,11 +947,14 @@ static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
   size_t k = 0;
   int rc = 0;
 
+  if (t->ncopies == 0)
+    return 0;
+  if (t->area == NULL) /* every transfer with copies holds an area (transfer_new_in) */
+    return sl_err_set(err, SUBLET_EINVAL, "internal error: copies without a save area");
   for (size_t i = 0; i < t->ncopies; i++)
     if (t->copies[i].host_off + t->copies[i].len > host_end)
       host_end = t->copies[i].host_off + t->copies[i].len;
-  if (t->ncopies > 0)
-    rc = split_pieces(t, t->copies, t->ncopies, err);
+  rc = split_pieces(t, t->copies, t->ncopies, err);
   if (rc == 0 && host_end > area_bytes(t->area)) {
     k = ready_first(t->pieces, t->npieces, area_bytes(t->area));
     rc = copy_pieces(t, t->pieces, k, err);
