@@ -430,9 +430,18 @@ int sl_pool_host_claim(struct sl_pool *p, uid_t uid, int *fd, struct sl_err *err
   return 0;
 }
 
+/* gcc 12 to 14 at -O3 take an atomic load of a member for a write into a zero-sized object
+ * (a false -Wstringop-overflow, gcc PR 104475's kind): silenced here only. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
 static size_t pinned_pieces(const struct sl_pool_area *a) {
   return __atomic_load_n(&a->nhost, __ATOMIC_ACQUIRE);
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /* One more piece, pinned at its place in the window (by the thread that set growing). The
  * file only grows (a client may have grown it further: no error, and a shrink would be
