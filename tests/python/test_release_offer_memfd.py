@@ -271,7 +271,9 @@ def test_the_owner_killed_while_released_tells_the_scheduler():
     try:
         assert owner.line().startswith("offered")
         t = sublet.take(name="die-released", device="cpu", timeout=30)
-        with pytest.raises(sublet.OwnerGoneError, match="went while it was released"):
+        # subletd sees the death before the give-back (released) or after it (returning):
+        # the scheduler is told either way
+        with pytest.raises(sublet.OwnerGoneError, match="went while it was (released|returning)"):
             with t:
                 assert t.released_bytes > 0
                 owner.kill()
