@@ -13,9 +13,6 @@ static uint64_t window_pages(const struct sl_window *w) {
   return w->unkept + w->fresh + w->kept;
 }
 
-static int reserve(struct sl_window *w, uint64_t room, struct sl_err *err);
-static int refresh(struct sl_window *w, uint64_t fresh);
-
 /* Is window position p the region's own mapping (served in place)? */
 static int own_position(const struct sl_window *w, uint64_t p) {
   return p >= w->own_from && p < w->own_to;
@@ -72,6 +69,40 @@ static void try_alias(struct sl_window *w, const struct sl_window_own *own) {
     alias(w, region + (w->region_pages - w->unkept) * w->page_size, 0, w->unkept);
 }
 
+/* With no unkept zone, room pages for the fresh zone below the kept zone: base lies where the
+ * fresh zone of this loan starts. */
+static int reserve(struct sl_window *w, uint64_t room, struct sl_err *err) {
+  int rc;
+
+  w->room = w->unkept == 0 && room > w->fresh ? room : w->fresh;
+  w->reserved_pages = w->unkept == 0 ? w->room + w->kept : window_pages(w);
+  rc = sl_device_reserve(w->dev, w->reserved_pages * w->page_size, &w->reserved, err);
+  if (rc == 0)
+    w->base = (char *)w->reserved + (w->reserved_pages - window_pages(w)) * w->page_size;
+  return rc;
+}
+
+/* Another fresh zone for a window with no unkept zone (and no chunk mapped: the last loan
+ * ended): the kept zone's positions shift, its addresses and mappings stay. */
+static int refresh(struct sl_window *w, uint64_t fresh) {
+  int64_t *mapped = malloc((fresh + w->kept + 1) * sizeof(*mapped));
+
+  if (mapped == NULL)
+    return 0;
+  for (uint64_t p = 0; p < fresh; p++)
+    mapped[p] = POS_UNMAPPED;
+  memcpy(mapped + fresh, w->mapped + w->fresh, w->kept * sizeof(*mapped));
+  free(w->mapped);
+  w->mapped = mapped;
+  w->base = (char *)w->base + ((int64_t)w->fresh - (int64_t)fresh) * (int64_t)w->page_size;
+  if (w->own_to > 0) { /* aliased: the kept zone is the region's own mapping */
+    w->own_from = fresh;
+    w->own_to = fresh + w->kept;
+  }
+  w->fresh = fresh;
+  return 1;
+}
+
 int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
                   uint64_t region_pages, uint64_t unkept, uint64_t fresh, uint64_t kept,
                   const uint64_t *layout, const struct sl_window_own *own, uint64_t room,
@@ -112,40 +143,6 @@ int sl_window_new(struct sl_device *dev, uint64_t page_size, uint64_t region_id,
   }
   *out = w;
   return 0;
-}
-
-/* With no unkept zone, room pages for the fresh zone below the kept zone: base lies where the
- * fresh zone of this loan starts. */
-static int reserve(struct sl_window *w, uint64_t room, struct sl_err *err) {
-  int rc;
-
-  w->room = w->unkept == 0 && room > w->fresh ? room : w->fresh;
-  w->reserved_pages = w->unkept == 0 ? w->room + w->kept : window_pages(w);
-  rc = sl_device_reserve(w->dev, w->reserved_pages * w->page_size, &w->reserved, err);
-  if (rc == 0)
-    w->base = (char *)w->reserved + (w->reserved_pages - window_pages(w)) * w->page_size;
-  return rc;
-}
-
-/* Another fresh zone for a window with no unkept zone (and no chunk mapped: the last loan
- * ended): the kept zone's positions shift, its addresses and mappings stay. */
-static int refresh(struct sl_window *w, uint64_t fresh) {
-  int64_t *mapped = malloc((fresh + w->kept + 1) * sizeof(*mapped));
-
-  if (mapped == NULL)
-    return 0;
-  for (uint64_t p = 0; p < fresh; p++)
-    mapped[p] = POS_UNMAPPED;
-  memcpy(mapped + fresh, w->mapped + w->fresh, w->kept * sizeof(*mapped));
-  free(w->mapped);
-  w->mapped = mapped;
-  w->base = (char *)w->base + ((int64_t)w->fresh - (int64_t)fresh) * (int64_t)w->page_size;
-  if (w->own_to > 0) { /* aliased: the kept zone is the region's own mapping */
-    w->own_from = fresh;
-    w->own_to = fresh + w->kept;
-  }
-  w->fresh = fresh;
-  return 1;
 }
 
 int sl_window_adopt(struct sl_window *w, uint64_t region_id, uint64_t unkept, uint64_t fresh,

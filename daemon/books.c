@@ -1230,7 +1230,7 @@ struct fits {
   uint64_t largest;         /* the longest run there is, for the error */
 };
 
-static struct fits find_fits(const struct sl_books *b, const struct sl_loan *l, uint64_t n) {
+static struct fits find_fits(const struct sl_loan *l, uint64_t n) {
   struct fits f = {UINT64_MAX, UINT64_MAX, UINT64_MAX, 0};
   uint64_t start = l->lo, window = sl_books_window_size(l);
   uint64_t bottom = l->nallocs > 0 ? l->allocs[0].pos : l->hwm;
@@ -1251,7 +1251,6 @@ static struct fits find_fits(const struct sl_books *b, const struct sl_loan *l, 
   else if (l->nallocs == 0 && window >= n)
     f.down = 0; /* nothing live: the run may cover the span and grow both ways */
   f.largest = sl_max_u64(f.largest, sl_max_u64(window - start, l->nallocs ? bottom : window));
-  (void)b;
   return f;
 }
 
@@ -1276,7 +1275,7 @@ static void grant_reset(struct sl_grant *g) {
  * the bottom can take the run (in order: fresh pages) without. */
 static int place(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g,
                  struct sl_err *err) {
-  struct fits f = find_fits(b, l, g->npages);
+  struct fits f = find_fits(l, g->npages);
   int rc;
 
   if (f.inner != UINT64_MAX)
