@@ -109,6 +109,9 @@ def _one_rep(size: int, device: str, groups: bool) -> dict[str, float]:
         lambda: sublet.empty(size, dtype=torch.uint8, device=device), device)
     tensor[:: max(1, size // 64)].fill_(1)  # touched, as a tensor in use is
     seconds["release"], rel = _timed(lambda: sublet.release(tensor, keep=[]), device)
+    # where a release's time goes: this process letting go of its mappings and handles, the
+    # rest being subletd's part and the messages
+    seconds["release_client_let_go"] = rel.stats.map_seconds
     seconds["resume"], _ = _timed(lambda: rel.resume(groups=groups), device)
 
     def drop() -> None:
