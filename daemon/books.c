@@ -26,21 +26,6 @@ static const char *const state_names[] = {"", "offered", "active", "draining"};
 
 /* ---- small helpers ---------------------------------------------------------------------- */
 
-static int out_of_memory(struct sl_err *err) {
-  return sl_err_set(err, SUBLET_ENOHOSTMEM, "subletd is out of host memory; free some and retry");
-}
-
-/* Length of [a0, a1) ∩ [b0, b1). */
-static uint64_t overlap(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) {
-  uint64_t lo = sl_max_u64(a0, b0), hi = sl_min_u64(a1, b1);
-  return hi > lo ? hi - lo : 0;
-}
-
-static int no_client(struct sl_err *err, uint64_t client_id) {
-  return sl_err_set(err, SUBLET_ENOENT,
-                    "no client %" PRIu64 " (disconnected?); reconnect to subletd", client_id);
-}
-
 static int no_region(struct sl_err *err, uint64_t region_id) {
   return sl_err_set(err, SUBLET_ENOENT,
                     "no region %" PRIu64 " (released, or its owner has gone); create a new one",
@@ -53,18 +38,10 @@ static int no_loan(struct sl_err *err, uint64_t loan_id) {
                     loan_id);
 }
 
-/* Does client_id see what uid holds? Status's rule (status.c): its own user's, and every
- * user's when trusted. A refusal says no more to it than status would show it. */
-static int sees(const struct sl_books *b, uint64_t client_id, uid_t uid) {
-  const struct sl_client *c = sl_books_find_client(b, client_id);
-
-  return c != NULL && (c->peer.trusted || c->peer.uid == uid);
-}
-
 /* The client named in a refusal to client_id: "client N" where it may see uid's, else not. */
 static const char *who(const struct sl_books *b, uint64_t client_id, uid_t uid, uint64_t other,
                        char buf[48]) {
-  if (sees(b, client_id, uid))
+  if (sl_books_sees(b, client_id, uid))
     snprintf(buf, 48, "client %" PRIu64, other);
   else
     snprintf(buf, 48, "a client of another user");
@@ -72,12 +49,6 @@ static const char *who(const struct sl_books *b, uint64_t client_id, uid_t uid, 
 }
 
 #define WHO(b, client_id, uid, other) who(b, client_id, uid, other, (char[48]){0})
-
-static uid_t loan_uid(const struct sl_books *b, const struct sl_loan *l) {
-  const struct sl_region *r = sl_books_find_region(b, l->region_id);
-
-  return r != NULL ? r->owner.uid : (uid_t)-1;
-}
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
@@ -162,14 +133,14 @@ int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages,
   struct sl_region *v;
 
   if (c == NULL)
-    return no_client(err, client_id);
+    return sl_books_no_client(err, client_id);
   if (npages == 0 || npages > UINT64_MAX / b->cfg.page_size)
     return sl_err_set(err, SUBLET_EINVAL,
                       "a region of %" PRIu64 " pages cannot be made; ask for at least one byte "
                       "and no more than the device holds", npages);
   v = sl_grow(b->regions, &b->cap_regions, b->nregions + 1, sizeof(*v));
   if (v == NULL)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   b->regions = v;
   v[b->nregions] = (struct sl_region){
       .id = b->next_region++, .owner_client = c->id, .owner = c->peer, .npages = npages,
@@ -256,7 +227,7 @@ int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region
   if (rc != 0)
     return rc;
   if (sl_books_groups_grow(r, npages) != 0)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   b->region_pages += npages - r->npages;
   r->npages = npages;
   /* The last loan's layout covered the old pages only: the next loan's id must be new, or a
@@ -518,7 +489,7 @@ static int loan_set_keep(struct sl_loan *l, const struct sublet_range *keep, siz
     return 0;
   l->keep = malloc(nkeep * sizeof(*l->keep));
   if (l->keep == NULL)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   rc = keep_take_sorted(l, keep, nkeep, limit, err);
   if (rc <= 0)
     return rc;
@@ -567,7 +538,7 @@ static int loan_set_layout(const struct sl_books_config *cfg, struct sl_loan *l,
   l->pages = n <= SIZE_MAX / sizeof(*l->pages) ? malloc((n + 1) * sizeof(*l->pages)) : NULL;
   if (flags == NULL || l->pages == NULL) {
     free(flags);
-    return out_of_memory(err);
+    return sl_books_oom(err);
   }
   sl_books_mark_pinned_pages(l->pinned, l->npinned, flags);
   sl_books_mark_kept_pages(l->keep, l->nkeep, cfg->page_size, flags);
@@ -619,7 +590,7 @@ static void loan_set_in_order(const struct sl_books_config *cfg, struct sl_loan 
 static int device_busy(const struct sl_books *b, uint64_t client_id, struct sl_err *err) {
   const struct sl_loan *l = b->loan;
 
-  if (!sees(b, client_id, loan_uid(b, l)))
+  if (!sl_books_sees(b, client_id, sl_books_loan_uid(b, l)))
     return sl_err_set(err, SUBLET_EBUSY, "this device already has a loan, of another user; "
                       "one loan at a time: wait for it to end");
   return sl_err_set(err, SUBLET_EBUSY,
@@ -632,7 +603,7 @@ static int device_busy(const struct sl_books *b, uint64_t client_id, struct sl_e
 static int owner_check(const struct sl_books *b, uint64_t client_id, const struct sl_region *r,
                        uint64_t region_id, struct sl_err *err) {
   if (sl_books_find_client(b, client_id) == NULL)
-    return no_client(err, client_id);
+    return sl_books_no_client(err, client_id);
   if (r == NULL)
     return no_region(err, region_id);
   if (r->owner_client != client_id)
@@ -709,7 +680,7 @@ static int loan_set_pinned(struct sl_loan *l, const uint64_t *pinned, size_t npi
     return sl_err_set(err, SUBLET_EINVAL, "every page of the region is pinned: nothing is "
                       "lent; pin fewer pages, or lend nothing");
   if ((l->pinned = malloc(npinned * 2 * sizeof(*pinned))) == NULL)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   memcpy(l->pinned, pinned, npinned * 2 * sizeof(*pinned));
   l->npinned = npinned;
   return 0;
@@ -724,7 +695,7 @@ static int unpinned_ranges(const struct sl_loan *l, uint64_t npages, uint64_t ps
   uint64_t at = 0;
 
   if (v == NULL)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   *n = 0;
   for (size_t i = 0; i <= l->npinned; i++) {
     uint64_t first = i < l->npinned ? l->pinned[2 * i] : npages;
@@ -783,7 +754,7 @@ int sl_books_draft(const struct sl_books_config *cfg, uint64_t npages,
     return sl_err_set(err, SUBLET_EINVAL, "a region of %" PRIu64 " pages cannot be lent",
                       npages);
   if ((l = calloc(1, sizeof(*l))) == NULL)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   rc = loan_set_pinned(l, pinned, npinned, npages, err);
   if (rc == 0)
     rc = draft_keep(cfg, l, npages, keep, nkeep, keep_all, err);
@@ -943,7 +914,7 @@ int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t l
     return sl_err_set(err, SUBLET_EPERM,
                       "loan %" PRIu64 " was lent by %s, not by client %" PRIu64 "; only its "
                       "owner may withdraw or reclaim it", loan_id,
-                      WHO(b, client_id, loan_uid(b, l), l->owner_client), client_id);
+                      WHO(b, client_id, sl_books_loan_uid(b, l), l->owner_client), client_id);
   return 0;
 }
 
@@ -960,7 +931,7 @@ static int token_equal(const uint8_t *a, const uint8_t *b) {
 
 static int loan_not_offered(const struct sl_books *b, uint64_t client_id,
                             const struct sl_loan *l, struct sl_err *err) {
-  if (!sees(b, client_id, loan_uid(b, l)))
+  if (!sl_books_sees(b, client_id, sl_books_loan_uid(b, l)))
     return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is not on offer (borrowed "
                       "already); wait for a new offer", l->id);
   return sl_err_set(err, SUBLET_EBUSY,
@@ -996,7 +967,7 @@ static int pick_offer(const struct sl_books *b, uint64_t client_id, const char *
   int by_name = name != NULL && name[0] != '\0';
 
   if (by_name && (l == NULL || strcmp(l->name, name) != 0 ||
-                  !sees(b, client_id, loan_uid(b, l))))
+                  !sl_books_sees(b, client_id, sl_books_loan_uid(b, l))))
     return sl_err_set(err, SUBLET_ENOOFFER,
                       "no loan named \"%.64s\" that this user may borrow is on offer on this "
                       "device; check the name or wait for its owner to lend (another user's "
@@ -1084,14 +1055,14 @@ int sl_books_borrow(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
   int rc;
 
   if (c == NULL)
-    return no_client(err, client_id);
+    return sl_books_no_client(err, client_id);
   rc = pick_loan(b, c, loan_id, token, name, fresh_pages, &l, err);
   if (rc < 0)
     return rc;
   c->keeps = c->notices && sl_books_kept_window(b, c->id, l->region_id);
   if (c->keeps && sl_books_kept_reserve(b) < 0) {
     c->keeps = 0;
-    return out_of_memory(err);
+    return sl_books_oom(err);
   }
   if (c->kept_region != l->region_id)
     c->kept_region = 0; /* the client lets go of another region's window (Borrowed) */
@@ -1122,353 +1093,6 @@ int sl_books_loan_layout(const struct sl_books *b, uint64_t loan_id, const uint6
   if (kept != NULL)
     *kept = l->kept;
   return 0;
-}
-
-/* ---- allocation --------------------------------------------------------------------------- */
-
-/* The ACTIVE loan client_id borrows. */
-static int borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl_loan **out,
-                         struct sl_err *err) {
-  const struct sl_client *c = sl_books_find_client(b, client_id);
-
-  if (c == NULL)
-    return no_client(err, client_id);
-  if (c->loan_id == 0 && b->loan != NULL && b->loan->owner_client == client_id)
-    return sl_err_set(err, SUBLET_EPERM,
-                      "client %" PRIu64 " lent loan %" PRIu64 " but does not borrow it; borrow "
-                      "it first", client_id, b->loan->id);
-  if (c->loan_id == 0)
-    return sl_err_set(err, SUBLET_ENOENT,
-                      "client %" PRIu64 " borrows no loan; borrow one first", client_id);
-  *out = sl_books_find_loan(b, c->loan_id);
-  return 0;
-}
-
-static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t size,
-                   uint64_t largest, struct sl_err *err) {
-  uint64_t ps = b->cfg.page_size;
-  char asked[16], run[16], win[16], used[16];
-
-  return sl_err_set(err, SUBLET_ENOMEM,
-                    "cannot allocate %s from loan %" PRIu64 ": its largest free run is %s "
-                    "(window %s, %s in use); free memory first, keep less, or borrow with "
-                    "more fresh pages", sl_format_size(asked, size), l->id,
-                    sl_format_size(run, largest * ps),
-                    sl_format_size(win, sl_books_window_size(l) * ps), sl_format_size(used, l->live_bytes));
-}
-
-/* Kept zone indices [from, to) of an in-order loan whose pages hold no kept byte. */
-static uint64_t empty_pages(const struct sl_loan *l, uint64_t ps, uint64_t from, uint64_t to) {
-  uint64_t n = 0;
-
-  for (uint64_t k = from; k < to; k++) {
-    uint64_t off = l->pages[l->unkept + k] * ps;
-    size_t i = sl_plan_keep_after(&l->plan, off);
-    n += i == l->nkeep || l->keep[i].offset >= off + ps;
-  }
-  return n;
-}
-
-/* Bytes by source: unkept pages (in order: kept zone pages that hold no kept byte), fresh,
- * kept pages. */
-static void plan_served(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g) {
-  uint64_t ps = b->cfg.page_size, end = g->pos + g->npages, ks = sl_books_kept_start(l);
-  uint64_t kept = overlap(g->pos, end, ks, sl_books_window_size(l)), empty = 0;
-
-  if (l->in_order && kept > 0)
-    empty = empty_pages(l, ps, sl_max_u64(g->pos, ks) - ks, end - ks);
-  g->served[SL_SRC_UNKEPT] = (overlap(g->pos, end, 0, l->unkept) + empty) * ps;
-  g->served[SL_SRC_FRESH] = overlap(g->pos, end, l->unkept, ks) * ps;
-  g->served[SL_SRC_KEPT] = (kept - empty) * ps;
-}
-
-/* The fresh positions of [from, to) (none when to <= from), as g's new chunk. */
-static void plan_chunk(const struct sl_books *b, const struct sl_loan *l, uint64_t from,
-                       uint64_t to, struct sl_grant *g) {
-  uint64_t lo = sl_max_u64(from, l->unkept), hi = sl_min_u64(to, sl_books_kept_start(l));
-
-  if (to <= from || hi <= lo)
-    return;
-  g->fresh_chunk_id = b->next_chunk;
-  g->fresh_pos = lo;
-  g->fresh_npages = hi - lo;
-}
-
-/* The positions no allocation reached before, those of [pos, end) outside [lo, hwm): below
- * lo (in order: fresh ones only) and from hwm on. Fresh ones need a chunk (at most one of the
- * two parts has any), and the kept bytes of kept pages among them must leave (moved or
- * saved: plan.h). */
-static int plan_new_positions(const struct sl_books *b, const struct sl_loan *l,
-                              struct sl_grant *g) {
-  uint64_t lo = sl_max_u64(g->pos, l->hwm), hi = g->pos + g->npages;
-  uint64_t ks = sl_books_kept_start(l);
-  struct sl_plan_step s;
-  int rc;
-
-  plan_chunk(b, l, g->pos, sl_min_u64(hi, l->lo), g);
-  plan_chunk(b, l, lo, hi, g);
-  if (hi <= sl_max_u64(lo, ks))
-    return 0; /* no kept page is reached for the first time */
-  rc = sl_plan_reach(&l->plan, sl_max_u64(lo, ks) - ks, hi - ks, &s);
-  g->kept_from = s.from;
-  g->kept_to = s.to;
-  g->move = s.moves;
-  g->nmove = s.nmoves;
-  g->move_bytes = s.moved_bytes;
-  g->save = s.saves;
-  g->nsave = s.nsaves;
-  g->save_bytes = s.saved_bytes;
-  g->sink = s.sink;
-  g->sink_off = s.sink_off;
-  return rc;
-}
-
-/* Where a grant may go (place() picks): the first gap among the positions handed out that
- * fits, and the runs that grow the handed-out span at its top and at its bottom. */
-struct fits {
-  uint64_t inner, up, down; /* positions, UINT64_MAX: none */
-  uint64_t largest;         /* the longest run there is, for the error */
-};
-
-static struct fits find_fits(const struct sl_loan *l, uint64_t n) {
-  struct fits f = {UINT64_MAX, UINT64_MAX, UINT64_MAX, 0};
-  uint64_t start = l->lo, window = sl_books_window_size(l);
-  uint64_t bottom = l->nallocs > 0 ? l->allocs[0].pos : l->hwm;
-
-  for (size_t i = 0; i <= l->nallocs; i++) {
-    uint64_t end = i < l->nallocs ? l->allocs[i].pos : l->hwm;
-    if (f.inner == UINT64_MAX && end - start >= n)
-      f.inner = start;
-    f.largest = sl_max_u64(f.largest, end - start);
-    if (i < l->nallocs)
-      start = l->allocs[i].pos + l->allocs[i].npages;
-  }
-  /* start: the top's free run; bottom: where the bottom's ends (below lo nothing is live) */
-  if (window - start >= n)
-    f.up = start;
-  if (bottom >= n)
-    f.down = bottom - n;
-  else if (l->nallocs == 0 && window >= n)
-    f.down = 0; /* nothing live: the run may cover the span and grow both ways */
-  f.largest = sl_max_u64(f.largest, sl_max_u64(window - start, l->nallocs ? bottom : window));
-  return f;
-}
-
-/* Plans g at pos: its sources, and what its new positions need. */
-static int plan_at(const struct sl_books *b, const struct sl_loan *l, uint64_t pos,
-                   struct sl_grant *g, struct sl_err *err) {
-  g->pos = pos;
-  plan_served(b, l, g);
-  return plan_new_positions(b, l, g) < 0 ? out_of_memory(err) : 0;
-}
-
-/* g as before plan_at: its identity only. */
-static void grant_reset(struct sl_grant *g) {
-  struct sl_grant id = {.loan_id = g->loan_id, .alloc_id = g->alloc_id, .size = g->size,
-                        .npages = g->npages};
-
-  sl_grant_clear(g);
-  *g = id;
-}
-
-/* A gap handed out before if one fits; else the top, unless it saves bytes to the host and
- * the bottom can take the run (in order: fresh pages) without. */
-static int place(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g,
-                 struct sl_err *err) {
-  struct fits f = find_fits(l, g->npages);
-  int rc;
-
-  if (f.inner != UINT64_MAX)
-    return plan_at(b, l, f.inner, g, err);
-  if (f.up != UINT64_MAX) {
-    if ((rc = plan_at(b, l, f.up, g, err)) < 0 || g->save_bytes == 0 || f.down == UINT64_MAX)
-      return rc;
-    grant_reset(g);
-  }
-  if (f.down != UINT64_MAX)
-    return plan_at(b, l, f.down, g, err);
-  return no_room(b, l, g->size, f.largest, err);
-}
-
-int sl_books_alloc_plan(const struct sl_books *b, uint64_t client_id, uint64_t size,
-                        struct sl_grant *g, struct sl_err *err) {
-  struct sl_loan *l = NULL;
-  int rc;
-
-  memset(g, 0, sizeof(*g));
-  rc = borrowed_loan(b, client_id, &l, err);
-  if (rc < 0)
-    return rc;
-  if (l->owner_gone)
-    return sl_err_set(err, SUBLET_EOWNERGONE,
-                      "the owner of loan %" PRIu64 " has gone; nothing more can be allocated: "
-                      "free what you hold and return the loan", l->id);
-  if (size == 0)
-    return sl_err_set(err, SUBLET_EINVAL, "cannot allocate 0 bytes; ask for at least one");
-  if (l->held_alloc != 0)
-    return sl_err_set(err, SUBLET_EBUSY, "loan %" PRIu64 " is saving kept bytes for the last "
-                      "allocation: wait for its reply before asking for another", l->id);
-  g->loan_id = l->id;
-  g->alloc_id = b->next_alloc;
-  g->size = size;
-  g->npages = sl_books_pages_for(b, size);
-  if ((rc = place(b, l, g, err)) < 0)
-    sl_grant_clear(g);
-  return rc;
-}
-
-/* Nothing was committed since the plan (ids match) and its positions are still free. */
-static int grant_current(const struct sl_books *b, const struct sl_grant *g, size_t *index) {
-  const struct sl_loan *l = b->loan;
-  uint64_t end = g->pos + g->npages;
-  size_t i = 0;
-
-  if (l == NULL || l->id != g->loan_id || l->state != SL_LOAN_ACTIVE)
-    return 0;
-  if (g->alloc_id != b->next_alloc || g->npages == 0 || end > sl_books_window_size(l) || end < g->pos)
-    return 0;
-  if (g->fresh_chunk_id != 0 && g->fresh_chunk_id != b->next_chunk)
-    return 0;
-  while (i < l->nallocs && l->allocs[i].pos < g->pos)
-    i++;
-  if (i > 0 && l->allocs[i - 1].pos + l->allocs[i - 1].npages > g->pos)
-    return 0;
-  if (i < l->nallocs && l->allocs[i].pos < end)
-    return 0;
-  *index = i;
-  return 1;
-}
-
-static void loan_count_grant(struct sl_books *b, struct sl_loan *l, const struct sl_grant *g) {
-  l->lo = sl_min_u64(l->lo, g->pos);
-  l->hwm = sl_max_u64(l->hwm, g->pos + g->npages);
-  l->live_bytes += g->npages * b->cfg.page_size;
-  l->stats.peak_bytes = sl_max_u64(l->stats.peak_bytes, l->live_bytes);
-  l->stats.allocations++;
-  l->stats.copied_out_bytes += g->save_bytes;
-  b->counters.copied_out_bytes += g->save_bytes;
-  l->stats.moved_bytes += g->move_bytes;
-  b->counters.moved_bytes += g->move_bytes;
-  l->stats.served_unkept_bytes += g->served[SL_SRC_UNKEPT];
-  l->stats.served_fresh_bytes += g->served[SL_SRC_FRESH];
-  l->stats.served_kept_bytes += g->served[SL_SRC_KEPT];
-  for (int s = SL_SRC_UNKEPT; s <= SL_SRC_KEPT; s++)
-    b->counters.served_bytes[s] += g->served[s];
-}
-
-/* The grant's moves and saves go into the loan's plan: the last step that can fail. */
-static int grant_commit_plan(struct sl_loan *l, const struct sl_grant *g) {
-  struct sl_plan_step s = {g->kept_from, g->kept_to, g->move, g->nmove, g->move_bytes,
-                           g->save, g->nsave, g->save_bytes, g->sink, g->sink_off};
-
-  return sl_plan_commit(&l->plan, &s);
-}
-
-int sl_books_alloc_commit(struct sl_books *b, struct sl_grant *g) {
-  struct sl_loan *l = b->loan;
-  struct sl_alloc *allocs;
-  struct sl_chunk *chunks;
-  size_t i;
-
-  if (!grant_current(b, g, &i) || (l->held_alloc != 0 && l->held_alloc != g->alloc_id))
-    return SUBLET_EINVAL; /* stale or foreign grant: plan again */
-  allocs = sl_grow(l->allocs, &l->cap_allocs, l->nallocs + 1, sizeof(*allocs));
-  if (allocs == NULL)
-    return SUBLET_ENOHOSTMEM;
-  l->allocs = allocs;
-  chunks = sl_grow(l->chunks, &l->cap_chunks, l->nchunks + 1, sizeof(*chunks));
-  if (chunks == NULL)
-    return SUBLET_ENOHOSTMEM;
-  l->chunks = chunks;
-  if (g->kept_to > g->kept_from && grant_commit_plan(l, g) < 0)
-    return SUBLET_ENOHOSTMEM;
-  memmove(&allocs[i + 1], &allocs[i], (l->nallocs - i) * sizeof(*allocs));
-  allocs[i] = (struct sl_alloc){g->alloc_id, g->pos, g->npages, g->size};
-  l->nallocs++;
-  b->next_alloc++;
-  if (g->fresh_chunk_id != 0) {
-    size_t at = g->fresh_pos < l->lo ? 0 : l->nchunks; /* below every other one, or above */
-    memmove(&chunks[at + 1], &chunks[at], (l->nchunks - at) * sizeof(*chunks));
-    chunks[at] = (struct sl_chunk){g->fresh_chunk_id, g->fresh_pos, g->fresh_npages};
-    l->nchunks++;
-    l->fresh_chunk_pages += g->fresh_npages;
-    b->next_chunk++;
-  }
-  l->held_alloc = 0;
-  loan_count_grant(b, l, g);
-  return 0;
-}
-
-int sl_books_alloc_hold(struct sl_books *b, const struct sl_grant *g, struct sl_err *err) {
-  size_t i;
-
-  if (!grant_current(b, g, &i) || b->loan->held_alloc != 0)
-    return sl_err_set(err, SUBLET_EINVAL, "internal error: holding a stale allocation plan");
-  b->loan->held_alloc = g->alloc_id;
-  return 0;
-}
-
-void sl_books_alloc_release(struct sl_books *b, const struct sl_grant *g) {
-  if (b->loan != NULL && b->loan->id == g->loan_id && b->loan->held_alloc == g->alloc_id)
-    b->loan->held_alloc = 0;
-}
-
-void sl_grant_clear(struct sl_grant *g) {
-  if (g == NULL)
-    return;
-  free(g->save);
-  free(g->move);
-  memset(g, 0, sizeof(*g));
-}
-
-static void alloc_remove(struct sl_books *b, struct sl_loan *l, size_t i) {
-  l->live_bytes -= l->allocs[i].npages * b->cfg.page_size;
-  memmove(&l->allocs[i], &l->allocs[i + 1], (l->nallocs - i - 1) * sizeof(*l->allocs));
-  l->nallocs--;
-}
-
-static size_t alloc_index(const struct sl_loan *l, uint64_t alloc_id) {
-  size_t i = 0;
-
-  while (i < l->nallocs && l->allocs[i].id != alloc_id)
-    i++;
-  return i;
-}
-
-int sl_books_free_alloc(struct sl_books *b, uint64_t client_id, uint64_t alloc_id,
-                        uint64_t *size, struct sl_err *err) {
-  struct sl_loan *l = b->loan;
-  size_t i = l != NULL ? alloc_index(l, alloc_id) : 0;
-
-  if (sl_books_find_client(b, client_id) == NULL)
-    return no_client(err, client_id);
-  if (l == NULL || i == l->nallocs)
-    return sl_err_set(err, SUBLET_ENOENT,
-                      "no live allocation %" PRIu64 ": it was freed already or never granted",
-                      alloc_id);
-  if (l->borrower_client != client_id && !sees(b, client_id, loan_uid(b, l)))
-    return sl_err_set(err, SUBLET_EPERM, "allocation %" PRIu64 " is not this client's: only "
-                      "the borrower of its loan may free it", alloc_id);
-  if (l->borrower_client != client_id)
-    return sl_err_set(err, SUBLET_EPERM,
-                      "allocation %" PRIu64 " belongs to client %" PRIu64 ", the borrower of "
-                      "loan %" PRIu64 "; only it may free it", alloc_id, l->borrower_client,
-                      l->id);
-  if (size != NULL)
-    *size = l->allocs[i].size;
-  alloc_remove(b, l, i);
-  return 0;
-}
-
-size_t sl_books_leaks(const struct sl_books *b, uint64_t loan_id, struct sublet_leak *out,
-                      size_t n) {
-  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
-
-  if (l == NULL)
-    return 0;
-  for (size_t i = 0; i < n && i < l->nallocs && out != NULL; i++)
-    out[i] = (struct sublet_leak){.alloc_id = l->allocs[i].id, .size = l->allocs[i].size};
-  return l->nallocs;
 }
 
 /* ---- ending a loan ------------------------------------------------------------------------ */
@@ -1596,7 +1220,7 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
   int leaked, rc;
 
   memset(end, 0, sizeof(*end));
-  rc = borrowed_loan(b, client_id, &l, err);
+  rc = sl_books_borrowed_loan(b, client_id, &l, err);
   if (rc < 0)
     return rc;
   if (l->held_alloc != 0)
@@ -1606,7 +1230,7 @@ int sl_books_return(struct sl_books *b, uint64_t client_id, int force, struct sl
   if (leaked && !force)
     return leak_error(l, err);
   if (loan_end_build(b, l, end) < 0)
-    return out_of_memory(err);
+    return sl_books_oom(err);
   if (leaked)
     leak_error(l, err);
   loan_end_apply(b, end);

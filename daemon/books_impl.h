@@ -1,12 +1,15 @@
-/* books_impl.h - the books' data, shared by books.c (the ledger's operations) and check.c
- * (its invariants). Nothing else includes it: the contract is books.h.
+/* books_impl.h - the books' data, shared by books.c (the ledger's operations),
+ * books_alloc.c (a loan's allocations), books_release.c and kept.c, and check.c (its
+ * invariants). Nothing else includes it: the contract is books.h.
  */
 #ifndef SL_BOOKS_IMPL_H
 #define SL_BOOKS_IMPL_H
 
+#include <inttypes.h>
 #include <stdlib.h>
 
 #include "books.h"
+#include "grow.h"
 #include "plan.h"
 
 struct sl_client {
@@ -167,6 +170,40 @@ static inline uint64_t sl_books_kept_start(const struct sl_loan *l) {
 static inline uint64_t sl_books_pages_for(const struct sl_books *b, uint64_t size) {
   return size / b->cfg.page_size + (size % b->cfg.page_size != 0);
 }
+
+/* Shared by books.c and books_alloc.c. */
+static inline int sl_books_oom(struct sl_err *err) {
+  return sl_err_set(err, SUBLET_ENOHOSTMEM, "subletd is out of host memory; free some and retry");
+}
+
+/* Length of [a0, a1) ∩ [b0, b1). */
+static inline uint64_t sl_books_overlap(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) {
+  uint64_t lo = sl_max_u64(a0, b0), hi = sl_min_u64(a1, b1);
+  return hi > lo ? hi - lo : 0;
+}
+
+static inline int sl_books_no_client(struct sl_err *err, uint64_t client_id) {
+  return sl_err_set(err, SUBLET_ENOENT,
+                    "no client %" PRIu64 " (disconnected?); reconnect to subletd", client_id);
+}
+
+/* Does client_id see what uid holds? Status's rule (status.c): its own user's, and every
+ * user's when trusted. A refusal says no more to it than status would show it. */
+static inline int sl_books_sees(const struct sl_books *b, uint64_t client_id, uid_t uid) {
+  const struct sl_client *c = sl_books_find_client(b, client_id);
+
+  return c != NULL && (c->peer.trusted || c->peer.uid == uid);
+}
+
+static inline uid_t sl_books_loan_uid(const struct sl_books *b, const struct sl_loan *l) {
+  const struct sl_region *r = sl_books_find_region(b, l->region_id);
+
+  return r != NULL ? r->owner.uid : (uid_t)-1;
+}
+
+/* books_alloc.c, for books.c: the ACTIVE loan client_id borrows. */
+int sl_books_borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl_loan **out,
+                           struct sl_err *err);
 
 /* kept.c, for books.c: room for one more keeper; the loan's end makes its borrower one (or
  * not: the region goes); a region leaves and its keepers become holders; a client leaves. */
