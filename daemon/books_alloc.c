@@ -5,7 +5,8 @@
  * An in-order loan (books.c, loan_set_in_order) hands out the span [lo, hwm) of its window
  * first fit; past it, the span grows up through region pages (their kept bytes moved into
  * holes on the device) or, where that would save to the host and fresh memory below fits,
- * down. Pure C on the books' data; check.c checks the result after every step.
+ * down. Pure C on the books' data; check.c checks the result after every step (the unit
+ * tests, and subletd --check).
  */
 #include "books_impl.h"
 

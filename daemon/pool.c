@@ -805,8 +805,9 @@ int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, siz
     if (pages[i] >= r->npages)
       rc = sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
                       (unsigned long long)pages[i], (unsigned long long)r->id);
-  /* pages ascend (the books' order): a run of them goes in one unmap where the device takes
-   * it, since a call per mapping costs about 20 us (bench_empty.py's floor) */
+  /* pages ascend (the books' order): a run of them goes in one unmap call where the device
+   * takes it. That saves calls (memfd: one munmap), not driver time: CUDA's cuMemUnmap costs
+   * per mapping however many one call covers (docs/benchmarks.md, 2026-12-03). */
   for (size_t i = 0, j; rc == 0 && i < n; i = j) {
     for (j = i + 1; j < n && pages[j] == pages[j - 1] + 1; j++)
       ;
