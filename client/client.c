@@ -446,7 +446,6 @@ static int hello(sublet_client *c) {
     c->grow_ok = rep->welcome->grow;
     c->pinned_ok = rep->welcome->pinned;
     c->release_ok = rep->welcome->release;
-    c->sync_ok = rep->welcome->sync;
     c->offer_ok = rep->welcome->release_offer;
   }
   if (rep != NULL)

@@ -48,7 +48,6 @@ struct sublet_client {
   int grow_ok;          /* Welcome.grow: growable regions */
   int pinned_ok;        /* Welcome.pinned: Lend.pinned */
   int release_ok;       /* Welcome.release: Lend.release, Resume */
-  int sync_ok;          /* Welcome.sync: Sync, Lend.early_reply */
   int offer_ok;         /* Welcome.release_offer: release offers (release_offer.c) */
   struct sl_keepwire_tx keep; /* Welcome.keep_ranges, .keep_fd and the keep memfd (keepwire.h) */
   struct sl_wire_rx rx;

@@ -1,10 +1,9 @@
 /* release.c - libsublet: releases, a region's pages given back to the device's driver until a
  * resume (docs/design/release.md; subletd's side is daemon/releases.c).
  *
- * The daemon moves and saves the kept bytes and lets go of its own handles; this library
+ * The daemon moves and saves the kept bytes and lets go of its own handles; then this library
  * unmaps the released pages and releases its handles, and only then is the memory the
- * driver's. Where subletd knows Sync, it answers before it lets go (Lend.early_reply), so
- * that both processes unmap at once, and a Sync after this side's letting go waits for its. The reply carries the release's save area (an fd, read-only) and its plan, kept
+ * driver's. The reply carries the release's save area (an fd, read-only) and its plan, kept
  * here until the resume: if subletd dies meanwhile, the resume is done by this library alone
  * (pages made by this process, the saved bytes copied back, the moves undone).
  */
@@ -170,21 +169,6 @@ static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t
     sl_region_let_go(c, r, runs[i], runs[i + 1]);
 }
 
-/* After an early Released: until subletd has let go of its side too (its Sync answered), the
- * memory is not the driver's. A failure leaves the release as it is: subletd gone, its
- * handles went with it; the call's deadline passed, it lets go later. */
-static void wait_let_go(struct sublet_region *r) {
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Sync m = SUBLET__SYNC__INIT;
-  Sublet__Reply *rep = NULL;
-
-  req.body_case = SUBLET__REQUEST__BODY_SYNC;
-  req.sync = &m;
-  if (sl_client_call(r->client, &req, SUBLET__REPLY__BODY_OK, &rep, NULL, NULL,
-                     work_ms(r)) == 0)
-    sublet__reply__free_unpacked(rep, NULL);
-}
-
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                            int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
                            Sublet__Reply **rep, int *fd) {
@@ -204,7 +188,6 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
   m.has_release = m.release = 1;
   m.has_stay_pages = stay != SUBLET_STAY_ANY;
   m.stay_pages = stay;
-  m.has_early_reply = m.early_reply = c->sync_ok;
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   /* The owner's last writes must be in memory before subletd moves or saves them. */
@@ -237,8 +220,6 @@ static int release_locked(struct sublet_region *r, const struct sublet_range *ke
     t0 = sl_clock_now();
     unmap_runs(r->client, r, rec->runs, rec->nruns);
     rec->stats.map_seconds = sl_clock_now() - t0;
-    if (r->client->sync_ok)
-      wait_let_go(r);
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

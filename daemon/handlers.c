@@ -58,7 +58,6 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_pinned = w.pinned = 1;
   w.has_release = w.release = 1;
   w.has_release_offer = w.release_offer = 1;
-  w.has_sync = w.sync = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -238,9 +237,6 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_TAKE: return sl_release_offers_take(x, r->take);
     case SUBLET__REQUEST__BODY_TAKE_WAIT: return sl_release_offers_take_wait(x, r->take_wait);
     case SUBLET__REQUEST__BODY_GIVE_BACK: return sl_release_offers_give_back(x, r->give_back);
-    case SUBLET__REQUEST__BODY_SYNC: /* read only once this connection's earlier work is done */
-      sl_conn_send_ok(x->c, x->id);
-      return 0;
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);

@@ -796,8 +796,8 @@ int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *gro
   return rc;
 }
 
-int sl_pool_transfer_drop_ready(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
-                                struct sl_err *err) {
+int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                          struct sl_err *err) {
   struct sl_pool_region *r = t->region;
   int rc = sl_device_synchronize(t->pool->dev, err);
 
@@ -805,34 +805,20 @@ int sl_pool_transfer_drop_ready(struct sl_pool_transfer *t, const uint64_t *page
     if (pages[i] >= r->npages)
       rc = sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
                       (unsigned long long)pages[i], (unsigned long long)r->id);
-  return rc;
-}
-
-void sl_pool_transfer_let_go(struct sl_pool_transfer *t, const uint64_t *pages, size_t n) {
-  struct sl_pool_region *r = t->region;
-
   /* pages ascend (the books' order): a run of them goes in one unmap call where the device
    * takes it. That saves calls (memfd: one munmap), not driver time: CUDA's cuMemUnmap costs
    * per mapping however many one call covers (docs/benchmarks.md, 2026-12-03). */
-  for (size_t i = 0, j; i < n; i = j) {
+  for (size_t i = 0, j; rc == 0 && i < n; i = j) {
     for (j = i + 1; j < n && pages[j] == pages[j - 1] + 1; j++)
       ;
     unmap_range(t->pool, r, pages[i], pages[j - 1] + 1);
   }
-  for (size_t i = 0; i < n; i++) { /* whole groups (the books see to it) */
+  for (size_t i = 0; rc == 0 && i < n; i++) { /* whole groups (the books see to it) */
     if (r->pages[pages[i]] != 0)
       sl_device_release(t->pool->dev, r->pages[pages[i]]);
     r->pages[pages[i]] = 0;
     r->span[pages[i]] = 1;
   }
-}
-
-int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
-                          struct sl_err *err) {
-  int rc = sl_pool_transfer_drop_ready(t, pages, n, err);
-
-  if (rc == 0)
-    sl_pool_transfer_let_go(t, pages, n);
   return rc;
 }
 

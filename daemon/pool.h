@@ -90,14 +90,8 @@ int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pag
 int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *groups, size_t n,
                                  size_t *replaced, struct sl_err *err);
 /* A release: after the run (any thread, the transfer held), the daemon lets go of region
- * pages pages[0..n) (ascending): unmapped from its mapping (the device waited for first),
- * handles released. Their memory goes back to the driver once no client maps them either.
- * drop_ready is the part that can fail (the pages checked, the device waited for), let_go
- * the rest, which cannot: a release that answers before letting go (Lend.early_reply) runs
- * them apart, drop both in one. */
-int sl_pool_transfer_drop_ready(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
-                                struct sl_err *err);
-void sl_pool_transfer_let_go(struct sl_pool_transfer *t, const uint64_t *pages, size_t n);
+ * pages pages[0..n): unmapped from its mapping (the device waited for first), handles
+ * released. Their memory goes back to the driver once no client maps them either. */
 int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
                           struct sl_err *err);
 /* *copy_seconds and *move_seconds get the time each part took. */

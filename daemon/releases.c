@@ -5,10 +5,7 @@
  * sorted and merged, the layout: long lists take tens of ms), then the device work (kept bytes
  * moved into the pages that stay, the rest saved, the released pages let go of). Until the
  * client hears Released and unmaps them, its own mapping holds the pages: nothing is lost if
- * anything dies before. With Lend.early_reply the letting go is a third job, after Released:
- * the client unmaps its side while the daemon unmaps its own (the driver's unmaps cost per
- * mapping, so the two overlap instead of adding up), and the connection reads its next
- * request, the client's Sync, only once the daemon has let go. A resume is one job: the pages made again (all or none), the saves
+ * anything dies before. A resume is one job: the pages made again (all or none), the saves
  * copied back, the moves undone; the client maps the new pages once it hears Resumed.
  *
  * Each live release has its own save area (pool.h: a spare of its user's when there is one),
@@ -41,7 +38,6 @@ struct release_job {
   size_t made;       /* a resume's pages made again: written by the run */
   struct sl_pool_area *area;
   int area_fd;       /* the area's (not owned) */
-  int early;         /* Lend.early_reply: Released before the daemon lets go */
   double t0;
 };
 
@@ -193,30 +189,10 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
 
 static void release_run(struct sl_job *j) {
   struct release_job *rj = (struct release_job *)j;
-  const struct sl_release_work *w = &rj->work;
 
   j->rc = sl_pool_transfer_run(rj->transfer, &j->seconds, &j->move_seconds, &j->err);
-  if (j->rc == 0 && w->nreleased > 0 && rj->early)
-    j->rc = sl_pool_transfer_drop_ready(rj->transfer, w->released, w->nreleased, &j->err);
-  else if (j->rc == 0 && w->nreleased > 0)
-    j->rc = sl_pool_transfer_drop(rj->transfer, w->released, w->nreleased, &j->err);
-}
-
-static void let_go_run(struct sl_job *j) {
-  struct release_job *rj = (struct release_job *)j;
-
-  sl_pool_transfer_let_go(rj->transfer, rj->work.released, rj->work.nreleased);
-}
-
-/* The daemon let go after an early Released: the connection reads again (its Sync first). */
-static void let_go_done(struct sl_job *j) {
-  struct release_job *rj = (struct release_job *)j;
-
-  sl_debug("release %llu: subletd let go of its pages, %.3f s after the request",
-           (unsigned long long)rj->work.release_id, sl_clock_now() - rj->t0);
-  if (j->conn != NULL)
-    sl_conn_resume(j->conn);
-  job_free(rj);
+  if (j->rc == 0 && rj->work.nreleased > 0)
+    j->rc = sl_pool_transfer_drop(rj->transfer, rj->work.released, rj->work.nreleased, &j->err);
 }
 
 static void log_release(const struct release_job *rj, const char *what) {
@@ -231,18 +207,15 @@ static void log_release(const struct release_job *rj, const char *what) {
           sl_format_size(c, w->saved_bytes), sl_clock_now() - rj->t0);
 }
 
-/* Moved, saved and let go of (or, early, about to be): the release is live, the owner told
- * (and given its area). */
+/* Moved, saved and let go of: the release is live, the owner told (and given its area). */
 static void release_done(struct sl_job *j) {
   struct release_job *rj = (struct release_job *)j;
   struct sl_live_release *lr = NULL;
   struct sl_daemon *d = j->d;
-  int fd = -1, early = rj->early && j->rc == 0 && j->conn != NULL && rj->work.nreleased > 0;
+  int fd = -1;
 
-  if (!early) {
-    sl_pool_transfer_free(rj->transfer);
-    rj->transfer = NULL;
-  }
+  sl_pool_transfer_free(rj->transfer);
+  rj->transfer = NULL;
   sl_books_release_done(d->books, rj->work.release_id, j->rc == 0 && j->conn != NULL);
   sl_check_books(d, rj->req_id);
   if (j->rc != 0 || j->conn == NULL) {
@@ -254,8 +227,7 @@ static void release_done(struct sl_job *j) {
   }
   if ((lr = calloc(1, sizeof(*lr))) == NULL || (fd = sl_rescue_read_only_fd(rj->area_fd)) < 0 ||
       reply_stats(rj, SUBLET__REPLY__BODY_RELEASED, fd) != 0) {
-    /* The pages are the driver's (or about to be): the release stays, the owner can still
-     * resume. */
+    /* The pages are the driver's already: the release stays, the owner can still resume. */
     sl_error("release %llu: out of host memory for its reply", (unsigned long long)rj->work.release_id);
     sl_conn_close(j->conn);
   }
@@ -266,13 +238,7 @@ static void release_done(struct sl_job *j) {
     d->releases = lr;
     rj->area = NULL;
   }
-  log_release(rj, early ? "answered" : "done");
-  if (early) { /* the connection stays paused: the job lets go first */
-    j->run = let_go_run;
-    j->done = let_go_done;
-    sl_job_submit(d, j);
-    return;
-  }
+  log_release(rj, "done");
   sl_conn_resume(j->conn);
   job_free(rj);
 }
@@ -338,7 +304,6 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
   rj->region = m->region;
   rj->npages = npages;
   rj->stay = m->has_stay_pages ? m->stay_pages : UINT64_MAX;
-  rj->early = m->early_reply;
   rj->t0 = sl_clock_now();
   sl_lend_lists_take(&rj->lists, m, keep_fd);
   rj->job.run = draft_run;
