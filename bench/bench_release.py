@@ -29,8 +29,10 @@ Contenders, each in a process of its own (its first cycle is the process's first
                the host) and stay=0 (every kept byte to the host, as tms's backup)
 
 A cycle: pause (release), then a plain torch.empty of the freed memory (less 1 GiB) written and
-given back (the memory is really the driver's), then resume. Timed: pause + resume. After
-every cycle every kept bit is digested on the GPU and compared (a change fails the case).
+given back (the memory is really the driver's), then resume; by the pausing process itself
+(--taker same, the default: a trainer colocated with the engine) or by a process of its own
+(--taker other: a trainer beside the engine, as in slime or verl; the driver then hands the
+resume memory another process freed). Timed: pause + resume. After every cycle every kept bit is digested on the GPU and compared (a change fails the case).
 
 Beside each figure: the bytes that crossed the host link, the bytes moved on the GPU, and the
 physical limit: bytes over the link / the pinned link bandwidth (each way) + bytes moved on
@@ -173,12 +175,13 @@ def must_move(ids, per_layer: int, layers: int = LAYERS) -> int:
 
 
 def plan_cases(fractions: list[float], contenders: list[str], size: int, host_bytes: int,
-               tms_ok: bool, cycles: int, tms_cycles: int) -> tuple[list[dict], list[str]]:
+               tms_ok: bool, cycles: int, tms_cycles: int,
+               taker: str = "same") -> tuple[list[dict], list[str]]:
     """The child processes to run, tms first (before subletd pins host memory), and notes on
     what is skipped and why."""
     host_cap = int(host_bytes * HOST_SHARE)
     cases, notes = [], []
-    base = {"size": size, "per_layer": size // LAYERS // BLOCK}
+    base = {"size": size, "per_layer": size // LAYERS // BLOCK, "taker": taker}
 
     def add(spec: dict, host_needed: int) -> None:
         if host_needed > host_cap:
@@ -364,14 +367,58 @@ def take_freed(freed: int) -> int:
     return n
 
 
+class Taker:
+    """Who takes the freed memory between pause and resume: this process (--taker same, a
+    trainer colocated with the engine) or a process of its own (--taker other, a trainer
+    beside it, as in slime or verl), started before the first cycle, its CUDA context made."""
+
+    def __init__(self, where: str) -> None:
+        self.proc = None
+        if where == "other":
+            argv = [sys.executable, str(SCRIPT), "--child", "taker", "--spec", "{}"]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True)
+            self.take(-1)
+
+    def take(self, freed: int) -> int:
+        if self.proc is None:
+            return take_freed(freed)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{freed}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("the taker process died")
+        return int(line)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def child_taker(_: dict) -> dict:
+    """--taker other's process: for each line N, take_freed(N) and its bytes; -1 only makes the
+    CUDA context."""
+    import torch
+    torch.empty(1, device="cuda")
+    for line in sys.stdin:
+        freed = int(line)
+        sys.stdout.write(f"{take_freed(freed) if freed >= 0 else 0}\n")
+        sys.stdout.flush()
+    return {}
+
+
 def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
-               check: Callable[[int], None], label: str,
+               check: Callable[[int], None], label: str, taker: str = "same",
                observe: Callable[[Any], Any] = lambda handle: None) -> list[dict]:
-    """n cycles of pause, a plain allocation of what it freed, resume; timed pause + resume.
-    observe(handle) runs after the pause, untimed (reading its stats); resume(handle) returns
-    the cycle's bytes (out_bytes, in_bytes, moved_bytes, stats)."""
+    """n cycles of pause, a plain allocation of what it freed (by the taker), resume; timed
+    pause + resume. observe(handle) runs after the pause, untimed (reading its stats);
+    resume(handle) returns the cycle's bytes (out_bytes, in_bytes, moved_bytes, stats)."""
     import torch
     cycles = []
+    takes = Taker(taker)
     for i in range(n):
         torch.cuda.synchronize()
         free0 = free_gpu()
@@ -381,7 +428,7 @@ def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
         t1 = now()
         observe(handle)
         freed = free_gpu() - free0
-        taken = take_freed(freed)
+        taken = takes.take(freed)
         t2 = now()
         moved = resume(handle)
         torch.cuda.synchronize()
@@ -391,6 +438,7 @@ def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
                        "freed_bytes": freed, "taken_bytes": taken, **moved})
         log(f"{label}: cycle {i}: pause {t1 - t0:.3f} s, resume {t3 - t2:.3f} s, freed "
             f"{gib(freed)}, kept bits intact")
+    takes.close()
     return cycles
 
 
@@ -444,7 +492,7 @@ def child_sublet(spec: dict) -> dict:
 
     cycles = run_cycles(1 + spec["cycles"],
                         lambda: sublet.release("kv", keep=keep, stay=spec["stay"]), resume,
-                        checker(layers, ids, expected, label), label, observe)
+                        checker(layers, ids, expected, label), label, spec["taker"], observe)
     return {"cycles": cycles, "kept_bytes": kept_bytes,
             "must_move_bytes": must_move(ids_np, per_layer),
             "handles": int(cycles[-1]["stats"].get("released_bytes", 0)) // PAGE,
@@ -482,7 +530,7 @@ def child_tms(spec: dict) -> dict:
         return {"out_bytes": kept_bytes, "in_bytes": kept_bytes, "moved_bytes": 0}
 
     cycles = run_cycles(1 + spec["cycles"], tms.pause, resume,
-                        checker(kept, None, expected, label), label)
+                        checker(kept, None, expected, label), label, spec["taker"])
     handles = [[LAYERS, -(-kept[0].nbytes // PAGE) * PAGE]]
     if rest:
         handles.append([LAYERS, -(-rest[0].nbytes // PAGE) * PAGE])
@@ -662,7 +710,7 @@ def _export_import(cu, ok, handles, count: int) -> float:
 def child_main(mode: str, spec: dict) -> None:
     """Runs one child and prints its result as the last stdout line."""
     run = {"probe": child_probe, "sublet": child_sublet, "tms": child_tms,
-           "floor": child_floor}[mode]
+           "floor": child_floor, "taker": child_taker}[mode]
     result = run(spec)
     sys.stdout.write(MARK + json.dumps(result) + "\n")
     sys.stdout.flush()
@@ -743,7 +791,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the driver's floor (it exports and imports every handle: "
                         "half a minute per case at 64 GiB)")
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--child", choices=("probe", "sublet", "tms", "floor"),
+    p.add_argument("--taker", choices=("same", "other"), default="same",
+                   help="who allocates the freed memory between pause and resume: the "
+                        "pausing process (default: a colocated trainer) or another (a "
+                        "trainer beside the engine, as in slime or verl)")
+    p.add_argument("--child", choices=("probe", "sublet", "tms", "floor", "taker"),
                    help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     return p
@@ -772,7 +824,7 @@ def main() -> int:
     size = plan_size(size_arg, probe["free_bytes"])
     ok_tms, version = tms_available()
     cases, notes = plan_cases(a.kept or [0.3, 1.0], contenders, size, probe["host_bytes"],
-                              ok_tms, cycles, tms_cycles)
+                              ok_tms, cycles, tms_cycles, a.taker)
     if a.daemon_pin == 0 and not os.environ.get("SUBLET_SOCKET"):
         notes.append("subletd pins host memory at its first save and keeps it: the first "
                      "stay=0 case's first cycle pays for pinning, a later one only for more")
