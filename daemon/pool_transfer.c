@@ -1,0 +1,546 @@
+/* pool_transfer.c - a pool's transfers: kept bytes copied between a region and the save area,
+ * moved inside the region, and the pages a transfer makes again first (a resume, a loan's
+ * fresh pages) or lets go of after (a release). Run off the loop, one at a time (jobs.c).
+ */
+#include "pool_impl.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "grow.h"
+#include "log.h"
+
+/* How many pieces the copies make once split where they cross host pieces. */
+static size_t count_pieces(const struct sl_copy *c, size_t n) {
+  size_t total = 0;
+
+  for (size_t i = 0; i < n; i++)
+    if (c[i].len > 0)
+      total += (size_t)((c[i].host_off + c[i].len - 1) / SL_HOST_PIECE -
+                        c[i].host_off / SL_HOST_PIECE + 1);
+  return total;
+}
+
+/* Splits copies where they cross host pieces, each pinned on its own (a copy must lie in one
+ * pinned range). The pieces sit side by side in the window, so the split copies keep their
+ * offsets from its start and run as one call: a call per piece waited for the device after
+ * each 256 MiB. */
+static int split_pieces(struct sl_pool_transfer *t, const struct sl_copy *c, size_t n,
+                        struct sl_err *err) {
+  t->pieces = malloc((count_pieces(c, n) + 1) * sizeof(*t->pieces));
+  if (t->pieces == NULL)
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a copy's pieces");
+  for (size_t i = 0; i < n; i++) {
+    struct sl_copy cur = c[i];
+    while (cur.len > 0) {
+      uint64_t in = cur.host_off % SL_HOST_PIECE;
+      uint64_t len = cur.len < SL_HOST_PIECE - in ? cur.len : SL_HOST_PIECE - in;
+      t->pieces[t->npieces++] = (struct sl_copy){cur.dev_off, cur.host_off, len};
+      cur.dev_off += len;
+      cur.host_off += len;
+      cur.len -= len;
+    }
+  }
+  return 0;
+}
+
+static int no_pages(uint64_t region_id, struct sl_err *err) {
+  return sl_err_set(err, SUBLET_ENOENT, "region %llu has no pages in the pool",
+                    (unsigned long long)region_id);
+}
+
+int sl_pool_transfer_new(struct sl_pool *p, enum sl_copy_dir dir, uint64_t region_id,
+                         const struct sl_copy *c, size_t n, const struct sl_move *m,
+                         size_t nm, struct sl_pool_transfer **out, struct sl_err *err) {
+  int rc;
+
+  if (p->area == NULL && (rc = sl_pool_area_new((uid_t)-1, &p->area, err)) != 0)
+    return rc;
+  return sl_pool_transfer_new_in(p, p->area, dir, region_id, c, n, m, nm, out, err);
+}
+
+int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum sl_copy_dir dir,
+                            uint64_t region_id, const struct sl_copy *c, size_t n,
+                            const struct sl_move *m, size_t nm, struct sl_pool_transfer **out,
+                            struct sl_err *err) {
+  struct sl_pool_region *r = sl_pool_find_region(p, region_id);
+  struct sl_pool_transfer *t;
+
+  if (r == NULL)
+    return no_pages(region_id, err);
+  t = calloc(1, sizeof(*t));
+  if (t == NULL || (t->copies = sl_dup(c, n, sizeof(*c))) == NULL) {
+    if (t == NULL || n > 0) {
+      free(t);
+      return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+    }
+  }
+  t->moves = sl_dup(m, nm, sizeof(*m));
+  if (nm > 0 && t->moves == NULL) {
+    free(t->copies);
+    free(t);
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  }
+  t->ncopies = n;
+  t->nmoves = nm;
+  t->pool = p;
+  t->region = r;
+  t->area = area;
+  t->dir = dir;
+  r->busy++;
+  t->area->busy++;
+  *out = t;
+  return 0;
+}
+
+static int replace_init(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                        size_t *replaced, enum must_replace must, struct sl_err *err) {
+  for (size_t i = 0; i < n; i++)
+    if (pages[i] >= t->region->npages)
+      return sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
+                        (unsigned long long)pages[i], (unsigned long long)t->region->id);
+  t->replace = sl_dup(pages, n, sizeof(*pages));
+  t->fresh = n > 0 ? calloc(n, sizeof(*t->fresh)) : NULL;
+  if (n > 0 && (t->replace == NULL || t->fresh == NULL))
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu fresh pages", n);
+  t->nreplace = n;
+  t->replaced = replaced;
+  t->must = must;
+  *replaced = 0;
+  return 0;
+}
+
+int sl_pool_transfer_replace(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                             size_t *replaced, struct sl_err *err) {
+  return replace_init(t, pages, n, replaced, MUST_FRESH, err);
+}
+
+int sl_pool_transfer_replace_all(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                                 size_t *replaced, struct sl_err *err) {
+  return replace_init(t, pages, n, replaced, MUST_RESUME, err);
+}
+
+int sl_pool_transfer_make_groups(struct sl_pool_transfer *t, const uint64_t *groups, size_t n,
+                                 size_t *replaced, struct sl_err *err) {
+  uint64_t *heads = malloc((n + 1) * sizeof(*heads));
+  int rc = 0;
+
+  if (heads == NULL || (t->rspan = malloc((n + 1) * sizeof(*t->rspan))) == NULL) {
+    free(heads);
+    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for %zu groups", n);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++) {
+    uint64_t first = groups[2 * i], count = groups[2 * i + 1];
+    if (count == 0 || count > UINT32_MAX || first >= t->region->npages ||
+        count > t->region->npages - first)
+      rc = sl_err_set(err, SUBLET_EINVAL, "group [%llu, +%llu) is not in region %llu",
+                      (unsigned long long)first, (unsigned long long)count,
+                      (unsigned long long)t->region->id);
+    heads[i] = first;
+    t->rspan[i] = (uint32_t)count;
+  }
+  if (rc == 0)
+    rc = replace_init(t, heads, n, replaced, MUST_RESUME, err);
+  free(heads);
+  return rc;
+}
+
+int sl_pool_transfer_drop(struct sl_pool_transfer *t, const uint64_t *pages, size_t n,
+                          struct sl_err *err) {
+  struct sl_pool_region *r = t->region;
+  int rc = sl_device_synchronize(t->pool->dev, err);
+
+  for (size_t i = 0; rc == 0 && i < n; i++)
+    if (pages[i] >= r->npages)
+      rc = sl_err_set(err, SUBLET_EINVAL, "page %llu is not in region %llu",
+                      (unsigned long long)pages[i], (unsigned long long)r->id);
+  /* pages ascend (the books' order): a run of them goes in one unmap call where the device
+   * takes it. That saves calls (memfd: one munmap), not driver time: CUDA's cuMemUnmap costs
+   * per mapping however many one call covers (docs/benchmarks.md, 2026-12-03). */
+  for (size_t i = 0, j; rc == 0 && i < n; i = j) {
+    for (j = i + 1; j < n && pages[j] == pages[j - 1] + 1; j++)
+      ;
+    sl_pool_unmap_range(t->pool, r, pages[i], pages[j - 1] + 1);
+  }
+  for (size_t i = 0; rc == 0 && i < n; i++) { /* whole groups (the books see to it) */
+    if (r->pages[pages[i]] != 0)
+      sl_device_release(t->pool->dev, r->pages[pages[i]]);
+    r->pages[pages[i]] = 0;
+    r->span[pages[i]] = 1;
+  }
+  return rc;
+}
+
+static void *page_addr(const struct sl_pool_transfer *t, uint64_t page) {
+  return (char *)t->region->base + page * t->pool->page_size;
+}
+
+/* The bytes the ith new handle backs: a page, or a group's pages. */
+static uint64_t fresh_bytes(const struct sl_pool_transfer *t, size_t i) {
+  return (t->rspan != NULL ? t->rspan[i] : 1) * t->pool->page_size;
+}
+
+/* Puts the old pages back in the daemon's mapping from the nth replaced page down. */
+static void unreplace(struct sl_pool_transfer *t, size_t n) {
+  struct sl_device *dev = t->pool->dev;
+  uint64_t ps = t->pool->page_size;
+
+  while (n-- > 0) {
+    void *at = page_addr(t, t->replace[n]);
+    sl_device_unmap_idle(dev, at, fresh_bytes(t, n));
+    if (t->region->pages[t->replace[n]] != 0 && /* a released page had none */
+        sl_device_map(dev, at, ps, t->region->pages[t->replace[n]], NULL) == 0)
+      sl_device_set_access(dev, at, ps, NULL);
+  }
+}
+
+/* Access granted over each run of consecutive replaced pages of t->replace[from, to) (it
+ * ascends), not over the whole region: another release's pages may be unmapped holes in it,
+ * and a range with a hole is refused. A call per run, not per page (a call per page costs far
+ * more). */
+static int access_runs(struct sl_pool_transfer *t, size_t from, size_t to, struct sl_err *err) {
+  uint64_t ps = t->pool->page_size, bytes;
+  int rc = 0;
+
+  for (size_t i = from, j; rc == 0 && i < to; i = j) {
+    bytes = fresh_bytes(t, i);
+    for (j = i + 1; j < to && t->replace[j] == t->replace[j - 1] + fresh_bytes(t, j - 1) / ps;
+         j++)
+      bytes += fresh_bytes(t, j);
+    rc = sl_device_set_access(t->pool->dev, page_addr(t, t->replace[i]), bytes, err);
+  }
+  return rc;
+}
+
+/* Maps new pages [from, to) of t->replace where the old ones were, then grants access.
+ * *mapped: how many of t->replace an unreplace must undo (a failed one counted: unmapping
+ * what is not mapped is harmless). */
+static int map_fresh(struct sl_pool_transfer *t, size_t from, size_t to, size_t *mapped,
+                     struct sl_err *err) {
+  struct sl_device *dev = t->pool->dev;
+  int rc = 0;
+
+  for (size_t i = from; rc == 0 && i < to; i++) {
+    void *at = page_addr(t, t->replace[i]);
+    if (t->rspan == NULL) /* a released page or group has no mapping left */
+      sl_device_unmap_idle(dev, at, t->pool->page_size);
+    rc = sl_device_map(dev, at, fresh_bytes(t, i), t->fresh[i], err);
+    *mapped = i + 1;
+  }
+  return rc == 0 ? access_runs(t, from, to, err) : rc;
+}
+
+/* Creates the new handles of t->replace up to the toth. */
+static int make_fresh(struct sl_pool_transfer *t, size_t to, struct sl_err *err) {
+  int rc = 0;
+
+  for (; rc == 0 && t->nfresh < to; t->nfresh++)
+    rc = sl_device_create(t->pool->dev, fresh_bytes(t, t->nfresh), &t->fresh[t->nfresh], err);
+  if (rc != 0)
+    t->nfresh--; /* the last create failed */
+  return rc;
+}
+
+/* Maps all the new pages where the old ones were, the device idle first (the borrower let
+ * go, and the daemon's own copies wait for each other). */
+static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
+  size_t mapped = 0;
+  int rc = sl_device_synchronize(t->pool->dev, err);
+
+  if (rc == 0)
+    rc = map_fresh(t, 0, t->nreplace, &mapped, err);
+  if (rc != 0)
+    unreplace(t, mapped);
+  return rc;
+}
+
+static void no_fresh(const struct sl_pool_transfer *t, const struct sl_err *err) {
+  sl_warn("region %llu: no fresh memory for %zu pages: %s", (unsigned long long)t->region->id,
+          t->nreplace, err->msg);
+}
+
+static void replaced_all(struct sl_pool_transfer *t) {
+  t->nreplaced = t->nreplace;
+  *t->replaced = 0;
+  for (size_t i = 0; i < t->nreplaced; i++) /* in pages */
+    *t->replaced += fresh_bytes(t, i) / t->pool->page_size;
+}
+
+/* New pages for the region pages of t->replace, all or none: without all of them the run
+ * copies nothing (sl_pool_transfer_run). */
+static void run_replace(struct sl_pool_transfer *t) {
+  struct sl_err err = {0};
+  int rc = make_fresh(t, t->nreplace, &err);
+
+  if (rc == 0)
+    rc = swap_mappings(t, &err);
+  if (rc != 0) {
+    no_fresh(t, &err);
+    return;
+  }
+  replaced_all(t);
+}
+
+/* On the loop: the pool's table takes the new handles, the old ones go (or, when the run
+ * could not replace them, the new ones). */
+static void settle_replace(struct sl_pool_transfer *t) {
+  struct sl_pool_region *r = t->region;
+
+  for (size_t i = 0; i < t->nfresh; i++) {
+    sl_handle *page = &r->pages[t->replace[i]];
+    if (i < t->nreplaced) {
+      uint32_t n = (uint32_t)(fresh_bytes(t, i) / t->pool->page_size);
+      if (*page != 0) /* a released page had none */
+        sl_device_release(t->pool->dev, *page);
+      *page = t->fresh[i];
+      memset(&r->span[t->replace[i]], 0, n * sizeof(*r->span));
+      r->span[t->replace[i]] = n;
+    } else {
+      sl_device_release(t->pool->dev, t->fresh[i]);
+    }
+  }
+  free(t->replace);
+  free(t->rspan);
+  free(t->fresh);
+}
+
+/* Puts the pieces that lie wholly in the first ready bytes of the area first; returns how
+ * many they are. */
+static size_t ready_first(struct sl_copy *pc, size_t n, uint64_t ready) {
+  size_t k = 0;
+
+  for (size_t i = 0; i < n; i++) {
+    if (pc[i].host_off + pc[i].len <= ready) {
+      struct sl_copy tmp = pc[k];
+      pc[k++] = pc[i];
+      pc[i] = tmp;
+    }
+  }
+  return k;
+}
+
+static int copy_pieces(struct sl_pool_transfer *t, const struct sl_copy *pc, size_t n,
+                       struct sl_err *err) {
+  return n > 0 ? sl_device_copy(t->pool->dev, t->dir, t->region->base, t->area->window, pc, n,
+                                err)
+               : 0;
+}
+
+/* The copies split into pieces (t->pieces); *host_end: the area's bytes they reach. */
+static int split_copies(struct sl_pool_transfer *t, uint64_t *host_end, struct sl_err *err) {
+  if (t->area == NULL) /* every transfer with copies holds an area (transfer_new_in) */
+    return sl_err_set(err, SUBLET_EINVAL, "internal error: copies without a save area");
+  *host_end = 0;
+  for (size_t i = 0; i < t->ncopies; i++)
+    if (t->copies[i].host_off + t->copies[i].len > *host_end)
+      *host_end = t->copies[i].host_off + t->copies[i].len;
+  return split_pieces(t, t->copies, t->ncopies, err);
+}
+
+/* The copies to or from the save area. Off the loop: growing the save area pins host memory
+ * (a fraction of a second per GiB), and only the running transfer (and the pin ahead, under
+ * the area's lock) touches the area. A save that reaches pieces not pinned yet first copies
+ * into those that are, while the pin ahead goes on, then pins the rest (waiting at most for
+ * the piece being pinned) and copies into it: two copy calls, not one per piece. */
+static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
+  uint64_t host_end;
+  size_t k = 0;
+  int rc;
+
+  if (t->ncopies == 0)
+    return 0;
+  rc = split_copies(t, &host_end, err);
+  if (rc == 0 && host_end > sl_pool_area_ready(t->area)) {
+    k = ready_first(t->pieces, t->npieces, sl_pool_area_ready(t->area));
+    rc = copy_pieces(t, t->pieces, k, err);
+  }
+  if (rc == 0)
+    rc = sl_pool_area_reserve(t->pool->dev, t->area, host_end, err);
+  if (rc == 0)
+    rc = copy_pieces(t, t->pieces + k, t->npieces - k, err);
+  return rc;
+}
+
+/* ---- a resume: its pages made while the copies run */
+
+/* A resume makes its pages on a thread of its own, in batches, while the job's thread copies
+ * the saved bytes back into those made already: the copies wait for the first batch, not for
+ * all of them (and the making is off the copies' path). A resume has no old pages to take out
+ * of the way, so nothing waits for the device first. */
+#define MAKE_BATCHES 16
+
+struct maker {
+  struct sl_pool_transfer *t;
+  pthread_mutex_t lock;
+  pthread_cond_t made;
+  size_t ready;  /* t->replace[0..ready) made, mapped, accessible (under lock) */
+  size_t mapped; /* how many an unreplace must undo; read once the thread is joined */
+  int done, rc;  /* under lock */
+  struct sl_err err;
+};
+
+static void maker_post(struct maker *m, size_t ready, int done, int rc) {
+  pthread_mutex_lock(&m->lock);
+  m->ready = ready;
+  m->done = done;
+  m->rc = rc;
+  pthread_cond_signal(&m->made);
+  pthread_mutex_unlock(&m->lock);
+}
+
+static void *make_batches(void *arg) {
+  struct maker *m = arg;
+  struct sl_pool_transfer *t = m->t;
+  size_t step = (t->nreplace + MAKE_BATCHES - 1) / MAKE_BATCHES, from = 0, to;
+  int rc = 0;
+
+  for (; rc == 0 && from < t->nreplace; from = to) {
+    to = from + step < t->nreplace ? from + step : t->nreplace;
+    rc = make_fresh(t, to, &m->err);
+    if (rc == 0)
+      rc = map_fresh(t, from, to, &m->mapped, &m->err);
+    if (rc == 0 && to < t->nreplace)
+      maker_post(m, to, 0, 0);
+  }
+  maker_post(m, rc == 0 ? t->nreplace : from, 1, rc);
+  return NULL;
+}
+
+/* Waits until more than seen of t->replace are ready, or the maker is done. */
+static size_t wait_made(struct maker *m, size_t seen, int *done) {
+  pthread_mutex_lock(&m->lock);
+  while (m->ready == seen && !m->done)
+    pthread_cond_wait(&m->made, &m->lock);
+  seen = m->ready;
+  *done = m->done;
+  pthread_mutex_unlock(&m->lock);
+  return seen;
+}
+
+static int by_dev_off(const void *a, const void *b) {
+  const struct sl_copy *x = a, *y = b;
+
+  return x->dev_off < y->dev_off ? -1 : x->dev_off > y->dev_off;
+}
+
+/* Copies each piece once every page under it is made (the pages below the first one not
+ * made are: made, or never replaced); stops where the maker failed. */
+static int copy_as_made(struct sl_pool_transfer *t, struct maker *m, struct sl_err *err) {
+  size_t i = 0, j, ready = 0;
+  int done = 0, rc = 0;
+  uint64_t below;
+
+  qsort(t->pieces, t->npieces, sizeof(*t->pieces), by_dev_off);
+  while (rc == 0 && i < t->npieces && !(done && ready < t->nreplace)) {
+    ready = wait_made(m, ready, &done);
+    below = ready < t->nreplace ? t->replace[ready] * t->pool->page_size : UINT64_MAX;
+    for (j = i; j < t->npieces && t->pieces[j].dev_off + t->pieces[j].len <= below; j++)
+      ;
+    rc = copy_pieces(t, t->pieces + i, j - i, err);
+    i = j;
+  }
+  return rc;
+}
+
+/* The resume's pages and copies (above); falls back to one after the other without a thread. */
+static int run_resume(struct sl_pool_transfer *t, struct sl_err *err) {
+  struct maker m = {.t = t};
+  uint64_t host_end;
+  pthread_t thread;
+  int rc = split_copies(t, &host_end, err);
+
+  if (rc == 0)
+    rc = sl_pool_area_reserve(t->pool->dev, t->area, host_end, err); /* pinned by its save */
+  if (rc != 0)
+    return rc;
+  pthread_mutex_init(&m.lock, NULL);
+  pthread_cond_init(&m.made, NULL);
+  if (pthread_create(&thread, NULL, make_batches, &m) != 0) {
+    make_batches(&m);
+    rc = copy_as_made(t, &m, err);
+  } else {
+    rc = copy_as_made(t, &m, err);
+    pthread_join(thread, NULL);
+  }
+  pthread_cond_destroy(&m.made);
+  pthread_mutex_destroy(&m.lock);
+  if (m.rc == 0) {
+    replaced_all(t);
+    return rc;
+  }
+  unreplace(t, m.mapped); /* no copy runs now: each call waited for its own */
+  no_fresh(t, &m.err);
+  return 0; /* the run says no_room */
+}
+
+static int run_moves(struct sl_pool_transfer *t, struct sl_err *err) {
+  return t->nmoves > 0 ? sl_device_move(t->pool->dev, t->region->base, t->moves, t->nmoves, err)
+                       : 0;
+}
+
+static uint64_t replace_bytes(const struct sl_pool_transfer *t) {
+  uint64_t n = 0;
+
+  for (size_t i = 0; i < t->nreplace; i++)
+    n += fresh_bytes(t, i);
+  return n;
+}
+
+/* The pages could not all be made: the run copies nothing, and says why. */
+static int no_room(const struct sl_pool_transfer *t, struct sl_err *err) {
+  char size[16];
+
+  sl_format_size(size, replace_bytes(t));
+  if (t->must == MUST_FRESH)
+    return sl_err_set(err, SUBLET_ENOMEM, "the device lacks %s of memory for fresh pages in "
+                      "place of the %zu pages a borrower of another user was granted: nothing "
+                      "is restored into pages it may still reach (the kept bytes wait, safe); "
+                      "free device memory and reclaim again", size, t->nreplace);
+  return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %s again: "
+                    "whoever holds it must free it first; the release goes on", size);
+}
+
+static int made_while_copying(const struct sl_pool_transfer *t) {
+  return t->dir == SL_COPY_TO_DEVICE && t->must == MUST_RESUME && t->ncopies > 0 &&
+         t->nreplace > 1;
+}
+
+int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
+                         struct sl_err *err) {
+  int save = t->dir == SL_COPY_TO_HOST, pipelined = made_while_copying(t), rc = 0;
+  double t0 = sl_clock_now(), t1;
+
+  if (pipelined)
+    rc = run_resume(t, err);
+  else if (t->nreplace > 0)
+    run_replace(t);
+  if (t->must != MUST_NONE && t->nreplaced != t->nreplace)
+    return no_room(t, err);
+  if (rc == 0 && !pipelined)
+    rc = save ? run_moves(t, err) : run_copies(t, err);
+  t1 = sl_clock_now();
+  if (rc == 0)
+    rc = save ? run_copies(t, err) : run_moves(t, err);
+  *copy_seconds = save ? sl_clock_now() - t1 : t1 - t0;
+  *move_seconds = save ? t1 - t0 : sl_clock_now() - t1;
+  return rc;
+}
+
+void sl_pool_transfer_free(struct sl_pool_transfer *t) {
+  struct sl_pool_region *r;
+
+  if (t == NULL)
+    return;
+  r = t->region;
+  settle_replace(t);
+  if (--r->busy == 0 && r->doomed)
+    sl_pool_region_unmap_release(t->pool, r);
+  if (--t->area->busy == 0 && t->area->doomed)
+    sl_pool_area_free(t->pool->dev, t->area);
+  free(t->copies);
+  free(t->moves);
+  free(t->pieces);
+  free(t);
+}

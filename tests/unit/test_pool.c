@@ -1,0 +1,128 @@
+/* test_pool.c - the pool's transfers on the memfd backend, white box (pool_impl.h): a release
+ * saves a region's bytes and lets go of its pages, a resume makes them again as groups while it
+ * copies the bytes back (pool_transfer.c's maker thread), and a resume whose making fails part
+ * way (the device's create refused after N calls) copies nothing that counts, keeps no fresh
+ * handle and can be run again. Bytes are compared after every resume.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "daemon/pool_impl.h"
+
+#define PAGES 64u
+#define GROUP 4u /* pages per group: 16 groups, one batch each */
+
+static struct sl_device_ops faulty;
+static int creates_left = -1; /* -1: no limit */
+
+static int faulty_create(struct sl_device *d, uint64_t size, sl_handle *out, struct sl_err *err) {
+  if (creates_left == 0)
+    return sl_err_set(err, SUBLET_ENOMEM, "test: the device refuses this create");
+  if (creates_left > 0)
+    creates_left--;
+  return sl_device_memfd_ops.create(d, size, out, err);
+}
+
+static uint8_t pattern(uint64_t i) {
+  return (uint8_t)(i * 2654435761u >> 24);
+}
+
+static void fill(struct sl_pool_region *r, uint64_t bytes) {
+  for (uint64_t i = 0; i < bytes; i++)
+    ((uint8_t *)r->base)[i] = pattern(i);
+}
+
+static int intact(const struct sl_pool_region *r, uint64_t bytes) {
+  for (uint64_t i = 0; i < bytes; i++)
+    if (((const uint8_t *)r->base)[i] != pattern(i))
+      return 0;
+  return 1;
+}
+
+/* Saves every byte to the area and lets go of every page: a release with stay=0. */
+static void release_all(struct sl_pool *p, struct sl_pool_region *r, uint64_t bytes,
+                        const uint64_t *pages) {
+  struct sl_copy all = {0, 0, bytes};
+  struct sl_pool_transfer *t = NULL;
+  struct sl_err err = {0};
+  double c, m;
+
+  CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_HOST, r->id, &all, 1, NULL, 0, &t, &err), 0);
+  CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), 0);
+  CHECK_EQ(sl_pool_transfer_drop(t, pages, PAGES, &err), 0);
+  sl_pool_transfer_free(t);
+  for (uint64_t i = 0; i < PAGES; i++)
+    CHECK_EQ(r->pages[i], 0);
+}
+
+/* Makes the pages again as groups of GROUP and copies the bytes back; the run's code. */
+static int resume_all(struct sl_pool *p, struct sl_pool_region *r, uint64_t bytes,
+                      size_t *made, struct sl_err *err) {
+  struct sl_copy all = {0, 0, bytes};
+  uint64_t groups[2 * (PAGES / GROUP)];
+  struct sl_pool_transfer *t = NULL;
+  double c, m;
+  int rc;
+
+  for (uint64_t g = 0; g < PAGES / GROUP; g++) {
+    groups[2 * g] = g * GROUP;
+    groups[2 * g + 1] = GROUP;
+  }
+  CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_DEVICE, r->id, &all, 1, NULL, 0, &t, err), 0);
+  CHECK_EQ(sl_pool_transfer_make_groups(t, groups, PAGES / GROUP, made, err), 0);
+  rc = sl_pool_transfer_run(t, &c, &m, err);
+  sl_pool_transfer_free(t); /* the pool's table takes the new handles, or lets them go */
+  return rc;
+}
+
+int main(void) {
+  struct sl_device_params params = {.backend = "memfd", .total_bytes = 1ull << 30};
+  struct sl_pool_region *r = NULL;
+  struct sl_device *dev = NULL;
+  struct sl_pool *p = NULL;
+  struct sl_err err = {0};
+  uint64_t pages[PAGES], bytes;
+  size_t made = 0;
+
+  check_note = err.msg;
+  CHECK_EQ(sl_device_open(&params, &dev, &err), 0);
+  faulty = *dev->ops;
+  faulty.create = faulty_create;
+  dev->ops = &faulty;
+  CHECK_EQ(sl_pool_new(dev, &p), 0);
+  CHECK_EQ(sl_pool_region_build(p, 7, PAGES, PAGES, &r, &err), 0);
+  sl_pool_region_add(p, r);
+  bytes = PAGES * p->page_size;
+  for (uint64_t i = 0; i < PAGES; i++)
+    pages[i] = i;
+  fill(r, bytes);
+
+  /* released, made again while copying: every byte back, the groups in the table */
+  release_all(p, r, bytes, pages);
+  CHECK_EQ(resume_all(p, r, bytes, &made, &err), 0);
+  CHECK_EQ(made, PAGES);
+  CHECK(intact(r, bytes));
+  CHECK_EQ(r->span[0], GROUP);
+  CHECK(r->pages[GROUP] != 0);
+
+  /* the device refuses the 6th group: ENOMEM, no page made, nothing kept of the attempt */
+  release_all(p, r, bytes, pages);
+  creates_left = 5;
+  CHECK_EQ(resume_all(p, r, bytes, &made, &err), SUBLET_ENOMEM);
+  CHECK_MSG(err, "make");
+  CHECK_EQ(made, 0);
+  for (uint64_t i = 0; i < PAGES; i++)
+    CHECK_EQ(r->pages[i], 0);
+
+  /* ... and the same resume runs again once the memory is there */
+  creates_left = -1;
+  memset(&err, 0, sizeof(err));
+  CHECK_EQ(resume_all(p, r, bytes, &made, &err), 0);
+  CHECK_EQ(made, PAGES);
+  CHECK(intact(r, bytes));
+
+  sl_pool_free(p);
+  sl_device_close(dev);
+  return check_report("test_pool");
+}
