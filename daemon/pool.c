@@ -81,29 +81,42 @@ void sl_pool_region_unmap_release(struct sl_pool *p, struct sl_pool_region *r) {
 
 /* Creates pages [from, to) of r and maps them after the others, in r's reservation; touches
  * nothing else of r. On failure undoes exactly what it did. */
-static int pages_add(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
-                     struct sl_err *err) {
-  uint64_t ps = p->page_size, created = from, mapped = from;
+/* Maps pages [from, to) of r in the daemon's mapping; *mapped: how far it got. */
+static int pages_map(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
+                     uint64_t *mapped, struct sl_err *err) {
+  uint64_t ps = p->page_size;
   int rc = 0;
 
-  for (; created < to; created++) {
-    r->span[created] = 1;
-    if ((rc = sl_device_create(p->dev, ps, &r->pages[created], err)) != 0)
-      break;
-  }
-  for (; rc == 0 && mapped < to; mapped++)
-    if ((rc = sl_device_map(p->dev, (char *)r->base + mapped * ps, ps, r->pages[mapped],
+  for (*mapped = from; rc == 0 && *mapped < to; ++*mapped)
+    if ((rc = sl_device_map(p->dev, (char *)r->base + *mapped * ps, ps, r->pages[*mapped],
                             err)) != 0)
       break;
   if (rc == 0) /* once over the new span: a call per page costs far more */
     rc = sl_device_set_access(p->dev, (char *)r->base + from * ps, (to - from) * ps, err);
+  return rc;
+}
+
+/* Creates pages [from, to) of r, and (map) maps them after the others, in r's reservation;
+ * touches nothing else of r. On failure undoes exactly what it did. */
+static int pages_add(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
+                     int map, struct sl_err *err) {
+  uint64_t created = from, mapped = from;
+  int rc = 0;
+
+  for (; created < to; created++) {
+    r->span[created] = 1;
+    if ((rc = sl_device_create(p->dev, p->page_size, &r->pages[created], err)) != 0)
+      break;
+  }
+  if (rc == 0 && map)
+    rc = pages_map(p, r, from, to, &mapped, err);
   if (rc != 0)
     pages_undo(p, r, from, created, mapped);
   return rc;
 }
 
-int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
+int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                        uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
   struct sl_pool_region *r = calloc(1, sizeof(*r));
   int rc;
 
@@ -117,13 +130,34 @@ int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
   }
   r->id = region_id;
   r->cap_pages = cap_pages;
+  r->unmapped = 1;
   rc = sl_device_reserve(p->dev, cap_pages * p->page_size, &r->base, err);
-  if (rc == 0 && (rc = pages_add(p, r, 0, npages, err)) == 0)
+  if (rc == 0 && (rc = pages_add(p, r, 0, npages, 0, err)) == 0)
     r->npages = npages;
   if (rc == 0)
     *out = r;
   else
     sl_pool_region_unmap_release(p, r); /* npages 0: only the reservation */
+  return rc;
+}
+
+int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err) {
+  uint64_t mapped = 0;
+  int rc = pages_map(p, r, 0, r->npages, &mapped, err);
+
+  if (rc == 0)
+    r->unmapped = 0;
+  else
+    sl_pool_unmap_range(p, r, 0, mapped);
+  return rc;
+}
+
+int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
+  int rc = sl_pool_region_make(p, region_id, npages, cap_pages, out, err);
+
+  if (rc == 0 && (rc = sl_pool_region_map(p, *out, err)) != 0)
+    sl_pool_region_unmap_release(p, *out);
   return rc;
 }
 
@@ -141,7 +175,7 @@ int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t np
     return sl_err_set(err, SUBLET_EINVAL, "region %llu has room for %llu pages, not %llu: "
                       "create it growable to grow it", (unsigned long long)r->id,
                       (unsigned long long)r->cap_pages, (unsigned long long)npages);
-  return pages_add(p, r, r->npages, npages, err);
+  return pages_add(p, r, r->npages, npages, 1, err);
 }
 
 void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
@@ -150,6 +184,10 @@ void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t 
     r->npages = npages;
   else
     pages_undo(p, r, r->npages, npages, npages);
+  sl_pool_region_put(p, r);
+}
+
+void sl_pool_region_put(struct sl_pool *p, struct sl_pool_region *r) {
   if (--r->busy == 0 && r->doomed)
     sl_pool_region_unmap_release(p, r);
 }

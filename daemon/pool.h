@@ -29,6 +29,14 @@ struct sl_pool_region;
  * npages or less for a region that never grows. */
 int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
                          uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
+/* build in two steps: make (any thread) creates the pages, which may be exported at once;
+ * map (any thread, the region held) maps them in the daemon's mapping, which every transfer
+ * needs (one of a region not mapped yet, or whose map failed, is refused). The map of 32,768
+ * pages takes most of a second on an H200 (mostly cuMemSetAccess): made then mapped, a new
+ * region's pages go to its owner while the daemon maps them. */
+int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                        uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
+int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err);
 /* Growing a region in the same halves. hold (the loop): the region is kept from being freed
  * until grown (NULL: not in the pool). grow (any thread, with the region held): pages
  * [its npages, npages) are created and mapped after the others, npages at most its cap_pages;
@@ -36,6 +44,8 @@ int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
  * the new pages become the region's (keep), or are undone; the hold ends (a region taken
  * meanwhile is freed now, with them). */
 struct sl_pool_region *sl_pool_region_hold(struct sl_pool *p, uint64_t region_id);
+/* Ends a hold that grew nothing (a map's). */
+void sl_pool_region_put(struct sl_pool *p, struct sl_pool_region *r);
 int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
                         struct sl_err *err);
 void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,

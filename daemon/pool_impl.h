@@ -24,6 +24,7 @@ struct sl_pool_region {
                      1 for a released page, which has no handle) */
   void *base;   /* the daemon's own mapping of all pages, contiguous */
   int busy;     /* transfers that hold it: destroying waits for the last */
+  int unmapped; /* made, not mapped in the daemon yet (sl_pool_region_make): no transfer */
   int doomed;   /* destroyed while busy: goes when the last transfer is freed */
   struct sl_pool_region *next;
 };

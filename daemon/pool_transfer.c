@@ -512,6 +512,10 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
   int save = t->dir == SL_COPY_TO_HOST, pipelined = made_while_copying(t), rc = 0;
   double t0 = sl_clock_now(), t1;
 
+  if (t->region->unmapped) /* its map ran before (jobs run in order), and failed */
+    return sl_err_set(err, SUBLET_EIO, "region %llu's pages are not mapped in subletd (its log "
+                      "says why): release the region and make another",
+                      (unsigned long long)t->region->id);
   if (pipelined)
     rc = run_resume(t, err);
   else if (t->nreplace > 0)

@@ -3,7 +3,10 @@
  *
  * Creating or growing a region's pages takes the device seconds for tens of GiB (2 s for 64 GiB
  * on an H200, most of it mapping them in the daemon): a job, off the loop, with the connection
- * paused meanwhile (its owner can neither lend nor release the region until it is done).
+ * paused meanwhile (its owner can neither lend nor release the region until it is done). A new
+ * region is answered once its pages are made, and mapped in the daemon by a second job while
+ * its owner fetches and maps them (PagesGet is served meanwhile: it needs handles, not the
+ * daemon's mapping); every transfer of the region is a job after that one (jobs run in order).
  * building_bytes keeps the pages being made out of the free memory that a loan measures
  * meanwhile.
  */
@@ -52,8 +55,49 @@ static void submit_build(struct sl_conn *c, struct sl_job *job, void (*run)(stru
 static void region_build_run(struct sl_job *j) {
   struct region_job *rj = (struct region_job *)j;
 
-  j->rc = sl_pool_region_build(j->d->pool, rj->region, rj->npages, rj->cap_pages, &rj->built,
-                               &j->err);
+  j->rc = sl_pool_region_make(j->d->pool, rj->region, rj->npages, rj->cap_pages, &rj->built,
+                              &j->err);
+}
+
+/* ---- the daemon's own mapping of a new region, after its reply */
+
+struct map_job {
+  struct sl_job job; /* first member; no connection: the owner's reads on meanwhile */
+  struct sl_pool_region *r; /* held until mapped */
+  uint64_t region;
+};
+
+static void map_run(struct sl_job *j) {
+  struct map_job *mj = (struct map_job *)j;
+
+  j->rc = sl_pool_region_map(j->d->pool, mj->r, &j->err);
+}
+
+static void map_done(struct sl_job *j) {
+  struct map_job *mj = (struct map_job *)j;
+
+  if (j->rc != 0)
+    sl_error("region %llu: its pages could not be mapped in subletd, so it cannot be lent or "
+             "released: %s", (unsigned long long)mj->region, j->err.msg);
+  sl_pool_region_put(j->d->pool, mj->r);
+  free(mj);
+}
+
+static void submit_map(struct sl_daemon *d, struct sl_pool_region *r, uint64_t region) {
+  struct map_job *mj = calloc(1, sizeof(*mj));
+  struct sl_err err = {0};
+
+  if (mj == NULL) { /* on the loop, then */
+    if (sl_pool_region_map(d->pool, r, &err) != 0)
+      sl_error("region %llu: its pages could not be mapped in subletd: %s",
+               (unsigned long long)region, err.msg);
+    return;
+  }
+  mj->r = sl_pool_region_hold(d->pool, region);
+  mj->region = region;
+  mj->job.run = map_run;
+  mj->job.done = map_done;
+  sl_job_submit(d, &mj->job);
 }
 
 static void region_built(struct sl_job *j) {
@@ -64,6 +108,7 @@ static void region_built(struct sl_job *j) {
   d->building_bytes -= rj->bytes;
   if (j->rc == 0) {
     sl_pool_region_add(d->pool, rj->built);
+    submit_map(d, rj->built, rj->region);
     if (c != NULL)
       reply_region_created(c, rj->req_id, rj->region, rj->npages,
                            rj->cap_pages > rj->npages ? "growable, " : "");

@@ -2,10 +2,12 @@
  * saves a region's bytes and lets go of its pages, a resume makes them again as groups while it
  * copies the bytes back (pool_transfer.c's maker thread), and a resume whose making fails part
  * way (the device's create refused after N calls) copies nothing that counts, keeps no fresh
- * handle and can be run again. Bytes are compared after every resume.
+ * handle and can be run again. Bytes are compared after every resume. A region made but not
+ * yet mapped in the daemon exports its pages and refuses transfers until mapped.
  */
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "daemon/pool_impl.h"
@@ -121,6 +123,30 @@ int main(void) {
   CHECK_EQ(resume_all(p, r, bytes, &made, &err), 0);
   CHECK_EQ(made, PAGES);
   CHECK(intact(r, bytes));
+
+  /* a region made, not mapped in the daemon yet: exported as it is, but no transfer runs on
+   * it (the daemon maps it in a job that every transfer follows; one after a failed map) */
+  {
+    struct sl_pool_region *u = NULL;
+    struct sl_pool_transfer *t = NULL;
+    struct sl_copy one = {0, 0, 4096};
+    int fd = -1;
+    double c, m;
+
+    CHECK_EQ(sl_pool_region_make(p, 8, 4, 4, &u, &err), 0);
+    sl_pool_region_add(p, u);
+    CHECK_EQ(sl_pool_export_pages(p, 8, 0, 1, &fd, &err), 0);
+    CHECK(fd >= 0);
+    close(fd);
+    CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_HOST, 8, &one, 1, NULL, 0, &t, &err), 0);
+    CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), SUBLET_EIO);
+    CHECK_MSG(err, "not mapped in subletd");
+    sl_pool_transfer_free(t);
+    CHECK_EQ(sl_pool_region_map(p, u, &err), 0);
+    CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_HOST, 8, &one, 1, NULL, 0, &t, &err), 0);
+    CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), 0);
+    sl_pool_transfer_free(t);
+  }
 
   sl_pool_free(p);
   sl_device_close(dev);
