@@ -4,7 +4,6 @@
  */
 #include "pool_impl.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -196,91 +195,64 @@ static void unreplace(struct sl_pool_transfer *t, size_t n) {
   }
 }
 
-/* Access granted over each run of consecutive replaced pages of t->replace[from, to) (it
- * ascends), not over the whole region: another release's pages may be unmapped holes in it,
- * and a range with a hole is refused. A call per run, not per page (a call per page costs far
- * more). */
-static int access_runs(struct sl_pool_transfer *t, size_t from, size_t to, struct sl_err *err) {
+/* Access granted over each run of consecutive replaced pages (t->replace ascends), not over
+ * the whole region: another release's pages may be unmapped holes in it, and a range with a
+ * hole is refused. A call per run, not per page (a call per page costs far more). */
+static int access_runs(struct sl_pool_transfer *t, struct sl_err *err) {
   uint64_t ps = t->pool->page_size, bytes;
   int rc = 0;
 
-  for (size_t i = from, j; rc == 0 && i < to; i = j) {
+  for (size_t i = 0, j; rc == 0 && i < t->nreplace; i = j) {
     bytes = fresh_bytes(t, i);
-    for (j = i + 1; j < to && t->replace[j] == t->replace[j - 1] + fresh_bytes(t, j - 1) / ps;
-         j++)
+    for (j = i + 1; j < t->nreplace && t->replace[j] == t->replace[j - 1] +
+                                           fresh_bytes(t, j - 1) / ps; j++)
       bytes += fresh_bytes(t, j);
     rc = sl_device_set_access(t->pool->dev, page_addr(t, t->replace[i]), bytes, err);
   }
   return rc;
 }
 
-/* Maps new pages [from, to) of t->replace where the old ones were, then grants access.
- * *mapped: how many of t->replace an unreplace must undo (a failed one counted: unmapping
- * what is not mapped is harmless). */
-static int map_fresh(struct sl_pool_transfer *t, size_t from, size_t to, size_t *mapped,
-                     struct sl_err *err) {
+/* Maps the new pages where the old ones were (the device idle: the borrower let go, and the
+ * daemon's own copies wait for each other), then grants access run by run. */
+static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   struct sl_device *dev = t->pool->dev;
-  int rc = 0;
+  uint64_t ps = t->pool->page_size;
+  int rc = sl_device_synchronize(dev, err);
 
-  for (size_t i = from; rc == 0 && i < to; i++) {
+  for (size_t i = 0; rc == 0 && i < t->nreplace; i++) {
     void *at = page_addr(t, t->replace[i]);
     if (t->rspan == NULL) /* a released page or group has no mapping left */
-      sl_device_unmap_idle(dev, at, t->pool->page_size);
+      sl_device_unmap_idle(dev, at, ps);
     rc = sl_device_map(dev, at, fresh_bytes(t, i), t->fresh[i], err);
-    *mapped = i + 1;
+    if (rc != 0)
+      unreplace(t, i + 1); /* this one and those before it: unmapping one not mapped is harmless */
   }
-  return rc == 0 ? access_runs(t, from, to, err) : rc;
-}
-
-/* Creates the new handles of t->replace up to the toth. */
-static int make_fresh(struct sl_pool_transfer *t, size_t to, struct sl_err *err) {
-  int rc = 0;
-
-  for (; rc == 0 && t->nfresh < to; t->nfresh++)
-    rc = sl_device_create(t->pool->dev, fresh_bytes(t, t->nfresh), &t->fresh[t->nfresh], err);
-  if (rc != 0)
-    t->nfresh--; /* the last create failed */
+  if (rc == 0 && (rc = access_runs(t, err)) != 0)
+    unreplace(t, t->nreplace);
   return rc;
-}
-
-/* Maps all the new pages where the old ones were, the device idle first (the borrower let
- * go, and the daemon's own copies wait for each other). */
-static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
-  size_t mapped = 0;
-  int rc = sl_device_synchronize(t->pool->dev, err);
-
-  if (rc == 0)
-    rc = map_fresh(t, 0, t->nreplace, &mapped, err);
-  if (rc != 0)
-    unreplace(t, mapped);
-  return rc;
-}
-
-static void no_fresh(const struct sl_pool_transfer *t, const struct sl_err *err) {
-  sl_warn("region %llu: no fresh memory for %zu pages: %s", (unsigned long long)t->region->id,
-          t->nreplace, err->msg);
-}
-
-static void replaced_all(struct sl_pool_transfer *t) {
-  t->nreplaced = t->nreplace;
-  *t->replaced = 0;
-  for (size_t i = 0; i < t->nreplaced; i++) /* in pages */
-    *t->replaced += fresh_bytes(t, i) / t->pool->page_size;
 }
 
 /* New pages for the region pages of t->replace, all or none: without all of them the run
  * copies nothing (sl_pool_transfer_run). */
 static void run_replace(struct sl_pool_transfer *t) {
   struct sl_err err = {0};
-  int rc = make_fresh(t, t->nreplace, &err);
+  int rc = 0;
 
+  for (; rc == 0 && t->nfresh < t->nreplace; t->nfresh++)
+    rc = sl_device_create(t->pool->dev, fresh_bytes(t, t->nfresh), &t->fresh[t->nfresh], &err);
+  if (rc != 0)
+    t->nfresh--; /* the last create failed */
   if (rc == 0)
     rc = swap_mappings(t, &err);
   if (rc != 0) {
-    no_fresh(t, &err);
+    sl_warn("region %llu: no fresh memory for %zu pages: %s", (unsigned long long)t->region->id,
+            t->nreplace, err.msg);
     return;
   }
-  replaced_all(t);
+  t->nreplaced = t->nreplace;
+  *t->replaced = 0;
+  for (size_t i = 0; i < t->nreplaced; i++) /* in pages */
+    *t->replaced += fresh_bytes(t, i) / t->pool->page_size;
 }
 
 /* On the loop: the pool's table takes the new handles, the old ones go (or, when the run
@@ -328,30 +300,24 @@ static int copy_pieces(struct sl_pool_transfer *t, const struct sl_copy *pc, siz
                : 0;
 }
 
-/* The copies split into pieces (t->pieces); *host_end: the area's bytes they reach. */
-static int split_copies(struct sl_pool_transfer *t, uint64_t *host_end, struct sl_err *err) {
-  if (t->area == NULL) /* every transfer with copies holds an area (transfer_new_in) */
-    return sl_err_set(err, SUBLET_EINVAL, "internal error: copies without a save area");
-  *host_end = 0;
-  for (size_t i = 0; i < t->ncopies; i++)
-    if (t->copies[i].host_off + t->copies[i].len > *host_end)
-      *host_end = t->copies[i].host_off + t->copies[i].len;
-  return split_pieces(t, t->copies, t->ncopies, err);
-}
-
 /* The copies to or from the save area. Off the loop: growing the save area pins host memory
  * (a fraction of a second per GiB), and only the running transfer (and the pin ahead, under
  * the area's lock) touches the area. A save that reaches pieces not pinned yet first copies
  * into those that are, while the pin ahead goes on, then pins the rest (waiting at most for
  * the piece being pinned) and copies into it: two copy calls, not one per piece. */
 static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
-  uint64_t host_end;
+  uint64_t host_end = 0;
   size_t k = 0;
-  int rc;
+  int rc = 0;
 
   if (t->ncopies == 0)
     return 0;
-  rc = split_copies(t, &host_end, err);
+  if (t->area == NULL) /* every transfer with copies holds an area (transfer_new_in) */
+    return sl_err_set(err, SUBLET_EINVAL, "internal error: copies without a save area");
+  for (size_t i = 0; i < t->ncopies; i++)
+    if (t->copies[i].host_off + t->copies[i].len > host_end)
+      host_end = t->copies[i].host_off + t->copies[i].len;
+  rc = split_pieces(t, t->copies, t->ncopies, err);
   if (rc == 0 && host_end > sl_pool_area_ready(t->area)) {
     k = ready_first(t->pieces, t->npieces, sl_pool_area_ready(t->area));
     rc = copy_pieces(t, t->pieces, k, err);
@@ -361,118 +327,6 @@ static int run_copies(struct sl_pool_transfer *t, struct sl_err *err) {
   if (rc == 0)
     rc = copy_pieces(t, t->pieces + k, t->npieces - k, err);
   return rc;
-}
-
-/* ---- a resume: its pages made while the copies run */
-
-/* A resume makes its pages on a thread of its own, in batches, while the job's thread copies
- * the saved bytes back into those made already: the copies wait for the first batch, not for
- * all of them (and the making is off the copies' path). A resume has no old pages to take out
- * of the way, so nothing waits for the device first. */
-#define MAKE_BATCHES 16
-
-struct maker {
-  struct sl_pool_transfer *t;
-  pthread_mutex_t lock;
-  pthread_cond_t made;
-  size_t ready;  /* t->replace[0..ready) made, mapped, accessible (under lock) */
-  size_t mapped; /* how many an unreplace must undo; read once the thread is joined */
-  int done, rc;  /* under lock */
-  struct sl_err err;
-};
-
-static void maker_post(struct maker *m, size_t ready, int done, int rc) {
-  pthread_mutex_lock(&m->lock);
-  m->ready = ready;
-  m->done = done;
-  m->rc = rc;
-  pthread_cond_signal(&m->made);
-  pthread_mutex_unlock(&m->lock);
-}
-
-static void *make_batches(void *arg) {
-  struct maker *m = arg;
-  struct sl_pool_transfer *t = m->t;
-  size_t step = (t->nreplace + MAKE_BATCHES - 1) / MAKE_BATCHES, from = 0, to;
-  int rc = 0;
-
-  for (; rc == 0 && from < t->nreplace; from = to) {
-    to = from + step < t->nreplace ? from + step : t->nreplace;
-    rc = make_fresh(t, to, &m->err);
-    if (rc == 0)
-      rc = map_fresh(t, from, to, &m->mapped, &m->err);
-    if (rc == 0 && to < t->nreplace)
-      maker_post(m, to, 0, 0);
-  }
-  maker_post(m, rc == 0 ? t->nreplace : from, 1, rc);
-  return NULL;
-}
-
-/* Waits until more than seen of t->replace are ready, or the maker is done. */
-static size_t wait_made(struct maker *m, size_t seen, int *done) {
-  pthread_mutex_lock(&m->lock);
-  while (m->ready == seen && !m->done)
-    pthread_cond_wait(&m->made, &m->lock);
-  seen = m->ready;
-  *done = m->done;
-  pthread_mutex_unlock(&m->lock);
-  return seen;
-}
-
-static int by_dev_off(const void *a, const void *b) {
-  const struct sl_copy *x = a, *y = b;
-
-  return x->dev_off < y->dev_off ? -1 : x->dev_off > y->dev_off;
-}
-
-/* Copies each piece once every page under it is made (the pages below the first one not
- * made are: made, or never replaced); stops where the maker failed. */
-static int copy_as_made(struct sl_pool_transfer *t, struct maker *m, struct sl_err *err) {
-  size_t i = 0, j, ready = 0;
-  int done = 0, rc = 0;
-  uint64_t below;
-
-  qsort(t->pieces, t->npieces, sizeof(*t->pieces), by_dev_off);
-  while (rc == 0 && i < t->npieces && !(done && ready < t->nreplace)) {
-    ready = wait_made(m, ready, &done);
-    below = ready < t->nreplace ? t->replace[ready] * t->pool->page_size : UINT64_MAX;
-    for (j = i; j < t->npieces && t->pieces[j].dev_off + t->pieces[j].len <= below; j++)
-      ;
-    rc = copy_pieces(t, t->pieces + i, j - i, err);
-    i = j;
-  }
-  return rc;
-}
-
-/* The resume's pages and copies (above); falls back to one after the other without a thread. */
-static int run_resume(struct sl_pool_transfer *t, struct sl_err *err) {
-  struct maker m = {.t = t};
-  uint64_t host_end;
-  pthread_t thread;
-  int rc = split_copies(t, &host_end, err);
-
-  if (rc == 0)
-    rc = sl_pool_area_reserve(t->pool->dev, t->area, host_end, err); /* pinned by its save */
-  if (rc != 0)
-    return rc;
-  pthread_mutex_init(&m.lock, NULL);
-  pthread_cond_init(&m.made, NULL);
-  if (pthread_create(&thread, NULL, make_batches, &m) != 0) {
-    make_batches(&m);
-    rc = copy_as_made(t, &m, err);
-  } else {
-    rc = copy_as_made(t, &m, err);
-    pthread_join(thread, NULL);
-  }
-  pthread_cond_destroy(&m.made);
-  pthread_mutex_destroy(&m.lock);
-  if (m.rc == 0) {
-    replaced_all(t);
-    return rc;
-  }
-  unreplace(t, m.mapped); /* no copy runs now: each call waited for its own */
-  no_fresh(t, &m.err);
-  return 0; /* the run says no_room */
 }
 
 static int run_moves(struct sl_pool_transfer *t, struct sl_err *err) {
@@ -502,28 +356,20 @@ static int no_room(const struct sl_pool_transfer *t, struct sl_err *err) {
                     "whoever holds it must free it first; the release goes on", size);
 }
 
-static int made_while_copying(const struct sl_pool_transfer *t) {
-  return t->dir == SL_COPY_TO_DEVICE && t->must == MUST_RESUME && t->ncopies > 0 &&
-         t->nreplace > 1;
-}
-
 int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, double *move_seconds,
                          struct sl_err *err) {
-  int save = t->dir == SL_COPY_TO_HOST, pipelined = made_while_copying(t), rc = 0;
+  int save = t->dir == SL_COPY_TO_HOST, rc;
   double t0 = sl_clock_now(), t1;
 
   if (t->region->unmapped) /* its map ran before (jobs run in order), and failed */
     return sl_err_set(err, SUBLET_EIO, "region %llu's pages are not mapped in subletd (its log "
                       "says why): release the region and make another",
                       (unsigned long long)t->region->id);
-  if (pipelined)
-    rc = run_resume(t, err);
-  else if (t->nreplace > 0)
+  if (t->nreplace > 0)
     run_replace(t);
   if (t->must != MUST_NONE && t->nreplaced != t->nreplace)
     return no_room(t, err);
-  if (rc == 0 && !pipelined)
-    rc = save ? run_moves(t, err) : run_copies(t, err);
+  rc = save ? run_moves(t, err) : run_copies(t, err);
   t1 = sl_clock_now();
   if (rc == 0)
     rc = save ? run_copies(t, err) : run_moves(t, err);

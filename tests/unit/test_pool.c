@@ -1,8 +1,7 @@
 /* test_pool.c - the pool's transfers on the memfd backend, white box (pool_impl.h): a release
- * saves a region's bytes and lets go of its pages, a resume makes them again as groups while it
- * copies the bytes back (pool_transfer.c's maker thread), and a resume whose making fails part
- * way (the device's create refused after N calls) copies nothing that counts, keeps no fresh
- * handle and can be run again. Bytes are compared after every resume. A region made but not
+ * saves a region's bytes and lets go of its pages, a resume makes them again as groups and
+ * copies the bytes back, and a resume whose making fails part way (the device's create refused
+ * after N calls) copies nothing, keeps no fresh handle and can be run again. Bytes are compared after every resume. A region made but not
  * yet mapped in the daemon exports its pages and refuses transfers until mapped.
  */
 #include <stdlib.h>
@@ -13,7 +12,7 @@
 #include "daemon/pool_impl.h"
 
 #define PAGES 64u
-#define GROUP 4u /* pages per group: 16 groups, one batch each */
+#define GROUP 4u /* pages per group: 16 groups */
 
 static struct sl_device_ops faulty;
 static int creates_left = -1; /* -1: no limit */
