@@ -985,9 +985,8 @@ static int pick_offer(const struct sl_books *b, uint64_t client_id, const char *
 static int borrow_access(const struct sl_books *b, const struct sl_loan *l,
                          const struct sl_client *c, struct sl_err *err) {
   const struct sl_region *r = sl_books_find_region(b, l->region_id);
-  uid_t owner_uid = r->owner.uid;
 
-  if (c->peer.uid == owner_uid || c->peer.trusted)
+  if (sl_peer_reaches(&c->peer, r->owner.uid))
     return 0;
   return sl_err_set(err, SUBLET_EPERM,
                     "uid %u may not borrow loan %" PRIu64 ": another user lent it; run both as "

@@ -78,6 +78,13 @@ struct sl_peer {
                                borrow any user's loan and see every user's regions */
 };
 
+/* Whether peer may reach what belongs to user uid (see it in status, borrow its loan, take
+ * its release offer): its own user's, or anyone's when trusted. The one place this rule is
+ * written. */
+static inline int sl_peer_reaches(const struct sl_peer *peer, uid_t uid) {
+  return peer->trusted || peer->uid == uid;
+}
+
 struct sl_books_config {
   uint64_t page_size;
   int no_compact;           /* save every kept byte of a lent page to the host, move none */

@@ -192,7 +192,7 @@ static inline int sl_books_no_client(struct sl_err *err, uint64_t client_id) {
 static inline int sl_books_sees(const struct sl_books *b, uint64_t client_id, uid_t uid) {
   const struct sl_client *c = sl_books_find_client(b, client_id);
 
-  return c != NULL && (c->peer.trusted || c->peer.uid == uid);
+  return c != NULL && sl_peer_reaches(&c->peer, uid);
 }
 
 static inline uid_t sl_books_loan_uid(const struct sl_books *b, const struct sl_loan *l) {

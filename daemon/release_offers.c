@@ -200,7 +200,7 @@ static void nudge_taker(struct sl_daemon *d, struct sl_release_offer *o) {
 
 /* The owner's uid, root, or --allow-group: Borrow's rule. */
 static int may_take(const struct sl_conn *c, const struct sl_release_offer *o) {
-  return c->peer.trusted || c->peer.uid == o->owner.uid;
+  return sl_peer_reaches(&c->peer, o->owner.uid);
 }
 
 /* A live offer: its owner still there, not over. */
@@ -598,7 +598,7 @@ void sl_release_offers_timed_out(const struct sl_waiter *w, struct sl_err *err) 
 /* ------------------------------------------------------------------ status */
 
 static int visible(const struct sl_conn *c, const struct sl_release_offer *o) {
-  return live(o) && (c->peer.trusted || c->peer.uid == o->owner.uid || o->taker == c);
+  return live(o) && (sl_peer_reaches(&c->peer, o->owner.uid) || o->taker == c);
 }
 
 static void status_one(const struct sl_release_offer *o, Sublet__ReleaseOfferStatus *s) {

@@ -13,7 +13,7 @@
 #include "msg.h"
 
 static int may_see(const struct sl_conn *c, uid_t uid) {
-  return c->peer.trusted || c->peer.uid == uid;
+  return sl_peer_reaches(&c->peer, uid);
 }
 
 /* Fills the Status message's regions; the arrays are freed by the caller. */
