@@ -32,7 +32,8 @@ A cycle: pause (release), then a plain torch.empty of the freed memory (less 1 G
 given back (the memory is really the driver's), then resume; by the pausing process itself
 (--taker same, the default: a trainer colocated with the engine) or by a process of its own
 (--taker other: a trainer beside the engine, as in slime or verl; the driver then hands the
-resume memory another process freed). Timed: pause + resume. After every cycle every kept bit is digested on the GPU and compared (a change fails the case).
+resume memory another process freed). Timed: pause + resume. After every cycle every kept bit
+is digested on the GPU and compared (a change fails the case).
 
 Beside each figure: the bytes that crossed the host link, the bytes moved on the GPU, and the
 physical limit: bytes over the link / the pinned link bandwidth (each way) + bytes moved on

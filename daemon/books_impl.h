@@ -187,8 +187,8 @@ static inline int sl_books_no_client(struct sl_err *err, uint64_t client_id) {
                     "no client %" PRIu64 " (disconnected?); reconnect to subletd", client_id);
 }
 
-/* Does client_id see what uid holds? Status's rule (status.c): its own user's, and every
- * user's when trusted. A refusal says no more to it than status would show it. */
+/* Does client_id see what uid holds? sl_peer_reaches (books.h), status's rule too. A refusal
+ * says no more to it than status would show it. */
 static inline int sl_books_sees(const struct sl_books *b, uint64_t client_id, uid_t uid) {
   const struct sl_client *c = sl_books_find_client(b, client_id);
 

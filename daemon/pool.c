@@ -79,8 +79,6 @@ void sl_pool_region_unmap_release(struct sl_pool *p, struct sl_pool_region *r) {
   free(r);
 }
 
-/* Creates pages [from, to) of r and maps them after the others, in r's reservation; touches
- * nothing else of r. On failure undoes exactly what it did. */
 /* Maps pages [from, to) of r in the daemon's mapping; *mapped: how far it got. */
 static int pages_map(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
                      uint64_t *mapped, struct sl_err *err) {
@@ -149,15 +147,6 @@ int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r, struct sl_er
     r->unmapped = 0;
   else
     sl_pool_unmap_range(p, r, 0, mapped);
-  return rc;
-}
-
-int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
-  int rc = sl_pool_region_make(p, region_id, npages, cap_pages, out, err);
-
-  if (rc == 0 && (rc = sl_pool_region_map(p, *out, err)) != 0)
-    sl_pool_region_unmap_release(p, *out);
   return rc;
 }
 

@@ -21,19 +21,17 @@ int sl_pool_new(struct sl_device *dev, struct sl_pool **out);
 void sl_pool_free(struct sl_pool *p);
 
 /* A region in halves, so that the slow one (creating and mapping, or unmapping and releasing,
- * every page: 2 s for 64 GiB on an H200) can run off the event loop: build and free touch
+ * every page: 2 s for 64 GiB on an H200) can run off the event loop: make, map and free touch
  * only the region and the device (any thread); add and take, the pool's list (the loop). take
  * returns NULL for a region it does not have, or one a transfer still holds (freed with it). */
 struct sl_pool_region;
-/* cap_pages: the pages it may grow to (address space reserved now, in the daemon's mapping);
- * npages or less for a region that never grows. */
-int sl_pool_region_build(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
-/* build in two steps: make (any thread) creates the pages, which may be exported at once;
- * map (any thread, the region held) maps them in the daemon's mapping, which every transfer
- * needs (one of a region not mapped yet, or whose map failed, is refused). The map of 32,768
- * pages takes most of a second on an H200 (mostly cuMemSetAccess): made then mapped, a new
- * region's pages go to its owner while the daemon maps them. */
+/* A region's pages, in two steps. make (any thread) creates them, which may be exported at
+ * once; cap_pages: the pages it may grow to (address space reserved now, in the daemon's
+ * mapping), npages or less for a region that never grows. map (any thread, the region held)
+ * maps them in the daemon's mapping, which every transfer needs (one of a region not mapped
+ * yet, or whose map failed, is refused). The map of 32,768 pages takes most of a second on an
+ * H200 (mostly cuMemSetAccess): made then mapped, a new region's pages go to its owner while
+ * the daemon maps them. */
 int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
 int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err);

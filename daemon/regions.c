@@ -73,27 +73,32 @@ static void map_run(struct sl_job *j) {
   j->rc = sl_pool_region_map(j->d->pool, mj->r, &j->err);
 }
 
+static void map_failed(uint64_t region, const struct sl_err *err) {
+  sl_error("region %llu: its pages could not be mapped in subletd, so it cannot be lent or "
+           "released: %s", (unsigned long long)region, err->msg);
+}
+
 static void map_done(struct sl_job *j) {
   struct map_job *mj = (struct map_job *)j;
 
   if (j->rc != 0)
-    sl_error("region %llu: its pages could not be mapped in subletd, so it cannot be lent or "
-             "released: %s", (unsigned long long)mj->region, j->err.msg);
+    map_failed(mj->region, &j->err);
   sl_pool_region_put(j->d->pool, mj->r);
   free(mj);
 }
 
-static void submit_map(struct sl_daemon *d, struct sl_pool_region *r, uint64_t region) {
+static void submit_map(struct sl_daemon *d, uint64_t region) {
   struct map_job *mj = calloc(1, sizeof(*mj));
+  struct sl_pool_region *r = sl_pool_region_hold(d->pool, region);
   struct sl_err err = {0};
 
   if (mj == NULL) { /* on the loop, then */
     if (sl_pool_region_map(d->pool, r, &err) != 0)
-      sl_error("region %llu: its pages could not be mapped in subletd: %s",
-               (unsigned long long)region, err.msg);
+      map_failed(region, &err);
+    sl_pool_region_put(d->pool, r);
     return;
   }
-  mj->r = sl_pool_region_hold(d->pool, region);
+  mj->r = r;
   mj->region = region;
   mj->job.run = map_run;
   mj->job.done = map_done;
@@ -108,12 +113,13 @@ static void region_built(struct sl_job *j) {
   d->building_bytes -= rj->bytes;
   if (j->rc == 0) {
     sl_pool_region_add(d->pool, rj->built);
-    submit_map(d, rj->built, rj->region);
-    if (c != NULL)
+    if (c != NULL) {
       reply_region_created(c, rj->req_id, rj->region, rj->npages,
                            rj->cap_pages > rj->npages ? "growable, " : "");
-    else /* its client went meanwhile, and the region left the books with it */
+      submit_map(d, rj->region);
+    } else { /* its client went meanwhile, and the region left the books with it */
       sl_retire_region(d, rj->region);
+    }
   } else if (c != NULL) {
     sl_books_region_remove(d->books, c->client_id, rj->region, NULL);
     sl_conn_send_error(c, rj->req_id, &j->err);

@@ -1,8 +1,9 @@
 /* test_pool.c - the pool's transfers on the memfd backend, white box (pool_impl.h): a release
  * saves a region's bytes and lets go of its pages, a resume makes them again as groups and
  * copies the bytes back, and a resume whose making fails part way (the device's create refused
- * after N calls) copies nothing, keeps no fresh handle and can be run again. Bytes are compared after every resume. A region made but not
- * yet mapped in the daemon exports its pages and refuses transfers until mapped.
+ * after N calls) copies nothing, keeps no fresh handle and can be run again. Bytes are
+ * compared after every resume. A region made but not yet mapped in the daemon exports its
+ * pages and refuses transfers until mapped.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -92,7 +93,8 @@ int main(void) {
   faulty.create = faulty_create;
   dev->ops = &faulty;
   CHECK_EQ(sl_pool_new(dev, &p), 0);
-  CHECK_EQ(sl_pool_region_build(p, 7, PAGES, PAGES, &r, &err), 0);
+  CHECK_EQ(sl_pool_region_make(p, 7, PAGES, PAGES, &r, &err), 0);
+  CHECK_EQ(sl_pool_region_map(p, r, &err), 0);
   sl_pool_region_add(p, r);
   bytes = PAGES * p->page_size;
   for (uint64_t i = 0; i < PAGES; i++)
