@@ -110,7 +110,7 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int):
     """Greedy generation continuing `ids` with `cache` (generate() feeds only the positions
     past cache.get_seq_length()); returns (sequences, scores as one [steps, batch, vocab]
     tensor)."""
-    with torch.no_grad():
+    with torch.no_grad(), deterministic():
         # Eager: on CUDA, generate() with a static cache compiles the forward (CUDA graphs
         # and autotuned kernels), and a compiled step's logits need not equal an eager one's
         # bit for bit; both runs compared here must take the same kernels.
@@ -118,6 +118,22 @@ def greedy(model, ids: torch.Tensor, cache, new_tokens: int):
                              do_sample=False, output_scores=True, return_dict_in_generate=True,
                              **{CACHE_KW: cache})
     return out.sequences, torch.stack(out.scores)
+
+
+@contextlib.contextmanager
+def deterministic():
+    """PyTorch's deterministic kernels for the duration. Without them, on the H200 (torch
+    2.11), one generation repeated over the same cache gave logits that differed in their
+    bits, and now and then in a token (the attention over a 16384-long StaticCache splits
+    its sum in a run-dependent order): then a comparison with a reference says nothing of
+    the loan."""
+    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 # --------------------------------------------------------------------------- continuous batching
@@ -130,28 +146,29 @@ def continuous_batching(model, gen, cb, inputs: list[list[int]], max_new_tokens:
     it is paused (the cache is then the live requests' only copy). Returns every request's
     generated tokens, in the order of `inputs`, and what lend returned ({} without it).
     `timeout` bounds each wait for a result and the stop."""
-    manager = model.init_continuous_batching(generation_config=gen,
-                                             continuous_batching_config=cb)
-    ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens)
-    manager.start()
-    report = {}
-    try:
-        if lend is not None:
-            while getattr(manager, "current_batch", 0) < lend_at_step:
-                assert manager.is_running(), "the generation loop died"
-                time.sleep(0.001)
-            with manager.pause():
-                report = lend(manager.batch_processor.cache)
-        results = {}
-        while len(results) < len(ids):
-            r = manager.get_result(timeout=timeout)
-            assert r is not None, f"continuous batching gave no result within {timeout} s"
-            if r.is_finished():
-                assert r.error is None, r.error
-                results[r.request_id] = list(r.generated_tokens)
-    finally:
-        manager.stop(block=True, timeout=timeout)
-        manager.destroy()
+    with deterministic():  # the reference and the run with a loan must agree bit for bit
+        manager = model.init_continuous_batching(generation_config=gen,
+                                                 continuous_batching_config=cb)
+        ids = manager.add_requests(inputs, max_new_tokens=max_new_tokens)
+        manager.start()
+        report = {}
+        try:
+            if lend is not None:
+                while getattr(manager, "current_batch", 0) < lend_at_step:
+                    assert manager.is_running(), "the generation loop died"
+                    time.sleep(0.001)
+                with manager.pause():
+                    report = lend(manager.batch_processor.cache)
+            results = {}
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=timeout)
+                assert r is not None, f"continuous batching gave no result within {timeout} s"
+                if r.is_finished():
+                    assert r.error is None, r.error
+                    results[r.request_id] = list(r.generated_tokens)
+        finally:
+            manager.stop(block=True, timeout=timeout)
+            manager.destroy()
     return [results[i] for i in ids], report
 
 
