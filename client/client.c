@@ -447,6 +447,7 @@ static int hello(sublet_client *c) {
     c->pinned_ok = rep->welcome->pinned;
     c->release_ok = rep->welcome->release;
     c->offer_ok = rep->welcome->release_offer;
+    c->early_resume_ok = rep->welcome->early_resume;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

@@ -335,8 +335,13 @@ void sl_loan_end_clear(struct sl_loan_end *end);
  * (moves, then saves, then the daemon lets go of the released pages), state RELEASING;
  * release_done commits it (RELEASED) or, failed, drops it (the pages were never let go of).
  * resume_begin gives the undoing (the released pages made again, the saves copied back, the
- * moves undone), state RESUMING; resume_done ends it, or (failed) it is RELEASED again. */
-enum sl_release_state { SL_REL_RELEASING = 1, SL_REL_RELEASED = 2, SL_REL_RESUMING = 3 };
+ * moves undone), state RESUMING; resume_done ends it, or (failed) it is RELEASED again. An
+ * early resume (Resume.early) says when its pages are made, resume_made: state RESTORING, the
+ * pages are the region's (its owner may fetch them) while the kept bytes are put back, and
+ * resume_done ends it whatever the copies did (the owner holds the pages by then). */
+enum sl_release_state {
+  SL_REL_RELEASING = 1, SL_REL_RELEASED = 2, SL_REL_RESUMING = 3, SL_REL_RESTORING = 4
+};
 
 /* Page groups. A page made by cuMemCreate costs the same to export, import and map as one of
  * 128 pages (0.13 ms to import on an H200), so a resume may make each run of released pages
@@ -382,6 +387,9 @@ void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok);
 int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
                           int groups, struct sl_release_work *w, struct sl_err *err);
 void sl_books_resume_done(struct sl_books *b, uint64_t release_id, int ok);
+/* An early resume's pages are made: its release is RESTORING (0), or ENOENT / EBUSY (not
+ * RESUMING). */
+int sl_books_resume_made(struct sl_books *b, uint64_t release_id);
 void sl_release_work_clear(struct sl_release_work *w);
 int sl_books_release_info(const struct sl_books *b, uint64_t release_id,
                           struct sl_release_info *ri);

@@ -20,7 +20,8 @@
 #include "books_impl.h"
 #include "grow.h"
 
-static const char *const rel_state_names[] = {"", "releasing", "released", "resuming"};
+static const char *const rel_state_names[] = {"", "releasing", "released", "resuming",
+                                              "restoring"};
 
 static struct sl_release *find_release(const struct sl_books *b, uint64_t id) {
   return sl_books_find_by_id(b->releases, b->nreleases, sizeof(*b->releases), id);
@@ -75,7 +76,8 @@ int sl_books_releases_hold(const struct sl_books *b, uint64_t region_id, uint64_
                            uint64_t count, uint64_t *release_id) {
   for (size_t i = 0; i < b->nreleases; i++) {
     const struct sl_release *rel = &b->releases[i];
-    if (rel->region_id == region_id && holds_pages(rel, first, count)) {
+    if (rel->region_id == region_id && rel->state != SL_REL_RESTORING &&
+        holds_pages(rel, first, count)) {
       *release_id = rel->id;
       return 1;
     }
@@ -543,10 +545,29 @@ static void pages_changed(struct sl_books *b, uint64_t region_id) {
   r->layout = NULL;
 }
 
+int sl_books_resume_made(struct sl_books *b, uint64_t release_id) {
+  struct sl_release *rel = find_release(b, release_id);
+  struct sl_region *r;
+
+  if (rel == NULL)
+    return SUBLET_ENOENT;
+  if (rel->state != SL_REL_RESUMING)
+    return SUBLET_EBUSY;
+  if ((r = sl_books_find_region(b, rel->region_id)) != NULL)
+    apply_groups(r, rel);
+  pages_changed(b, rel->region_id);
+  rel->state = SL_REL_RESTORING;
+  return 0;
+}
+
 void sl_books_resume_done(struct sl_books *b, uint64_t release_id, int ok) {
   struct sl_release *rel = find_release(b, release_id);
   struct sl_region *r;
 
+  if (rel != NULL && rel->state == SL_REL_RESTORING) { /* the owner has the pages already */
+    release_delete(b, rel);
+    return;
+  }
   if (rel == NULL || rel->state != SL_REL_RESUMING)
     return;
   r = sl_books_find_region(b, rel->region_id);
@@ -607,5 +628,5 @@ int sl_books_release_next(const struct sl_books *b, uint64_t after,
 }
 
 const char *sl_books_release_state_name(enum sl_release_state s) {
-  return s >= SL_REL_RELEASING && s <= SL_REL_RESUMING ? rel_state_names[s] : "?";
+  return s >= SL_REL_RELEASING && s <= SL_REL_RESTORING ? rel_state_names[s] : "?";
 }

@@ -330,12 +330,14 @@ void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
 void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
                           uint64_t req_id);
 
-/* releases.c: Lend.release (takes the Lend's keep and pinned lists, and *keep_fd), Resume;
- * the areas of releases that left the books go back; what live releases hold pinned. */
+/* releases.c: Lend.release (takes the Lend's keep and pinned lists, and *keep_fd), Resume,
+ * ResumeEnd; the areas of releases that left the books go back; what live releases hold pinned. */
 int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
                       struct sl_err *err);
 int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err);
+int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
+                           struct sl_err *err);
 void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
 /* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,

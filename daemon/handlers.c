@@ -58,6 +58,7 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_pinned = w.pinned = 1;
   w.has_release = w.release = 1;
   w.has_release_offer = w.release_offer = 1;
+  w.has_early_resume = w.early_resume = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -231,6 +232,8 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
       return sl_regions_dropped(x->c, x->id, r->dropped, &x->err);
     case SUBLET__REQUEST__BODY_RESUME:
       return sl_releases_resume(x->c, x->id, r->resume, &x->err);
+    case SUBLET__REQUEST__BODY_RESUME_END:
+      return sl_releases_resume_end(x->c, x->id, r->resume_end, &x->err);
     case SUBLET__REQUEST__BODY_RELEASE_OFFER:
       return sl_release_offers_offer(x, r->release_offer);
     case SUBLET__REQUEST__BODY_OFFER_STEP: return sl_release_offers_step(x, r->offer_step);

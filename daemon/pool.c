@@ -554,6 +554,15 @@ uint64_t sl_pool_area_bytes(const struct sl_pool_area *a) {
 }
 
 /* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
+void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a) {
+  if (a == NULL)
+    return;
+  if (a->busy > 0)
+    a->doomed = 1; /* freed by the last transfer that uses it */
+  else
+    sl_pool_area_free(p->dev, a);
+}
+
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
   int slot = 0;
   struct sl_pool_area *loser;
@@ -570,12 +579,7 @@ void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
   } else {
     p->spares[slot] = a;
   }
-  if (loser == NULL)
-    return;
-  if (loser->busy > 0)
-    loser->doomed = 1;
-  else
-    sl_pool_area_free(p->dev, loser);
+  sl_pool_area_drop(p, loser);
 }
 
 struct sl_pool_area *sl_pool_area_hold(struct sl_pool *p) {

@@ -120,6 +120,8 @@ int sl_pool_transfer_new_in(struct sl_pool *p, struct sl_pool_area *area, enum s
 int sl_pool_area_take(struct sl_pool *p, uid_t uid, struct sl_pool_area **out, int *fd,
                       struct sl_err *err);
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a);
+/* The area goes, never a spare (another process may still read its memfd). */
+void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a);
 uint64_t sl_pool_area_bytes(const struct sl_pool_area *a);
 /* The loans' current save area (NULL: none yet), held: it outlives the transfers that use it
  * and a claim of another user that replaces it, until sl_pool_area_put. detach makes it the

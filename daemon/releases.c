@@ -5,8 +5,11 @@
  * sorted and merged, the layout: long lists take tens of ms), then the device work (kept bytes
  * moved into the pages that stay, the rest saved, the released pages let go of). Until the
  * client hears Released and unmaps them, its own mapping holds the pages: nothing is lost if
- * anything dies before. A resume is one job: the pages made again (all or none), the saves
- * copied back, the moves undone; the client maps the new pages once it hears Resumed.
+ * anything dies before. A resume makes the pages again (all or none, on the loop), then one
+ * job copies the saves back and undoes the moves; the client maps the new pages once it hears
+ * Resumed. An early resume (Resume.early) says Resumed as soon as the pages are made, and its
+ * connection reads on: the owner fetches and maps them while the job copies, then asks for
+ * the end (ResumeEnd), answered when the job is done. Its live release stays until then.
  *
  * Each live release has its own save area (pool.h: a spare of its user's when there is one),
  * whose fd goes to the owner with Released (read-only), with the plan, so that its library
@@ -20,10 +23,14 @@
 #include "daemon.h"
 #include "log.h"
 
-/* The daemon's side of a live release: its save area. */
+struct release_job;
+
+/* The daemon's side of a live release: its save area, and its resume's job while one runs
+ * (an early one's until its owner has heard the end). */
 struct sl_live_release {
   uint64_t id;
   struct sl_pool_area *area;
+  struct release_job *resuming;
   struct sl_live_release *next;
 };
 
@@ -39,7 +46,12 @@ struct release_job {
   struct sl_pool_area *area;
   int area_fd;       /* the area's (not owned) */
   double t0;
+  int early;         /* an early resume: 1 while its pages are made, 2 while it copies */
+  int ended;         /* ... and its copies are done */
+  uint64_t end_req;  /* its ResumeEnd's request, once one waits (job.conn its connection) */
 };
+
+static void job_free(struct release_job *rj);
 
 static struct sl_live_release **live_link(struct sl_daemon *d, uint64_t id) {
   struct sl_live_release **link = &d->releases;
@@ -49,6 +61,15 @@ static struct sl_live_release **live_link(struct sl_daemon *d, uint64_t id) {
   return link;
 }
 
+/* Unlinks release id's record, the caller's now (NULL: none). */
+static struct sl_live_release *live_take(struct sl_daemon *d, uint64_t id) {
+  struct sl_live_release **link = live_link(d, id), *lr = *link;
+
+  if (lr != NULL)
+    *link = lr->next;
+  return lr;
+}
+
 /* The live releases the books no longer have (their region went, with its owner) give their
  * areas back. */
 void sl_releases_prune(struct sl_daemon *d) {
@@ -56,11 +77,14 @@ void sl_releases_prune(struct sl_daemon *d) {
   struct sl_release_info ri;
 
   while ((lr = *link) != NULL) {
-    if (sl_books_release_info(d->books, lr->id, &ri) == 0) {
+    if (sl_books_release_info(d->books, lr->id, &ri) == 0 ||
+        (lr->resuming != NULL && !lr->resuming->ended)) { /* its job's end prunes it */
       link = &lr->next;
       continue;
     }
     *link = lr->next;
+    if (lr->resuming != NULL) /* an early resume whose owner went before asking its end */
+      job_free(lr->resuming);
     sl_pool_area_give(d->pool, lr->area);
     free(lr);
   }
@@ -165,12 +189,17 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
     m.n_moves = 3 * w->nmoves;
     m.saves = saves;
     m.n_saves = 3 * w->ncopies;
+  } else if (rj->early && !rj->ended) { /* the pages only: the copies have not run yet */
+    m.groups = w->groups;
+    m.n_groups = 2 * w->ngroups;
   } else {
     m.groups = w->groups;
     m.n_groups = 2 * w->ngroups;
     m.has_copied_in_bytes = m.has_copy_in_seconds = 1;
     m.copied_in_bytes = w->saved_bytes;
     m.copy_in_seconds = rj->job.seconds;
+    m.has_restored = 1;
+    m.restored = rj->job.rc == 0;
   }
   rep.id = rj->req_id;
   rep.body_case = body;
@@ -319,28 +348,115 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
 
 /* ---- resuming ----------------------------------------------------------------------------- */
 
+/* A resume's job runs its transfer: the pages made and the kept bytes put back, or (an early
+ * resume) first the pages alone, then the kept bytes in a second run (early_made). */
 static void resume_run(struct sl_job *j) {
   struct release_job *rj = (struct release_job *)j;
 
   j->rc = sl_pool_transfer_run(rj->transfer, &j->seconds, &j->move_seconds, &j->err);
 }
 
+/* An early resume is over: the books and the live release let go of it, its owner hears the
+ * end (c: the ResumeEnd's connection). Copies that failed leave the kept bytes to the owner
+ * (Resumed.restored false): the area is not kept as a spare then, the owner reads it. */
+static void early_finish(struct release_job *rj, struct sl_conn *c, uint64_t req_id) {
+  struct sl_daemon *d = rj->job.d;
+  struct sl_live_release *lr = live_take(d, rj->work.release_id);
+  int restored = rj->job.rc == 0;
+
+  sl_books_resume_done(d->books, rj->work.release_id, 1);
+  sl_check_books(d, req_id);
+  if (lr != NULL) {
+    if (restored)
+      rj->area = lr->area; /* back with the job, a spare */
+    else
+      sl_pool_area_drop(d->pool, lr->area);
+    free(lr);
+  }
+  if (restored)
+    log_release(rj, "resumed");
+  else
+    sl_error("release %llu: its kept bytes could not be put back (%s); its owner puts them "
+             "back from the save area", (unsigned long long)rj->work.release_id, rj->job.err.msg);
+  rj->req_id = req_id;
+  rj->job.conn = c;
+  if (reply_stats(rj, SUBLET__REPLY__BODY_RESUMED, -1) != 0)
+    sl_conn_close(c);
+  sl_conn_resume(c);
+  job_free(rj);
+}
+
+/* An early resume's copies are done: its owner hears so now if its ResumeEnd waits, else when
+ * it comes; if the owner went (the release left the books with its region), it ends here. */
+static void early_done(struct release_job *rj) {
+  struct sl_release_info ri;
+
+  rj->ended = 1;
+  if (rj->job.conn != NULL)
+    early_finish(rj, rj->job.conn, rj->end_req);
+  else if (sl_books_release_info(rj->job.d->books, rj->work.release_id, &ri) != 0)
+    sl_releases_prune(rj->job.d); /* frees rj */
+}
+
+/* The transfer that puts release's kept bytes back (copies: 0 for none, the pages alone). */
+static int restore_transfer(struct sl_daemon *d, struct release_job *rj, int copies,
+                            struct sl_err *err) {
+  const struct sl_release_work *w = &rj->work;
+  struct sl_live_release *lr = *live_link(d, w->release_id);
+
+  if (lr == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "internal error: release %llu has no save area",
+                      (unsigned long long)w->release_id);
+  return sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_DEVICE, w->region_id,
+                                 copies ? w->copies : NULL, copies ? w->ncopies : 0,
+                                 copies ? w->moves : NULL, copies ? w->nmoves : 0,
+                                 &rj->transfer, err);
+}
+
+/* An early resume's pages are made and the pool's table has them (its transfer settles them
+ * as it goes): the owner hears Resumed and fetches them while the second run copies. */
+static void early_made(struct release_job *rj) {
+  struct sl_daemon *d = rj->job.d;
+  struct sl_conn *c = rj->job.conn;
+
+  sl_pool_transfer_free(rj->transfer);
+  rj->transfer = NULL;
+  sl_books_resume_made(d->books, rj->work.release_id);
+  sl_check_books(d, rj->req_id);
+  if (reply_stats(rj, SUBLET__REPLY__BODY_RESUMED, -1) != 0)
+    sl_conn_close(c); /* the copies go on: their end finds no owner */
+  sl_conn_resume(c);
+  rj->job.conn = NULL;
+  rj->early = 2;
+  rj->job.seconds = rj->job.move_seconds = 0;
+  rj->job.rc = restore_transfer(d, rj, 1, &rj->job.err); /* failed: the run is skipped */
+  sl_job_submit(d, &rj->job);
+}
+
 static void resume_done(struct sl_job *j) {
   struct release_job *rj = (struct release_job *)j;
   struct sl_daemon *d = j->d;
   int ok = j->rc == 0 && rj->made == rj->work.nreleased;
+  struct sl_live_release *lr = *live_link(d, rj->work.release_id);
 
+  if (rj->early == 2) {
+    early_done(rj);
+    return;
+  }
+  if (rj->early == 1 && ok && j->conn != NULL) {
+    early_made(rj);
+    return;
+  }
+  if (lr != NULL)
+    lr->resuming = NULL;
   sl_books_resume_done(d->books, rj->work.release_id, ok);
   sl_check_books(d, rj->req_id);
-  if (ok) {
-    struct sl_live_release **link = live_link(d, rj->work.release_id), *lr = *link;
-    if (lr != NULL) { /* its area goes back with the job */
-      *link = lr->next;
-      rj->area = lr->area;
-      free(lr);
-    }
-    log_release(rj, "resumed");
+  if (ok && (lr = live_take(d, rj->work.release_id)) != NULL) {
+    rj->area = lr->area; /* back with the job, a spare */
+    free(lr);
   }
+  if (ok)
+    log_release(rj, "resumed");
   if (!ok || j->conn == NULL) {
     sl_releases_prune(d);
     job_fail(rj, &j->err);
@@ -354,14 +470,8 @@ static void resume_done(struct sl_job *j) {
 
 static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct sl_err *err) {
   const struct sl_release_work *w = &rj->work;
-  struct sl_live_release *lr = *live_link(d, w->release_id);
-  int rc;
+  int rc = restore_transfer(d, rj, !rj->early, err);
 
-  if (lr == NULL)
-    return sl_err_set(err, SUBLET_ENOENT, "internal error: release %llu has no save area",
-                      (unsigned long long)w->release_id);
-  rc = sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_DEVICE, w->region_id, w->copies,
-                               w->ncopies, w->moves, w->nmoves, &rj->transfer, err);
   if (rc == 0 && w->groups != NULL)
     rc = sl_pool_transfer_make_groups(rj->transfer, w->groups, w->ngroups, &rj->made, err);
   else if (rc == 0)
@@ -380,6 +490,7 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
   if (rj == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   rj->lists.keep_fd = -1;
+  rj->early = m->has_early && m->early;
   rc = sl_books_resume_begin(d->books, c->client_id, m->release, m->has_groups && m->groups,
                              &rj->work, err);
   if (rc == 0 && rj->work.nreleased > avail)
@@ -400,6 +511,33 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
   rj->job.run = resume_run;
   rj->job.done = resume_done;
   rj->job.conn = c;
+  (*live_link(d, rj->work.release_id))->resuming = rj; /* restore_transfer found it */
   sl_job_submit(d, &rj->job);
+  return 0;
+}
+
+int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
+                           struct sl_err *err) {
+  struct sl_live_release *lr = *live_link(c->d, m->release);
+  struct release_job *rj = lr != NULL ? lr->resuming : NULL;
+  struct sl_release_info ri;
+
+  if (sl_books_release_info(c->d->books, m->release, &ri) != 0)
+    return sl_err_set(err, SUBLET_ENOENT, "no release %llu (resumed already, or its region "
+                      "has gone)", (unsigned long long)m->release);
+  if (ri.owner_client != c->client_id)
+    return sl_err_set(err, SUBLET_EPERM, "release %llu belongs to another client; only its "
+                      "owner may end its resume", (unsigned long long)m->release);
+  if (rj == NULL || rj->early != 2 || rj->job.conn != NULL)
+    return sl_err_set(err, SUBLET_EBUSY, "release %llu is %s, not restoring after an early "
+                      "Resume: ResumeEnd follows an early Resumed, once",
+                      (unsigned long long)m->release, sl_books_release_state_name(ri.state));
+  if (rj->ended) {
+    early_finish(rj, c, id);
+    return 0;
+  }
+  rj->job.conn = c; /* the connection waits, paused, until the copies are done (jobs.c) */
+  rj->end_req = id;
+  c->job = &rj->job;
   return 0;
 }

@@ -381,6 +381,42 @@ static void test_groups_resume_fails(void) {
   sl_books_free(b);
 }
 
+/* An early resume: once its pages are made (resume_made) the owner may fetch them, groups and
+ * all, while the release, "restoring", still refuses a loan, another resume and others' hands;
+ * its end deletes it whatever the copies did (the owner holds the pages). */
+static void test_early_resume(void) {
+  struct sl_books *b = books_new();
+  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  struct sl_release_work w = {0}, u = {0}, v = {0};
+  struct sl_release_info ri;
+  uint8_t token[SUBLET_TOKEN_SIZE] = {3};
+  struct sl_err err = {0};
+
+  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, &w, NULL), 0);
+  sl_books_release_done(b, w.release_id, 1);
+  CHECK_EQ(sl_books_resume_made(b, w.release_id), SUBLET_EBUSY); /* not resuming */
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 1, &u, NULL), 0);
+  CHECK_EQ(sl_books_pages_granted(b, o, r, 0, 64, &err), SUBLET_EBUSY); /* not made yet */
+  CHECK_EQ(sl_books_resume_made(b, w.release_id), 0);
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), 0);
+  CHECK_EQ(ri.state, SL_REL_RESTORING);
+  CHECK(strcmp(sl_books_release_state_name(ri.state), "restoring") == 0);
+  CHECK_EQ(sl_books_pages_granted(b, o, r, 0, 64, NULL), 0);
+  CHECK_EQ(sl_books_pages_as_groups(b, r, 0, 64, 1, NULL), 0);
+  CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 1, &v, &err), SUBLET_EBUSY);
+  CHECK_MSG(err, "restoring");
+  CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 0, "x", token, &loan, &err), SUBLET_EBUSY);
+  sl_books_resume_done(b, w.release_id, 0); /* copies failed: over all the same */
+  BOOKS_OK(b);
+  CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), SUBLET_ENOENT);
+  CHECK_EQ(sl_books_region_released(b, r), 0);
+  CHECK_EQ(sl_books_resume_made(b, w.release_id), SUBLET_ENOENT);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  sl_books_free(b);
+}
+
 int main(void) {
   test_where_kept_bytes_go();
   test_the_pages_that_stay_are_one_window();
@@ -390,5 +426,6 @@ int main(void) {
   test_failure_and_owner_gone();
   test_page_groups();
   test_groups_resume_fails();
+  test_early_resume();
   return check_report("books_release");
 }
