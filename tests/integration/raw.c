@@ -57,6 +57,17 @@ int sl_raw_hello(int fd, struct sl_wire_rx *rx) {
   return ok ? 0 : -1;
 }
 
+int sl_raw_open(const char *path, struct sl_wire_rx *rx) {
+  int fd = sl_raw_connect(path);
+
+  sl_wire_rx_init(rx);
+  if (fd >= 0 && sl_raw_hello(fd, rx) != 0) {
+    close(fd);
+    fd = -1;
+  }
+  return fd;
+}
+
 uint64_t sl_raw_region(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t size) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__RegionCreate rc = SUBLET__REGION_CREATE__INIT;

@@ -14,6 +14,8 @@
 int sl_raw_connect(const char *path);
 /* Sends Hello (id 1) and reads Welcome: 0, or -1. */
 int sl_raw_hello(int fd, struct sl_wire_rx *rx);
+/* Connects and says Hello, rx initialised (destroy it whatever the result): the fd, or -1. */
+int sl_raw_open(const char *path, struct sl_wire_rx *rx);
 /* Sends req with fds (they stay the caller's); 0 or a negative code. */
 int sl_raw_send(int fd, const Sublet__Request *req, const int *fds, size_t nfds);
 /* Reads one reply within timeout_ms, closing its fds; the reply (freed by the caller) or NULL. */

@@ -176,11 +176,9 @@ static void test_what_the_daemon_refuses(void) {
   uint64_t region;
 
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
-  sl_wire_rx_init(&rx);
-  sl_wire_rx_init(&rx2);
-  a = sl_raw_connect(d.socket);
-  b = sl_raw_connect(d.socket);
-  CHECK(a >= 0 && b >= 0 && sl_raw_hello(a, &rx) == 0 && sl_raw_hello(b, &rx2) == 0);
+  a = sl_raw_open(d.socket, &rx);
+  b = sl_raw_open(d.socket, &rx2);
+  CHECK(a >= 0 && b >= 0);
   region = sl_raw_region(a, &rx, 2, 4 * PAGE);
   CHECK(region != 0);
   CHECK(offer_from_child(d.socket, region) == 0);

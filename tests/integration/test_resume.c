@@ -94,11 +94,9 @@ static void test_early_resume_by_hand(void) {
   int a, b;
 
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
-  sl_wire_rx_init(&rx);
-  sl_wire_rx_init(&rx2);
-  a = sl_raw_connect(d.socket);
-  b = sl_raw_connect(d.socket);
-  CHECK(a >= 0 && b >= 0 && sl_raw_hello(a, &rx) == 0 && sl_raw_hello(b, &rx2) == 0);
+  a = sl_raw_open(d.socket, &rx);
+  b = sl_raw_open(d.socket, &rx2);
+  CHECK(a >= 0 && b >= 0);
   CHECK((region = sl_raw_region(a, &rx, 2, PAGES * PAGE)) != 0);
   CHECK((rel = release_all(a, &rx, 3, region)) != 0);
   CHECK(end_code(a, &rx, 4, rel) == SUBLET_EBUSY);   /* released, not restoring */
@@ -154,10 +152,9 @@ static void test_owner_gone_while_restoring(void) {
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
   total = free_bytes(d.socket);
   for (int ask_end = 0; ask_end < 2; ask_end++) {
-    int a = sl_raw_connect(d.socket);
+    int a = sl_raw_open(d.socket, &rx);
     double t0 = sl_test_now();
-    sl_wire_rx_init(&rx);
-    CHECK(a >= 0 && sl_raw_hello(a, &rx) == 0);
+    CHECK(a >= 0);
     CHECK((region = sl_raw_region(a, &rx, 2, PAGES * PAGE)) != 0);
     CHECK((rel = release_all(a, &rx, 3, region)) != 0);
     rep = resume(a, &rx, 4, rel, 1);
