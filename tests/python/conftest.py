@@ -130,3 +130,10 @@ def kept_ranges_of(t, keep):
     if keep is None:
         return np.array([[0, storage.nbytes()]], dtype=np.uint64)
     return keep_ranges(keep, storage.data_ptr(), storage.nbytes(), t)
+
+
+def memfd_free_bytes() -> int:
+    """The memfd daemon's free bytes now (sublet.info asks it)."""
+    import sublet
+    return sublet.info("cpu").free_bytes
+

@@ -20,7 +20,7 @@ import torch
 import sublet
 from sublet.compat import torch_memory_saver as tms_module
 
-from conftest import PAGE
+from conftest import PAGE, memfd_free_bytes as free_bytes
 from pool_helpers import bits, random_bytes
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -59,10 +59,6 @@ def alloc(tms, nbytes: int, seed: int) -> torch.Tensor:
     pool = tms._impl.current_pool()
     assert pool is not None, "alloc() is for use inside a region"
     return random_bytes(pool.empty(nbytes, dtype=torch.uint8), seed)
-
-
-def free_bytes() -> int:
-    return sublet.info("cpu").free_bytes
 
 
 def releases(tms, tag: str) -> list:

@@ -40,7 +40,7 @@ import torch
 import sublet
 from sublet.compat import vllm as sv
 
-from conftest import PAGE
+from conftest import PAGE, memfd_free_bytes as free_bytes
 from pool_helpers import bits, random_bytes
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -116,10 +116,6 @@ def engine(alloc):
     yield e
     del e.weights, e.workspace, e.runtime, e.kv_buffer, e.kv_caches
     gc.collect()
-
-
-def free_bytes() -> int:
-    return sublet.info("cpu").free_bytes
 
 
 # --------------------------------------------------------------------------- level 1

@@ -23,15 +23,11 @@ import pytest
 import torch
 
 import sublet
-from conftest import PAGE, REPO
+from conftest import PAGE, REPO, memfd_free_bytes as free_bytes
 from pool_helpers import bits, fill_loan, layers, random_bytes
 from test_survive import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
-
-
-def free_bytes() -> int:
-    return sublet.info("cpu").free_bytes
 
 
 def keep_blocks(caches, live):

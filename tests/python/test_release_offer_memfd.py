@@ -28,7 +28,7 @@ import torch
 import sublet
 from sublet import _memory
 
-from conftest import CHILD_ENV, PAGE
+from conftest import CHILD_ENV, PAGE, memfd_free_bytes as free_bytes
 from pool_helpers import bits, random_bytes
 from test_survive import Daemon, daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
@@ -127,10 +127,6 @@ def hog(nbytes: int) -> str:
                        text=True, timeout=60, env=dict(os.environ, **CHILD_ENV))
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
-
-
-def free_bytes() -> int:
-    return sublet.info("cpu").free_bytes
 
 
 def status() -> dict:
