@@ -26,7 +26,7 @@ def run_script(name: str, *args: str, timeout: float = 120) -> subprocess.Comple
 
 @pytest.mark.parametrize("name", [
     "benchmark.py", "bench_daemon.py", "bench_verify.py", "bench_release.py", "bench_empty.py",
-    "bench_host_link.py", "plot.py"])
+    "plot.py"])
 def test_help_exits_0(name):
     done = run_script(name, "--help")
     assert done.returncode == 0, done.stderr
