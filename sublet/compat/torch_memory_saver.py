@@ -108,12 +108,12 @@ class TorchMemorySaver:
         (NotImplementedError); cpu_backup_backend is accepted and ignored (the daemon holds
         the host copy)."""
         self._validate_cpu_backup_backend(enable_cpu_backup, cpu_backup_backend)
-        self._ensure_initialized()
+        impl = self._ensure_initialized()
         if enable_cpu_backup and enable_disk_backup:
             raise ValueError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
-        with self._impl.region(tag=tag, enable_cpu_backup=enable_cpu_backup,
-                               enable_disk_backup=enable_disk_backup,
-                               cpu_backup_backend=cpu_backup_backend):
+        with impl.region(tag=tag, enable_cpu_backup=enable_cpu_backup,
+                         enable_disk_backup=enable_disk_backup,
+                         cpu_backup_backend=cpu_backup_backend):
             yield
 
     @contextmanager
@@ -125,19 +125,19 @@ class TorchMemorySaver:
         replaces `pool`: the graphs of one tag share it, as graphs given one pool share
         theirs)."""
         self._validate_cpu_backup_backend(enable_cpu_backup, cpu_backup_backend)
-        self._ensure_initialized()
-        with self._impl.cuda_graph(cuda_graph=cuda_graph, pool=pool, stream=stream,
-                                   capture_error_mode=capture_error_mode, tag=tag,
-                                   enable_cpu_backup=enable_cpu_backup,
-                                   cpu_backup_backend=cpu_backup_backend):
+        impl = self._ensure_initialized()
+        with impl.cuda_graph(cuda_graph=cuda_graph, pool=pool, stream=stream,
+                             capture_error_mode=capture_error_mode, tag=tag,
+                             enable_cpu_backup=enable_cpu_backup,
+                             cpu_backup_backend=cpu_backup_backend):
             yield
 
     @contextmanager
     def disable(self):
         """Inside a region (or TMS_INIT_ENABLE=1): allocations in the block are ordinary
         PyTorch memory, in a MemPool of their own freed at the end."""
-        self._ensure_initialized()
-        with self._impl.disable():
+        impl = self._ensure_initialized()
+        with impl.disable():
             yield
 
     def pause(self, tag: Optional[str] = None, *, keep=None, stay: Optional[int] = None):
@@ -145,16 +145,16 @@ class TorchMemorySaver:
         Without keep: the enable_cpu_backup tensors' bytes go to the host, the others' are
         lost. sublet adds keep= (views of the tag's tensors, sublet.blocks(...)): those bytes
         come back, staying on the GPU where they fit unless stay= (bytes) says otherwise."""
-        self._ensure_initialized()
+        impl = self._ensure_initialized()
         if keep is None and stay is None:
-            self._impl.pause(tag=tag)  # the original's call: a plugged-in _impl keeps working
+            impl.pause(tag=tag)  # the original's call: a plugged-in _impl keeps working
         else:
-            self._impl.pause(tag=tag, keep=keep, stay=stay)
+            impl.pause(tag=tag, keep=keep, stay=stay)
 
     def resume(self, tag: Optional[str] = None):
         """Maps fresh memory at the same addresses and restores what pause() kept."""
-        self._ensure_initialized()
-        self._impl.resume(tag=tag)
+        impl = self._ensure_initialized()
+        impl.resume(tag=tag)
 
     @property
     def enabled(self):  # for compatibility, as the original
@@ -180,32 +180,32 @@ class TorchMemorySaver:
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value: int):
-        self._ensure_initialized()
-        self._impl.set_memory_margin_bytes(value)
+        impl = self._ensure_initialized()
+        impl.set_memory_margin_bytes(value)
 
     @property
     def retain_cpu_backup(self) -> bool:
-        self._ensure_initialized()
-        return self._impl.retain_cpu_backup
+        impl = self._ensure_initialized()
+        return impl.retain_cpu_backup
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool):
-        self._ensure_initialized()
-        self._impl.retain_cpu_backup = bool(value)
+        impl = self._ensure_initialized()
+        impl.retain_cpu_backup = bool(value)
 
     def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
         """The host copy of x (a contiguous tensor made in a region with enable_cpu_backup)
         while retain_cpu_backup holds one, else None (see the docs: the copy that pause()
         makes is the daemon's, not readable here)."""
-        self._ensure_initialized()
-        return self._impl.get_cpu_backup(x, zero_copy=zero_copy)
+        impl = self._ensure_initialized()
+        return impl.get_cpu_backup(x, zero_copy=zero_copy)
 
     def set_disk_backup_dir(self, path: str):
         """Creates the directory and records it; disk backup itself is not supported: a
         region with enable_disk_backup=True raises NotImplementedError."""
-        self._ensure_initialized()
+        impl = self._ensure_initialized()
         os.makedirs(path, exist_ok=True)
-        self._impl.disk_backup_dir = path
+        impl.disk_backup_dir = path
 
     def _validate_cpu_backup_backend(self, enable_cpu_backup: bool,
                                      cpu_backup_backend: Optional[CpuBackupBackend]) -> None:
@@ -217,12 +217,14 @@ class TorchMemorySaver:
             raise ValueError(f"cpu_backup_backend is 'mmap' or 'pinned', not "
                              f"{cpu_backup_backend!r}")
 
-    def _ensure_initialized(self):
-        if self._impl is not None:
-            return
-        self._impl = _TorchMemorySaverImpl(**self._impl_ctor_kwargs)
-        del self._impl_ctor_kwargs
-        self._impl.start_init_region()
+    def _ensure_initialized(self) -> _TorchMemorySaverImpl:
+        """The implementation, made on first use (the original's name; it returns None
+        there)."""
+        if self._impl is None:
+            self._impl = _TorchMemorySaverImpl(**self._impl_ctor_kwargs)
+            del self._impl_ctor_kwargs
+            self._impl.start_init_region()
+        return self._impl
 
 
 _PoolKey = tuple[str, bool, torch.device, bool]  # (tag, enable_cpu_backup, device, graph)
