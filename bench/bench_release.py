@@ -749,13 +749,15 @@ def tms_available() -> tuple[bool, str]:
         return True, "unknown version"
 
 
-def start_daemon(pin_gib: float):
-    """One subletd for the sublet children (as a service would be): benchmark.py's."""
+def start_daemon(pin_gib: float, log: Path | None = None):
+    """One subletd for the sublet children (as a service would be): benchmark.py's, its
+    debug log written to `log` when it stops."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import benchmark
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    benchmark.DAEMON_LOG = log.resolve() if log is not None else None
     return benchmark, benchmark.start_daemon(int(pin_gib * GiB))
 
 
@@ -792,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the driver's floor (it exports and imports every handle: "
                         "half a minute per case at 64 GiB)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--daemon-log", type=Path, default=None, metavar="FILE",
+                   help="run subletd with --log-level debug and write its log here (each "
+                        "job's time queued, running and on the loop; each request's)")
     p.add_argument("--taker", choices=("same", "other"), default="same",
                    help="who allocates the freed memory between pause and resume: the "
                         "pausing process (default: a colocated trainer) or another (a "
@@ -836,7 +841,7 @@ def main() -> int:
                if spec["mode"] == "tms"]
     sublet_cases = [spec for spec in cases if spec["mode"] == "sublet"]
     if sublet_cases:
-        results += run_sublet(sublet_cases, env, a.daemon_pin)
+        results += run_sublet(sublet_cases, env, a.daemon_pin, a.daemon_log)
     specs = floor_specs(results) if not a.no_floor else {}
     floors = run_child("floor", {"floors": specs}, env) if specs else {}
     if a.no_floor:
@@ -851,11 +856,12 @@ def main() -> int:
     return report(doc)
 
 
-def run_sublet(cases: list[dict], env: dict, pin_gib: float) -> list[dict]:
+def run_sublet(cases: list[dict], env: dict, pin_gib: float,
+               log: Path | None = None) -> list[dict]:
     """The sublet children, against one subletd started here (or $SUBLET_SOCKET's)."""
     if os.environ.get("SUBLET_SOCKET"):
         return [{**spec, **run_child("sublet", spec, env)} for spec in cases]
-    benchmark, daemon = start_daemon(pin_gib)
+    benchmark, daemon = start_daemon(pin_gib, log)
     try:
         child_env = {**env, **daemon.env}
         return [{**spec, **run_child("sublet", spec, child_env)} for spec in cases]

@@ -180,7 +180,7 @@ def test_main_runs_probe_cases_and_floor_in_order(br, monkeypatch, tmp_path, cap
             calls.append(("stop", None, False))
 
     monkeypatch.setattr(br, "run_child", fake_child)
-    monkeypatch.setattr(br, "start_daemon", lambda pin: (Benchmark, Daemon()))
+    monkeypatch.setattr(br, "start_daemon", lambda pin, log=None: (Benchmark, Daemon()))
     monkeypatch.setattr(br, "tms_available", lambda: (True, "0.0.10"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("SUBLET_SOCKET", raising=False)
