@@ -9,7 +9,9 @@
  * the region grows by what its free tail lacks, so many small tensors cost no region each at
  * the driver and nothing is taken ahead of need. Freed segments leave free pages inside the
  * region: later segments reuse them, and a loan of any tag lends them as unkept; an arena
- * left with no segment gives its region back.
+ * left with no segment gives its region back. After a grouped resume (release.c) a page
+ * group never holds pages of two tags: a segment does not take part of one another tag holds,
+ * and a tag's pages reach over the free rest of its groups, so its release gives them back.
  *
  * Locking: pool_lock guards every arena; it is taken before the client's lock (region growth
  * and the lent check take that), never after it.
@@ -48,19 +50,73 @@ static uint64_t released_in(const struct sl_arena *a, uint64_t from, uint64_t to
   return to;
 }
 
-/* The first gap of at least npages live pages below the region's end, or in the free tail
- * (the region then grows to fit) when none is; *at is the segment it goes before. */
-static uint64_t first_fit(const struct sl_arena *a, uint64_t npages, size_t *at) {
-  uint64_t start = 0;
+/* Does a segment of a tag other than tag hold a page of [from, to)? */
+static int other_tag_in(const struct sl_arena *a, uint64_t from, uint64_t to, uint32_t tag) {
+  for (size_t i = 0; i < a->nsegs && a->segs[i].first < to; i++)
+    if (a->segs[i].first + a->segs[i].npages > from && a->segs[i].tag != tag)
+      return 1;
+  return 0;
+}
+
+/* Page p's group (a resume's, client.h): its first page, and the page after it. Regions
+ * without groups have a group per page. */
+static uint64_t group_head(const sublet_region *r, uint64_t p) {
+  while (r->span != NULL && p > 0 && r->span[p] == 0)
+    p--;
+  return p;
+}
+
+static uint64_t group_end(const sublet_region *r, uint64_t p) {
+  uint64_t head = group_head(r, p);
+
+  return head + (r->span != NULL ? r->span[head] : 1);
+}
+
+/* The end of page p's group if the group reaches outside [from, to) and another tag's
+ * segment holds a page of it, else 0. */
+static uint64_t shared_group_end(const struct sl_arena *a, uint64_t p, uint64_t from,
+                                 uint64_t to, uint32_t tag) {
+  uint64_t head = group_head(a->region, p), end = group_end(a->region, p);
+
+  return (head < from || end > to) && other_tag_in(a, head, end, tag) ? end : 0;
+}
+
+/* Can tag's segment have pages [from, to)? If not, *next is the first page a fit may start
+ * at. Not a released page; nor part of a page group whose other part another tag holds: a
+ * group goes to the driver whole or not at all, so a release of either tag would give none
+ * of it back (only the groups the range cuts, at its ends, can reach outside it). */
+static int fits(const struct sl_arena *a, uint64_t from, uint64_t to, uint32_t tag,
+                uint64_t *next) {
+  const sublet_region *r = a->region;
+  uint64_t hole = released_in(a, from, to), last, end = 0;
+
+  if (hole < to) {
+    *next = hole + 1;
+    return 0;
+  }
+  if (r == NULL || r->span == NULL || from >= r->npages)
+    return 1;
+  last = (to < r->npages ? to : r->npages) - 1;
+  if ((end = shared_group_end(a, last, from, to, tag)) == 0)
+    end = shared_group_end(a, from, from, to, tag);
+  *next = end;
+  return end == 0;
+}
+
+/* The first gap of at least npages live pages below the region's end that tag may have, or
+ * the free tail (the region then grows to fit) when none is; *at is the segment it goes
+ * before. */
+static uint64_t first_fit(const struct sl_arena *a, uint64_t npages, uint32_t tag, size_t *at) {
+  uint64_t start = 0, next;
 
   for (size_t i = 0; i <= a->nsegs; i++) {
-    uint64_t end = i < a->nsegs ? a->segs[i].first : UINT64_MAX, hole;
-    while (end - start >= npages) {
-      if ((hole = released_in(a, start, start + npages)) == start + npages) {
+    uint64_t end = i < a->nsegs ? a->segs[i].first : UINT64_MAX;
+    while (start <= end && end - start >= npages) { /* a group's end may pass the gap's */
+      if (fits(a, start, start + npages, tag, &next)) {
         *at = i;
         return start;
       }
-      start = hole + 1;
+      start = next;
     }
     if (i < a->nsegs)
       start = a->segs[i].first + a->segs[i].npages;
@@ -141,7 +197,7 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
                           "allocations again once the loan has ended; allocate before "
                           "lending, or outside sublet.pool()",
                           (unsigned long long)a->region->id);
-  first = first_fit(a, npages, &at);
+  first = first_fit(a, npages, tag, &at);
   if (npages > UINT64_MAX / c->info.page_size - first) /* its end in bytes would wrap */
     return sl_client_fail(SUBLET_ENOMEM, "a pool allocation of %llu bytes is past any "
                           "device's memory", (unsigned long long)size);
@@ -223,9 +279,30 @@ SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c) {
   return r;
 }
 
+/* A tag's pages [*first, *end) widened to the whole page groups they cut, where the rest of
+ * those groups is no other tag's (first_fit keeps it so; a group made before it kept
+ * nothing so is left cut): then the tag's release gives its groups back whole. */
+static void widen_to_groups(const struct sl_arena *a, uint32_t tag, uint64_t *first,
+                            uint64_t *end) {
+  const sublet_region *r = a->region;
+  uint64_t head, stop;
+
+  if (r == NULL || r->span == NULL || *end > r->npages)
+    return;
+  head = group_head(r, *first);
+  stop = group_end(r, *end - 1);
+  if (head < *first && !other_tag_in(a, head, *first, tag))
+    *first = head;
+  if (stop > *end && !other_tag_in(a, *end, stop, tag))
+    *end = stop;
+}
+
+/* The pages of tag (0: every tag's), as byte ranges, ascending and disjoint: each segment
+ * widened to its whole groups (widen_to_groups), two in one group then merged. */
 SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct sublet_range *out,
                                        size_t n, size_t *count) {
   const struct sl_arena *a;
+  uint64_t ps = c->info.page_size, first, end;
   size_t m = 0;
 
   pthread_mutex_lock(&pool_lock);
@@ -233,9 +310,17 @@ SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct su
   for (size_t i = 0; a != NULL && i < a->nsegs; i++) {
     if (tag != 0 && a->segs[i].tag != tag)
       continue;
+    first = a->segs[i].first;
+    end = first + a->segs[i].npages;
+    if (tag != 0)
+      widen_to_groups(a, tag, &first, &end);
+    if (m > 0 && m <= n && out[m - 1].offset + out[m - 1].length > first * ps) {
+      uint64_t last_end = out[m - 1].offset + out[m - 1].length; /* one group: merged */
+      out[m - 1].length = (end * ps > last_end ? end * ps : last_end) - out[m - 1].offset;
+      continue;
+    }
     if (m < n)
-      out[m] = (struct sublet_range){a->segs[i].first * c->info.page_size,
-                                     a->segs[i].npages * c->info.page_size};
+      out[m] = (struct sublet_range){first * ps, (end - first) * ps};
     m++;
   }
   pthread_mutex_unlock(&pool_lock);

@@ -261,8 +261,11 @@ SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr);
 SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr);
 /* The arena (lend it as any region), or NULL before the first pool allocation. */
 SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c);
-/* The live allocations of tag (0: of every tag) as byte ranges of the arena, ascending: the
- * first n into out, their count into *count. */
+/* The live allocations of tag (0: of every tag) as byte ranges of the arena, ascending and
+ * disjoint: the first n into out, their count into *count (a bound when it exceeds n: call
+ * again with room for it). A tag's ranges reach over the free pages of the page groups they
+ * cut (a resume's, sublet_resume()), so that its release gives them back whole; no group
+ * holds pages of two tags (pool allocations never make one). */
 SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct sublet_range *out,
                                        size_t n, size_t *count);
 

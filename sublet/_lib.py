@@ -834,7 +834,8 @@ class Client:
 
     def pool_segments(self, tag: int) -> Any:
         """The live allocations of tag (0: every tag) as an (n, 2) uint64 array of (offset,
-        length) byte ranges of the arena, ascending."""
+        length) byte ranges of the arena, ascending; a tag's with the free pages of the page
+        groups they cut (sublet_pool_segments)."""
         import numpy as np
         count = c_size_t()
         while True:

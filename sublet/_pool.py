@@ -133,7 +133,8 @@ class Pool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the tag holds now (whole segments, cached blocks in them included)."""
+        """Bytes the tag holds now (whole segments, cached blocks in them included, and the
+        free pages of the page groups a resume made of them)."""
         return int(self.segments()[:, 1].sum())
 
     def empty(self, *size, dtype: torch.dtype | type | None = None) -> torch.Tensor:
