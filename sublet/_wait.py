@@ -98,8 +98,12 @@ def _waiting(call: Callable[[], T], client: Client, undo: Callable[[T], None]) -
         while not done.wait(_SLICE_S):
             pass
     except BaseException:
+        # Cancelled again each slice until the call is over: an interrupt that comes before
+        # the thread has sent its request finds nothing waiting to cancel, and the request,
+        # sent after it, would then wait with no end.
         _cancel(client)
-        done.wait()
+        while not done.wait(_SLICE_S):
+            _cancel(client)
         if "value" in box:
             undo(box["value"])
         raise

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -137,6 +138,42 @@ def test_ctrl_c_while_waiting_leaves_nothing_lent():
         out, err = owner.communicate(timeout=10)
         assert owner.returncode == 4 and out.endswith("interrupted\n"), err + out
         assert lends_waiting() == 0
+
+
+
+def test_ctrl_c_before_the_lend_is_sent_still_cancels_it():
+    """The interrupt comes before the waiting thread has sent its Lend: the first cancel finds
+    nothing waiting, so it is sent again until the call is over (a Lend sent after a single
+    cancel waited for ever: test_ctrl_c_while_waiting_leaves_nothing_lent hung in CI). A
+    stand-in client: its Lend is sent 0.3 s late, then waits until a cancel reaches it."""
+    import _thread
+    from sublet import _wait
+
+    class LateLend:
+        sent, cancels_before, cancels_after = threading.Event(), 0, 0
+        cancelled = threading.Event()
+
+        def lend(self):
+            time.sleep(0.3)
+            self.sent.set()
+            if not self.cancelled.wait(5):
+                raise AssertionError("never cancelled: the Lend would wait for ever")
+            raise sublet.SubletError("cancelled by the client: nothing was lent")
+
+        def cancel(self):
+            if not self.sent.is_set():
+                self.cancels_before += 1  # nothing waits in the daemon yet: a no-op
+            else:
+                self.cancels_after += 1
+                self.cancelled.set()
+
+    client = LateLend()
+    threading.Timer(0.05, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        _wait._waiting(client.lend, client, lambda value: None)
+    assert client.cancels_before >= 1 and client.cancels_after >= 1
+    assert time.monotonic() - t0 < 3
     assert _client.client_for("memfd", 0).status()["loan"] is None
 
 
