@@ -27,8 +27,11 @@ from conftest import CHILD_ENV
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
 
+# SIGINT raises KeyboardInterrupt whatever the test was started under (a shell's background
+# job starts with it ignored, and Python then leaves it so).
 OWNER = textwrap.dedent("""
-    import sys, torch, sublet
+    import signal, sys, torch, sublet
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     who, loans = int(sys.argv[1]), int(sys.argv[2])
     timeout = None if sys.argv[3] == "None" else float(sys.argv[3])
     t = sublet.empty(4, 65536, dtype=torch.uint8, device="cpu")
@@ -168,10 +171,14 @@ def test_ctrl_c_before_the_lend_is_sent_still_cancels_it():
                 self.cancelled.set()
 
     client = LateLend()
-    threading.Timer(0.05, _thread.interrupt_main).start()
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        _wait._waiting(client.lend, client, lambda value: None)
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in OWNER
+    try:
+        threading.Timer(0.05, _thread.interrupt_main).start()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _wait._waiting(client.lend, client, lambda value: None)
+    finally:
+        signal.signal(signal.SIGINT, was)
     assert client.cancels_before >= 1 and client.cancels_after >= 1
     assert time.monotonic() - t0 < 3
     assert _client.client_for("memfd", 0).status()["loan"] is None
