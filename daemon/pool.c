@@ -553,7 +553,6 @@ uint64_t sl_pool_area_bytes(const struct sl_pool_area *a) {
   return sl_pool_area_ready(a);
 }
 
-/* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
 void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a) {
   if (a == NULL)
     return;
@@ -563,6 +562,7 @@ void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a) {
     sl_pool_area_free(p->dev, a);
 }
 
+/* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
   int slot = 0;
   struct sl_pool_area *loser;

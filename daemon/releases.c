@@ -5,11 +5,12 @@
  * sorted and merged, the layout: long lists take tens of ms), then the device work (kept bytes
  * moved into the pages that stay, the rest saved, the released pages let go of). Until the
  * client hears Released and unmaps them, its own mapping holds the pages: nothing is lost if
- * anything dies before. A resume makes the pages again (all or none, on the loop), then one
- * job copies the saves back and undoes the moves; the client maps the new pages once it hears
- * Resumed. An early resume (Resume.early) says Resumed as soon as the pages are made, and its
- * connection reads on: the owner fetches and maps them while the job copies, then asks for
- * the end (ResumeEnd), answered when the job is done. Its live release stays until then.
+ * anything dies before. A resume is one job: the pages made again (all or none), the saves
+ * copied back, the moves undone; the client maps the new pages once it hears Resumed. An
+ * early resume (Resume.early) is two: Resumed comes once the first has made the pages, and
+ * the connection reads on, so that the owner fetches and maps them while the second copies;
+ * then it asks for the end (ResumeEnd), answered when that job is done. Its live release
+ * stays until then.
  *
  * Each live release has its own save area (pool.h: a spare of its user's when there is one),
  * whose fd goes to the owner with Released (read-only), with the plan, so that its library
@@ -189,12 +190,11 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
     m.n_moves = 3 * w->nmoves;
     m.saves = saves;
     m.n_saves = 3 * w->ncopies;
-  } else if (rj->early && !rj->ended) { /* the pages only: the copies have not run yet */
-    m.groups = w->groups;
-    m.n_groups = 2 * w->ngroups;
   } else {
     m.groups = w->groups;
     m.n_groups = 2 * w->ngroups;
+  }
+  if (!save && !(rj->early && !rj->ended)) { /* the copies' figures: not an early first answer */
     m.has_copied_in_bytes = m.has_copy_in_seconds = 1;
     m.copied_in_bytes = w->saved_bytes;
     m.copy_in_seconds = rj->job.seconds;

@@ -63,7 +63,8 @@ static Sublet__Reply *resume(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_
   return ask(fd, rx, &req);
 }
 
-static Sublet__Reply *resume_end(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t rel) {
+/* Sends ResumeEnd of release rel: 0, or a negative code. */
+static int send_end(int fd, uint64_t id, uint64_t rel) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__ResumeEnd m = SUBLET__RESUME_END__INIT;
 
@@ -71,7 +72,11 @@ static Sublet__Reply *resume_end(int fd, struct sl_wire_rx *rx, uint64_t id, uin
   req.id = id;
   req.body_case = SUBLET__REQUEST__BODY_RESUME_END;
   req.resume_end = &m;
-  return ask(fd, rx, &req);
+  return sl_raw_send(fd, &req, NULL, 0);
+}
+
+static Sublet__Reply *resume_end(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t rel) {
+  return send_end(fd, id, rel) == 0 ? sl_raw_reply(fd, rx, 5000) : NULL;
 }
 
 /* The error code of a ResumeEnd (0: answered Resumed). */
@@ -160,15 +165,8 @@ static void test_owner_gone_while_restoring(void) {
     rep = resume(a, &rx, 4, rel, 1);
     CHECK(rep != NULL && rep->body_case == SUBLET__REPLY__BODY_RESUMED);
     sublet__reply__free_unpacked(rep, NULL);
-    if (ask_end) { /* sent, its answer never read */
-      Sublet__Request req = SUBLET__REQUEST__INIT;
-      Sublet__ResumeEnd m = SUBLET__RESUME_END__INIT;
-      m.release = rel;
-      req.id = 5;
-      req.body_case = SUBLET__REQUEST__BODY_RESUME_END;
-      req.resume_end = &m;
-      CHECK(sl_raw_send(a, &req, NULL, 0) == 0);
-    }
+    if (ask_end) /* sent, its answer never read */
+      CHECK(send_end(a, 5, rel) == 0);
     close(a);
     sl_wire_rx_destroy(&rx);
     while (free_bytes(d.socket) != total && sl_test_now() - t0 < 5)

@@ -143,18 +143,18 @@ def test_ctrl_c_while_waiting_leaves_nothing_lent():
         assert lends_waiting() == 0
 
 
-
 def test_ctrl_c_before_the_lend_is_sent_still_cancels_it():
     """The interrupt comes before the waiting thread has sent its Lend: the first cancel finds
-    nothing waiting, so it is sent again until the call is over (a Lend sent after a single
-    cancel waited for ever: test_ctrl_c_while_waiting_leaves_nothing_lent hung in CI). A
-    stand-in client: its Lend is sent 0.3 s late, then waits until a cancel reaches it."""
+    nothing waiting, so it is sent again until the call is over (after a single cancel, a
+    Lend sent later waited for ever). A stand-in client: its Lend is sent 0.3 s late, then
+    waits until a cancel reaches it."""
     import _thread
     from sublet import _wait
 
     class LateLend:
-        sent, cancels_before, cancels_after = threading.Event(), 0, 0
-        cancelled = threading.Event()
+        def __init__(self):
+            self.sent, self.cancelled = threading.Event(), threading.Event()
+            self.cancels_before = self.cancels_after = 0
 
         def lend(self):
             time.sleep(0.3)
