@@ -395,7 +395,7 @@ static int resume_request(sublet_client *c, struct sublet_region *r, int flags,
     else
       rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
     rec->stats.map_seconds = sl_clock_now() - t0;
-    if (m.early && rep->resumed->n_groups % 2 == 0)
+    if (m.early) /* after every early Resumed, as PROTOCOL.md says: else it stays restoring */
       rc = resume_end(c, r, rec, rc);
   }
   if (rep != NULL)
