@@ -197,7 +197,7 @@ int sl_device_copy(struct sl_device *d, enum sl_copy_dir dir, void *dev_base, vo
                    const struct sl_copy *copies, size_t n, struct sl_err *err) {
   if (n == 0)
     return 0;
-  if (dir != SL_COPY_TO_HOST && dir != SL_COPY_TO_DEVICE)
+  if (dir != SL_COPY_TO_HOST && dir != SL_COPY_TO_DEVICE && dir != SL_COPY_TO_NEW_PAGES)
     return sl_err_set(err, SUBLET_EINVAL, "copy: direction %d is neither to host nor to device",
                       (int)dir);
   return d->ops->copy(d, dir, dev_base, host_base, copies, n, err);

@@ -24,7 +24,10 @@
  * (so that 0 is never a valid handle). The device that made or imported it owns it. */
 typedef uint64_t sl_handle;
 
-enum sl_copy_dir { SL_COPY_TO_HOST, SL_COPY_TO_DEVICE };
+/* Where a copy goes. SL_COPY_TO_NEW_PAGES is to device pages just made (a resume's): the cuda
+ * backend then reads the host memory with SMs rather than copy engines (device_cuda_copy.c
+ * says why); otherwise it is SL_COPY_TO_DEVICE. */
+enum sl_copy_dir { SL_COPY_TO_HOST, SL_COPY_TO_DEVICE, SL_COPY_TO_NEW_PAGES };
 
 struct sl_device_params {
   const char *backend;      /* "cuda" or "memfd" */

@@ -221,6 +221,18 @@ static int check_vmm_support(struct cuda_device *d, struct sl_err *err) {
                     cuda_drv.version % 1000 / 10);
 }
 
+/* Whether kernels may read pinned host memory at its host address (device_cuda_copy.c's
+ * copies into new pages); SUBLET_CUDA_NO_SM_COPY=1 leaves every copy to the copy engines (to
+ * compare the two, or to work around a driver bug). */
+static void describe_host_access(struct cuda_device *d) {
+  const char *off = getenv("SUBLET_CUDA_NO_SM_COPY");
+  int same = 0;
+
+  cuda_drv.cuDeviceGetAttribute(&same, CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM,
+                                d->dev);
+  d->sm_copies = same == 1 && !(off != NULL && strcmp(off, "1") == 0);
+}
+
 static int describe_device(struct cuda_device *d, struct sl_err *err) {
   struct sl_device_info *info = &d->base.info;
   size_t total = 0;
@@ -238,6 +250,7 @@ static int describe_device(struct cuda_device *d, struct sl_err *err) {
     return cuda_fail(r, err, "describing the GPU", "check nvidia-smi");
   memcpy(info->uuid, uuid.bytes, sizeof(info->uuid));
   info->total_bytes = total;
+  describe_host_access(d);
   return 0;
 }
 
@@ -497,12 +510,15 @@ static int cuda_synchronize(struct sl_device *dev, struct sl_err *err) {
 
 /* --- pinned host memory */
 
+/* Every context may copy to and from it, and kernels may read it (copy_by_sms). */
+#define HOST_REGISTER (CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)
+
 static int host_register(struct cuda_device *d, void *mem, uint64_t size, unsigned flags,
                          struct sl_err *err) {
   int rc = cuda_enter(d, err);
 
   if (rc == 0) {
-    rc = cuda_check(cuda_drv.cuMemHostRegister(mem, size, CU_MEMHOSTREGISTER_PORTABLE | flags), err,
+    rc = cuda_check(cuda_drv.cuMemHostRegister(mem, size, HOST_REGISTER | flags), err,
                     "cuMemHostRegister", "raise the locked-memory limit (ulimit -l)");
     cuda_leave();
   }

@@ -37,6 +37,7 @@ typedef struct CUuuid_st {
 
 typedef enum CUdevice_attribute_enum {
   CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16,
+  CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91,
   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
   CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103,
 } CUdevice_attribute;
@@ -100,6 +101,7 @@ typedef struct CUmemcpyAttributes_st {
 } CUmemcpyAttributes;
 
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
 #define CU_MEMHOSTREGISTER_READ_ONLY 0x08
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
@@ -205,6 +207,8 @@ struct cuda_device {
   CUstream stream;   /* for copies; owned */
   CUmemAllocationProp prop;
   int use_batch;     /* cleared if the driver refuses batches on this device */
+  int sm_copies;     /* pinned host memory is read by kernels at its own address (copies into
+                        new pages); 0 with SUBLET_CUDA_NO_SM_COPY=1 */
   pthread_mutex_t kernels_lock; /* guards module, kernels and kernels_failed */
   CUmodule module;   /* kernels.cu, loaded at the first launch; owned */
   CUfunction kernels[N_KERNELS];

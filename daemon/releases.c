@@ -398,7 +398,8 @@ static void early_done(struct release_job *rj) {
     sl_releases_prune(rj->job.d); /* frees rj */
 }
 
-/* The transfer that puts release's kept bytes back (copies: 0 for none, the pages alone). */
+/* The transfer that puts release's kept bytes back (copies: 0 for none, the pages alone): its
+ * copies go into the pages the resume made again (SL_COPY_TO_NEW_PAGES). */
 static int restore_transfer(struct sl_daemon *d, struct release_job *rj, int copies,
                             struct sl_err *err) {
   const struct sl_release_work *w = &rj->work;
@@ -407,7 +408,7 @@ static int restore_transfer(struct sl_daemon *d, struct release_job *rj, int cop
   if (lr == NULL)
     return sl_err_set(err, SUBLET_ENOENT, "internal error: release %llu has no save area",
                       (unsigned long long)w->release_id);
-  return sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_DEVICE, w->region_id,
+  return sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_NEW_PAGES, w->region_id,
                                  copies ? w->copies : NULL, copies ? w->ncopies : 0,
                                  copies ? w->moves : NULL, copies ? w->nmoves : 0,
                                  &rj->transfer, err);

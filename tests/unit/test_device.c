@@ -274,6 +274,40 @@ static void test_packed_copies(struct sl_device *d) {
   unmap_pages(d, &m);
 }
 
+/* Copies into pages just made, as a resume makes them: scattered, odd lengths, both ends of
+ * each piece agreeing modulo 16 (cuda reads the host memory with SMs then), and in a second
+ * call not agreeing (the copy engines take it); the bytes between the pieces stay. */
+static void test_copies_into_new_pages(struct sl_device *d) {
+  const size_t n = 3000;
+  struct sl_copy *c = calloc(n, sizeof(*c));
+  uint8_t *host = NULL, *image = NULL;
+  uint64_t stride;
+  struct mapped m;
+
+  CHECK(c != NULL && map_pages(d, 4, &m) == 0);
+  stride = m.size / n;
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&host, &err) == 0);
+  CHECK(sl_device_host_alloc(d, m.size, (void **)&image, &err) == 0);
+  for (int agree = 1; c != NULL && host != NULL && image != NULL && agree >= 0; agree--) {
+    for (size_t i = 0; i < n; i++) {
+      uint64_t skew = i % 16, len = i % 7 ? stride / 2 + i % 5 : 1 + i % 13;
+      c[i] = (struct sl_copy){(i * 7919) % n * stride + skew,
+                              i * stride + (agree ? skew : (skew + 1) % 16), len};
+    }
+    CHECK(write_device(d, m.addr, m.size, 3) == 0);
+    fill_pattern(host, m.size, 5 + agree);
+    CHECK(sl_device_copy(d, SL_COPY_TO_NEW_PAGES, m.addr, host, c, n, &err) == 0);
+    CHECK(sl_device_copy(d, SL_COPY_TO_HOST, m.addr, image, &(struct sl_copy){0, 0, m.size}, 1,
+                         &err) == 0);
+    CHECK(pieces_match(image, host, c, n));
+    CHECK(image[c[0].dev_off + c[0].len] == pattern_byte(c[0].dev_off + c[0].len, 3));
+  }
+  sl_device_host_free(d, host, m.size);
+  sl_device_host_free(d, image, m.size);
+  free(c);
+  unmap_pages(d, &m);
+}
+
 /* Moves inside device memory, as compaction makes them: many pieces, odd lengths and
  * alignments, from the first half into the second; the rest stays as it was. */
 static void test_batched_moves(struct sl_device *d) {
@@ -576,6 +610,7 @@ static void run_common_checks(struct sl_device *d) {
   test_unmap_keeps_reservation(d);
   test_batched_copies(d);
   test_packed_copies(d);
+  test_copies_into_new_pages(d);
   test_batched_moves(d);
   test_bad_arguments(d);
   test_import_in_process(d);
@@ -782,9 +817,10 @@ static void report_bandwidth(struct sl_device *d, struct mapped *m, void *host) 
   const char *layout[] = {"in order", "scattered"};
   int k;
 
-  printf("cuda: 1 GiB as one piece: to host %.1f GB/s, to device %.1f GB/s\n",
+  printf("cuda: 1 GiB as one piece: to host %.1f GB/s, to device %.1f GB/s (by SMs %.1f)\n",
          copy_gbps(d, SL_COPY_TO_HOST, m->addr, host, &whole, 1, m->size),
-         copy_gbps(d, SL_COPY_TO_DEVICE, m->addr, host, &whole, 1, m->size));
+         copy_gbps(d, SL_COPY_TO_DEVICE, m->addr, host, &whole, 1, m->size),
+         copy_gbps(d, SL_COPY_TO_NEW_PAGES, m->addr, host, &whole, 1, m->size));
   for (k = 0; k < 2 && c != NULL; k++) {
     for (i = 0; i < n; i++) {
       size_t j = k == 0 ? i : (i * 7919) % n; /* 7919 is prime: a permutation of 0..n-1 */
