@@ -176,8 +176,8 @@ def must_move(ids, per_layer: int, layers: int = LAYERS) -> int:
 
 
 def plan_cases(fractions: list[float], contenders: list[str], size: int, host_bytes: int,
-               tms_ok: bool, cycles: int, tms_cycles: int,
-               taker: str = "same") -> tuple[list[dict], list[str]]:
+               tms_ok: bool, cycles: int, tms_cycles: int, taker: str = "same",
+               pin_ahead: bool = False) -> tuple[list[dict], list[str]]:
     """The child processes to run, tms first (before subletd pins host memory), and notes on
     what is skipped and why."""
     host_cap = int(host_bytes * HOST_SHARE)
@@ -209,7 +209,8 @@ def plan_cases(fractions: list[float], contenders: list[str], size: int, host_by
                 for stay in ((0,) if f >= 1 else (None, 0)):
                     label = f"sublet {pattern} {f:.0%} stay={stay}"
                     add({**base, "mode": "sublet", "label": label, "pattern": pattern,
-                         "fraction": f, "stay": stay, "cycles": cycles},
+                         "fraction": f, "stay": stay, "cycles": cycles,
+                         "pin_ahead": pin_ahead and stay == 0},
                         int(size * f) if stay == 0 else 0)
         if any(f >= 1 for f in fractions):
             notes.append("sublet all 100% stay=None: not run (every page holds kept bytes and "
@@ -238,6 +239,8 @@ def case_lines(r: dict, bw: dict, floor: float | None) -> list[str]:
     first, rest = r["cycles"][0], r["cycles"][-1]
     limit = limit_seconds(r, bw)
     floor_text = f" + driver floor {floor:.3f} s" if floor is not None else ""
+    pinned = (f"      pinned ahead for the release in {r['pin_ahead_s']:.3f} s, before the first "
+              f"cycle (sublet.pin_ahead)" if r.get("pin_ahead_s") is not None else None)
     lines = [
         f"  {r['label']:34s} first {first['seconds']:7.3f} s (pause {first['pause_s']:.3f} + "
         f"resume {first['resume_s']:.3f}), later {later(r):7.3f} s (median of "
@@ -245,6 +248,8 @@ def case_lines(r: dict, bw: dict, floor: float | None) -> list[str]:
         f"      link {gib(rest['out_bytes'])} out + {gib(rest['in_bytes'])} in, moved on the GPU "
         f"{gib(rest['moved_bytes'])}, freed {gib(rest['freed_bytes'])}; limit {limit:.3f} s"
         f"{floor_text}: later is {later(r) / max(limit + (floor or 0.0), 1e-9):.1f} x"]
+    if pinned:
+        lines.append(pinned)
     s = rest.get("stats")
     if s:
         sizes = ", ".join(f"{k.removesuffix('_bytes')} {gib(s[k])}" for k in
@@ -464,6 +469,21 @@ def release_figures(rel: Any, released: dict, resumed: dict) -> dict:
     return out
 
 
+def pin_ahead_for_release(nbytes: int) -> float:
+    """--pin-ahead: sublet.pin_ahead(release=True) of the kept bytes, as an engine that knows
+    its keep calls it once its memory is made (torch_memory_saver's compat does at a CPU-backup
+    region's end); waits for the pin, which an engine serving before its first sleep would not
+    notice. Returns its seconds."""
+    import sublet
+    from sublet import _memory
+    t0 = time.perf_counter()
+    sublet.pin_ahead(nbytes, release=True)
+    client = _memory.resolve_device(None)[1]
+    while client.status().get("pin") is not None:
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
 def child_sublet(spec: dict) -> dict:
     """The cache in pool "kv"; cycles of sublet.release(...) / rel.resume()."""
     import torch
@@ -479,6 +499,7 @@ def child_sublet(spec: dict) -> dict:
     keep = None if ids_np is None else sublet.blocks(layers, torch.from_numpy(ids_np), dim=0)
     expected = kept_digest(layers, ids)
     kept_bytes = LAYERS * (per_layer if ids_np is None else len(ids_np)) * BLOCK
+    pinned_s = pin_ahead_for_release(kept_bytes) if spec.get("pin_ahead") else None
 
     released: dict = {}
 
@@ -494,7 +515,7 @@ def child_sublet(spec: dict) -> dict:
     cycles = run_cycles(1 + spec["cycles"],
                         lambda: sublet.release("kv", keep=keep, stay=spec["stay"]), resume,
                         checker(layers, ids, expected, label), label, spec["taker"], observe)
-    return {"cycles": cycles, "kept_bytes": kept_bytes,
+    return {"cycles": cycles, "kept_bytes": kept_bytes, "pin_ahead_s": pinned_s,
             "must_move_bytes": must_move(ids_np, per_layer),
             "handles": int(cycles[-1]["stats"].get("released_bytes", 0)) // PAGE,
             "handle_bytes": PAGE, "actual_fraction": kept_bytes / spec["size"]}
@@ -801,6 +822,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who allocates the freed memory between pause and resume: the "
                         "pausing process (default: a colocated trainer) or another (a "
                         "trainer beside the engine, as in slime or verl)")
+    p.add_argument("--pin-ahead", action="store_true",
+                   help="sublet's stay=0 cases pin their save area ahead of the first cycle "
+                        "(sublet.pin_ahead(kept, release=True), waited for and timed apart), "
+                        "as an engine that knows its keep does; default: the first release "
+                        "pins on its path")
     p.add_argument("--child", choices=("probe", "sublet", "tms", "floor", "taker"),
                    help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -830,7 +856,7 @@ def main() -> int:
     size = plan_size(size_arg, probe["free_bytes"])
     ok_tms, version = tms_available()
     cases, notes = plan_cases(a.kept or [0.3, 1.0], contenders, size, probe["host_bytes"],
-                              ok_tms, cycles, tms_cycles, a.taker)
+                              ok_tms, cycles, tms_cycles, a.taker, a.pin_ahead)
     if a.daemon_pin == 0 and not os.environ.get("SUBLET_SOCKET"):
         notes.append("subletd pins host memory at its first save and keeps it: the first "
                      "stay=0 case's first cycle pays for pinning, a later one only for more")

@@ -448,6 +448,7 @@ static int hello(sublet_client *c) {
     c->release_ok = rep->welcome->release;
     c->offer_ok = rep->welcome->release_offer;
     c->early_resume_ok = rep->welcome->early_resume;
+    c->pin_ahead_ok = rep->welcome->pin_ahead;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -527,6 +528,26 @@ SUBLET_EXPORT int sublet_get_info(sublet_client *c, struct sublet_info *info) {
   pthread_mutex_unlock(&c->lock);
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_pin_ahead(sublet_client *c, uint64_t bytes, unsigned flags) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__PinAhead m = SUBLET__PIN_AHEAD__INIT;
+  int rc;
+
+  if (!c->pin_ahead_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin ahead: update it (its "
+                          "Lend still pins the save area, from the loan on)");
+  if (flags & ~SUBLET_PIN_RELEASE)
+    return sl_client_fail(SUBLET_EINVAL, "sublet_pin_ahead: unknown flags %#x", flags);
+  m.bytes = bytes;
+  m.has_release = m.release = (flags & SUBLET_PIN_RELEASE) != 0;
+  req.body_case = SUBLET__REQUEST__BODY_PIN_AHEAD;
+  req.pin_ahead = &m;
+  pthread_mutex_lock(&c->lock);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
+  pthread_mutex_unlock(&c->lock);
   return rc;
 }
 

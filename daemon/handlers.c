@@ -59,11 +59,20 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_release = w.release = 1;
   w.has_release_offer = w.release_offer = 1;
   w.has_early_resume = w.early_resume = 1;
+  w.has_pin_ahead = w.pin_ahead = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
   sl_conn_send(x->c, &rep, NULL, 0);
   return 0;
+}
+
+static int on_pin_ahead(struct sl_req *x, const Sublet__PinAhead *m) {
+  int rc = sl_pins_request(x->d, x->c->peer.uid, m->bytes, m->release, &x->err);
+
+  if (rc == 0)
+    sl_conn_send_ok(x->c, x->id);
+  return rc;
 }
 
 static int on_reclaim(struct sl_req *x, const Sublet__Reclaim *m) {
@@ -240,6 +249,7 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_TAKE: return sl_release_offers_take(x, r->take);
     case SUBLET__REQUEST__BODY_TAKE_WAIT: return sl_release_offers_take_wait(x, r->take_wait);
     case SUBLET__REQUEST__BODY_GIVE_BACK: return sl_release_offers_give_back(x, r->give_back);
+    case SUBLET__REQUEST__BODY_PIN_AHEAD: return on_pin_ahead(x, r->pin_ahead);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
                         "is older than the client; upgrade subletd", (int)r->body_case);

@@ -13,10 +13,15 @@
  * another user's region takes the save area, when the user has had no region for --pin-keep
  * seconds (the area of a daemon started with --pin stays: that pin was asked for), or at
  * exit (an on-demand daemon's --idle-exit included). Nothing is pinned when a region is made:
- * its keep, and so what a loan of it saves, is not known then.
+ * its keep, and so what a loan of it saves, is not known then. An owner that knows it before
+ * its first Lend says so (PinAhead, sl_pins_request): the same pin starts then, for at most
+ * its user's regions' bytes, since a first save cannot make host memory faster than the
+ * kernel makes pages (about 5 GB/s on the H200's host, pinned or not). For its releases
+ * (PinAhead.release: a torch_memory_saver tag with a CPU backup) the pin goes into a spare
+ * area of the user's, which its next release takes (pool.c: sl_pool_spare_of).
  *
  * One pin at a time, on libuv's thread pool beside the copies and the host work. It holds the
- * area (sl_pool_area_hold) until its done callback, and stops after the piece in progress
+ * area (sl_pool_area_ref) until its done callback, and stops after the piece in progress
  * once the area is replaced or detached, or the daemon stops.
  */
 #include <stdlib.h>
@@ -75,18 +80,19 @@ static void pin_after(uv_work_t *w, int status) {
   sl_jobs_maybe_stop(d);
 }
 
-/* Starts pinning the current area toward its goal, unless a pin runs (it will come back
- * here) or nothing is left to pin. */
+/* Starts pinning an area toward its goal (the loans' current one first, then a spare pinned
+ * for a release), unless a pin runs (it will come back here) or nothing is left to pin. */
 static void pin_start(struct sl_daemon *d) {
+  struct sl_pool_area *a = sl_pool_area_to_pin(d->pool);
   struct sl_pinner *pn;
   uint64_t target;
 
-  if (d->pinner != NULL || d->stopping || !sl_pool_pin_ahead(d->pool, 0))
+  if (d->pinner != NULL || d->stopping || a == NULL)
     return;
   if ((pn = calloc(1, sizeof(*pn))) == NULL)
     return; /* the saves pin what they need */
   pn->d = d;
-  pn->area = sl_pool_area_hold(d->pool);
+  pn->area = sl_pool_area_ref(a);
   pn->started = sl_clock_now();
   sl_pool_pin_progress(pn->area, &target, &pn->from);
   pn->work.data = pn;
@@ -98,12 +104,59 @@ void sl_pins_ahead(struct sl_daemon *d, uint64_t bytes) {
   uint64_t target, done;
   char a[16], b[16];
 
-  if (!sl_pool_pin_ahead(d->pool, bytes))
+  if (!sl_pool_pin_ahead(d->pool, NULL, bytes))
     return;
   sl_pool_pin_progress(sl_pool_host_area(d->pool), &target, &done);
-  sl_info("pinning the save area ahead to %s (a lend's kept bytes; %s pinned)",
+  sl_info("pinning the save area ahead to %s (kept bytes to come; %s pinned)",
           sl_format_size(a, target), sl_format_size(b, done));
   pin_start(d);
+}
+
+/* The bytes of uid's regions together: what its loans could ever save. */
+static uint64_t regions_bytes(struct sl_daemon *d, uid_t uid) {
+  uint64_t page = sl_device_info(d->dev)->page_size, after = 0, total = 0;
+  struct sl_region_info ri;
+
+  for (; sl_books_region_next(d->books, after, &ri) == 0; after = ri.id)
+    if (ri.owner.uid == uid)
+      total += ri.npages * page;
+  return total;
+}
+
+/* For uid's next release: its spare, pinned toward bytes. */
+static int pin_spare(struct sl_daemon *d, uid_t uid, uint64_t bytes, struct sl_err *err) {
+  struct sl_pool_area *a;
+  uint64_t target, done;
+  char s[16], t[16];
+  int rc = sl_pool_spare_of(d->pool, uid, &a, err);
+
+  if (rc != 0 || !sl_pool_pin_ahead(d->pool, a, bytes))
+    return rc;
+  sl_pool_pin_progress(a, &target, &done);
+  sl_info("pinning a save area for uid %u's next release ahead to %s (%s pinned)",
+          (unsigned)uid, sl_format_size(s, target), sl_format_size(t, done));
+  pin_start(d);
+  return 0;
+}
+
+int sl_pins_request(struct sl_daemon *d, uid_t uid, uint64_t bytes, int release,
+                    struct sl_err *err) {
+  uint64_t most = regions_bytes(d, uid);
+  uid_t holder;
+  int fd;
+
+  if (most == 0)
+    return sl_err_set(err, SUBLET_ENOENT, "you have no region on this device: pin ahead once "
+                      "the memory you will lend is made");
+  if (release)
+    return pin_spare(d, uid, bytes < most ? bytes : most, err);
+  if (sl_pool_host_owner(d->pool, &holder) == 0 && holder != uid)
+    return sl_err_set(err, SUBLET_EBUSY, "the save area serves another user's loans now: "
+                      "your Lend pins it for you when your loan comes");
+  if (sl_pool_host_claim(d->pool, uid, &fd, err) != 0) /* fd: the area's, not ours */
+    return err->code;
+  sl_pins_ahead(d, bytes < most ? bytes : most);
+  return 0;
 }
 
 int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done) {

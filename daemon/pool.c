@@ -484,10 +484,11 @@ void sl_pool_host_release(struct sl_pool *p) {
 
 /* ------------------------------------------------------------------ pinning ahead */
 
-/* The current area's goal: bytes in whole pieces, within the window (pinned bytes cannot
- * pass the host's memory). It only rises: a smaller keep lent later needs no less room. */
-int sl_pool_pin_ahead(struct sl_pool *p, uint64_t bytes) {
-  struct sl_pool_area *a = p->area;
+/* An area's goal: bytes in whole pieces, within the window (pinned bytes cannot pass the
+ * host's memory). It only rises: a smaller keep lent later needs no less room. */
+int sl_pool_pin_ahead(struct sl_pool *p, struct sl_pool_area *a, uint64_t bytes) {
+  if (a == NULL)
+    a = p->area;
   size_t want;
 
   if (a == NULL)
@@ -556,6 +557,7 @@ uint64_t sl_pool_area_bytes(const struct sl_pool_area *a) {
 void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a) {
   if (a == NULL)
     return;
+  __atomic_store_n(&a->pin_target, 0, __ATOMIC_RELAXED); /* a pin ahead of it stops */
   if (a->busy > 0)
     a->doomed = 1; /* freed by the last transfer that uses it */
   else
@@ -583,9 +585,47 @@ void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
 }
 
 struct sl_pool_area *sl_pool_area_hold(struct sl_pool *p) {
-  if (p->area != NULL)
-    p->area->busy++;
-  return p->area;
+  return sl_pool_area_ref(p->area);
+}
+
+struct sl_pool_area *sl_pool_area_ref(struct sl_pool_area *a) {
+  if (a != NULL)
+    a->busy++;
+  return a;
+}
+
+static int below_goal(const struct sl_pool_area *a) {
+  return a != NULL && pinned_pieces(a) < __atomic_load_n(&a->pin_target, __ATOMIC_RELAXED);
+}
+
+struct sl_pool_area *sl_pool_area_to_pin(struct sl_pool *p) {
+  if (below_goal(p->area))
+    return p->area;
+  for (int i = 0; i < SL_POOL_SPARES; i++)
+    if (below_goal(p->spares[i]))
+      return p->spares[i];
+  return NULL;
+}
+
+/* A spare for uid's next release to pin ahead: its largest, else a new one in a free slot or
+ * in place of the smallest spare (which holds nothing: an idle area, only pinned). */
+int sl_pool_spare_of(struct sl_pool *p, uid_t uid, struct sl_pool_area **out,
+                     struct sl_err *err) {
+  int i = best_spare(p, uid), slot = 0, rc;
+
+  if (i >= 0) {
+    *out = p->spares[i];
+    return 0;
+  }
+  for (i = 1; i < SL_POOL_SPARES; i++)
+    if (p->spares[slot] != NULL && (p->spares[i] == NULL ||
+                                    p->spares[i]->nhost < p->spares[slot]->nhost))
+      slot = i;
+  if ((rc = sl_pool_area_new(uid, out, err)) != 0)
+    return rc;
+  sl_pool_area_drop(p, p->spares[slot]);
+  p->spares[slot] = *out;
+  return 0;
 }
 
 void sl_pool_area_detach(struct sl_pool *p, struct sl_pool_area *a) {

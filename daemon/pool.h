@@ -126,8 +126,9 @@ uint64_t sl_pool_area_bytes(const struct sl_pool_area *a);
 /* The loans' current save area (NULL: none yet), held: it outlives the transfers that use it
  * and a claim of another user that replaces it, until sl_pool_area_put. detach makes it the
  * holder's alone (a loan's end waiting for fresh pages keeps its saved bytes there): the next
- * loan claims a new one, and the last put frees it. */
+ * loan claims a new one, and the last put frees it. ref: any area held so (a spare). */
 struct sl_pool_area *sl_pool_area_hold(struct sl_pool *p);
+struct sl_pool_area *sl_pool_area_ref(struct sl_pool_area *a);
 void sl_pool_area_detach(struct sl_pool *p, struct sl_pool_area *a);
 void sl_pool_area_put(struct sl_pool *p, struct sl_pool_area *a);
 /* The save area for a loan of uid's region: the current one if it is uid's (or nobody's
@@ -138,15 +139,20 @@ int sl_pool_host_reserve(struct sl_pool *p, uint64_t bytes, struct sl_err *err);
 /* Pinned by the loans' area and the spares (not by live releases' areas). */
 uint64_t sl_pool_host_bytes(const struct sl_pool *p);
 
-/* Pinning ahead (daemon/pins.c runs it). pin_ahead (the loop): the loans' current area is to
- * hold bytes (capped at the host's memory, in whole pieces; the goal only rises, until the
- * area goes); 1 if that needs pinning, else 0. pin_step (any thread, the area held with
+/* Pinning ahead (daemon/pins.c runs it). pin_ahead (the loop): area a (NULL: the loans'
+ * current one) is to hold bytes (capped at the host's memory, in whole pieces; the goal only
+ * rises, until the area goes); 1 if that needs pinning, else 0. area_to_pin: the loans' area
+ * if it is below its goal, else such a spare, else NULL. spare_of: the spare that uid's next
+ * release takes (sl_pool_area_take), made if uid has none, to pin ahead for it. pin_step (any thread, the area held with
  * sl_pool_area_hold): pins one more piece toward the goal; 1 while more remain, 0 once there
  * (or stopped), or an error. A save running meanwhile shares the pinning, a piece at a time:
  * it waits at most for one piece, never for the goal. pin_stop: the goal drops to what is
  * pinned (an area replaced, detached or freed stops by itself). pin_progress: the goal and
  * what is pinned so far (bytes); 1 while the goal is not reached. */
-int sl_pool_pin_ahead(struct sl_pool *p, uint64_t bytes);
+int sl_pool_pin_ahead(struct sl_pool *p, struct sl_pool_area *a, uint64_t bytes);
+struct sl_pool_area *sl_pool_area_to_pin(struct sl_pool *p);
+int sl_pool_spare_of(struct sl_pool *p, uid_t uid, struct sl_pool_area **out,
+                     struct sl_err *err);
 int sl_pool_pin_step(struct sl_pool *p, struct sl_pool_area *a, struct sl_err *err);
 void sl_pool_pin_stop(struct sl_pool_area *a);
 int sl_pool_pin_progress(const struct sl_pool_area *a, uint64_t *target, uint64_t *done);

@@ -50,7 +50,7 @@ __all__ = [
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
     "ProtocolError", "BusyError",
-    "SubletTimeoutError", "SubletOutOfMemoryError", "VerifyError", "info",
+    "SubletTimeoutError", "SubletOutOfMemoryError", "VerifyError", "info", "pin_ahead",
 ]
 
 # What needs torch is imported on first use, so that `sublet status` (and `import sublet`)
@@ -162,6 +162,25 @@ def borrow(name: str | None = None, device: torch.device | str | int | None = No
     NoOfferError."""
     from ._loan import BorrowedLoan
     return BorrowedLoan(name, device, timeout, loan_id, token)
+
+
+def pin_ahead(nbytes: int, device: torch.device | str | int | None = None,
+              release: bool = False) -> None:
+    """Pins host memory for the saves of this user's loans on `device` ahead of the first
+    lend, in the background: an owner that knows how much it will keep (nbytes, at most its
+    regions' bytes together) calls it once its memory is made, so that a loan's first save
+    finds the host memory made instead of waiting for the kernel to make it (about 5 GB/s; a
+    lend starts the same pin, but a borrower that fills the GPU at once outruns it). Returns
+    at once; `sublet status` shows the pin. What is pinned stays for later loans and goes when
+    the user has had no region for the daemon's --pin-keep. BusyError while the save area
+    serves another user's loans. release=True: for this user's next sublet.release instead
+    (a save area of its own, which that release takes and gives back pinned for the next;
+    torch_memory_saver's compat pins its CPU-backup tags so)."""
+    from ._memory import resolve_device
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"pin_ahead: nbytes must be a byte count (an int >= 0), not {nbytes!r}")
+    _, client = resolve_device(device)
+    client.pin_ahead(nbytes, release=bool(release))
 
 
 def info(device: torch.device | str | int | None = None) -> DaemonInfo:

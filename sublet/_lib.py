@@ -303,6 +303,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                                  POINTER(CReleaseStats)]),
     "sublet_give_back": (c_int, [c_void_p, c_uint64]),
     "sublet_cancel": (c_int, [c_void_p]),
+    "sublet_pin_ahead": (c_int, [c_void_p, c_uint64, c_uint32]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
     "sublet_withdraw": (c_int, [c_void_p, c_uint64]),
     "sublet_borrow": (c_int, [c_void_p, c_uint64, c_void_p, c_char_p, c_int]),
@@ -739,6 +740,11 @@ class Client:
     def cancel(self) -> None:
         """Gives up the call of another thread that waits in the daemon (ECANCELED there)."""
         check(lib().sublet_cancel(self.handle))
+
+    def pin_ahead(self, nbytes: int, release: bool = False) -> None:
+        """Starts pinning the save area of this user's loans (release: of its next release)
+        toward nbytes (sublet_pin_ahead)."""
+        check(lib().sublet_pin_ahead(self.handle, nbytes, 1 if release else 0))
 
     @staticmethod
     def checksum(region: RegionHandle, ranges: Any, sums: Any) -> None:

@@ -5,7 +5,9 @@
  * (Status.pin shows the goal and how far it is); nothing is pinned past them; a save that
  * needs only the first piece waits for that piece, not for the whole pin; the area stays
  * between loans and is released once its user has had no region for --pin-keep seconds; a
- * daemon started with --pin keeps its area and pins ahead only past it.
+ * daemon started with --pin keeps its area and pins ahead only past it. An owner that knows
+ * its keep before the Lend pins ahead itself (PinAhead): its first save then waits for
+ * nothing; that pin is bounded by the user's regions, and refused without one.
  */
 #include <signal.h>
 #include <stdlib.h>
@@ -134,6 +136,104 @@ static void test_first_save_waits_for_its_pieces_only(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* PinAhead before the first Lend: the pin runs at once; once it is done, the first save of
+ * a loan that keeps everything (64 MiB of kept pages taken, no free memory beside the region)
+ * waits for no pinning (a piece takes 0.5 s here), and every kept bit comes back. */
+static void test_pin_ahead_before_the_first_lend(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  struct sublet_loan_stats st;
+  sublet_client *c, *b = NULL;
+  sublet_region *r;
+  uint8_t token[SUBLET_TOKEN_SIZE];
+  uint64_t loan;
+  void *p;
+  double t0, took;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(sublet_pin_ahead(c, REGION, 0), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.pinning && s.target == REGION);
+  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  CHECK_RC(lend_first(r, REGION, &loan, token), 0); /* all kept, no free memory */
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(!s.pinning); /* the Lend's kept bytes are pinned already */
+  CHECK_RC(sublet_connect(d.socket, &b), 0);
+  CHECK_RC(sublet_borrow(b, loan, token, NULL, 0), 0);
+  t0 = sl_test_now();
+  CHECK_RC(sublet_alloc(b, 64ull << 20, &p), 0);
+  took = sl_test_now() - t0;
+  fprintf(stderr, "  first save of 64 MiB after a pin ahead: %.3f s\n", took);
+  CHECK(took < 0.4); /* a piece pinned on its path would take 0.5 s */
+  memset(p, 0xEE, 64ull << 20);
+  CHECK_RC(sublet_free(b, p), 0);
+  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, -1, &st), 0);
+  for (uint64_t i = 0; i < REGION; i += 4096)
+    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.host_bytes == REGION);
+  sublet_disconnect(b);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* A pin ahead reaches no further than the user's regions, and needs one. */
+static void test_pin_ahead_is_bounded_by_the_users_regions(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  sublet_client *c, *lone = NULL;
+  sublet_region *r;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 2 * REGION) == 0);
+  CHECK_RC(sublet_connect(d.socket, &lone), 0);
+  CHECK_RC(sublet_pin_ahead(lone, PIECE, 0), SUBLET_ENOENT);
+  CHECK(strstr(sublet_last_error(), "no region") != NULL);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(sublet_pin_ahead(c, 100 * REGION, 0), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.pinning && s.target == REGION);
+  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  CHECK_RC(sublet_pin_ahead(lone, PIECE, 0), 0); /* the same user: c's region counts */
+  sublet_disconnect(lone);
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* PinAhead for releases: a spare of the user's is pinned; the first release, keeping all
+ * and saving it to the host (stay 0), takes it and pins nothing on its path (the region
+ * would take 2 s); the resume brings every bit back and the area stays pinned. */
+static void test_pin_ahead_for_the_first_release(void) {
+  struct sl_test_daemon d;
+  struct pin_state s;
+  struct sublet_release_stats st;
+  sublet_client *c;
+  sublet_region *r;
+  uint64_t rel;
+  double t0, took;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
+  CHECK((r = open_region(&d, &c)) != NULL);
+  CHECK_RC(sublet_pin_ahead(c, REGION, SUBLET_PIN_RELEASE), 0);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(s.pinning && s.target == REGION);
+  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  t0 = sl_test_now();
+  CHECK_RC(sublet_release(r, NULL, 0, NULL, 0, 1, 0, &rel, &st), 0);
+  took = sl_test_now() - t0;
+  fprintf(stderr, "  first release saving 1 GiB after a pin ahead: %.3f s\n", took);
+  CHECK(st.copied_out_bytes == REGION);
+  CHECK(took < 1.0); /* the pin would be 2 s */
+  CHECK_RC(sublet_resume(r, rel, 0, &st), 0);
+  for (uint64_t i = 0; i < REGION; i += 4096)
+    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(!s.pinning && s.host_bytes == REGION); /* a spare again, for the next release */
+  sublet_disconnect(c);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 /* --pin-keep: once the user has no region, the area goes; while one is back, it stays. */
 static void test_area_released_after_last_region(void) {
   static const char *const keep[] = {"--pin-keep", "1", NULL};
@@ -221,6 +321,10 @@ int main(void) {
   setenv("SUBLET_MEMFD_PIN", PIN_PACE, 1);
   sl_test_run("a lend pins ahead up to its kept bytes", test_lend_pins_ahead_up_to_its_kept_bytes);
   sl_test_run("the first save waits for its pieces only", test_first_save_waits_for_its_pieces_only);
+  sl_test_run("a pin ahead before the first lend", test_pin_ahead_before_the_first_lend);
+  sl_test_run("a pin ahead for the first release", test_pin_ahead_for_the_first_release);
+  sl_test_run("a pin ahead is bounded by the user's regions",
+              test_pin_ahead_is_bounded_by_the_users_regions);
   sl_test_run("the area goes after the last region", test_area_released_after_last_region);
   sl_test_run("--pin still works", test_pin_option_still_works);
   sl_test_run("a stop during a pin", test_stop_during_pin);

@@ -12,6 +12,7 @@ the process.
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +125,36 @@ def test_pause_gives_the_memory_back_and_resume_restores_the_backed_up_bits(tms)
     assert (plain.data_ptr(), backed.data_ptr()) == ptrs
     assert np.array_equal(bits(backed), before)
     del plain, backed
+
+
+@needs_release
+def test_a_cpu_backup_region_pins_host_memory_ahead_of_its_first_pause(tms, monkeypatch):
+    """Leaving a region with enable_cpu_backup asks the daemon to pin the backup tags' bytes
+    for the next release, in the background (sublet.pin_ahead(release=True)): the host
+    memory the first pause would otherwise make on its path. The pause then keeps its bits."""
+    asked = []
+    pin = sublet.pin_ahead
+    monkeypatch.setattr(sublet, "pin_ahead", lambda n, device=None, release=False:
+                        (asked.append((n, release)), pin(n, device=device, release=release)))
+    with tms.region("ahead", enable_cpu_backup=True):
+        backed = alloc(tms, 4 * MiB, seed=5)
+    assert asked and asked[-1][1] is True
+    assert asked[-1][0] >= sublet.pool("ahead+backup", device="cpu").nbytes >= 4 * MiB
+    client = sublet._memory.resolve_device("cpu")[1]
+    for _ in range(500):
+        if client.status().get("pin") is None:
+            break
+        time.sleep(0.01)
+    assert client.status()["host_bytes"] >= 4 * MiB   # a spare of the user's, pinned
+    before = bits(backed)
+    tms.pause("ahead")
+    assert sum(r.copied_bytes for r in releases(tms, "ahead")) == 4 * MiB
+    tms.resume("ahead")
+    assert np.array_equal(bits(backed), before)
+    with tms.region("ahead"):                           # no backup: no pin asked
+        plain = alloc(tms, MiB, seed=6)
+    assert len(asked) == 1
+    del backed, plain
 
 
 @needs_release
