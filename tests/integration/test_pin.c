@@ -75,6 +75,44 @@ static int lend_first(sublet_region *r, uint64_t keep, uint64_t *loan,
   return sublet_lend(r, &k, 1, 0, NULL, loan, token);
 }
 
+/* Every byte of r as open_region wrote it (sampled a page of 4 KiB apart). */
+static void check_bits(sublet_region *r) {
+  for (uint64_t i = 0; i < REGION; i += 4096)
+    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+}
+
+/* A borrower of the loan takes 64 MiB of its kept pages (no free memory beside the region):
+ * *took is how long that took, its save included; *b and *p (NULL: not had) for end_loan. */
+static void save_64m(const struct sl_test_daemon *d, uint64_t loan,
+                     const uint8_t token[SUBLET_TOKEN_SIZE], sublet_client **b, void **p,
+                     double *took) {
+  double t0;
+
+  *p = NULL;
+  *took = 0;
+  CHECK_RC(sublet_connect(d->socket, b), 0);
+  CHECK_RC(sublet_borrow(*b, loan, token, NULL, 0), 0);
+  t0 = sl_test_now();
+  CHECK_RC(sublet_alloc(*b, 64ull << 20, p), 0);
+  *took = sl_test_now() - t0;
+}
+
+/* The borrower writes over what it took and returns; the owner reclaims: every kept bit is
+ * back. */
+static void end_loan(sublet_client *c, sublet_region *r, sublet_client *b, void *p,
+                     uint64_t loan) {
+  struct sublet_loan_stats st;
+
+  if (p != NULL) {
+    memset(p, 0xEE, 64ull << 20);
+    CHECK_RC(sublet_free(b, p), 0);
+  }
+  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, -1, &st), 0);
+  check_bits(r);
+  sublet_disconnect(b);
+}
+
 static void test_lend_pins_ahead_up_to_its_kept_bytes(void) {
   struct sl_test_daemon d;
   struct pin_state s;
@@ -103,35 +141,24 @@ static void test_lend_pins_ahead_up_to_its_kept_bytes(void) {
 static void test_first_save_waits_for_its_pieces_only(void) {
   struct sl_test_daemon d;
   struct pin_state s;
-  struct sublet_loan_stats st;
   sublet_client *c, *b = NULL;
   sublet_region *r;
   uint8_t token[SUBLET_TOKEN_SIZE];
   uint64_t loan;
   void *p;
-  double t0, took;
+  double took;
 
   CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
   CHECK((r = open_region(&d, &c)) != NULL);
   CHECK_RC(lend_first(r, REGION, &loan, token), 0);
-  CHECK_RC(sublet_connect(d.socket, &b), 0);
-  CHECK_RC(sublet_borrow(b, loan, token, NULL, 0), 0);
-  t0 = sl_test_now();
-  CHECK_RC(sublet_alloc(b, 64ull << 20, &p), 0);
-  took = sl_test_now() - t0;
+  save_64m(&d, loan, token, &b, &p, &took);
   CHECK_RC(pin_state(c, &s), 0);
   fprintf(stderr, "  first save of 64 MiB: %.3f s; pin %llu of %llu MiB\n", took,
           (unsigned long long)(s.done >> 20), (unsigned long long)(s.target >> 20));
   CHECK(took < 1.5);                     /* not the 2 s of the whole pin */
   CHECK(s.pinning && s.done < s.target); /* which goes on */
-  memset(p, 0xEE, 64ull << 20);
-  CHECK_RC(sublet_free(b, p), 0);
-  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
-  CHECK_RC(sublet_reclaim(c, loan, -1, &st), 0);
-  for (uint64_t i = 0; i < REGION; i += 4096)
-    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  end_loan(c, r, b, p, loan);
   CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
-  sublet_disconnect(b);
   sublet_disconnect(c);
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
@@ -142,13 +169,12 @@ static void test_first_save_waits_for_its_pieces_only(void) {
 static void test_pin_ahead_before_the_first_lend(void) {
   struct sl_test_daemon d;
   struct pin_state s;
-  struct sublet_loan_stats st;
   sublet_client *c, *b = NULL;
   sublet_region *r;
   uint8_t token[SUBLET_TOKEN_SIZE];
   uint64_t loan;
   void *p;
-  double t0, took;
+  double took;
 
   CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
   CHECK((r = open_region(&d, &c)) != NULL);
@@ -159,22 +185,12 @@ static void test_pin_ahead_before_the_first_lend(void) {
   CHECK_RC(lend_first(r, REGION, &loan, token), 0); /* all kept, no free memory */
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(!s.pinning); /* the Lend's kept bytes are pinned already */
-  CHECK_RC(sublet_connect(d.socket, &b), 0);
-  CHECK_RC(sublet_borrow(b, loan, token, NULL, 0), 0);
-  t0 = sl_test_now();
-  CHECK_RC(sublet_alloc(b, 64ull << 20, &p), 0);
-  took = sl_test_now() - t0;
+  save_64m(&d, loan, token, &b, &p, &took);
   fprintf(stderr, "  first save of 64 MiB after a pin ahead: %.3f s\n", took);
   CHECK(took < 0.4); /* a piece pinned on its path would take 0.5 s */
-  memset(p, 0xEE, 64ull << 20);
-  CHECK_RC(sublet_free(b, p), 0);
-  CHECK_RC(sublet_return(b, 0, NULL, NULL, 0, NULL), 0);
-  CHECK_RC(sublet_reclaim(c, loan, -1, &st), 0);
-  for (uint64_t i = 0; i < REGION; i += 4096)
-    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  end_loan(c, r, b, p, loan);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.host_bytes == REGION);
-  sublet_disconnect(b);
   sublet_disconnect(c);
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
@@ -226,8 +242,7 @@ static void test_pin_ahead_for_the_first_release(void) {
   CHECK(st.copied_out_bytes == REGION);
   CHECK(took < 1.0); /* the pin would be 2 s */
   CHECK_RC(sublet_resume(r, rel, 0, &st), 0);
-  for (uint64_t i = 0; i < REGION; i += 4096)
-    CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
+  check_bits(r);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(!s.pinning && s.host_bytes == REGION); /* a spare again, for the next release */
   sublet_disconnect(c);
