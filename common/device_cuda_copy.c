@@ -307,10 +307,14 @@ static int move_launches(struct cuda_device *d, CUfunction fn, CUdeviceptr base,
   return r != CUDA_SUCCESS || synced != CUDA_SUCCESS ? moves_failed(r, synced, err) : 0;
 }
 
-/* Moves run as one kernel launch (per million pieces): device to device at SM speed. */
-int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
-                     struct sl_err *err) {
-  struct cuda_device *d = to_cuda(dev);
+/* Moves run as one kernel launch (per million pieces): device to device at SM speed. Without
+ * the kernel or its arguments' memory they run as batched copies where fallback is set, else
+ * the caller hears COPY_ELSEWHERE (copy_by_sms: its sources are host memory, for the copy
+ * engines' host-to-device path then, not for device-to-device copies). */
+#define COPY_ELSEWHERE 1
+
+static int moves_run(struct cuda_device *d, void *base, const struct sl_move *moves, size_t n,
+                     int fallback, struct sl_err *err) {
   size_t chunk = n < MOVE_PIECES ? n : MOVE_PIECES;
   uint64_t *own = NULL, *host;
   CUdeviceptr mem = 0;
@@ -323,10 +327,12 @@ int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, si
   pthread_mutex_lock(&d->args_lock);
   fn = kernel(d, KERNEL_MOVE_RANGES);
   host = launch_args(d, chunk * ARGS_BYTES_PER_MOVE, &own);
-  if (host == NULL)
+  if (host == NULL && !fallback)
+    rc = COPY_ELSEWHERE;
+  else if (host == NULL)
     rc = sl_err_set(err, SUBLET_ENOHOSTMEM, "move: out of host memory for %zu pieces", n);
   else if (fn == NULL || cuda_drv.cuMemAlloc(&mem, chunk * ARGS_BYTES_PER_MOVE) != CUDA_SUCCESS)
-    rc = move_by_copies(d, base, moves, n, err);
+    rc = fallback ? move_by_copies(d, base, moves, n, err) : COPY_ELSEWHERE;
   else
     rc = move_launches(d, fn, devptr(base), moves, n, host, mem, err);
   if (mem != 0)
@@ -335,6 +341,11 @@ int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, si
   cuda_leave();
   free(own);
   return rc;
+}
+
+int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, size_t n,
+              struct sl_err *err) {
+  return moves_run(to_cuda(dev), base, moves, n, 1, err);
 }
 
 /* --- copies of many small pieces through a staging buffer on the device */
@@ -515,7 +526,6 @@ static int copy_staged(struct cuda_device *d, enum sl_copy_dir dir, void *dev_ba
  * host addresses, which kernels may read there (sm_copies; the save area is registered
  * DEVICEMAP). A piece whose ends disagree modulo 16 would cross the link a byte at a time:
  * then, or without the kernel, the copy engines take the call (COPY_ELSEWHERE). */
-#define COPY_ELSEWHERE 1
 
 static int copy_by_sms(struct cuda_device *d, char *dev_mem, char *host_mem,
                        const struct sl_copy *c, size_t n, struct sl_err *err) {
@@ -525,17 +535,12 @@ static int copy_by_sms(struct cuda_device *d, char *dev_mem, char *host_mem,
   for (size_t i = 0; i < n; i++)
     if ((((uintptr_t)dev_mem + c[i].dev_off) ^ ((uintptr_t)host_mem + c[i].host_off)) & 15)
       return COPY_ELSEWHERE;
-  rc = cuda_enter(d, err);
-  if (rc != 0)
-    return rc;
-  rc = kernel(d, KERNEL_MOVE_RANGES) != NULL ? 0 : COPY_ELSEWHERE;
-  cuda_leave();
-  if (rc != 0 || (m = malloc(n * sizeof(*m))) == NULL)
+  if ((m = malloc(n * sizeof(*m))) == NULL)
     return COPY_ELSEWHERE;
   for (size_t i = 0; i < n; i++)
     m[i] = (struct sl_move){(uintptr_t)host_mem + c[i].host_off,
                             (uintptr_t)dev_mem + c[i].dev_off, c[i].len};
-  rc = cuda_move(&d->base, NULL, m, n, err); /* absolute addresses: a base of 0 */
+  rc = moves_run(d, NULL, m, n, 0, err); /* absolute addresses: a base of 0 */
   free(m);
   return rc;
 }

@@ -232,6 +232,7 @@ void sl_server_notify(const char *msg);
  * once the area's user has had none for --pin-keep, the area is released. init at start;
  * stop at shutdown (the pin ends after its piece in progress). */
 void sl_pins_ahead(struct sl_daemon *d, uint64_t bytes);
+size_t sl_releases_of_user(struct sl_daemon *d, uid_t uid);
 int sl_pins_request(struct sl_daemon *d, uid_t uid, uint64_t bytes, int release,
                     struct sl_err *err);
 int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done);

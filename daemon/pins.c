@@ -128,9 +128,13 @@ static int pin_spare(struct sl_daemon *d, uid_t uid, uint64_t bytes, struct sl_e
   struct sl_pool_area *a;
   uint64_t target, done;
   char s[16], t[16];
-  int rc = sl_pool_spare_of(d->pool, uid, &a, err);
+  int rc;
 
-  if (rc != 0 || !sl_pool_pin_ahead(d->pool, a, bytes))
+  /* A live release's area comes back, pinned, as the spare the next one takes: that is the
+   * one to pin, not a second area beside it. */
+  if (bytes == 0 || sl_releases_of_user(d, uid) > 0)
+    return 0;
+  if ((rc = sl_pool_spare_of(d->pool, uid, &a, err)) != 0 || !sl_pool_pin_ahead(d->pool, a, bytes))
     return rc;
   sl_pool_pin_progress(a, &target, &done);
   sl_info("pinning a save area for uid %u's next release ahead to %s (%s pinned)",
@@ -151,8 +155,8 @@ int sl_pins_request(struct sl_daemon *d, uid_t uid, uint64_t bytes, int release,
   if (release)
     return pin_spare(d, uid, bytes < most ? bytes : most, err);
   if (sl_pool_host_owner(d->pool, &holder) == 0 && holder != uid)
-    return sl_err_set(err, SUBLET_EBUSY, "the save area serves another user's loans now: "
-                      "your Lend pins it for you when your loan comes");
+    return sl_err_set(err, SUBLET_EBUSY, "the loans' save area is another user's now: your "
+                      "Lend takes it and pins it for you when your loan comes");
   if (sl_pool_host_claim(d->pool, uid, &fd, err) != 0) /* fd: the area's, not ours */
     return err->code;
   sl_pins_ahead(d, bytes < most ? bytes : most);
@@ -165,30 +169,49 @@ int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done
 
 /* ------------------------------------------------------------------ letting go */
 
-/* The save area's user, when it has no region left (0), else -1. */
-static int owner_gone(struct sl_daemon *d, uid_t *uid) {
+static int has_region(struct sl_daemon *d, uid_t uid) {
   struct sl_region_info ri;
   uint64_t after = 0;
 
-  if (d->cfg.pin_bytes > 0 || sl_pool_host_owner(d->pool, uid) != 0)
-    return -1; /* --pin's area is kept: asked for */
   for (; sl_books_region_next(d->books, after, &ri) == 0; after = ri.id)
-    if (ri.owner.uid == *uid)
-      return -1;
+    if (ri.owner.uid == uid)
+      return 1;
   return 0;
+}
+
+/* A user of the loans' save area or of a spare who has no region left (0), else -1. */
+static int owner_gone(struct sl_daemon *d, uid_t *uid) {
+  uid_t users[SL_POOL_AREA_USERS_MAX];
+  size_t n = sl_pool_area_users(d->pool, d->cfg.pin_bytes == 0, users); /* --pin's: asked for */
+
+  for (size_t i = 0; i < n; i++) {
+    if (!has_region(d, users[i])) {
+      *uid = users[i];
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/* uid's loans' area (unless --pin's) and its spares go. */
+static void let_go(struct sl_daemon *d, uid_t uid) {
+  uint64_t before = sl_pool_host_bytes(d->pool);
+  uid_t owner;
+
+  if (d->cfg.pin_bytes == 0 && sl_pool_host_owner(d->pool, &owner) == 0 && owner == uid)
+    sl_pool_host_release(d->pool);
+  sl_pool_spares_drop(d->pool, uid);
+  sl_info("uid %u has had no region for %g s (--pin-keep): its save areas (%s pinned) are "
+          "released", (unsigned)uid, d->cfg.pin_keep_seconds,
+          sl_format_size((char[16]){0}, before - sl_pool_host_bytes(d->pool)));
 }
 
 static void on_keep_over(uv_timer_t *t) {
   struct sl_daemon *d = t->data;
-  const struct sl_pool_area *a = sl_pool_host_area(d->pool);
   uid_t uid;
 
-  if (owner_gone(d, &uid) != 0)
-    return; /* a region came back meanwhile */
-  sl_info("uid %u has had no region for %g s (--pin-keep): its save area (%s pinned) is "
-          "released", (unsigned)uid, d->cfg.pin_keep_seconds,
-          sl_format_size((char[16]){0}, sl_pool_area_bytes(a)));
-  sl_pool_host_release(d->pool);
+  while (owner_gone(d, &uid) == 0) /* none: a region came back meanwhile */
+    let_go(d, uid);
 }
 
 void sl_pins_regions_changed(struct sl_daemon *d) {

@@ -531,7 +531,7 @@ static int best_spare(const struct sl_pool *p, uid_t uid) {
 
   for (int i = 0; i < SL_POOL_SPARES; i++)
     if (p->spares[i] != NULL && p->spares[i]->uid == uid &&
-        (best < 0 || p->spares[i]->nhost > p->spares[best]->nhost))
+        (best < 0 || pinned_pieces(p->spares[i]) > pinned_pieces(p->spares[best])))
       best = i;
   return best;
 }
@@ -564,6 +564,32 @@ void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a) {
     sl_pool_area_free(p->dev, a);
 }
 
+_Static_assert(SL_POOL_AREA_USERS_MAX == 1 + SL_POOL_SPARES, "pool.h's bound on area users");
+
+uid_t sl_pool_area_uid(const struct sl_pool_area *a) {
+  return a->uid;
+}
+
+size_t sl_pool_area_users(const struct sl_pool *p, int loans, uid_t *uids) {
+  size_t n = 0;
+
+  if (loans && p->area != NULL && p->area->uid != (uid_t)-1)
+    uids[n++] = p->area->uid;
+  for (int i = 0; i < SL_POOL_SPARES; i++)
+    if (p->spares[i] != NULL)
+      uids[n++] = p->spares[i]->uid;
+  return n;
+}
+
+void sl_pool_spares_drop(struct sl_pool *p, uid_t uid) {
+  for (int i = 0; i < SL_POOL_SPARES; i++) {
+    if (p->spares[i] != NULL && p->spares[i]->uid == uid) {
+      sl_pool_area_drop(p, p->spares[i]);
+      p->spares[i] = NULL;
+    }
+  }
+}
+
 /* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
   int slot = 0;
@@ -573,10 +599,10 @@ void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
     return;
   for (int i = 1; i < SL_POOL_SPARES; i++)
     if (p->spares[i] == NULL || (p->spares[slot] != NULL &&
-                                 p->spares[i]->nhost < p->spares[slot]->nhost))
+                                 pinned_pieces(p->spares[i]) < pinned_pieces(p->spares[slot])))
       slot = i;
   loser = p->spares[slot];
-  if (loser != NULL && loser->nhost > a->nhost) {
+  if (loser != NULL && pinned_pieces(loser) > pinned_pieces(a)) {
     loser = a; /* every spare is larger: this one goes */
   } else {
     p->spares[slot] = a;
@@ -619,7 +645,7 @@ int sl_pool_spare_of(struct sl_pool *p, uid_t uid, struct sl_pool_area **out,
   }
   for (i = 1; i < SL_POOL_SPARES; i++)
     if (p->spares[slot] != NULL && (p->spares[i] == NULL ||
-                                    p->spares[i]->nhost < p->spares[slot]->nhost))
+                                    pinned_pieces(p->spares[i]) < pinned_pieces(p->spares[slot])))
       slot = i;
   if ((rc = sl_pool_area_new(uid, out, err)) != 0)
     return rc;

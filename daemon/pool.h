@@ -122,6 +122,13 @@ int sl_pool_area_take(struct sl_pool *p, uid_t uid, struct sl_pool_area **out, i
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a);
 /* The area goes, never a spare (another process may still read its memfd). */
 void sl_pool_area_drop(struct sl_pool *p, struct sl_pool_area *a);
+/* Whose kept bytes it holds ((uid_t)-1: nobody's yet). */
+uid_t sl_pool_area_uid(const struct sl_pool_area *a);
+/* The users of the loans' area (loans: 1; 0 leaves it out) and of the spares, into uids
+ * (room for 1 + SL_POOL_SPARES), repeats and all; how many. spares_drop: uid's spares go. */
+#define SL_POOL_AREA_USERS_MAX 5
+size_t sl_pool_area_users(const struct sl_pool *p, int loans, uid_t *uids);
+void sl_pool_spares_drop(struct sl_pool *p, uid_t uid);
 uint64_t sl_pool_area_bytes(const struct sl_pool_area *a);
 /* The loans' current save area (NULL: none yet), held: it outlives the transfers that use it
  * and a claim of another user that replaces it, until sl_pool_area_put. detach makes it the

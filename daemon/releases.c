@@ -62,6 +62,14 @@ static struct sl_live_release **live_link(struct sl_daemon *d, uint64_t id) {
   return link;
 }
 
+size_t sl_releases_of_user(struct sl_daemon *d, uid_t uid) {
+  size_t n = 0;
+
+  for (struct sl_live_release *lr = d->releases; lr != NULL; lr = lr->next)
+    n += lr->area != NULL && sl_pool_area_uid(lr->area) == uid;
+  return n;
+}
+
 /* Unlinks release id's record, the caller's now (NULL: none). */
 static struct sl_live_release *live_take(struct sl_daemon *d, uint64_t id) {
   struct sl_live_release **link = live_link(d, id), *lr = *link;

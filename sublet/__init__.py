@@ -172,12 +172,12 @@ def pin_ahead(nbytes: int, device: torch.device | str | int | None = None,
     finds the host memory made instead of waiting for the kernel to make it (about 5 GB/s; a
     lend starts the same pin, but a borrower that fills the GPU at once outruns it). Returns
     at once; `sublet status` shows the pin. What is pinned stays for later loans and goes when
-    the user has had no region for the daemon's --pin-keep. BusyError while the save area
-    serves another user's loans. release=True: for this user's next sublet.release instead
+    the user has had no region for the daemon's --pin-keep. BusyError while the loans' save
+    area is another user's. release=True: for this user's next sublet.release instead
     (a save area of its own, which that release takes and gives back pinned for the next;
     torch_memory_saver's compat pins its CPU-backup tags so)."""
     from ._memory import resolve_device
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < 1 << 64:
         raise ValueError(f"pin_ahead: nbytes must be a byte count (an int >= 0), not {nbytes!r}")
     _, client = resolve_device(device)
     client.pin_ahead(nbytes, release=bool(release))
