@@ -52,6 +52,7 @@ never slower than tms, first and later cycles; nothing over the host link with s
     python3 bench/bench_release.py --quick         # S = 4 GiB, 2 cycles: a smoke run
     python3 bench/bench_release.py --size max --kept 0.3 --json out.json
     python3 bench/bench_release.py --contenders sublet --kept 1.0
+    python3 bench/bench_release.py --contenders sublet --kept 1.0 --pin-ahead  # pinned first
 
 The parent process never creates a CUDA context: every GPU measurement runs in a child.
 """

@@ -48,7 +48,9 @@ fails the case, and the run exits 1.
 With the default --daemon shared, the sublet processes use one subletd started for the run
 (as a system service would be); by default it pins nothing ahead (--daemon-pin 0), as the
 daemon a user gets on demand: host memory is pinned at a loan's first save.
---daemon-pin ahead pins the kept fraction of S ahead, as earlier runs did. The client
+--daemon-pin ahead pins the kept fraction of S ahead, as earlier runs did; --daemon-pin owner
+starts the daemon so too, but each owner calls sublet.pin_ahead(its kept bytes) once its
+tensor is made (an engine that knows its keep), waited for and timed apart. The client
 processes are fresh for every first cycle all the same. --daemon private lets each process
 start its own daemon (the package's default with no service set up).
 
@@ -872,6 +874,7 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
     _torch.warm_up_cublas(torch.cuda.current_device())
     ballast, free_measured = make_ballast(spec["free_bytes"])
     log(f"{gib(free_measured)} of GPU memory free beside the tensor")
+    pin_ahead_s = owner_pins_ahead(pattern.kept_bytes) if spec.get("pin_ahead") else None
 
     def cycle_for(kind: str, n_job: int) -> Callable[[int], dict[str, Any]]:
         def cycle(i: int) -> dict[str, Any]:
@@ -909,7 +912,22 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
     log(f"release of the {gib(size)} tensor: {release_s:.3f} s")
     return {"free_bytes_measured": free_measured, "kept_bytes": kept_bytes,
             "keep_views": views, "parts": parts, "empty_s": empty_s,
-            "release_s": release_s, "process_s": now() - t_start}
+            "release_s": release_s, "process_s": now() - t_start, "pin_ahead_s": pin_ahead_s}
+
+
+def owner_pins_ahead(kept: int) -> float:
+    """--daemon-pin owner: sublet.pin_ahead(kept), waited for (an engine serving meanwhile
+    would not notice); its seconds, off the cycles."""
+    import sublet
+    from sublet import _memory
+    t0 = now()
+    sublet.pin_ahead(kept)
+    client = _memory.resolve_device(None)[1]
+    while client.status().get("pin") is not None:
+        time.sleep(0.05)
+    seconds = now() - t0
+    log(f"pinned ahead for {gib(kept)} kept in {seconds:.3f} s (sublet.pin_ahead)")
+    return seconds
 
 
 def gc_collect() -> None:
@@ -1240,7 +1258,8 @@ def plan_cases(s: Settings, plan: dict[str, Any]) -> list[dict[str, Any]]:
                 for kind, f in all_jobs(s):
                     if kind == "fill" or p == "blocks":
                         cases.append({**common, "cycles": s.sublet_cycles, "method": "sublet",
-                                      "pattern": p, "jobs": [(kind, f)], "size_bytes": size})
+                                      "pattern": p, "jobs": [(kind, f)], "size_bytes": size,
+                                      "pin_ahead": s.daemon_pin_gib == "owner"})
     for case in cases:
         what = ", ".join(f"{k} {pct(f)}" for k, f in case["jobs"])
         case["label"] = f"{case['method']} {case['pattern']} {what} {gib(case['size_bytes'])}"
@@ -1314,6 +1333,7 @@ def run_benchmark(s: Settings) -> int:
         run_case(case, done, len(cases), {}, probe, run_id, plan, doc, s)
     if sublet_cases:
         pin = s.kept_fraction * max(plan["sublet_sizes"]) if s.daemon_pin_gib == "ahead" \
+            else 0.0 if s.daemon_pin_gib == "owner" \
             else (s.daemon_pin_gib or 0) * GiB  # default 0: the daemon a user gets
         with daemon_for_run(s.daemon, int(pin)) as daemon:
             run["daemon"] = daemon.describe()
@@ -1460,6 +1480,9 @@ def _case_lines(r: dict[str, Any], phases: bool) -> list[str]:
         lines.append(f"  {'' if r.get('first') else label:<24} failed: {r['error']}")
     if not r.get("kept_intact", True):
         lines.append(f"  {'':<24} KEPT DATA NOT INTACT: the run fails")
+    if r.get("pin_ahead_s") is not None:
+        lines.append(f"  {'':<24} pinned ahead in {r['pin_ahead_s']:.3f} s before the first "
+                     f"cycle (sublet.pin_ahead, --daemon-pin owner)")
     if phases and r.get("empty_s") is not None:
         lines.append(f"  {'':<24} sublet.empty {r['empty_s'] / (r['size_bytes'] / GiB):.4f} "
                      f"s/GiB, release {r['release_s'] / (r['size_bytes'] / GiB):.4f} s/GiB")
@@ -1573,7 +1596,7 @@ def _size(text: str) -> float | str:
 
 
 def _pin(text: str) -> float | str:
-    return "ahead" if text == "ahead" else float(text)
+    return text if text in ("ahead", "owner") else float(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1624,7 +1647,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host memory the shared subletd pins ahead (--pin): 0, the "
                              "default, starts it as a user gets it (host memory pinned at a "
                              "loan's first save); 'ahead': the kept fraction of the largest S, "
-                             "as earlier runs of this benchmark did")
+                             "as earlier runs of this benchmark did; 'owner': 0, and each owner "
+                             "calls sublet.pin_ahead(its kept bytes) before its first cycle, "
+                             "timed apart")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the block patterns (the changing ones: with the cycle)")
     parser.add_argument("--bandwidth-size", type=float, default=None, metavar="GiB",

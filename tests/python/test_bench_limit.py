@@ -125,6 +125,19 @@ def test_new_patterns_run_as_sublet_cases_and_the_daemon_pins_nothing_by_default
     assert patterns == set(bm.PATTERNS)
     ahead = bm.settings_from(bm.build_parser().parse_args(["--daemon-pin", "ahead"]))
     assert ahead.daemon_pin_gib == "ahead"
+    assert not any(c.get("pin_ahead") for c in bm.plan_cases(ahead, plan))
+
+
+def test_daemon_pin_owner_has_every_sublet_owner_pin_ahead_itself(bm):
+    s = bm.settings_from(bm.build_parser().parse_args(["--quick", "--daemon-pin", "owner"]))
+    plan = {"free_bytes": 8 * GiB, "copy_all_sizes": [64 * GiB], "sublet_sizes": [64 * GiB]}
+    cases = bm.plan_cases(s, plan)
+    assert s.daemon_pin_gib == "owner"
+    assert all(c.get("pin_ahead") for c in cases if c["method"] == "sublet")
+    assert not any(c.get("pin_ahead") for c in cases if c["method"] != "sublet")
+    line = bm._case_lines({"method": "sublet", "pattern": "rows", "size_bytes": 64 * GiB,
+                           "kept_fraction": 0.3, "pin_ahead_s": 4.5}, phases=False)
+    assert any("pinned ahead in 4.500 s" in x for x in line)
 
 
 def test_bench_empty_runs_on_memfd_beside_its_floor(native, tmp_path):
