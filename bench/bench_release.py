@@ -470,21 +470,6 @@ def release_figures(rel: Any, released: dict, resumed: dict) -> dict:
     return out
 
 
-def pin_ahead_for_release(nbytes: int) -> float:
-    """--pin-ahead: sublet.pin_ahead(release=True) of the kept bytes, as an engine that knows
-    its keep calls it once its memory is made (torch_memory_saver's compat does at a CPU-backup
-    region's end); waits for the pin, which an engine serving before its first sleep would not
-    notice. Returns its seconds."""
-    import sublet
-    from sublet import _memory
-    t0 = time.perf_counter()
-    sublet.pin_ahead(nbytes, release=True)
-    client = _memory.resolve_device(None)[1]
-    while client.status().get("pin") is not None:
-        time.sleep(0.05)
-    return time.perf_counter() - t0
-
-
 def child_sublet(spec: dict) -> dict:
     """The cache in pool "kv"; cycles of sublet.release(...) / rel.resume()."""
     import torch
@@ -500,7 +485,10 @@ def child_sublet(spec: dict) -> dict:
     keep = None if ids_np is None else sublet.blocks(layers, torch.from_numpy(ids_np), dim=0)
     expected = kept_digest(layers, ids)
     kept_bytes = LAYERS * (per_layer if ids_np is None else len(ids_np)) * BLOCK
-    pinned_s = pin_ahead_for_release(kept_bytes) if spec.get("pin_ahead") else None
+    # --pin-ahead: as an engine that knows its keep once its memory is made (torch_memory_saver's
+    # compat, at a CPU-backup region's end)
+    pinned_s = bench_module().owner_pins_ahead(kept_bytes, release=True) \
+        if spec.get("pin_ahead") else None
 
     released: dict = {}
 
@@ -771,14 +759,20 @@ def tms_available() -> tuple[bool, str]:
         return True, "unknown version"
 
 
-def start_daemon(pin_gib: float, log: Path | None = None):
-    """One subletd for the sublet children (as a service would be): benchmark.py's, its
-    debug log written to `log` when it stops."""
+def bench_module():
+    """benchmark.py, beside this script."""
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         import benchmark
     finally:
         sys.path.remove(str(SCRIPT.parent))
+    return benchmark
+
+
+def start_daemon(pin_gib: float, log: Path | None = None):
+    """One subletd for the sublet children (as a service would be): benchmark.py's, its
+    debug log written to `log` when it stops."""
+    benchmark = bench_module()
     benchmark.DAEMON_LOG = log.resolve() if log is not None else None
     return benchmark, benchmark.start_daemon(int(pin_gib * GiB))
 

@@ -915,13 +915,14 @@ def child_sublet(spec: dict[str, Any]) -> dict[str, Any]:
             "release_s": release_s, "process_s": now() - t_start, "pin_ahead_s": pin_ahead_s}
 
 
-def owner_pins_ahead(kept: int) -> float:
-    """--daemon-pin owner: sublet.pin_ahead(kept), waited for (an engine serving meanwhile
-    would not notice); its seconds, off the cycles."""
+def owner_pins_ahead(kept: int, release: bool = False) -> float:
+    """--daemon-pin owner (and bench_release.py --pin-ahead, release=True): sublet.pin_ahead
+    of the kept bytes, waited for (an engine serving meanwhile would not notice); its seconds,
+    off the cycles."""
     import sublet
     from sublet import _memory
     t0 = now()
-    sublet.pin_ahead(kept)
+    sublet.pin_ahead(kept, release=release)
     client = _memory.resolve_device(None)[1]
     while client.status().get("pin") is not None:
         time.sleep(0.05)

@@ -210,7 +210,8 @@ static int check_vmm_support(struct cuda_device *d, struct sl_err *err) {
   cuda_drv.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                                 d->dev);
   cuda_drv.cuDeviceGetAttribute(&posix_fd,
-                           CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->dev);
+                                CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                d->dev);
   if (vmm && posix_fd)
     return 0;
   return sl_err_set(err, SUBLET_ENOTSUP,
@@ -265,7 +266,7 @@ static int setup_allocations(struct cuda_device *d, struct sl_err *err) {
   d->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   d->prop.location.id = d->dev;
   rc = cuda_check(cuda_drv.cuMemGetAllocationGranularity(&granularity, &d->prop,
-                                                    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                                                         CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                   err, "cuMemGetAllocationGranularity", "check the driver");
   d->base.info.page_size = granularity;
   return rc;
@@ -410,7 +411,7 @@ static int cuda_import(struct sl_device *dev, int fd, sl_handle *out, struct sl_
   if (rc != 0)
     return rc;
   rc = cuda_check(cuda_drv.cuMemImportFromShareableHandle(&h, (void *)(uintptr_t)fd,
-                                                     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                                                          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                   err, "cuMemImportFromShareableHandle",
                   "the fd must come from a cuda daemon on this same GPU");
   cuda_leave();

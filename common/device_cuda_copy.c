@@ -35,9 +35,9 @@ static CUresult call_memcpy_batch(struct batch *b, size_t n, CUstream stream) {
   attrs.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
   if (cuda_drv.batch_version >= 13000)
     return ((memcpy_batch_v13000_fn)cuda_drv.memcpy_batch)(b->dsts, b->srcs, b->sizes, n, &attrs,
-                                                      &attr_idx, 1, stream);
+                                                           &attr_idx, 1, stream);
   return ((memcpy_batch_v12080_fn)cuda_drv.memcpy_batch)(b->dsts, b->srcs, b->sizes, n, &attrs,
-                                                    &attr_idx, 1, &fail_idx, stream);
+                                                         &attr_idx, 1, &fail_idx, stream);
 }
 
 static CUresult enqueue_one(struct cuda_device *d, enum sl_copy_dir dir, CUdeviceptr dst,
@@ -281,7 +281,7 @@ static CUresult queue_moves(struct cuda_device *d, CUfunction fn, CUstream s, CU
   r = cuda_drv.cuMemcpyHtoDAsync(mem, host, ARGS_BYTES_PER_MOVE * n, s);
   if (r == CUDA_SUCCESS)
     r = cuda_drv.cuLaunchKernel(fn, grid_blocks(d, tiles, MOVE_BLOCKS_PER_SM), 1, 1, MOVE_THREADS,
-                           1, 1, 0, s, args, NULL);
+                                1, 1, 0, s, args, NULL);
   return r;
 }
 
@@ -593,7 +593,7 @@ static int hash_on_stream(struct cuda_device *d, CUfunction fn, CUdeviceptr base
   rc = cuda_check(r, err, "copying verify's ranges to the GPU", "check nvidia-smi");
   if (rc == 0 && tile_end[n - 1] > 0)
     rc = cuda_check(cuda_drv.cuLaunchKernel(fn, blocks, 1, 1, HASH_THREADS, 1, 1, 0, d->stream,
-                                       args, NULL),
+                                            args, NULL),
                     err, "sl_hash_ranges", "the GPU may be out of resources");
   if (rc == 0)
     rc = cuda_check(cuda_drv.cuMemcpyDtoHAsync(out, dev_out, 8 * n, d->stream), err,

@@ -448,28 +448,10 @@ static void pace(uint64_t bps, double t0, uint64_t done) {
     usleep((useconds_t)(late < 0.5 ? late * 1e6 : 5e5));
 }
 
-/* Pinning takes time on a GPU (the kernel faults in and locks every page): with
- * $SUBLET_MEMFD_PIN, a writable mapping (a save area's) takes as long, and its pages are made
+/* Nothing to pin on the host, but pinning takes time on a GPU (the kernel faults in and
+ * locks every page): with $SUBLET_MEMFD_PIN it takes as long here, and the pages are made
  * then, as pinning makes them (a first copy into pages not made yet is slow: tests of pinning
  * ahead see the difference). Without it nothing is made ahead: tests' areas cost no memory. */
-static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
-                          int writable, void **p, struct sl_err *err) {
-  double t0 = now_seconds();
-  void *mem = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
-                   (off_t)offset);
-  if (mem == MAP_FAILED)
-    return sl_err_set(err, SUBLET_ENOMEM, "host_map of %llu bytes: %s",
-                      (unsigned long long)size, strerror(errno));
-  if (writable && to_memfd(dev)->pin_bps > 0) {
-    sl_prefault(mem, size);
-    pace(to_memfd(dev)->pin_bps, t0, size);
-  }
-  *p = mem;
-  return 0;
-}
-
-/* Nothing to pin on the host; the pace of a GPU's pinning, and its pages made, as for
- * host_map. */
 static int memfd_host_pin(struct sl_device *dev, void *p, uint64_t size, struct sl_err *err) {
   double t0 = now_seconds();
 
@@ -477,6 +459,20 @@ static int memfd_host_pin(struct sl_device *dev, void *p, uint64_t size, struct 
     sl_prefault(p, size);
     pace(to_memfd(dev)->pin_bps, t0, size);
   }
+  return 0;
+}
+
+/* A writable mapping (a save area's) is pinned, as on a GPU. */
+static int memfd_host_map(struct sl_device *dev, int fd, uint64_t offset, uint64_t size,
+                          int writable, void **p, struct sl_err *err) {
+  void *mem = mmap(NULL, size, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+                   (off_t)offset);
+  if (mem == MAP_FAILED)
+    return sl_err_set(err, SUBLET_ENOMEM, "host_map of %llu bytes: %s",
+                      (unsigned long long)size, strerror(errno));
+  if (writable)
+    memfd_host_pin(dev, mem, size, err);
+  *p = mem;
   return 0;
 }
 

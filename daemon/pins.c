@@ -28,6 +28,7 @@
 
 #include "clock.h"
 #include "daemon.h"
+#include "grow.h"
 #include "log.h"
 
 struct sl_pinner {
@@ -149,17 +150,18 @@ int sl_pins_request(struct sl_daemon *d, uid_t uid, uint64_t bytes, int release,
   uid_t holder;
   int fd;
 
+  bytes = sl_min_u64(bytes, most);
   if (most == 0)
     return sl_err_set(err, SUBLET_ENOENT, "you have no region on this device: pin ahead once "
                       "the memory you will lend is made");
   if (release)
-    return pin_spare(d, uid, bytes < most ? bytes : most, err);
+    return pin_spare(d, uid, bytes, err);
   if (sl_pool_host_owner(d->pool, &holder) == 0 && holder != uid)
     return sl_err_set(err, SUBLET_EBUSY, "the loans' save area is another user's now: your "
                       "Lend takes it and pins it for you when your loan comes");
   if (sl_pool_host_claim(d->pool, uid, &fd, err) != 0) /* fd: the area's, not ours */
     return err->code;
-  sl_pins_ahead(d, bytes < most ? bytes : most);
+  sl_pins_ahead(d, bytes);
   return 0;
 }
 
@@ -169,23 +171,13 @@ int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done
 
 /* ------------------------------------------------------------------ letting go */
 
-static int has_region(struct sl_daemon *d, uid_t uid) {
-  struct sl_region_info ri;
-  uint64_t after = 0;
-
-  for (; sl_books_region_next(d->books, after, &ri) == 0; after = ri.id)
-    if (ri.owner.uid == uid)
-      return 1;
-  return 0;
-}
-
 /* A user of the loans' save area or of a spare who has no region left (0), else -1. */
 static int owner_gone(struct sl_daemon *d, uid_t *uid) {
   uid_t users[SL_POOL_AREA_USERS_MAX];
   size_t n = sl_pool_area_users(d->pool, d->cfg.pin_bytes == 0, users); /* --pin's: asked for */
 
   for (size_t i = 0; i < n; i++) {
-    if (!has_region(d, users[i])) {
+    if (regions_bytes(d, users[i]) == 0) {
       *uid = users[i];
       return 0;
     }

@@ -487,11 +487,9 @@ void sl_pool_host_release(struct sl_pool *p) {
 /* An area's goal: bytes in whole pieces, within the window (pinned bytes cannot pass the
  * host's memory). It only rises: a smaller keep lent later needs no less room. */
 int sl_pool_pin_ahead(struct sl_pool *p, struct sl_pool_area *a, uint64_t bytes) {
-  if (a == NULL)
-    a = p->area;
   size_t want;
 
-  if (a == NULL)
+  if (a == NULL && (a = p->area) == NULL)
     return 0;
   if (bytes > a->window_bytes)
     bytes = a->window_bytes;
@@ -590,17 +588,23 @@ void sl_pool_spares_drop(struct sl_pool *p, uid_t uid) {
   }
 }
 
+/* An empty spare slot, else the one holding the fewest pinned pieces. */
+static int free_or_smallest_slot(const struct sl_pool *p) {
+  int slot = 0;
+
+  for (int i = 1; i < SL_POOL_SPARES && p->spares[slot] != NULL; i++)
+    if (p->spares[i] == NULL || pinned_pieces(p->spares[i]) < pinned_pieces(p->spares[slot]))
+      slot = i;
+  return slot;
+}
+
 /* Kept as a spare in place of the smallest one (or an empty slot); the loser goes. */
 void sl_pool_area_give(struct sl_pool *p, struct sl_pool_area *a) {
-  int slot = 0;
+  int slot = free_or_smallest_slot(p);
   struct sl_pool_area *loser;
 
   if (a == NULL)
     return;
-  for (int i = 1; i < SL_POOL_SPARES; i++)
-    if (p->spares[i] == NULL || (p->spares[slot] != NULL &&
-                                 pinned_pieces(p->spares[i]) < pinned_pieces(p->spares[slot])))
-      slot = i;
   loser = p->spares[slot];
   if (loser != NULL && pinned_pieces(loser) > pinned_pieces(a)) {
     loser = a; /* every spare is larger: this one goes */
@@ -637,16 +641,12 @@ struct sl_pool_area *sl_pool_area_to_pin(struct sl_pool *p) {
  * in place of the smallest spare (which holds nothing: an idle area, only pinned). */
 int sl_pool_spare_of(struct sl_pool *p, uid_t uid, struct sl_pool_area **out,
                      struct sl_err *err) {
-  int i = best_spare(p, uid), slot = 0, rc;
+  int i = best_spare(p, uid), slot = free_or_smallest_slot(p), rc;
 
   if (i >= 0) {
     *out = p->spares[i];
     return 0;
   }
-  for (i = 1; i < SL_POOL_SPARES; i++)
-    if (p->spares[slot] != NULL && (p->spares[i] == NULL ||
-                                    pinned_pieces(p->spares[i]) < pinned_pieces(p->spares[slot])))
-      slot = i;
   if ((rc = sl_pool_area_new(uid, out, err)) != 0)
     return rc;
   sl_pool_area_drop(p, p->spares[slot]);

@@ -150,8 +150,8 @@ uint64_t sl_pool_host_bytes(const struct sl_pool *p);
  * current one) is to hold bytes (capped at the host's memory, in whole pieces; the goal only
  * rises, until the area goes); 1 if that needs pinning, else 0. area_to_pin: the loans' area
  * if it is below its goal, else such a spare, else NULL. spare_of: the spare that uid's next
- * release takes (sl_pool_area_take), made if uid has none, to pin ahead for it. pin_step (any thread, the area held with
- * sl_pool_area_hold): pins one more piece toward the goal; 1 while more remain, 0 once there
+ * release takes (sl_pool_area_take), made if uid has none, to pin ahead for it. pin_step (any
+ * thread, the area held with sl_pool_area_hold or _ref): pins one more piece toward the goal; 1 while more remain, 0 once there
  * (or stopped), or an error. A save running meanwhile shares the pinning, a piece at a time:
  * it waits at most for one piece, never for the goal. pin_stop: the goal drops to what is
  * pinned (an area replaced, detached or freed stops by itself). pin_progress: the goal and
