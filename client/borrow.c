@@ -293,10 +293,29 @@ static int free_request(sublet_client *c, uint64_t alloc_id, int undo) {
               : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
 }
 
+/* The kept-zone mapping an allocation may need, done while subletd clears its pages. */
+struct premap {
+  sublet_client *c;
+  uint64_t npages;
+};
+
+static int reply_here(void *arg) {
+  return sl_client_readable(arg);
+}
+
+static void premap_run(void *arg) {
+  const struct premap *pm = arg;
+
+  if (pm->c->win != NULL)
+    sl_window_premap(pm->c->win, pm->npages, reply_here, pm->c);
+}
+
 static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Alloc m = SUBLET__ALLOC__INIT;
   Sublet__Reply *rep = NULL;
+  struct premap pm;
+  struct sl_meanwhile mw = {premap_run, &pm};
   int fds[1];
   size_t nfds = 1;
   int rc;
@@ -310,7 +329,8 @@ static int alloc_locked(sublet_client *c, uint64_t size, void **ptr) {
   m.size = size;
   req.body_case = SUBLET__REQUEST__BODY_ALLOC;
   req.alloc = &m;
-  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_ALLOCATED, &rep, fds, &nfds, 0);
+  pm = (struct premap){c, c->win != NULL ? (size + c->win->page_size - 1) / c->win->page_size : 0};
+  rc = sl_client_call_meanwhile(c, &req, SUBLET__REPLY__BODY_ALLOCATED, &rep, fds, &nfds, &mw);
   if (rc == 0) {
     const Sublet__Allocated *a = rep->allocated;
     /* In the owner's process a run of consecutive region pages needs no mapping at all. */

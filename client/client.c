@@ -184,7 +184,8 @@ static int send_request(sublet_client *c, Sublet__Request *req, int fd, int wait
  * than capacity, else the conversation is broken and they are closed). Notices on the way
  * are noted (heard). */
 static int exchange(sublet_client *c, Sublet__Request *req, int fd, Sublet__Reply **rep,
-                    int *fds, size_t capacity, size_t *nfds, int waits, int deadline_ms) {
+                    int *fds, size_t capacity, size_t *nfds, int waits, int deadline_ms,
+                    const struct sl_meanwhile *mw) {
   struct sl_frame_header h;
   struct sl_err err = {0};
   int rxfds[SL_WIRE_MAX_FDS];
@@ -193,6 +194,8 @@ static int exchange(sublet_client *c, Sublet__Request *req, int fd, Sublet__Repl
 
   *rep = NULL;
   rc = send_request(c, req, fd, waits, deadline_ms, &err);
+  if (rc == 0 && mw != NULL)
+    mw->run(mw->arg);
   if (rc == 0) {
     rc = recv_reply(c, &h, rep, rxfds, ms_left(start, deadline_ms), &err);
     pthread_mutex_lock(&c->send_lock);
@@ -240,14 +243,14 @@ static int deadline_of(const sublet_client *c, int wait_ms) {
   return wait_ms > INT_MAX - c->timeout_ms ? INT_MAX : wait_ms + c->timeout_ms;
 }
 
-int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
-                      Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
-                      size_t *nfds, int wait_ms) {
+static int call(sublet_client *c, Sublet__Request *req, int fd, Sublet__Reply__BodyCase expect,
+                Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms,
+                const struct sl_meanwhile *mw) {
   size_t capacity = nfds != NULL ? *nfds : 0, got = 0;
   int none[1], *rxfds = fds != NULL ? fds : none;
   Sublet__Reply *rep = NULL;
   int keep, rc = exchange(c, req, fd, &rep, rxfds, capacity, &got, wait_ms != 0,
-                          deadline_of(c, wait_ms));
+                          deadline_of(c, wait_ms), mw);
 
   if (rc == 0 && rep->body_case == SUBLET__REPLY__BODY_ERROR)
     rc = sl_client_fail(rep->error->code, "%s", rep->error->message);
@@ -267,9 +270,27 @@ int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
   return rc;
 }
 
+int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
+                      Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                      size_t *nfds, int wait_ms) {
+  return call(c, req, fd, expect, out, fds, nfds, wait_ms, NULL);
+}
+
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
                    Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms) {
-  return sl_client_call_fd(c, req, -1, expect, out, fds, nfds, wait_ms);
+  return call(c, req, -1, expect, out, fds, nfds, wait_ms, NULL);
+}
+
+int sl_client_call_meanwhile(sublet_client *c, Sublet__Request *req,
+                             Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                             size_t *nfds, const struct sl_meanwhile *mw) {
+  return call(c, req, -1, expect, out, fds, nfds, 0, mw);
+}
+
+int sl_client_readable(const sublet_client *c) {
+  struct pollfd p = {.fd = c->sock, .events = POLLIN};
+
+  return c->rx.len > c->rx.off || poll(&p, 1, 0) != 0; /* buffered: a frame came along */
 }
 
 int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect) {

@@ -107,6 +107,19 @@ int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
 int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
                       Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
                       size_t *nfds, int wait_ms);
+/* Work done while a request's reply is awaited: run(arg) is called once req is sent, before
+ * its reply is read (a grant that waits for subletd's copies maps meanwhile), and should end
+ * soon once sl_client_readable says the reply has come. */
+struct sl_meanwhile {
+  void (*run)(void *arg);
+  void *arg;
+};
+/* sl_client_call (wait_ms 0) with mw's work in the wait. */
+int sl_client_call_meanwhile(sublet_client *c, Sublet__Request *req,
+                             Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                             size_t *nfds, const struct sl_meanwhile *mw);
+/* 1 when the connection has something to read (a reply, a notice, its end), else 0. */
+int sl_client_readable(const sublet_client *c);
 /* Undoes a step that failed by the request req (the caller holds c->lock): its own outcome is
  * not reported (returns 0), the thread's last error stays the one that says why the step
  * failed. */

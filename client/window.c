@@ -234,6 +234,61 @@ int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_e
   return rc;
 }
 
+#define PREMAP_RUN 256 /* pages between asks to stop: 512 MiB, about 8 ms of mapping */
+
+/* The pages this loan's allocations hold, wherever they lie. */
+static uint64_t pages_held(const struct sl_window *w) {
+  uint64_t n = 0;
+
+  for (size_t i = 0; i < w->nallocs; i++)
+    n += (w->allocs[i].size + w->page_size - 1) / w->page_size;
+  return n;
+}
+
+/* May position p be mapped ahead: a kept page with a handle here, not mapped to it yet? */
+static int premappable(const struct sl_window *w, uint64_t p) {
+  int64_t page = sl_window_page_at(w, p);
+
+  return page >= 0 && !own_position(w, p) && w->mapped[p] != page && w->handles[page] != 0;
+}
+
+/* Maps positions [from, to), all premappable, with one access call; undone if it fails. */
+static void premap_run(struct sl_window *w, uint64_t from, uint64_t to) {
+  uint64_t p;
+
+  for (p = from; p < to; p++)
+    if (map_position(w, p, sl_window_page_at(w, p), NULL) != 0)
+      break;
+  if (p == to && to > from &&
+      sl_device_set_access(w->dev, pos_addr(w, from), (to - from) * w->page_size, NULL) == 0)
+    return;
+  while (p-- > from) { /* mapped without access: map_run would take it as done */
+    sl_device_unmap_idle(w->dev, pos_addr(w, p), w->page_size);
+    w->mapped[p] = POS_UNMAPPED;
+    w->mapped_pages--;
+  }
+}
+
+void sl_window_premap(struct sl_window *w, uint64_t npages, int (*stop)(void *), void *arg) {
+  uint64_t free_uf = w->unkept + w->fresh, held = pages_held(w), p = free_uf;
+  uint64_t end = window_pages(w);
+  double t0 = sl_clock_now();
+
+  free_uf = held < free_uf ? free_uf - held : 0;
+  if (npages <= free_uf)
+    return;
+  end = npages - free_uf < end - p ? p + (npages - free_uf) : end;
+  while (p < end && !stop(arg)) {
+    uint64_t from;
+    while (p < end && !premappable(w, p))
+      p++;
+    for (from = p; p < end && p - from < PREMAP_RUN && premappable(w, p); p++)
+      ;
+    premap_run(w, from, p);
+  }
+  w->map_seconds += sl_clock_now() - t0;
+}
+
 int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,
                         struct sl_err *err) {
   double t0 = sl_clock_now();
