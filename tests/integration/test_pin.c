@@ -48,11 +48,12 @@ static int pin_state(sublet_client *c, struct pin_state *s) {
   return 0;
 }
 
-/* Waits (up to seconds) for no pin to run; its last state in *s. */
-static int pin_settled(sublet_client *c, struct pin_state *s, double seconds) {
+/* Waits (up to seconds) for no pin to run and want bytes pinned (a Lend's pin may not have
+ * begun when its reply comes); its last state in *s. */
+static int pin_settled(sublet_client *c, struct pin_state *s, uint64_t want, double seconds) {
   double end = sl_test_now() + seconds;
 
-  while (pin_state(c, s) == 0 && s->pinning && sl_test_now() < end)
+  while (pin_state(c, s) == 0 && (s->pinning || s->host_bytes < want) && sl_test_now() < end)
     usleep(20000);
   return s->pinning ? -1 : 0;
 }
@@ -126,7 +127,7 @@ static void test_lend_pins_ahead_up_to_its_kept_bytes(void) {
   CHECK_RC(lend_first(r, 3 * PIECE - PAGE, &loan, token), 0); /* 3 pieces, the last not full */
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.pinning && s.target == 3 * PIECE && s.done < s.target); /* at the Lend, running */
-  CHECK(pin_settled(c, &s, 10) == 0);
+  CHECK(pin_settled(c, &s, 0, 10) == 0);
   CHECK(s.host_bytes == 3 * PIECE); /* the kept bytes, in whole pieces: nothing past them */
   CHECK_RC(sublet_withdraw(c, loan), 0);
   CHECK_RC(lend_first(r, PIECE, &loan, token), 0); /* less kept: nothing more to pin */
@@ -158,7 +159,7 @@ static void test_first_save_waits_for_its_pieces_only(void) {
   CHECK(took < 1.5);                     /* not the 2 s of the whole pin */
   CHECK(s.pinning && s.done < s.target); /* which goes on */
   end_loan(c, r, b, p, loan);
-  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  CHECK(pin_settled(c, &s, REGION, 10) == 0 && s.host_bytes == REGION);
   sublet_disconnect(c);
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
@@ -181,7 +182,7 @@ static void test_pin_ahead_before_the_first_lend(void) {
   CHECK_RC(sublet_pin_ahead(c, REGION, 0), 0);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.pinning && s.target == REGION);
-  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  CHECK(pin_settled(c, &s, REGION, 10) == 0 && s.host_bytes == REGION);
   CHECK_RC(lend_first(r, REGION, &loan, token), 0); /* all kept, no free memory */
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(!s.pinning); /* the Lend's kept bytes are pinned already */
@@ -210,7 +211,7 @@ static void test_pin_ahead_is_bounded_by_the_users_regions(void) {
   CHECK_RC(sublet_pin_ahead(c, 100 * REGION, 0), 0);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.pinning && s.target == REGION);
-  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == REGION);
+  CHECK(pin_settled(c, &s, REGION, 10) == 0 && s.host_bytes == REGION);
   CHECK_RC(sublet_pin_ahead(lone, PIECE, 0), 0); /* the same user: c's region counts */
   sublet_disconnect(lone);
   sublet_disconnect(c);
@@ -237,7 +238,7 @@ static void first_release(int pin, double *took) {
     CHECK_RC(sublet_pin_ahead(c, keep.length, SUBLET_PIN_RELEASE), 0);
     CHECK_RC(pin_state(c, &s), 0);
     CHECK(s.pinning && s.target == PIECE);
-    CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == PIECE);
+    CHECK(pin_settled(c, &s, PIECE, 10) == 0 && s.host_bytes == PIECE);
   }
   t0 = sl_test_now();
   CHECK_RC(sublet_release(r, NULL, 0, &keep, 1, 0, 0, &rel, &st), 0);
@@ -281,10 +282,10 @@ static void test_area_released_after_last_region(void) {
   CHECK_RC(sublet_connect(d.socket, &watch), 0);
   CHECK((r = open_region(&d, &c)) != NULL);
   CHECK_RC(lend_first(r, PIECE, &loan, token), 0);
-  CHECK(pin_settled(watch, &s, 10) == 0 && s.host_bytes == PIECE);
+  CHECK(pin_settled(watch, &s, PIECE, 10) == 0 && s.host_bytes == PIECE);
   CHECK_RC(sublet_withdraw(c, loan), 0);
   CHECK_RC(sublet_pin_ahead(c, PIECE, SUBLET_PIN_RELEASE), 0); /* and a spare for releases */
-  CHECK(pin_settled(watch, &s, 10) == 0 && s.host_bytes == 2 * PIECE);
+  CHECK(pin_settled(watch, &s, 2 * PIECE, 10) == 0 && s.host_bytes == 2 * PIECE);
   usleep(500000);
   CHECK_RC(pin_state(watch, &s), 0);
   CHECK(s.host_bytes == 2 * PIECE); /* a region is left: kept between loans */
@@ -318,7 +319,7 @@ static void test_pin_option_still_works(void) {
   CHECK(!s.pinning && s.host_bytes == 2 * PIECE);
   CHECK_RC(sublet_withdraw(c, loan), 0);
   CHECK_RC(lend_first(r, 3 * PIECE, &loan, token), 0);
-  CHECK(pin_settled(c, &s, 10) == 0 && s.host_bytes == 3 * PIECE);
+  CHECK(pin_settled(c, &s, 3 * PIECE, 10) == 0 && s.host_bytes == 3 * PIECE);
   sublet_disconnect(c);
   usleep(200000);
   CHECK_RC(sublet_connect(d.socket, &c), 0);
