@@ -46,13 +46,18 @@ static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t s
                     sl_format_size(win, sl_books_window_size(l) * ps), sl_format_size(used, l->live_bytes));
 }
 
-/* Kept zone indices [from, to) of an in-order loan whose pages hold no kept byte. */
+/* Kept zone indices [from, to) of an in-order loan whose pages hold no kept byte. Its pages
+ * ascend, so the first keep range ending after each page's start is walked to, not searched
+ * for (a search per page was a third of a 48 GiB allocation's plan: 6 of 16 ms for 20,000
+ * pages over 220,000 ranges). */
 static uint64_t empty_pages(const struct sl_loan *l, uint64_t ps, uint64_t from, uint64_t to) {
   uint64_t n = 0;
+  size_t i = from < to ? sl_plan_keep_after(&l->plan, l->pages[l->unkept + from] * ps) : 0;
 
   for (uint64_t k = from; k < to; k++) {
     uint64_t off = l->pages[l->unkept + k] * ps;
-    size_t i = sl_plan_keep_after(&l->plan, off);
+    while (i < l->nkeep && l->keep[i].offset + l->keep[i].length <= off)
+      i++;
     n += i == l->nkeep || l->keep[i].offset >= off + ps;
   }
   return n;
@@ -160,8 +165,17 @@ static void grant_reset(struct sl_grant *g) {
   *g = id;
 }
 
+/* Must a run of n positions at pos save bytes to the host (sl_plan_must_save over the kept
+ * pages it reaches for the first time)? Then place() need not plan it to find out. */
+static int must_save_at(const struct sl_loan *l, uint64_t pos, uint64_t n) {
+  uint64_t ks = sl_books_kept_start(l), lo = sl_max_u64(sl_max_u64(pos, l->hwm), ks);
+
+  return pos + n > lo && sl_plan_must_save(&l->plan, lo - ks, pos + n - ks);
+}
+
 /* A gap handed out before if one fits; else the top, unless it saves bytes to the host and
- * the bottom can take the run (in order: fresh pages) without. */
+ * the bottom can take the run (in order: fresh pages) without. A top that must save is not
+ * planned at all (a 48 GiB allocation of 220,000 kept blocks: 6 ms). */
 static int place(const struct sl_books *b, const struct sl_loan *l, struct sl_grant *g,
                  struct sl_err *err) {
   struct fits f = find_fits(l, g->npages);
@@ -169,6 +183,8 @@ static int place(const struct sl_books *b, const struct sl_loan *l, struct sl_gr
 
   if (f.inner != UINT64_MAX)
     return plan_at(b, l, f.inner, g, err);
+  if (f.up != UINT64_MAX && f.down != UINT64_MAX && must_save_at(l, f.up, g->npages))
+    f.up = UINT64_MAX;
   if (f.up != UINT64_MAX) {
     if ((rc = plan_at(b, l, f.up, g, err)) < 0 || g->save_bytes == 0 || f.down == UINT64_MAX)
       return rc;

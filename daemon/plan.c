@@ -257,6 +257,34 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
   return rc;
 }
 
+/* Kept bytes in kept zone indices [from, to), walking from the keep range k (the first ending
+ * after page from's start, or before it); *k ends at the first ending after page to's start. */
+static uint64_t kept_in(const struct sl_plan *p, uint64_t from, uint64_t to, size_t *k) {
+  uint64_t bytes = 0;
+
+  for (uint64_t i = from; i < to; i++) {
+    uint64_t start = page_start(p, i), end = start + p->page_size;
+    *k = keep_after_above(p, *k, start);
+    for (size_t j = *k; j < p->nkeep && p->keep[j].offset < end; j++)
+      bytes += sl_min_u64(end, keep_end(p, j)) - sl_max_u64(start, p->keep[j].offset);
+  }
+  return bytes;
+}
+
+int sl_plan_must_save(const struct sl_plan *p, uint64_t from, uint64_t to) {
+  size_t k = 0;
+  uint64_t need, holes;
+
+  if (to <= from || to > p->npages)
+    return 0;
+  k = sl_plan_keep_after(p, page_start(p, from));
+  need = kept_in(p, from, to, &k);
+  if (!p->compact)
+    return need > 0;
+  holes = (p->npages - to) * p->page_size - kept_in(p, to, p->npages, &k);
+  return need > holes;
+}
+
 int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s) {
   struct sl_move *mv;
   struct sl_copy *sv;

@@ -6,6 +6,7 @@
  * and the speed of a large keep list. The checks are check.h's.
  */
 #include "books.h"
+#include "plan.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -1200,6 +1201,55 @@ static void test_compaction(void) {
   sl_loan_end_clear(&end);
   BOOKS_OK(b);
   sl_books_free(b);
+}
+
+/* sl_plan_must_save never says a reach must save when its step saves nothing: random keeps
+ * of 16 pages of 64 bytes, plans stepped at random, every step checked against what it said
+ * before. It says so where the kept bytes reached outweigh every hole above the reach (page
+ * 0 keeps 40 bytes, page 1 keeps 30: reaching page 0 cannot move 40 bytes into 34 of holes). */
+static void test_must_save(void) {
+  const uint64_t ps = 64, npages = 16;
+  uint64_t pages[16], seed = 7, said = 0, saved = 0;
+  struct sublet_range keep[64], two[2] = {{0, 40}, {64, 30}};
+  struct sl_plan p;
+  struct sl_plan_step s;
+
+  for (uint64_t i = 0; i < npages; i++)
+    pages[i] = i;
+  sl_plan_init(&p, ps, two, 2, pages, 2, 1);
+  CHECK_EQ(sl_plan_must_save(&p, 0, 1), 1);
+  CHECK_EQ(sl_plan_must_save(&p, 1, 2), 1); /* holes below the reach take nothing */
+  sl_plan_init(&p, ps, two, 2, pages, 3, 1);  /* a third page: 34 + 64 bytes of holes above */
+  CHECK_EQ(sl_plan_must_save(&p, 0, 1), 0);
+  for (int round = 0; round < 2000; round++) {
+    size_t n = 0;
+    uint64_t at = 0, reached = 0;
+    while (n < 64 && at < npages * ps) { /* sorted, disjoint ranges of 1 to 24 bytes */
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      at += (seed >> 33) % 48;
+      uint64_t len = 1 + (seed >> 40) % 24;
+      if (at + len > npages * ps)
+        break;
+      keep[n++] = (struct sublet_range){at, len};
+      at += len + 1;
+    }
+    sl_plan_init(&p, ps, keep, n, pages, npages, round % 5 != 0);
+    while (reached < npages) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      uint64_t to = reached + 1 + (seed >> 35) % (npages - reached);
+      int must = sl_plan_must_save(&p, reached, to);
+      CHECK_EQ(sl_plan_reach(&p, reached, to, &s), 0);
+      if (must)
+        CHECK(s.saved_bytes > 0);
+      said += must;
+      saved += s.saved_bytes > 0;
+      CHECK_EQ(sl_plan_commit(&p, &s), 0);
+      sl_plan_step_clear(&s);
+      reached = to;
+    }
+    sl_plan_release(&p);
+  }
+  CHECK(said > 0 && said < saved); /* it fired, and only where saving was certain */
 }
 
 /* ---- a long random sequence against a reference model -------------------------------------- */
@@ -2539,6 +2589,7 @@ int main(void) {
   test_remove_both(1);
   test_remove_both(0);
   test_compaction();
+  test_must_save();
   test_random_sequences();
   test_large_keep(0);
   test_large_keep(1);
