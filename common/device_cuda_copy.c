@@ -188,16 +188,6 @@ void cuda_kernels_close(struct cuda_device *d) {
     cuda_drv.cuModuleUnload(d->module);
 }
 
-/* Compiles the module now rather than at the first move (the driver JIT-compiles the PTX:
- * 0.17 s on an H200, which the first loan that moves kept bytes paid). A failure is remembered
- * as at first use. */
-void cuda_kernels_preload(struct cuda_device *d) {
-  if (cuda_enter(d, NULL) != 0)
-    return;
-  (void)kernel(d, KERNEL_MOVE_RANGES);
-  cuda_leave();
-}
-
 /* Blocks for a launch that keeps the whole GPU busy (per_sm blocks on each multiprocessor),
  * fewer when there is less work. */
 static unsigned int grid_blocks(struct cuda_device *d, uint64_t work, unsigned int per_sm) {
@@ -255,6 +245,22 @@ static uint64_t *launch_args(struct cuda_device *d, size_t bytes, uint64_t **own
   if (host == NULL)
     host = *own = malloc(bytes);
   return host;
+}
+
+/* Compiles the module now rather than at the first move (the driver JIT-compiles the PTX:
+ * 0.17 s on an H200, which the first loan that moves kept bytes paid), and pins the launch
+ * arguments of a whole launch (32 MiB, a few ms): grown at a first move of many pieces, they
+ * were registered while the borrower filled the GPU. A failure is remembered as at first use;
+ * arguments that cannot be pinned now are tried again then. */
+void cuda_kernels_preload(struct cuda_device *d) {
+  if (cuda_enter(d, NULL) != 0)
+    return;
+  if (kernel(d, KERNEL_MOVE_RANGES) != NULL) {
+    pthread_mutex_lock(&d->args_lock);
+    (void)pinned_args(d, MOVE_PIECES * ARGS_BYTES_PER_MOVE);
+    pthread_mutex_unlock(&d->args_lock);
+  }
+  cuda_leave();
 }
 
 /* Queues one launch over n <= MOVE_PIECES moves on stream s, without waiting: its arguments

@@ -111,16 +111,27 @@ static int grow(struct sl_journal *j, uint64_t need, struct sl_err *err) {
 
 /* The counts are the daemon's own (j->committed, j->capacity): what a client may have left in
  * the header is never read. */
+struct sl_journal_entry *sl_journal_reserve(struct sl_journal *j, size_t n, struct sl_err *err) {
+  uint64_t at = j->committed;
+
+  if (n > j->capacity - at && grow(j, at + n, err) != 0)
+    return NULL;
+  return &j->e[at];
+}
+
+void sl_journal_commit(struct sl_journal *j, size_t m) {
+  j->committed += m;
+  __atomic_store_n(&j->h->committed, j->committed, __ATOMIC_RELEASE); /* the commit */
+}
+
 int sl_journal_append(struct sl_journal *j, const struct sl_journal_entry *e, size_t n,
                       struct sl_err *err) {
-  uint64_t at = j->committed;
-  int rc;
+  struct sl_journal_entry *room = sl_journal_reserve(j, n, err);
 
-  if (n > j->capacity - at && (rc = grow(j, at + n, err)) != 0)
-    return rc;
-  memcpy(&j->e[at], e, n * sizeof(*e));
-  j->committed = at + n;
-  __atomic_store_n(&j->h->committed, at + n, __ATOMIC_RELEASE); /* the commit */
+  if (room == NULL)
+    return SUBLET_ENOMEM; /* grow() says why */
+  memcpy(room, e, n * sizeof(*e));
+  sl_journal_commit(j, n);
   return 0;
 }
 

@@ -88,6 +88,12 @@ void sl_journal_set_borrower(struct sl_journal *j, pid_t pid, uid_t uid);
  * committed. */
 int sl_journal_append(struct sl_journal *j, const struct sl_journal_entry *e, size_t n,
                       struct sl_err *err);
+/* The same in place, for long lists (no copy of them made first): room for n entries after
+ * the committed ones, grown as needed (NULL, with err, when it cannot be), which the caller
+ * writes; then sl_journal_commit() commits the first m <= n of them. Until then the owner
+ * reads none of them. */
+struct sl_journal_entry *sl_journal_reserve(struct sl_journal *j, size_t n, struct sl_err *err);
+void sl_journal_commit(struct sl_journal *j, size_t m);
 /* Everything is back: every entry done, the loan ended. */
 void sl_journal_end(struct sl_journal *j);
 

@@ -151,14 +151,14 @@ int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_e
   struct sl_journal_entry *e;
   uint64_t from;
   size_t n = 0;
-  int rc;
 
   if (r == NULL || sl_books_loan_info(d->books, g->loan_id, &li) != 0)
     return 0; /* an owner that did not ask */
   from = li.hwm > g->pos ? li.hwm : g->pos;
-  e = malloc((g->nmove + g->nsave + g->npages + 1) * sizeof(*e));
-  if (e == NULL)
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
+  /* Written where the owner reads them (150,000 moves of kept blocks are 5 MB), then
+   * committed at once. */
+  if ((e = sl_journal_reserve(r->journal, g->nmove + g->nsave + g->npages + 1, err)) == NULL)
+    return SUBLET_ENOMEM;
   for (size_t i = 0; i < g->nmove; i++)
     e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, g->move[i].src_off,
                                        g->move[i].dst_off, g->move[i].len};
@@ -167,9 +167,8 @@ int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_e
                                        g->save[i].host_off, g->save[i].len};
   if (from < g->pos + g->npages)
     n += grant_entries(d, g->loan_id, from, g->pos + g->npages, e + n);
-  rc = n > 0 ? sl_journal_append(r->journal, e, n, err) : 0;
-  free(e);
-  return rc;
+  sl_journal_commit(r->journal, n);
+  return 0;
 }
 
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored) {

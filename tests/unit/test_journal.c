@@ -111,10 +111,42 @@ static void test_owner_and_grants(void) {
   sl_journal_free(j);
 }
 
+/* Entries written in place reach the owner only once committed, and only those committed;
+ * room that needs growth grows the file first. */
+static void test_reserve_in_place(void) {
+  struct sl_journal *j = NULL;
+  struct sl_journal_entry *room;
+  struct sl_journal_view v;
+
+  CHECK(sl_journal_create(12, 3, 2, &j, &err) == 0);
+  if (j == NULL)
+    return;
+  CHECK(sl_journal_append(j, (struct sl_journal_entry[]){entry(0)}, 1, &err) == 0);
+  room = sl_journal_reserve(j, 100, &err); /* past the 2 made: grows */
+  CHECK(room != NULL && j->capacity >= 101);
+  if (room == NULL)
+    return;
+  for (uint64_t i = 0; i < 100; i++)
+    room[i] = entry(i + 1);
+  CHECK(sl_journal_open(j->fd, 12, &v, &err) == 0);
+  CHECK_EQ(v.committed, 1); /* written, not committed: not there */
+  sl_journal_close(&v);
+  sl_journal_commit(j, 60); /* the first 60 of the 100 */
+  CHECK(sl_journal_open(j->fd, 12, &v, &err) == 0);
+  CHECK_EQ(v.committed, 61);
+  CHECK(v.e[60].src == 60 * 4096 && v.e[60].dst == 60 * 8192);
+  sl_journal_close(&v);
+  CHECK(sl_journal_append(j, (struct sl_journal_entry[]){entry(7)}, 1, &err) == 0);
+  CHECK_EQ(j->committed, 62); /* the next append follows the committed ones */
+  CHECK_EQ(j->e[61].src, 7 * 4096);
+  sl_journal_free(j);
+}
+
 int main(void) {
   test_sealed();
   test_grows_sealed();
   test_ignores_shared_counts();
   test_owner_and_grants();
+  test_reserve_in_place();
   return check_report("test_journal");
 }
