@@ -251,6 +251,10 @@ def test_a_lent_view_lends_only_its_own_bytes():
         before = cache.clone()
     with pytest.raises(ValueError, match="one block"):
         sublet.lend(cache[:, :4096], keep=[])
+    for lent, outside in ((cache[8:12], cache[7:9]), (cache[8:12], cache[11:13]),
+                          (cache[4:8], [cache[5], cache[3, 1:2]])):
+        with pytest.raises(ValueError, match="does not lend"):  # keep names unlent bytes
+            sublet.lend(lent, keep=outside)
     with sublet.lend(cache.t(), keep=[]):  # every byte, in another order: one block
         pass
 
