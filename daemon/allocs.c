@@ -6,7 +6,9 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "daemon.h"
+#include "log.h"
 
 /* An allocation that reaches kept pages: answered once their kept bytes are moved or saved. */
 struct alloc_job {
@@ -115,15 +117,28 @@ static int empty_now(struct sl_req *x, const struct sl_grant *g) {
   return rc;
 }
 
+/* Where a long keep's Alloc spends the loop, for --log-level debug (issue 23's notes). */
+static void log_plan(const struct sl_grant *g, double plan_s, double chunk_s) {
+  if (g->nmove + g->nsave > 0)
+    sl_debug("alloc %llu: planned in %.3f ms (%zu moves, %zu saves), its fresh chunk of %llu "
+             "pages made in %.3f ms", (unsigned long long)g->alloc_id, 1e3 * plan_s, g->nmove,
+             g->nsave, (unsigned long long)g->fresh_npages, 1e3 * chunk_s);
+}
+
 /* Plan, do, commit: the books plan the grant, the pool makes the fresh chunk and (off the
  * loop, unless small) saves the kept bytes, the books commit it. */
 int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m) {
   struct sl_grant g = {0};
+  double t0 = sl_clock_now(), t1, t2;
   int fd = -1, rc;
 
   rc = sl_books_alloc_plan(x->d->books, x->c->client_id, m->size, &g, &x->err);
+  t1 = sl_clock_now();
   if (rc == 0 && g.fresh_npages > 0)
     rc = sl_pool_chunk_create(x->d->pool, g.fresh_chunk_id, g.fresh_npages, &fd, &x->err);
+  t2 = sl_clock_now();
+  if (rc == 0)
+    log_plan(&g, t1 - t0, t2 - t1);
   if (rc == 0 && g.nsave + g.nmove > 0 && sl_jobs_inline(x->d, g.save_bytes + g.move_bytes)) {
     rc = empty_now(x, &g);
   } else if (rc == 0 && g.nsave + g.nmove > 0) {
