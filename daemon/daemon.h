@@ -397,6 +397,8 @@ void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd);
 static inline size_t sl_lend_lists_bytes(const struct sl_lend_lists *l) {
   return (l->nkeep + l->npinned) * 2 * sizeof(uint64_t);
 }
+/* The keep memfd's ranges read into keep, once (sl_lend_lists_draft reads them if not yet). */
+int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err);
 int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
                         uint64_t npages, struct sl_loan **draft, struct sl_err *err);
 void sl_lend_lists_clear(struct sl_lend_lists *l);

@@ -284,12 +284,17 @@ void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd) 
   }
 }
 
+int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err) {
+  if (l->keep_fd >= 0 && l->keep == NULL)
+    return sl_keepwire_read(l->keep_fd, l->nkeep, &l->keep, err);
+  return 0;
+}
+
 int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
                         uint64_t npages, struct sl_loan **draft, struct sl_err *err) {
-  int rc;
+  int rc = sl_lend_lists_read(l, err);
 
-  if (l->keep_fd >= 0 && l->keep == NULL &&
-      (rc = sl_keepwire_read(l->keep_fd, l->nkeep, &l->keep, err)) != 0)
+  if (rc != 0)
     return rc;
   return sl_books_draft(cfg, npages, (const struct sublet_range *)l->keep, l->nkeep,
                         l->keep_all, l->pinned, l->npinned, draft, err);
@@ -308,8 +313,7 @@ static void draft_run(struct sl_job *j) {
   double t0 = sl_clock_now();
   struct sl_lend_lists *l = &dj->lists;
 
-  if (l->keep_fd >= 0 && l->keep == NULL)
-    j->rc = sl_keepwire_read(l->keep_fd, l->nkeep, &l->keep, &j->err);
+  j->rc = sl_lend_lists_read(l, &j->err);
   dj->read_s = sl_clock_now() - t0;
   if (j->rc == 0)
     j->rc = sl_lend_lists_draft(l, &dj->cfg, dj->npages, &dj->draft, &j->err);

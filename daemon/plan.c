@@ -272,8 +272,8 @@ static uint64_t kept_in(const struct sl_plan *p, uint64_t from, uint64_t to, siz
 }
 
 int sl_plan_must_save(const struct sl_plan *p, uint64_t from, uint64_t to) {
-  size_t k = 0;
   uint64_t need, holes;
+  size_t k;
 
   if (to <= from || to > p->npages)
     return 0;

@@ -70,7 +70,7 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
 /* 1 when handing out kept zone indices [from, to) must save bytes to the host whatever the
  * plan did before: their kept bytes outweigh every hole of the pages above them (or nothing
  * moves). 0 says only that the reach may not save. One pass over the pages and keep ranges:
- * cheaper than the step that sl_plan_reach would compute, and throw away when it saves. */
+ * cheaper than computing the step with sl_plan_reach to throw it away when it saves. */
 int sl_plan_must_save(const struct sl_plan *p, uint64_t from, uint64_t to);
 /* Records the step (it must be the plan's current one); on ENOMEM nothing changes. */
 int sl_plan_commit(struct sl_plan *p, const struct sl_plan_step *s);
