@@ -47,19 +47,14 @@ static int no_room(const struct sl_books *b, const struct sl_loan *l, uint64_t s
 }
 
 /* Kept zone indices [from, to) of an in-order loan whose pages hold no kept byte. Its pages
- * ascend, so the first keep range ending after each page's start is walked to, not searched
- * for (a search per page was a quarter of a 48 GiB allocation's plan: 4 of 16 ms for 20,000
- * pages over 220,000 ranges). */
+ * ascend, so the keep ranges are walked, not searched per page (a search per page was a
+ * quarter of a 48 GiB allocation's plan: 4 of 16 ms for 20,000 pages over 220,000 ranges). */
 static uint64_t empty_pages(const struct sl_loan *l, uint64_t ps, uint64_t from, uint64_t to) {
   uint64_t n = 0;
   size_t i = from < to ? sl_plan_keep_after(&l->plan, l->pages[l->unkept + from] * ps) : 0;
 
-  for (uint64_t k = from; k < to; k++) {
-    uint64_t off = l->pages[l->unkept + k] * ps;
-    while (i < l->nkeep && l->keep[i].offset + l->keep[i].length <= off)
-      i++;
-    n += i == l->nkeep || l->keep[i].offset >= off + ps;
-  }
+  for (uint64_t k = from; k < to; k++)
+    n += sl_plan_page_kept(&l->plan, k, &i) == 0;
   return n;
 }
 

@@ -257,17 +257,21 @@ int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl
   return rc;
 }
 
-/* Kept bytes in kept zone indices [from, to), walking from the keep range k (the first ending
- * after page from's start, or before it); *k ends at the first ending after page to's start. */
+uint64_t sl_plan_page_kept(const struct sl_plan *p, uint64_t i, size_t *k) {
+  uint64_t start = page_start(p, i), end = start + p->page_size, bytes = 0;
+
+  *k = keep_after_above(p, *k, start);
+  for (size_t j = *k; j < p->nkeep && p->keep[j].offset < end; j++)
+    bytes += sl_min_u64(end, keep_end(p, j)) - sl_max_u64(start, p->keep[j].offset);
+  return bytes;
+}
+
+/* Kept bytes in kept zone indices [from, to), walking k as sl_plan_page_kept does. */
 static uint64_t kept_in(const struct sl_plan *p, uint64_t from, uint64_t to, size_t *k) {
   uint64_t bytes = 0;
 
-  for (uint64_t i = from; i < to; i++) {
-    uint64_t start = page_start(p, i), end = start + p->page_size;
-    *k = keep_after_above(p, *k, start);
-    for (size_t j = *k; j < p->nkeep && p->keep[j].offset < end; j++)
-      bytes += sl_min_u64(end, keep_end(p, j)) - sl_max_u64(start, p->keep[j].offset);
-  }
+  for (uint64_t i = from; i < to; i++)
+    bytes += sl_plan_page_kept(p, i, k);
   return bytes;
 }
 

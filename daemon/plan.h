@@ -67,6 +67,10 @@ void sl_plan_init(struct sl_plan *p, uint64_t page_size, const struct sublet_ran
 void sl_plan_release(struct sl_plan *p);
 /* from must be p->reached and to in (from, npages]. */
 int sl_plan_reach(const struct sl_plan *p, uint64_t from, uint64_t to, struct sl_plan_step *s);
+/* Kept bytes of kept zone index i, for pages visited in ascending order: *k is the first keep
+ * range ending after the last page's start (sl_plan_keep_after for the first one, or 0), and
+ * is walked forward to page i's. */
+uint64_t sl_plan_page_kept(const struct sl_plan *p, uint64_t i, size_t *k);
 /* 1 when handing out kept zone indices [from, to) must save bytes to the host whatever the
  * plan did before: their kept bytes outweigh every hole of the pages above them (or nothing
  * moves). 0 says only that the reach may not save. One pass over the pages and keep ranges:
