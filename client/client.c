@@ -276,6 +276,12 @@ int sl_client_call_fd(sublet_client *c, Sublet__Request *req, int fd,
   return call(c, req, fd, expect, out, fds, nfds, wait_ms, NULL);
 }
 
+int sl_client_call_fd_meanwhile(sublet_client *c, Sublet__Request *req, int fd,
+                                Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                                size_t *nfds, int wait_ms, const struct sl_meanwhile *mw) {
+  return call(c, req, fd, expect, out, fds, nfds, wait_ms, mw);
+}
+
 int sl_client_call(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect,
                    Sublet__Reply **out, int *fds, size_t *nfds, int wait_ms) {
   return call(c, req, -1, expect, out, fds, nfds, wait_ms, NULL);

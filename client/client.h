@@ -114,6 +114,10 @@ struct sl_meanwhile {
   void (*run)(void *arg);
   void *arg;
 };
+/* sl_client_call_fd with mw's work in the wait (mw may be NULL). */
+int sl_client_call_fd_meanwhile(sublet_client *c, Sublet__Request *req, int fd,
+                                Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
+                                size_t *nfds, int wait_ms, const struct sl_meanwhile *mw);
 /* sl_client_call (wait_ms 0) with mw's work in the wait. */
 int sl_client_call_meanwhile(sublet_client *c, Sublet__Request *req,
                              Sublet__Reply__BodyCase expect, Sublet__Reply **out, int *fds,
@@ -175,8 +179,18 @@ int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *r
 int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
                          size_t n);
 /* Unmaps pages [first, first+count) of r's own mapping (the device idle), whole groups, and
- * releases this process's handles of them. */
+ * releases this process's handles of them: sl_region_unmap, then sl_region_drop_handles. */
 void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count);
+/* ... the unmapping alone: the handles stay; marks unmapped[p] (r->npages bytes, or NULL) for
+ * every page whose mapping went. */
+void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                     uint8_t *unmapped);
+/* ... the handles alone (their pages unmapped already). */
+void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
+                            uint64_t count);
+/* Maps the pages marked in unmapped[] again with the handles this process still holds, and
+ * clears the marks: what an unmapping undone leaves intact. */
+int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped);
 /* The window of a loan of r that maps r's own pages goes (before they change). */
 void sl_region_drop_window(sublet_client *c, const struct sublet_region *r);
 /* This client's region with that id, or NULL. */

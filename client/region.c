@@ -112,14 +112,48 @@ static uint32_t span_at(const struct sublet_region *r, uint64_t p) {
   return r->span == NULL || r->span[p] == 0 ? 1 : r->span[p];
 }
 
-void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                     uint8_t *unmapped) {
   uint64_t ps = r->page_size;
 
   /* One call where the device takes it (it is far cheaper), else mapping by mapping: what is
    * not mapped (a released page) fails harmlessly. */
-  if (sl_device_unmap_idle(c->dev, (char *)r->base + first * ps, count * ps) != 0)
-    for (uint64_t p = first; p < first + count; p += span_at(r, p))
-      sl_device_unmap_idle(c->dev, (char *)r->base + p * ps, span_at(r, p) * ps);
+  if (sl_device_unmap_idle(c->dev, (char *)r->base + first * ps, count * ps) == 0) {
+    if (unmapped != NULL)
+      memset(unmapped + first, 1, count);
+    return;
+  }
+  for (uint64_t p = first; p < first + count; p += span_at(r, p))
+    if (sl_device_unmap_idle(c->dev, (char *)r->base + p * ps, span_at(r, p) * ps) == 0 &&
+        unmapped != NULL)
+      memset(unmapped + p, 1, span_at(r, p));
+}
+
+int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped) {
+  uint64_t ps = r->page_size, p = 0, from;
+  struct sl_err err = {0};
+  int rc = 0;
+
+  while (p < r->npages) { /* runs of marked pages with handles (a released one has none) */
+    for (; p < r->npages && (!unmapped[p] || r->handles[p] == 0); p++)
+      unmapped[p] = 0;
+    for (from = p; rc == 0 && p < r->npages && unmapped[p] && r->handles[p] != 0;
+         p += span_at(r, p))
+      if (owns_handle(r, p))
+        rc = sl_device_map(c->dev, (char *)r->base + p * ps, span_at(r, p) * ps, r->handles[p],
+                           &err);
+    if (rc == 0 && p > from)
+      rc = sl_device_set_access(c->dev, (char *)r->base + from * ps, (p - from) * ps, &err);
+    if (rc != 0)
+      return sl_client_fail(err.code, "mapping region %llu's pages again failed (%s): the "
+                            "tensor has holes, release it", (unsigned long long)r->id, err.msg);
+    memset(unmapped + from, 0, p - from);
+  }
+  return 0;
+}
+
+void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
+                            uint64_t count) {
   for (uint64_t p = first; p < first + count; p++) {
     if (owns_handle(r, p))
       sl_device_release(c->dev, r->handles[p]);
@@ -127,6 +161,11 @@ void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first,
     if (r->span != NULL)
       r->span[p] = 1;
   }
+}
+
+void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+  sl_region_unmap(c, r, first, count, NULL);
+  sl_region_drop_handles(c, r, first, count);
 }
 
 static int spans_ensure(struct sublet_region *r) {

@@ -169,9 +169,68 @@ static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t
     sl_region_let_go(c, r, runs[i], runs[i + 1]);
 }
 
+/* ---- a release that keeps nothing: this process unmaps beside subletd ---------------------
+ *
+ * The driver serves two processes' unmaps partly at once (16,384 handles of 2 MiB on an H200:
+ * 0.71 to 0.89 s from both at once, 0.87 to 1.17 s one after the other, 0.44 to 0.61 s from
+ * one alone). With no kept byte to lose, this process unmaps the set it releases while
+ * subletd lets go of its own mapping, instead of after it. Its handles stay until Released:
+ * a release that fails has its pages mapped again, intact, as does any page subletd held
+ * back (a page group not wholly in the set). */
+struct early_unmap {
+  sublet_client *c;
+  struct sublet_region *r;
+  const uint64_t *pinned; /* (first, count) pairs, ascending: the pages not in the set */
+  size_t npinned;
+  uint8_t *unmapped;      /* r->npages marks, of sl_region_unmap; NULL: nothing unmapped */
+};
+
+static int borrowing(const struct sublet_region *r) {
+  const sublet_client *c = r->client;
+
+  return c->loan_id != 0 && c->win != NULL && c->win->region_id == r->id;
+}
+
+static void unmap_meanwhile(void *arg) {
+  struct early_unmap *eu = arg;
+  uint64_t at = 0;
+
+  sl_region_drop_window(eu->c, eu->r); /* a local loan's window maps these very handles */
+  for (size_t i = 0; i <= eu->npinned; i++) {
+    uint64_t end = i < eu->npinned ? eu->pinned[2 * i] : eu->r->npages;
+    if (end > at)
+      sl_region_unmap(eu->c, eu->r, at, end - at, eu->unmapped);
+    at = i < eu->npinned ? end + eu->pinned[2 * i + 1] : at;
+  }
+}
+
+/* After the reply: the released runs let go of their handles; what else was unmapped (all
+ * of it, when the release failed) is mapped again. */
+static int early_unmap_end(struct early_unmap *eu, const uint64_t *runs, size_t n) {
+  int rc;
+
+  for (size_t i = 0; i + 1 < n; i += 2) {
+    uint64_t p = runs[i], end = runs[i] + runs[i + 1], from;
+    while (p < end) { /* what is still mapped (an unmap that failed) */
+      for (; p < end && eu->unmapped[p]; p++)
+        ;
+      for (from = p; p < end && !eu->unmapped[p]; p++)
+        ;
+      if (p > from)
+        sl_region_unmap(eu->c, eu->r, from, p - from, NULL);
+    }
+    sl_region_drop_handles(eu->c, eu->r, runs[i], runs[i + 1]);
+    memset(eu->unmapped + runs[i], 0, runs[i + 1]);
+  }
+  rc = sl_region_map_again(eu->c, eu->r, eu->unmapped);
+  free(eu->unmapped);
+  eu->unmapped = NULL;
+  return rc;
+}
+
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                            int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
-                           Sublet__Reply **rep, int *fd) {
+                           struct early_unmap *eu, Sublet__Reply **rep, int *fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
@@ -193,8 +252,9 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
   /* The owner's last writes must be in memory before subletd moves or saves them. */
   sl_device_synchronize(c->dev, NULL);
   *fd = -1;
-  int rc = sl_client_call_fd(c, &req, keep_fd, SUBLET__REPLY__BODY_RELEASED, rep, fd, &nfds,
-                             work_ms(r));
+  struct sl_meanwhile mw = {unmap_meanwhile, eu};
+  int rc = sl_client_call_fd_meanwhile(c, &req, keep_fd, SUBLET__REPLY__BODY_RELEASED, rep, fd,
+                                       &nfds, work_ms(r), eu->unmapped != NULL ? &mw : NULL);
   if (rc == 0 && nfds != 1) {
     sl_wire_close_fds(fd, nfds);
     *fd = -1;
@@ -206,21 +266,34 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
 
 static int release_locked(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                           int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
-                          struct sl_release_rec *rec) {
+                          struct sl_release_rec *rec, int *live) {
   Sublet__Reply *rep = NULL;
+  struct early_unmap eu = {r->client, r, pinned, npinned, NULL};
   double t0;
-  int rc = release_request(r, keep, n, keep_all, pinned, npinned, stay, &rep, &rec->area_fd);
+  int rc;
 
+  /* Nothing kept: nothing to lose by unmapping at once; unless a loan of r is borrowed here,
+   * whose window maps the pages (subletd refuses the release then). */
+  if (n == 0 && !keep_all && !borrowing(r))
+    eu.unmapped = calloc(r->npages, 1);
+  rc = release_request(r, keep, n, keep_all, pinned, npinned, stay, &eu, &rep, &rec->area_fd);
   if (rc == 0) {
     rec->id = rep->released->release;
     sl_release_stats_from(rep->released, &rec->stats);
     rc = rec_fill(r, rep->released, rec);
   }
-  if (rc == 0) {
-    t0 = sl_clock_now();
+  *live = rc == 0;
+  t0 = sl_clock_now();
+  if (eu.unmapped != NULL) { /* a failure maps every page again */
+    struct sl_err why = *sl_client_last_error();
+    int again = early_unmap_end(&eu, *live ? rec->runs : NULL, *live ? rec->nruns : 0);
+    if (rc != 0)
+      *sl_client_last_error() = why; /* the release's error, not the mapping's */
+    rc = rc != 0 ? rc : again; /* the release lives on: a held page has a hole */
+  } else if (rc == 0) {
     unmap_runs(r->client, r, rec->runs, rec->nruns);
-    rec->stats.map_seconds = sl_clock_now() - t0;
   }
+  rec->stats.map_seconds = sl_clock_now() - t0;
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
   return rc;
@@ -235,7 +308,7 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   uint64_t *pinned = NULL;
   size_t npinned = 0;
   double t0 = sl_clock_now();
-  int rc;
+  int rc, live = 0;
 
   if (rec == NULL)
     return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
@@ -243,8 +316,8 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   rc = pinned_for(r, pages, npages, &pinned, &npinned);
   pthread_mutex_lock(&c->lock);
   if (rc == 0)
-    rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, rec);
-  if (rc == 0) {
+    rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, rec, &live);
+  if (live) { /* recorded even when a page it held back failed to map again: it resumes */
     rec->stats.seconds = sl_clock_now() - t0;
     rec->next = r->releases;
     r->releases = rec;
@@ -255,7 +328,7 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   }
   pthread_mutex_unlock(&c->lock);
   free(pinned);
-  if (rc != 0)
+  if (!live)
     rec_free(rec);
   return rc;
 }
