@@ -123,6 +123,26 @@ def test_a_tag_on_pages_of_a_freed_tags_groups_is_released_whole():
         pool.empty_cache()
 
 
+def test_a_refused_release_of_nothing_kept_leaves_every_byte_in_place():
+    """With nothing kept, the owner unmaps the pages while subletd works (release.c,
+    early_unmap); subletd refuses this one (half of it is released already), so every page
+    of the other half is mapped again, its bytes untouched, and the memory stays the
+    owner's."""
+    b, c = sublet.pool("refused-b", device="cpu"), sublet.pool("refused-c", device="cpu")
+    tb = random_bytes(b.empty(4 * PAGE, dtype=torch.uint8), seed=31)
+    tc = random_bytes(c.empty(4 * PAGE, dtype=torch.uint8), seed=32)
+    before = bits(tc)
+    rel = sublet.release(b, keep=[])
+    free0 = free_bytes()
+    with pytest.raises(sublet.BusyError, match="released already"):
+        sublet.release([b, c], keep=[])
+    assert np.array_equal(bits(tc), before)
+    assert free_bytes() == free0
+    tc.add_(1)  # mapped for writing too
+    rel.resume()
+    del tb, tc
+
+
 def test_tags_released_one_by_one_and_resumed_in_another_order():
     """SGLang's order: kv_cache, weights, cuda_graph paused; resumed graph, weights, kv."""
     pools = {t: sublet.pool(f"sg-{t}", device="cpu") for t in ("kv", "w", "g")}
