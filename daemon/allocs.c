@@ -16,6 +16,9 @@ struct alloc_job {
   uint64_t req_id;
   struct sl_grant g;
   int fd;            /* the fresh chunk's export, or -1 */
+  size_t journaled;  /* the grant's journal entries, written while the job runs */
+  int journal_rc;    /* ... or why they could not be (journal_err) */
+  struct sl_err journal_err;
 };
 
 static void reply_allocated(struct sl_conn *c, uint64_t id, const struct sl_grant *g, int fd) {
@@ -34,13 +37,14 @@ static void reply_allocated(struct sl_conn *c, uint64_t id, const struct sl_gran
   sl_conn_send(c, &rep, &fd, fd >= 0 ? 1 : 0);
 }
 
-/* The device work is done (or failed): commit the grant and answer, or undo it. */
+/* The device work is done (or failed): commit the grant (its journal entries, journaled, were
+ * written) and answer, or undo it. */
 static int alloc_finish(struct sl_daemon *d, struct sl_conn *c, uint64_t id, struct sl_grant *g,
-                        int fd, int rc, struct sl_err *err) {
+                        int fd, size_t journaled, int rc, struct sl_err *err) {
   if (rc == 0 && c == NULL)
     rc = SUBLET_EPIPE; /* the borrower went while its kept pages were saved */
   if (rc == 0) /* journaled before the pages are lent: the owner can undo what they lose */
-    rc = sl_rescue_emptied(d, g, err);
+    sl_rescue_emptied_commit(d, g->loan_id, journaled);
   if (rc == 0 && (rc = sl_books_alloc_commit(d->books, g)) != 0)
     rc = sl_err_set(err, rc, "internal error: an allocation's plan went stale");
   if (rc == 0)
@@ -62,7 +66,11 @@ static void alloc_saved(struct sl_job *j) {
 
   j->d->copy_out_seconds += j->seconds;
   j->d->move_seconds += j->move_seconds;
-  rc = alloc_finish(j->d, c, aj->req_id, &aj->g, aj->fd, j->rc, &j->err);
+  if (j->rc == 0 && aj->journal_rc != 0) {
+    j->rc = aj->journal_rc;
+    j->err = aj->journal_err;
+  }
+  rc = alloc_finish(j->d, c, aj->req_id, &aj->g, aj->fd, aj->journaled, j->rc, &j->err);
   if (c != NULL && rc != 0)
     sl_conn_send_error(c, aj->req_id, &j->err);
   if (c != NULL)
@@ -94,6 +102,9 @@ static int alloc_save(struct sl_req *x, struct sl_grant *g, int fd) {
   aj->job.done = alloc_saved;
   aj->job.conn = x->c;
   sl_job_submit(x->d, &aj->job);
+  /* The loop writes the entries while the job moves and saves (2 to 3 ms for 124,000 moves:
+   * the journal's fresh pages), and commits them when it is done. */
+  aj->journal_rc = sl_rescue_emptied_write(x->d, &aj->g, &aj->journaled, &aj->journal_err);
   return 0;
 }
 
@@ -130,6 +141,7 @@ static void log_plan(const struct sl_grant *g, double plan_s, double chunk_s) {
 int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m) {
   struct sl_grant g = {0};
   double t0 = sl_clock_now(), t1, t2;
+  size_t journaled = 0;
   int fd = -1, rc;
 
   rc = sl_books_alloc_plan(x->d->books, x->c->client_id, m->size, &g, &x->err);
@@ -154,5 +166,6 @@ int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m) {
     sl_grant_clear(&g);
     return rc;
   }
-  return alloc_finish(x->d, x->c, x->id, &g, fd, 0, &x->err);
+  rc = sl_rescue_emptied_write(x->d, &g, &journaled, &x->err);
+  return alloc_finish(x->d, x->c, x->id, &g, fd, journaled, rc, &x->err);
 }

@@ -315,8 +315,12 @@ int sl_rescue_has(const struct sl_daemon *d, uint64_t loan_id);
  * is not mounted, a copy of fd itself. The caller owns it. */
 int sl_rescue_read_only_fd(int fd);
 /* Journals what grant g emptied (its moves and saves) and the region pages it hands out for
- * the first time, before the borrower may touch them. */
-int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_err *err);
+ * the first time, before the borrower may touch them: written (the owner reads none of it
+ * yet; *n entries), then committed once the kept bytes are where the entries say. Nothing
+ * else may write the loan's journal in between. */
+int sl_rescue_emptied_write(struct sl_daemon *d, const struct sl_grant *g, size_t *n,
+                            struct sl_err *err);
+void sl_rescue_emptied_commit(struct sl_daemon *d, uint64_t loan_id, size_t n);
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);
 void sl_rescue_prune(struct sl_daemon *d);
 void sl_rescue_free_all(struct sl_daemon *d);

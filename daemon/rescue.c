@@ -143,32 +143,39 @@ static size_t grant_entries(const struct sl_daemon *d, uint64_t loan_id, uint64_
 }
 
 /* The grant's moves, saves and the region pages it hands out for the first time (positions
- * from the loan's hwm on: those below were granted before), in one commit: an owner that
- * gives a granted page fresh memory finds in the journal all that page held. */
-int sl_rescue_emptied(struct sl_daemon *d, const struct sl_grant *g, struct sl_err *err) {
+ * from the loan's hwm on: those below were granted before), written for one commit: an owner
+ * that gives a granted page fresh memory finds in the journal all that page held. They are
+ * written where the owner reads them (150,000 moves of kept blocks are 5 MB), uncommitted
+ * until sl_rescue_emptied_commit. */
+int sl_rescue_emptied_write(struct sl_daemon *d, const struct sl_grant *g, size_t *n,
+                            struct sl_err *err) {
   struct sl_rescue *r = find(d, g->loan_id);
   struct sl_loan_info li;
   struct sl_journal_entry *e;
   uint64_t from;
-  size_t n = 0;
 
+  *n = 0;
   if (r == NULL || sl_books_loan_info(d->books, g->loan_id, &li) != 0)
     return 0; /* an owner that did not ask */
   from = li.hwm > g->pos ? li.hwm : g->pos;
-  /* Written where the owner reads them (150,000 moves of kept blocks are 5 MB), then
-   * committed at once. */
   if ((e = sl_journal_reserve(r->journal, g->nmove + g->nsave + g->npages + 1, err)) == NULL)
     return SUBLET_ENOMEM;
   for (size_t i = 0; i < g->nmove; i++)
-    e[n++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, g->move[i].src_off,
-                                       g->move[i].dst_off, g->move[i].len};
+    e[(*n)++] = (struct sl_journal_entry){SL_JOURNAL_MOVE, 0, g->move[i].src_off,
+                                          g->move[i].dst_off, g->move[i].len};
   for (size_t i = 0; i < g->nsave; i++)
-    e[n++] = (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, g->save[i].dev_off,
-                                       g->save[i].host_off, g->save[i].len};
+    e[(*n)++] = (struct sl_journal_entry){SL_JOURNAL_SAVE, 0, g->save[i].dev_off,
+                                          g->save[i].host_off, g->save[i].len};
   if (from < g->pos + g->npages)
-    n += grant_entries(d, g->loan_id, from, g->pos + g->npages, e + n);
-  sl_journal_commit(r->journal, n);
+    *n += grant_entries(d, g->loan_id, from, g->pos + g->npages, e + *n);
   return 0;
+}
+
+void sl_rescue_emptied_commit(struct sl_daemon *d, uint64_t loan_id, size_t n) {
+  struct sl_rescue *r = find(d, loan_id);
+
+  if (r != NULL && n > 0)
+    sl_journal_commit(r->journal, n);
 }
 
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored) {
