@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -293,6 +294,22 @@ def test_daemon_killed_while_released_the_library_resumes(daemon, stay):
                                      for w in caught)
     assert all(torch.equal(v, b) for v, b in zip(keep, before))
     cache.fill_(1)                                  # the memory is this process's own now
+    del cache
+    gc.collect()
+
+
+def test_daemon_killed_mid_release_of_nothing_kept_leaves_the_tensor_intact(daemon):
+    """With nothing kept the owner unmaps the set while subletd works (release.c,
+    early_unmap). subletd is stopped with the Release in its socket, then killed: the
+    library maps the pages again with the handles it kept, every byte in place."""
+    cache = random_bytes(sublet.empty(16 * PAGE, dtype=torch.uint8, device="cpu"), 41)
+    before = bits(cache)
+    daemon.proc.send_signal(signal.SIGSTOP)
+    threading.Timer(0.5, daemon.kill).start()       # once the owner waits for Released
+    with pytest.raises(sublet.DaemonUnavailableError):
+        sublet.release(cache, keep=[])
+    assert np.array_equal(bits(cache), before)
+    cache.fill_(2)                                  # mapped for writing too
     del cache
     gc.collect()
 
