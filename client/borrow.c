@@ -429,21 +429,11 @@ static void end_borrowing(sublet_client *c, int forfeit, int region_gone) {
   }
 }
 
-/* A Return's wait: the borrower's fresh memory is let go of while subletd moves the kept
- * bytes back. Whoever drops a chunk's last reference pays the driver's free (3 to 5 ms for
- * 7.75 GiB on an H200), so it runs beside the restore instead of after it. Only with nothing
- * allocated: a Return refused for leaks leaves the loan going, and its allocations need
- * their chunks. */
-static void drop_chunks_run(void *arg) {
-  sl_window_drop_chunks(arg);
-}
-
 static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *stats,
                          struct sublet_leak *leaks, size_t nleaks, size_t *nleaks_out) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Return m = SUBLET__RETURN__INIT;
   Sublet__Reply *rep = NULL;
-  struct sl_meanwhile mw = {drop_chunks_run, NULL};
   double map_seconds = c->win != NULL ? c->win->map_seconds : 0;
   uint64_t mapped_pages = c->win != NULL ? c->win->mapped_pages : 0;
   int rc;
@@ -459,9 +449,7 @@ static int return_locked(sublet_client *c, int force, struct sublet_loan_stats *
   m.force = force != 0;
   req.body_case = SUBLET__REQUEST__BODY_RETURN;
   req.return_ = &m;
-  mw.arg = c->win;
-  rc = sl_client_call_meanwhile(c, &req, SUBLET__REPLY__BODY_RETURNED, &rep, NULL, NULL,
-                                c->win != NULL && c->win->nallocs == 0 ? &mw : NULL);
+  rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RETURNED, &rep, NULL, NULL, 0);
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->returned, stats);
   if (rc == SUBLET_ELEAK && rep != NULL) {

@@ -154,10 +154,8 @@ static uint64_t end_bytes(const struct sl_daemon *d, const struct sl_loan_end *e
          end->nreplace * sl_device_info(d->dev)->page_size;
 }
 
-/* The borrower is done with the loan's fresh memory (it returned, or its process is gone).
- * An end that makes pages again lets it go first, to make room for them; any other lets it
- * go once its restore is queued, so that the driver's free, wherever the last reference
- * falls (here, or the borrower's unmap: client/borrow.c), runs beside the moves back. */
+/* The borrower is done with the loan's fresh memory (it returned, or its process is gone):
+ * it goes first, which makes room for the fresh pages of the end. */
 static void release_fresh(struct sl_daemon *d, struct sl_loan_end *end) {
   for (size_t i = 0; i < end->nfresh; i++)
     sl_pool_chunk_release(d->pool, end->fresh_chunks[i]);
@@ -168,8 +166,7 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
                        sl_loan_answer_fn answer, void *arg) {
   struct end_job *ej = calloc(1, sizeof(*ej));
 
-  if (end->nreplace > 0 || ej == NULL)
-    release_fresh(d, end);
+  release_fresh(d, end);
   if (ej == NULL) { /* cannot even queue it: the owner hears that nothing came back */
     sl_error("loan %llu: out of host memory for its restore", (unsigned long long)end->loan_id);
     end->stats.copied_in_bytes = 0;
@@ -186,7 +183,6 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
   ej->answer = answer;
   ej->arg = arg;
   if (sl_jobs_inline(d, end_bytes(d, &ej->end))) {
-    release_fresh(d, &ej->end);
     end_now(d, ej, c);
     return;
   }
@@ -194,7 +190,6 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
   ej->job.conn = c;
   ej->job.rc = end_transfer(d, ej, &ej->job.transfer, &ej->job.err);
   sl_job_submit(d, &ej->job);
-  release_fresh(d, &ej->end); /* the job's run touches its transfer only */
 }
 
 /* ---- ends that wait for fresh memory ------------------------------------------------------ */
