@@ -228,6 +228,24 @@ static int early_unmap_end(struct early_unmap *eu, const uint64_t *runs, size_t 
   return rc;
 }
 
+/* This process's side once subletd has answered the release (rc): the released runs let go
+ * of, or, after an early unmap, what it unmapped put right. Returns the release's outcome, or
+ * a page held back that failed to map again (the release lives on: it has a hole). */
+static int let_go(struct early_unmap *eu, struct sl_release_rec *rec, int rc) {
+  struct sl_err why = *sl_client_last_error();
+  int again;
+
+  if (eu->unmapped == NULL) {
+    if (rc == 0)
+      unmap_runs(eu->c, eu->r, rec->runs, rec->nruns);
+    return rc;
+  }
+  again = early_unmap_end(eu, rc == 0 ? rec->runs : NULL, rc == 0 ? rec->nruns : 0);
+  if (rc != 0)
+    *sl_client_last_error() = why; /* the release's error, not the mapping's */
+  return rc != 0 ? rc : again;
+}
+
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                            int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
                            struct early_unmap *eu, Sublet__Reply **rep, int *fd) {
@@ -284,15 +302,7 @@ static int release_locked(struct sublet_region *r, const struct sublet_range *ke
   }
   *live = rc == 0;
   t0 = sl_clock_now();
-  if (eu.unmapped != NULL) { /* a failure maps every page again */
-    struct sl_err why = *sl_client_last_error();
-    int again = early_unmap_end(&eu, *live ? rec->runs : NULL, *live ? rec->nruns : 0);
-    if (rc != 0)
-      *sl_client_last_error() = why; /* the release's error, not the mapping's */
-    rc = rc != 0 ? rc : again; /* the release lives on: a held page has a hole */
-  } else if (rc == 0) {
-    unmap_runs(r->client, r, rec->runs, rec->nruns);
-  }
+  rc = let_go(&eu, rec, rc);
   rec->stats.map_seconds = sl_clock_now() - t0;
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
