@@ -181,8 +181,8 @@ int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64
 /* Unmaps pages [first, first+count) of r's own mapping (the device idle), whole groups, and
  * releases this process's handles of them: sl_region_unmap, then sl_region_drop_handles. */
 void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count);
-/* ... the unmapping alone: the handles stay; marks unmapped[p] (r->npages bytes, or NULL) for
- * every page whose mapping went. */
+/* ... the unmapping alone: the handles stay. With unmapped (r->npages marks, or NULL), only
+ * the pages not marked yet, and it marks every page whose mapping went. */
 void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
                      uint8_t *unmapped);
 /* ... the handles alone (their pages unmapped already). */

@@ -112,8 +112,8 @@ static uint32_t span_at(const struct sublet_region *r, uint64_t p) {
   return r->span == NULL || r->span[p] == 0 ? 1 : r->span[p];
 }
 
-void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
-                     uint8_t *unmapped) {
+static void unmap_run(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                      uint8_t *unmapped) {
   uint64_t ps = r->page_size;
 
   /* One call where the device takes it (it is far cheaper), else mapping by mapping: what is
@@ -127,6 +127,24 @@ void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, 
     if (sl_device_unmap_idle(c->dev, (char *)r->base + p * ps, span_at(r, p) * ps) == 0 &&
         unmapped != NULL)
       memset(unmapped + p, 1, span_at(r, p));
+}
+
+void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                     uint8_t *unmapped) {
+  uint64_t p = first, end = first + count, from;
+
+  if (unmapped == NULL) {
+    unmap_run(c, r, first, count, NULL);
+    return;
+  }
+  while (p < end) { /* the runs not unmapped yet: a call over an unmapped one fails slowly */
+    for (; p < end && unmapped[p]; p++)
+      ;
+    for (from = p; p < end && !unmapped[p]; p++)
+      ;
+    if (p > from)
+      unmap_run(c, r, from, p - from, unmapped);
+  }
 }
 
 int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped) {

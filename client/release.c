@@ -210,15 +210,7 @@ static int early_unmap_end(struct early_unmap *eu, const uint64_t *runs, size_t 
   int rc;
 
   for (size_t i = 0; i + 1 < n; i += 2) {
-    uint64_t p = runs[i], end = runs[i] + runs[i + 1], from;
-    while (p < end) { /* what is still mapped (an unmap that failed) */
-      for (; p < end && eu->unmapped[p]; p++)
-        ;
-      for (from = p; p < end && !eu->unmapped[p]; p++)
-        ;
-      if (p > from)
-        sl_region_unmap(eu->c, eu->r, from, p - from, NULL);
-    }
+    sl_region_unmap(eu->c, eu->r, runs[i], runs[i + 1], eu->unmapped); /* what is still mapped */
     sl_region_drop_handles(eu->c, eu->r, runs[i], runs[i + 1]);
     memset(eu->unmapped + runs[i], 0, runs[i + 1]);
   }
