@@ -193,15 +193,15 @@ static int borrowing(const struct sublet_region *r) {
 
 static void unmap_meanwhile(void *arg) {
   struct early_unmap *eu = arg;
-  uint64_t at = 0;
+  uint64_t *set;
+  size_t n;
 
   sl_region_drop_window(eu->c, eu->r); /* a local loan's window maps these very handles */
-  for (size_t i = 0; i <= eu->npinned; i++) {
-    uint64_t end = i < eu->npinned ? eu->pinned[2 * i] : eu->r->npages;
-    if (end > at)
-      sl_region_unmap(eu->c, eu->r, at, end - at, eu->unmapped);
-    at = i < eu->npinned ? end + eu->pinned[2 * i + 1] : at;
-  }
+  if (complement(eu->r, eu->pinned, eu->npinned, &set, &n) != 0)
+    return; /* out of host memory: unmapped after the reply, as a release that keeps bytes */
+  for (size_t i = 0; i < n; i++)
+    sl_region_unmap(eu->c, eu->r, set[2 * i], set[2 * i + 1], eu->unmapped);
+  free(set);
 }
 
 /* After the reply: the released runs let go of their handles; what else was unmapped (all
