@@ -31,8 +31,8 @@ import torch
 
 from . import _lib
 
-Keep = Union[None, torch.Tensor, np.ndarray, "Blocks", Iterable[Union[torch.Tensor, "Blocks"]],
-             Iterable[int]]
+Keep = Union[None, torch.Tensor, np.ndarray, "Blocks", "Spans",
+             Iterable[Union[torch.Tensor, "Blocks"]], Iterable[int]]
 
 # Past this many runs in one layout group, inner dimensions are folded into wider runs that also
 # cover the gaps between them (a superset of the kept bytes: still correct, since restoring bytes
@@ -54,7 +54,7 @@ def keep_ranges(keep: Keep, storage_ptr: int, region_size: int,
     untyped storage, or the region's address for a pool). Raises TypeError/ValueError naming
     the fix.
     """
-    if isinstance(keep, Blocks):
+    if isinstance(keep, (Blocks, Spans)):
         return keep.ranges(storage_ptr, region_size)
     rows = _as_rows(keep, storage_ptr, tensor)
     if rows is not None:
@@ -220,6 +220,30 @@ class Blocks:
             rows = np.unique(bases)[:, None] + self.rows[None, :] * self._row_bytes
             ranges = merge_ranges(rows.ravel(), np.full(rows.size, self._row_bytes, np.int64))
         return ranges
+
+
+class Spans:
+    """keep= as device addresses: (n, 2) (address, length) byte ranges of the region, in any
+    order, overlaps allowed. What an allocator knows of its memory without tensors to name it
+    by (sublet.compat.vllm keeps a pool's live blocks so: PyTorch's snapshot gives addresses)."""
+
+    __slots__ = ("spans",)
+
+    def __init__(self, spans) -> None:
+        self.spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+    def __repr__(self) -> str:
+        return f"<sublet keep of {len(self.spans)} spans, {int(self.spans[:, 1].sum())} bytes>"
+
+    def ranges(self, storage_ptr: int, region_size: int) -> np.ndarray:
+        """The spans relative to the region at storage_ptr, sorted and merged."""
+        starts, lengths = self.spans[:, 0] - storage_ptr, self.spans[:, 1]
+        outside = np.flatnonzero((starts < 0) | (starts + lengths > region_size))
+        if len(outside):
+            addr, n = (int(v) for v in self.spans[outside[0]])
+            raise ValueError(f"keep names bytes [{addr:#x}, {addr + n:#x}), outside the lent "
+                             f"region: keep only memory of what is lent")
+        return merge_ranges(starts, lengths)
 
 
 def blocks(tensors: torch.Tensor | Iterable[torch.Tensor], ids, dim: int = 0) -> Blocks:
@@ -572,6 +596,28 @@ def merge_ranges(starts: np.ndarray, lengths: np.ndarray, presorted: bool = Fals
     out[:, 0] = starts[begin]
     out[:, 1] = reach[last] - starts[begin]
     return out
+
+
+def subtract_ranges(ranges: np.ndarray, gone: np.ndarray) -> np.ndarray:
+    """The bytes of `ranges` outside every range of `gone`, both (n, 2) (start, length) in any
+    order: sorted, merged, (n, 2) int64."""
+    kept = merge_ranges(*ranges.astype(np.int64).T).astype(np.int64)
+    cut = merge_ranges(*gone.astype(np.int64).T).astype(np.int64) if len(gone) else gone
+    out: list[tuple[int, int]] = []
+    j = 0
+    for start, length in kept.tolist():
+        end = start + length
+        while j < len(cut) and cut[j, 0] + cut[j, 1] <= start:
+            j += 1
+        k = j
+        while k < len(cut) and cut[k, 0] < end:
+            if cut[k, 0] > start:
+                out.append((start, int(cut[k, 0]) - start))
+            start = max(start, int(cut[k, 0] + cut[k, 1]))
+            k += 1
+        if start < end:
+            out.append((start, end - start))
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
 def kept_bytes_in_pages(ranges: np.ndarray, page_size: int, pages: Iterable[int] | None = None

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from . import _lib
+from . import _keep, _lib
 from ._client import Client
 from ._memory import as_dtype, nbytes_of, parse_size, resolve_device, wrap
 from ._units import human
@@ -118,6 +118,7 @@ class Pool:
             self._tag_id = _tag_ids.setdefault(tag, len(_tag_ids) + 1)
         self._mempool: torch.cuda.MemPool | None = None
         self._depth = 0
+        self._direct: dict[int, int] = {}   # Pool.empty's live tensors: address -> bytes
 
     @property
     def arena(self) -> Arena:
@@ -130,6 +131,44 @@ class Pool:
     def segments(self) -> np.ndarray:
         """The tag's live segments as (offset, length) byte ranges of the arena."""
         return self._arena.segments(self._tag_id)
+
+    def live_blocks(self, drop: frozenset[int] = frozenset()) -> np.ndarray:
+        """The tag's memory less what is known to hold nothing worth keeping, as (n, 2) int64
+        (address, length) spans: less the blocks PyTorch's caching allocator holds free in its
+        segments (the pool's MemPool snapshot), and less the tensors whose storage starts at
+        an address in `drop` where their extent is known (a block of that snapshot, or a
+        Pool.empty tensor). Whatever is not known so is kept."""
+        segs = self.segments()
+        if not len(segs):
+            return np.empty((0, 2), dtype=np.int64)
+        spans = segs.astype(np.int64)
+        spans[:, 0] += self._arena.addr
+        gone = [(a, n) for a, n in self._direct.items() if a in drop]
+        for addr, size, free in self._carved_blocks():
+            if free or addr in drop:
+                gone.append((addr, size))
+        return _keep.subtract_ranges(spans, np.array(gone, dtype=np.int64).reshape(-1, 2))
+
+    def _carved_blocks(self) -> list[tuple[int, int, bool]]:
+        """(address, size, free) of every block PyTorch carved of the pool's segments, from its
+        MemPool's snapshot; none where there is none or the snapshot cannot be read."""
+        if self._mempool is None:
+            return []
+        try:
+            try:
+                segments = self._mempool.snapshot(include_traces=False)
+            except TypeError:   # torch before 2.10: no include_traces
+                segments = self._mempool.snapshot()
+        except (AttributeError, RuntimeError):
+            return []
+        blocks = []
+        for seg in segments:
+            addr = seg["address"]
+            for block in seg["blocks"]:
+                addr = block.get("address", addr)
+                blocks.append((addr, block["size"], block["state"] == "inactive"))
+                addr += block["size"]
+        return blocks
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +185,9 @@ class Pool:
         nbytes = nbytes_of(shape, dtype)
         ptr = _retry_after_empty_cache(
             lambda: self._client.pool_alloc(self._tag_id, nbytes), self.device)
-        return wrap(ptr, nbytes, self.device, _Segment(self._client, ptr), shape, dtype)
+        self._direct[ptr] = nbytes
+        return wrap(ptr, nbytes, self.device, _Segment(self._client, ptr, self._direct),
+                    shape, dtype)
 
     # ---------------------------------------------------------------- routing
     def __enter__(self) -> "Pool":
@@ -250,11 +291,12 @@ def _keep_alive(mempool: torch.cuda.MemPool) -> torch.cuda.MemPool:
 class _Segment:
     """Owner of one Pool.empty() allocation: its death hands the pages back to the pool."""
 
-    def __init__(self, client: Client, ptr: int):
-        weakref.finalize(self, _free_segment, client, ptr).atexit = False
+    def __init__(self, client: Client, ptr: int, direct: dict[int, int]):
+        weakref.finalize(self, _free_segment, client, ptr, direct).atexit = False
 
 
-def _free_segment(client: Client, ptr: int) -> None:
+def _free_segment(client: Client, ptr: int, direct: dict[int, int]) -> None:
+    direct.pop(ptr, None)
     try:
         client.pool_free(ptr)
     except _lib.SubletError:

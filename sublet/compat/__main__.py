@@ -2,6 +2,8 @@
 
     python -m sublet.compat install torch_memory_saver [--target DIR] [--force]
     python -m sublet.compat uninstall torch_memory_saver [--target DIR]
+    python -m sublet.compat install vllm [--target DIR]
+    python -m sublet.compat uninstall vllm [--target DIR]
     python -m sublet.compat list
 
 install writes a package of one small __init__.py into site-packages (or DIR) that replaces
@@ -9,6 +11,9 @@ itself, in sys.modules, with sublet's module (sublet.compat.DROP_INS), so that
 `import torch_memory_saver` gives sublet's drop-in, its submodules too. It refuses when the
 real package is installed there; --force moves the real one aside (to NAME.sublet-saved),
 and uninstall puts it back.
+
+install vllm replaces no package: it installs the switch that puts sublet's allocator under
+vLLM's own sleep mode (vllm_switch.py), refusing a vLLM sublet was not tested with.
 """
 
 from __future__ import annotations
@@ -86,8 +91,25 @@ def uninstall(name: str, target: Path) -> str:
 def _drop_in(name: str) -> str:
     if name not in DROP_INS:
         raise SystemExit(f"sublet has no drop-in named {name!r}: one of "
-                         f"{', '.join(sorted(DROP_INS))}")
+                         f"{', '.join(sorted(_NAMES))}")
     return DROP_INS[name]
+
+
+_NAMES = (*DROP_INS, "vllm")   # vllm: the switch, not a module (vllm_switch.py)
+
+
+def _run(command: str, name: str, target: Path, force: bool) -> str:
+    if name == "vllm":
+        from . import vllm_switch, vllm_versions
+        try:
+            if command == "install":
+                return vllm_switch.install(target)
+            return vllm_switch.uninstall(target)
+        except vllm_versions.UntestedVLLMError as exc:
+            raise SystemExit(str(exc)) from exc
+    if command == "install":
+        return install(name, target, force)
+    return uninstall(name, target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in ("install", "uninstall"):
         p = sub.add_parser(command)
-        p.add_argument("name", help=", ".join(sorted(DROP_INS)))
+        p.add_argument("name", help=", ".join(sorted(_NAMES)))
         p.add_argument("--target", type=Path, default=Path(sysconfig.get_path("purelib")),
                        help="the directory to install into (default: this Python's "
                             "site-packages)")
@@ -109,12 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for name, module in sorted(DROP_INS.items()):
             print(f"{name}: {module}")
+        print("vllm: sublet.compat.vllm (the switch: vLLM's own sleep mode on sublet)")
         return 0
     try:
-        if args.command == "install":
-            print(install(args.name, args.target, args.force))
-        else:
-            print(uninstall(args.name, args.target))
+        print(_run(args.command, args.name, args.target, getattr(args, "force", False)))
     except OSError as exc:
         raise SystemExit(f"{exc}: choose a directory you can write with --target DIR") from exc
     return 0

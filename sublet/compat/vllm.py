@@ -1,21 +1,22 @@
-"""sublet's sleep mode for vLLM (0.33.0): its MemAllocator, SleepModeBackend and Worker, on
-sublet pools and releases. docs/compat-vllm.md says it for users.
+"""sublet's sleep mode for vLLM 0.24 to 0.34: vLLM's sleep allocator on sublet pools and
+releases. docs/compat-vllm.md says it for users.
 
-    vllm serve MODEL --enable-sleep-mode --sleep-mode-backend sublet \\
-        --worker-cls sublet.compat.vllm.SubletWorker
+    python -m sublet.compat install vllm     # or SUBLET_VLLM=1 in vLLM's environment
+    vllm serve MODEL --enable-sleep-mode     # as before: sleep and wake run on sublet
 
-- SubletAllocator is what vLLM's CuMemAllocator is (vllm/device_allocator/cumem.py), on
-  sublet: use_memory_pool(tag) routes the process's CUDA allocations to sublet.pool(tag);
-  sleep(offload_tags) is one sublet.release() per tag, keeping all of an offload tag (to the
-  host, stay=0: vLLM's sleep frees the GPU memory) and nothing of the others; wake_up(tags)
-  resumes them, the tags not in DEFERRABLE_TAGS on every wake, as vLLM does. The extension:
-  sleep(..., keep={"kv_cache": sublet.blocks(...)}) keeps those bytes of a tag, on the GPU
-  where they fit (stay=None: compacted into as few of the tag's pages as hold them).
-- SubletBackend (vLLM's SleepModeBackend, registered as "sublet" by register(), the
-  `vllm.general_plugins` entry point) suspends and resumes through the allocator, as
-  CuMemBackend does through CuMemAllocator.
-- SubletWorker (vLLM's Worker) sends vLLM's allocations to the allocator's pools
-  (_maybe_get_memory_pool_context) and selects the "sublet" backend.
+- SubletAllocator is vLLM's MemAllocator (vllm/device_allocator/__init__.py, CuMemAllocator in
+  cumem.py) on sublet: use_memory_pool(tag) routes the process's CUDA allocations to
+  sublet.pool(tag); sleep(offload_tags, discardable) is one sublet.release() per tag: an
+  offload tag keeps its live blocks but the discardable tensors (to the host, stay=0: vLLM's
+  sleep frees the GPU memory), the others keep nothing; wake_up(tags) resumes them, and the
+  tags vLLM does not let a wake defer on every wake. The extension: keep={"kv_cache":
+  sublet.blocks(...)} (or keep_on_next_sleep) keeps those bytes of a tag on the GPU where they
+  fit (stay=None: compacted into as few of the tag's pages as hold them).
+- The switch (vllm_switch.py) points vLLM's allocator lookup at it, so that vLLM's own Worker
+  and "cumem" backend drive it, whatever their version's interface; vllm_versions.py refuses
+  the vLLMs it was not tested with.
+- SubletBackend ("sublet", vLLM 0.33's --sleep-mode-backend) and SubletWorker
+  (--worker-cls) select the same by flags, for those who prefer flags to the switch.
 
 This module imports without vLLM: SubletBackend and SubletWorker subclass vLLM's classes and
 are built on first access (vllm_classes.py), the rest needs only sublet.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 import sublet
+from sublet._keep import Spans
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,11 @@ class SubletAllocator:
         self._graph_mempool: Any = None
         self.current_tag: str = DEFAULT_TAG
         self.stats: dict[str, SleepStats] = {}      # tag -> its last sleep
+        self._next_keep: dict[str, Any] = {}
+        # The tags a selective wake_up may leave asleep; None: every tag (vLLM before
+        # DEFERRABLE_TAGS, which wakes only the tags named). Set for the installed vLLM by
+        # vllm_switch.route_allocator().
+        self.deferrable_tags: tuple[str, ...] | None = DEFERRABLE_TAGS
 
     @classmethod
     def get_instance(cls) -> SubletAllocator:
@@ -199,18 +206,27 @@ class SubletAllocator:
             client.torch_bind_pool(index, routed.tag_id if routed is not None else 0)
 
     # ------------------------------------------------------------------ sleep and wake
+    def keep_on_next_sleep(self, keep: Mapping[str, Any]) -> None:
+        """What the next sleep keeps of each tag named (tag -> keep, as sublet.release takes
+        it), on the GPU where it fits: for a caller whose sleep vLLM makes (a backend's
+        suspend, a Worker's sleep), which passes no keep itself."""
+        self._check_keep_tags(keep)
+        self._next_keep = dict(keep)
+
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None,
+              discardable: Collection[int] = (),
               keep: Mapping[str, Any] | None = None) -> None:
-        """Releases every awake tag's memory to the driver (cumem.py:233): an offload tag's
-        bytes all go to the host (stay=0), the others' are dropped; a tag in `keep` (sublet's
-        extension) keeps keep[tag] (views, sublet.blocks(...), as sublet.release takes) on the
-        GPU where it fits, the rest of it dropped. A tag asleep already keeps its policy."""
+        """Releases every awake tag's memory to the driver (cumem.py): an offload tag's live
+        bytes go to the host (stay=0), the others' are dropped. discardable (vLLM 0.34: the
+        storage addresses of the parameters a level-2 sleep rewrites after waking): those
+        tensors' bytes are neither saved nor restored. A tag in `keep` (sublet's extension, or
+        keep_on_next_sleep's) keeps keep[tag] (views, sublet.blocks(...)) on the GPU where it
+        fits, the rest of it dropped. A tag asleep already keeps its policy."""
         offload = _as_tags(offload_tags, (DEFAULT_TAG,))
-        keep = dict(keep or {})
-        for tag in keep:
-            if tag not in self._tags:
-                raise ValueError(f"keep names tag {tag!r}, which holds no memory of this "
-                                 f"allocator (its tags: {', '.join(self._tags) or 'none'})")
+        keep = {**self._next_keep, **(keep or {})}
+        self._next_keep = {}
+        self._check_keep_tags(keep)
+        drop = frozenset(int(a) for a in discardable)
         conflict, freed = False, 0
         for tag in self._tags:
             if tag in self._asleep:
@@ -218,14 +234,22 @@ class SubletAllocator:
                 continue
             if tag in keep:
                 freed += self._release(tag, keep[tag], stay=None, offloaded=False)
+            elif tag in offload:
+                live = Spans(self.pool(tag).live_blocks(drop))
+                freed += self._release(tag, live, stay=0, offloaded=True)
             else:
-                freed += self._release(tag, None if tag in offload else [], stay=0,
-                                       offloaded=tag in offload)
+                freed += self._release(tag, [], stay=0, offloaded=False)
         if conflict:
             logger.warning("sublet: sleep cannot change the policy of tags already asleep; "
                            "theirs was kept (wake them first)")
         logger.info("sublet: sleep released %.2f GiB", freed / 1024**3)
         self._empty_torch_cache()
+
+    def _check_keep_tags(self, keep: Mapping[str, Any]) -> None:
+        for tag in keep:
+            if tag not in self._tags:
+                raise ValueError(f"keep names tag {tag!r}, which holds no memory of this "
+                                 f"allocator (its tags: {', '.join(self._tags) or 'none'})")
 
     def discard(self, tags: tuple[str, ...] | str) -> None:
         """Releases the awake `tags`' memory keeping nothing (cumem.py:300); wake_up gives
@@ -247,7 +271,7 @@ class SubletAllocator:
         the tags not yet resumed still asleep (free memory and call it again)."""
         self._empty_torch_cache()
         for tag in list(self._asleep):
-            if tags is None or tag in tags or tag not in DEFERRABLE_TAGS:
+            if tags is None or tag in tags or not self._deferrable(tag):
                 release = self._asleep[tag].release
                 if not self._region_alive(tag):
                     del self._asleep[tag]   # every tensor of the pools died asleep: gone
@@ -262,6 +286,13 @@ class SubletAllocator:
                 self.stats[tag] = replace(self.stats[tag],
                                           copied_in_bytes=resumed.copied_in_bytes)
                 del self._asleep[tag]
+
+    def _deferrable(self, tag: str) -> bool:
+        return self.deferrable_tags is None or tag in self.deferrable_tags
+
+    def release_pools(self) -> None:
+        """CuMemAllocator's, which vLLM's Worker.shutdown calls: sublet's pools live as long
+        as their tensors (and go with the process), so there is nothing to drop early."""
 
     def _region_alive(self, tag: str) -> bool:
         """Whether the pools' memory (the arena's region) still exists: freeing every tensor
@@ -322,6 +353,25 @@ def kv_blocks_keep(kv_caches: Iterable[torch.Tensor], block_ids: Any,
     return views
 
 
+def keep_kv_blocks(worker: Any, block_ids: Any) -> None:
+    """Keeps these KV cache blocks (the prefix cache's live ones) of a vLLM worker through its
+    next sleep, on the GPU where they fit. Through vLLM, on every worker, before the sleep:
+    llm.collective_rpc(sublet.compat.vllm.keep_kv_blocks, args=(ids,)) (or the method name
+    "sublet_keep_kv_blocks" with SubletWorker). A sleep of level >= 1 still clears vLLM's
+    prefix cache: the kept blocks serve a caller that reads them itself. Refused where the KV
+    cache is not sublet memory: vLLM 0.34's extensible KV cache (on by default on CUDA) lives
+    in vLLM's own address space, which vLLM releases at every sleep."""
+    runner = worker.model_runner
+    if getattr(runner, "extensible_kv_cache", None) is not None:
+        raise RuntimeError(
+            "sublet: this vLLM's KV cache is its extensible KV cache, vLLM's own memory, "
+            "which vLLM releases (keeping nothing) at every sleep: to keep KV blocks through "
+            "a sleep, start vLLM with --no-enable-extensible-kv-cache")
+    caches = [t for t in runner.kv_caches if t is not None]
+    keep = kv_blocks_keep(caches, block_ids, runner.kv_cache_config.num_blocks)
+    SubletAllocator.get_instance().keep_on_next_sleep({"kv_cache": keep})
+
+
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
     """(first, count) of each run of consecutive ids (ascending, unique)."""
     if not len(ids):
@@ -335,12 +385,11 @@ def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------- vLLM's side
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point (pyproject.toml): registers the "sublet"
-    sleep-mode backend with vLLM, lazily (vLLM imports SubletBackend on first use). vLLM
-    loads plugins in every process, maybe more than once: a second call does nothing."""
-    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
-    if BACKEND_NAME not in SleepModeBackendFactory._registry:
-        SleepModeBackendFactory.register_backend(BACKEND_NAME, __name__, "SubletBackend")
+    """The `vllm.general_plugins` entry point (pyproject.toml), which vLLM runs in every
+    process it starts, maybe more than once: registers the "sublet" sleep-mode backend and,
+    where the switch is on, puts sublet's allocator under vLLM's sleep (vllm_switch.py)."""
+    from . import vllm_switch
+    vllm_switch.plug_in()
 
 
 def __getattr__(name: str) -> Any:
@@ -351,7 +400,8 @@ def __getattr__(name: str) -> Any:
         from . import vllm_classes
     except ImportError as exc:
         raise ImportError(f"sublet.compat.vllm.{name} subclasses vLLM's class and needs vLLM "
-                          f"(pip install vllm==0.33.0): {exc}") from exc
+                          f"(pip install vllm==0.34.0, or another of "
+                          f"sublet.compat.vllm_versions.TESTED): {exc}") from exc
     value = getattr(vllm_classes, name)
     globals()[name] = value
     return value

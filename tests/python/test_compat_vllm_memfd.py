@@ -174,6 +174,63 @@ def test_level2_drops_the_weights_and_keeps_runtime(alloc, engine):
     assert engine.writable("kv_cache", seed=4)
 
 
+# --------------------------------------------------------------------------- vLLM 0.34
+
+# vLLM 0.34.0's CuMemBackend.suspend(discardable) always offloads these
+# (device_allocator/sleep_mode_backend.py:126-132); Worker.sleep passes set() at level 1 and,
+# at level 2, the storage address of every parameter --sleep-preserve-parameter-names does not
+# name (v1/worker/gpu_worker.py:297-337), and no longer saves the buffers itself.
+OFFLOAD_034 = ("weights", "runtime", "cudagraph")
+PARAMS = 6   # Engine.weights[:6] stand for parameters, [6:] for buffers (rotary tables...)
+
+
+def discardable(engine: Engine, preserved: set[int]) -> set[int]:
+    return {engine.weights[i].untyped_storage().data_ptr() for i in range(PARAMS)
+            if i not in preserved}
+
+
+def test_034_level1_keeps_every_weight_bit(alloc, engine):
+    before = engine.snapshot()
+    alloc.sleep(OFFLOAD_034, set())
+    assert alloc.stats["weights"].copied_bytes == sum(w.nbytes for w in engine.weights)
+    alloc.wake_up(["weights"])
+    alloc.wake_up(["kv_cache"])
+    assert engine.same_bits("weights", before) and engine.same_bits("runtime", before)
+
+
+@pytest.mark.parametrize("preserved", [set(), {1}, {0, 5}])
+def test_034_level2_keeps_buffers_and_preserved_parameters(alloc, engine, preserved):
+    """Three cycles of TRL's order (sleep(level=2), wake_up(["weights"]), load the weights,
+    wake_up(["kv_cache"])): the buffers and the preserved parameters come back bit for bit,
+    only they cross the host link, and the parameters rewritten are writable."""
+    kept = [i for i in range(len(engine.weights)) if i >= PARAMS or i in preserved]
+    for cycle in range(3):
+        before = [bits(engine.weights[i]) for i in kept]
+        runtime = bits(engine.runtime)
+        alloc.sleep(OFFLOAD_034, discardable(engine, preserved))
+        assert alloc.stats["weights"].copied_bytes == sum(engine.weights[i].nbytes
+                                                          for i in kept)
+        alloc.wake_up(["weights"])
+        assert [np.array_equal(bits(engine.weights[i]), b) for i, b in zip(kept, before)] == \
+            [True] * len(kept)
+        assert np.array_equal(bits(engine.runtime), runtime)
+        for i in set(range(PARAMS)) - preserved:                 # the weight update
+            random_bytes(engine.weights[i], 100 * cycle + i)
+        alloc.wake_up(["kv_cache"])
+        assert engine.writable("kv_cache", seed=cycle)
+
+
+def test_034_discardable_outside_the_pools_is_ignored(alloc, engine):
+    """An address no pool tensor starts at (a parameter vLLM keeps elsewhere, a view's
+    offset) drops nothing."""
+    before = engine.snapshot()
+    stray = torch.empty(16)
+    inside = engine.weights[0].data_ptr() + 64
+    alloc.sleep(OFFLOAD_034, {stray.data_ptr(), inside})
+    alloc.wake_up(None)
+    assert engine.same_bits("weights", before)
+
+
 # --------------------------------------------------------------------------- keep (sublet)
 
 def test_kept_kv_blocks_come_back_and_stay_on_the_device(alloc, engine):
