@@ -109,7 +109,7 @@ def routed() -> bool:
     import vllm.device_allocator as lookup_home
 
     from .vllm import SubletAllocator
-    return lookup_home.get_mem_allocator_instance is SubletAllocator.get_instance
+    return lookup_home.get_mem_allocator_instance == SubletAllocator.get_instance
 
 
 def _original_lookup(lookup_home: Any) -> Any:

@@ -1,13 +1,11 @@
-"""sublet's vLLM plug-in against the real vLLM 0.33.0, on the CPU: the entry point that
-pyproject.toml declares is found by vllm.plugins.load_general_plugins(), it registers the
-"sublet" sleep-mode backend with vLLM's SleepModeBackendFactory, the backend suspends with
-the offload tags vLLM's CuMemBackend uses, and SubletWorker is a vLLM Worker overriding the
-method vLLM calls.
+"""sublet's vLLM plug-in against the real vLLM of one tested version, on the CPU: the entry
+point that pyproject.toml declares is found by vllm.plugins.load_general_plugins(), it
+registers the "sublet" sleep-mode backend with vLLM's SleepModeBackendFactory (0.25 on), the
+backend makes the allocator calls vLLM's CuMemBackend makes, and SubletWorker is a vLLM Worker
+overriding the method vLLM calls.
 
-CI does not install vLLM (4.6 GB, and it pins its own torch): this module skips there. Run it
-in a venv of its own:
-    python3 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm==0.33.0 pytest
-    PYTHONPATH=$PWD /work/vllm-venv/bin/python -m pytest tests/python/test_compat_vllm_plugin.py
+Skips without vLLM; tests/run-vllm runs it once per tested version (tests/vllm-env installs
+them), as CI does.
 """
 
 from __future__ import annotations
@@ -21,21 +19,35 @@ from types import SimpleNamespace
 
 import pytest
 
-smb = pytest.importorskip("vllm.device_allocator.sleep_mode_backend",
-                          reason="needs vLLM (pip install vllm==0.33.0; CI has none)")
+pytest.importorskip("vllm.v1.worker.gpu_worker", reason="needs vLLM (tests/vllm-env)")
 
 import vllm.device_allocator  # noqa: E402
 import vllm.plugins  # noqa: E402
 from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
 
 from sublet.compat import vllm as sv  # noqa: E402
+from sublet.compat import vllm_switch  # noqa: E402
+
+from vllm_worker import keep_lookups  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-Factory = smb.SleepModeBackendFactory
+try:   # vLLM 0.25 on
+    import vllm.device_allocator.sleep_mode_backend as smb
+    Factory = smb.SleepModeBackendFactory
+except ImportError:
+    smb = Factory = None
+needs_backends = pytest.mark.skipif(smb is None, reason="this vLLM has no sleep-mode backends")
+
+
+@pytest.fixture(autouse=True)
+def unrouted(monkeypatch):
+    keep_lookups(monkeypatch)
 
 
 @pytest.fixture
 def registry(monkeypatch):
+    if Factory is None:
+        pytest.skip("this vLLM has no sleep-mode backends")
     """vLLM's backend registry as it was, restored after the test."""
     monkeypatch.setattr(Factory, "_registry", dict(Factory._registry))
     return Factory._registry
@@ -76,6 +88,15 @@ def test_load_general_plugins_finds_the_entry_point_and_registers(checkout_entry
     vllm.plugins.load_general_plugins()
     assert "sublet" in registry
     assert Factory.get_backend_class("sublet") is sv.SubletBackend
+    assert not vllm_switch.routed()   # the switch is off: vLLM's sleep stays vLLM's
+
+
+def test_load_general_plugins_with_the_switch_routes_the_allocator(checkout_entry_points,
+                                                                   monkeypatch):
+    monkeypatch.setenv(vllm_switch.ENV, "1")
+    vllm.plugins.load_general_plugins()
+    assert vllm.device_allocator.get_mem_allocator_instance() is \
+        sv.SubletAllocator.get_instance()
 
 
 def test_register_twice_is_harmless(registry):
@@ -86,7 +107,8 @@ def test_register_twice_is_harmless(registry):
     assert Factory.get_backend_class("sublet") is sv.SubletBackend
 
 
-def test_create_backend_makes_ours(registry):
+def test_create_backend_makes_ours(registry, monkeypatch):
+    monkeypatch.setattr(sv.SubletAllocator, "instance", _Recorder())
     sv.register()
     backend = Factory.create_backend(SimpleNamespace(sleep_mode_backend="sublet"))
     assert isinstance(backend, sv.SubletBackend)
@@ -101,8 +123,8 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def sleep(self, offload_tags=None, keep=None):
-        self.calls.append(("sleep", offload_tags))
+    def sleep(self, offload_tags=None, discardable=(), keep=None):
+        self.calls.append(("sleep", offload_tags, set(discardable)))
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
@@ -112,52 +134,55 @@ class _Recorder:
 
 
 def _drive(backend):
-    backend.suspend(1)
+    """What a Worker asks of its backend, in the installed vLLM's terms: suspend(level) up to
+    0.33, suspend(discardable) in 0.34 (a level-1 sleep, then a level-2 one)."""
+    takes = list(inspect.signature(smb.SleepModeBackend.suspend).parameters)[1]
+    backend.suspend(1 if takes == "level" else set())
     backend.resume(["weights"])
     backend.resume(["kv_cache"])
-    backend.suspend(2)
+    backend.suspend(2 if takes == "level" else {0x7000, 0x9000})
     backend.resume(None)
-    backend.discard(("kv_cache",))
+    if hasattr(smb.CuMemBackend, "discard"):
+        backend.discard(("kv_cache",))
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_suspend_offloads_what_cumem_backend_offloads(monkeypatch, level):
-    """The same allocator calls as vLLM's own CuMemBackend (sleep_mode_backend.py:127-152),
-    run here with its allocator replaced by a recorder."""
+@needs_backends
+def test_suspend_makes_the_calls_cumem_backend_makes(monkeypatch):
+    """The same allocator calls as vLLM's own CuMemBackend, each with its allocator replaced by
+    a recorder: 0.34's discardable reaches sublet's allocator, where 0.33's level did."""
     theirs, ours = _Recorder(), _Recorder()
     monkeypatch.setattr(vllm.device_allocator, "get_mem_allocator_instance", lambda: theirs)
-    monkeypatch.setattr(sv.SubletAllocator, "instance", ours)
     _drive(smb.CuMemBackend())
+    monkeypatch.setattr(sv.SubletAllocator, "instance", ours)
     _drive(sv.SubletBackend())
     assert ours.calls == theirs.calls
-    assert ("sleep", ("weights", "runtime", "cudagraph")) in ours.calls
-    assert ("sleep", ("runtime", "cudagraph")) in ours.calls
+    assert ours.calls[0][0] == "sleep" and "weights" in ours.calls[0][1]
 
 
+@needs_backends
 def test_backend_states_follow_cumem(monkeypatch):
     monkeypatch.setattr(sv.SubletAllocator, "instance", _Recorder())
     backend = sv.SubletBackend()
-    backend.suspend(1)
+    backend.suspend()
     assert backend.state() == "SUSPENDED"
     backend.resume(["weights"])
     assert backend.state() == "RUNNING"
-    backend.discard(("kv_cache",))
-    assert backend.state() == "SUSPENDED"
 
 
-def test_keep_on_next_suspend_reaches_the_allocator_once(monkeypatch):
+@needs_backends
+def test_keep_on_next_suspend_reaches_the_allocator(monkeypatch):
     seen = []
-    alloc = SimpleNamespace(sleep=lambda offload_tags, keep: seen.append(keep))
+    alloc = SimpleNamespace(keep_on_next_sleep=seen.append)
     monkeypatch.setattr(sv.SubletAllocator, "instance", alloc)
-    backend = sv.SubletBackend()
-    backend.keep_on_next_suspend({"kv_cache": ["views"]})
-    backend.suspend(1)
-    backend.suspend(1)
-    assert seen == [{"kv_cache": ["views"]}, {}]
+    sv.SubletBackend().keep_on_next_suspend({"kv_cache": ["views"]})
+    assert seen == [{"kv_cache": ["views"]}]
 
 
 def test_deferrable_tags_are_vllms():
-    assert sv.DEFERRABLE_TAGS == vllm.device_allocator.DEFERRABLE_TAGS
+    """sublet's default is vLLM's (0.32 on); the switch takes the installed vLLM's, none
+    before 0.32 (a wake wakes the tags it names only)."""
+    theirs = getattr(vllm.device_allocator, "DEFERRABLE_TAGS", None)
+    assert theirs is None or sv.DEFERRABLE_TAGS == theirs
 
 
 def test_allocator_has_the_mem_allocator_protocol():
@@ -214,19 +239,3 @@ def test_worker_selects_the_sublet_backend():
     config = SimpleNamespace(sleep_mode_backend="cumem")
     use_sublet_backend(config)
     assert config.sleep_mode_backend == "sublet"
-
-
-def test_vllms_allocator_lookups_give_sublets(monkeypatch):
-    """So that LoRA's use_memory_pool(tag="runtime") (lora_model_runner_mixin.py:60) goes to
-    sublet's pools too."""
-    from sublet.compat.vllm_classes import _ALLOCATOR_LOOKUPS, route_allocator_lookups
-    import vllm.v1.worker.lora_model_runner_mixin as lora
-    for name in _ALLOCATOR_LOOKUPS:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "get_mem_allocator_instance"):
-            monkeypatch.setattr(module, "get_mem_allocator_instance",
-                                module.get_mem_allocator_instance)   # restored after
-    route_allocator_lookups()
-    assert vllm.device_allocator.get_mem_allocator_instance() is \
-        sv.SubletAllocator.get_instance()
-    assert lora.get_mem_allocator_instance == sv.SubletAllocator.get_instance

@@ -1,6 +1,8 @@
 """sublet's vLLM allocator (sublet.compat.vllm.SubletAllocator) on a GPU: real tensors made by
 torch ops inside use_memory_pool(tag), in the order and contexts vLLM 0.33.0's Worker uses
-(test_compat_vllm_memfd.py cites the lines), through vLLM's sleep and wake sequence. Checks
+(test_compat_vllm_memfd.py cites the lines), through vLLM's sleep and wake sequence, then
+through each tested vLLM's own order (vllm_orders.py; vLLM is not installed on the GPU
+machine). Checks
 that sleep gives the device memory back (torch.cuda.mem_get_info), that another allocation can
 take it meanwhile, and that every kept bit comes back. Skipped without CUDA.
 
@@ -20,6 +22,7 @@ from sublet.compat import vllm as sv
 
 from test_gpu import cuda_daemon, random_fill  # noqa: F401 (fixture)
 from gpu_memory import free_now
+from vllm_orders import ORDERS
 
 MiB = 1024 ** 2
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon, pytest.mark.usefixtures("cuda_daemon")]
@@ -167,3 +170,97 @@ def test_a_graph_in_the_cudagraph_pool_sleeps_and_replays(alloc):
     graph.replay()
     assert torch.equal(cpu_bits(static_out), cpu_bits(static_in * 2 + 1))
     del graph, static_out
+
+
+# --------------------------------------------------------------------------- each vLLM's order
+
+def _one_version_per_order() -> list[str]:
+    first: dict[int, str] = {}
+    for version, order in ORDERS.items():
+        first.setdefault(id(order), version)
+    return sorted(first.values())
+
+
+class Model(torch.nn.Module):
+    """Large parameters (each its own segment) beside small ones and buffers that share
+    PyTorch's small segments: a level-2 sleep of vLLM 0.34 drops the first and keeps the
+    second, block by block within one segment."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(2048, 2048, bias=False, dtype=torch.bfloat16, device="cuda")
+            for _ in range(8))                                           # 8 x 8 MiB
+        self.norms = torch.nn.ModuleList(
+            torch.nn.LayerNorm(2048, dtype=torch.bfloat16, device="cuda") for _ in range(8))
+        self.register_buffer("cos_sin", torch.empty(4096, 128, device="cuda"))   # 2 MiB
+        self.register_buffer("scale", torch.empty(300, device="cuda"))
+        for i, t in enumerate([*self.parameters(), *self.buffers()]):
+            random_fill(t.data, 100 + i)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer, norm in zip(self.layers, self.norms):
+            x = norm(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("version", _one_version_per_order())
+def test_each_vllms_sleep_order_keeps_what_it_promises(alloc, version):
+    """The allocator calls of each tested vLLM's Worker (vllm_orders.py, checked against the
+    real Workers on the CPU by test_compat_vllm_versions.py), on torch-made tensors: three
+    cycles of TRL's and verl's order (sleep(2), wake_up(["weights"]), load, wake_up(["kv_cache"])),
+    then OpenRLHF's (sleep(1), wake weights then kv, again, and a wake of awake weights)."""
+    order = ORDERS[version]
+    alloc.deferrable_tags = order.deferrable
+    with alloc.use_memory_pool(tag="weights"):
+        model = Model()
+    with alloc.use_memory_pool(tag="runtime"):
+        runtime = random_fill(torch.empty(16 * MiB, dtype=torch.uint8, device="cuda"), 7)
+        with alloc.use_memory_pool(tag="kv_cache"):
+            kv = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda")
+    preserve = {"norms.0.weight"} if order.preserves else set()
+    kept_names = {n for n, _ in model.named_buffers()} | preserve
+    x = torch.ones(4, 2048, dtype=torch.bfloat16, device="cuda")
+    for cycle in range(3):
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        before = {n: cpu_bits(t) for n, t in tensors.items()}
+        runtime_bits = cpu_bits(runtime)
+        saved = {n: tensors[n].detach().cpu().clone() for n in kept_names} \
+            if order.worker_saves_buffers else {}
+        drop = {p.untyped_storage().data_ptr() for n, p in model.named_parameters()
+                if n not in preserve} if order.discardable else set()
+        free0 = free_now()
+        alloc.sleep(order.offload[2], drop)
+        freed = free_now() - free0
+        weights = alloc.stats["weights"]
+        kept = sum(tensors[n].nbytes for n in kept_names)
+        print(f"\nvLLM {version} cycle {cycle}: sleep(2) freed {freed / MiB:.1f} MiB; weights "
+              f"to the host {weights.copied_bytes / MiB:.2f} MiB (buffers and preserved: "
+              f"{kept / MiB:.2f} MiB)")
+        assert freed >= sum(p.nbytes for p in model.layers.parameters()) + kv.nbytes
+        alloc.wake_up(["weights"])
+        assert alloc.is_asleep("kv_cache") and not alloc.is_asleep("runtime")
+        for n, t in saved.items():                              # the Worker's own restore
+            tensors[n].data.copy_(t)
+        assert [n for n in kept_names if not same_bits(tensors[n], before[n])] == []
+        assert same_bits(runtime, runtime_bits)
+        if order.discardable:
+            assert weights.copied_bytes <= kept + 2 * MiB       # block by block, not segments
+        for i, (n, p) in enumerate(model.named_parameters()):   # the weight update
+            if n not in preserve:
+                random_fill(p.data, 1000 * cycle + i)
+        alloc.wake_up(["kv_cache"])
+        kv.fill_(cycle)
+        model(x)                                                # every page mapped again
+        torch.cuda.synchronize()
+    everything = {n: cpu_bits(t) for n, t in
+                  {**dict(model.named_parameters()), **dict(model.named_buffers())}.items()}
+    for _ in range(2):                                          # OpenRLHF: level 1
+        alloc.sleep(order.offload[1], set())
+        alloc.wake_up(["weights"])
+        alloc.wake_up(["kv_cache"])
+    alloc.wake_up(["weights"])                                  # awake already: nothing to do
+    now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert [n for n, t in now.items() if not same_bits(t, everything[n])] == []
+    del model, runtime, kv, x, now, tensors
+    gc.collect()
