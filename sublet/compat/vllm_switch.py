@@ -92,10 +92,10 @@ def route_allocator() -> None:
 
     from .vllm import SubletAllocator
     ours = SubletAllocator.get_instance
-    original = _original_lookup(lookup_home)
     for name, module in list(sys.modules.items()):
-        if (name == "vllm" or name.startswith("vllm.")) and \
-                getattr(module, "get_mem_allocator_instance", None) is original:
+        found = getattr(module, "get_mem_allocator_instance", None) \
+            if name == "vllm" or name.startswith("vllm.") else None
+        if found is not None and (module is lookup_home or _is_vllms_lookup(found)):
             module.get_mem_allocator_instance = ours
     cumem = _cumem_class()
     if cumem is not None:
@@ -104,19 +104,17 @@ def route_allocator() -> None:
         lookup_home, "DEFERRABLE_TAGS", None)
 
 
+def _is_vllms_lookup(function: Any) -> bool:
+    return getattr(function, "__module__", None) == "vllm.device_allocator" and \
+        getattr(function, "__name__", None) == "get_mem_allocator_instance"
+
+
 def routed() -> bool:
     """Whether vLLM's allocator lookup gives sublet's in this process."""
     import vllm.device_allocator as lookup_home
 
     from .vllm import SubletAllocator
     return lookup_home.get_mem_allocator_instance == SubletAllocator.get_instance
-
-
-def _original_lookup(lookup_home: Any) -> Any:
-    """vLLM's own get_mem_allocator_instance, remembered the first time it is replaced."""
-    if not hasattr(lookup_home, "_sublet_vllms_lookup"):
-        lookup_home._sublet_vllms_lookup = lookup_home.get_mem_allocator_instance
-    return lookup_home._sublet_vllms_lookup
 
 
 def _cumem_class() -> Any:

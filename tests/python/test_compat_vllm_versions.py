@@ -115,9 +115,9 @@ def test_an_untested_vllm_is_refused_before_anything_is_routed(unrouted, monkeyp
 # --------------------------------------------------------------------------- the orders
 
 def same(before: dict[str, np.ndarray], engine: Engine, names) -> list[str]:
-    """The names among `names` whose bits differ from `before` (none: all came back)."""
-    now = engine.snapshot()
-    return [n for n in names if not np.array_equal(now[n], before[n])]
+    """The names among `names` whose bits differ from `before` (none: all came back); reads
+    only those (a tag asleep is unmapped)."""
+    return [n for n in names if not np.array_equal(bits(engine.tensor(n)), before[n])]
 
 
 WEIGHTS = Model.PARAMS + Model.BUFFERS

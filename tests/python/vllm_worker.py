@@ -95,7 +95,12 @@ class Engine:
                             ("_sleep_saved_parameters", {}), ("_sleep_mode_backend", None)):
             setattr(self.worker, name, value)
 
+    def tensor(self, name: str) -> torch.Tensor:
+        others = {"runtime": self.runtime, "kv": self.kv}
+        return others[name] if name in others else self.model.tensors()[name]
+
     def snapshot(self) -> dict[str, np.ndarray]:
+        """Every tensor's bits (every tag awake)."""
         return {name: bits(t) for name, t in
                 {**self.model.tensors(), "runtime": self.runtime, "kv": self.kv}.items()}
 
