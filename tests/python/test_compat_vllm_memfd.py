@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -249,6 +250,33 @@ def test_kept_kv_blocks_come_back_and_stay_on_the_device(alloc, engine):
     after = [bits(view[b]) for view in engine.kv_caches for b in live]
     assert all(np.array_equal(a, b) for a, b in zip(after, kept))
     assert engine.same_bits("weights", before) and engine.same_bits("runtime", before)
+
+
+def test_keep_kv_blocks_on_a_worker_keeps_them_through_its_next_sleep(alloc, engine,
+                                                                      monkeypatch):
+    """keep_kv_blocks(worker, ids), what llm.collective_rpc(keep_kv_blocks, ...) runs on
+    each worker: its model runner's KV views, kept by the next sleep only."""
+    monkeypatch.setattr(sv.SubletAllocator, "instance", alloc)
+    runner = SimpleNamespace(kv_caches=engine.kv_caches,
+                             kv_cache_config=SimpleNamespace(num_blocks=BLOCKS))
+    sv.keep_kv_blocks(SimpleNamespace(model_runner=runner), [5, 6, 200])
+    kept = [bits(view[b]) for view in engine.kv_caches for b in (5, 6, 200)]
+    alloc.sleep(LEVEL_OFFLOAD[1])
+    assert alloc.stats["kv_cache"].kept_bytes == 3 * LAYERS * HEADS * TOKENS * DIM * 2
+    alloc.wake_up(None)
+    now = [bits(view[b]) for view in engine.kv_caches for b in (5, 6, 200)]
+    assert all(np.array_equal(a, b) for a, b in zip(now, kept))
+    alloc.sleep(LEVEL_OFFLOAD[1])                         # the next one keeps nothing
+    assert alloc.stats["kv_cache"].kept_bytes == 0
+    alloc.wake_up(None)
+
+
+def test_keep_kv_blocks_refuses_vllm_034s_extensible_kv_cache():
+    """vLLM 0.34's extensible KV cache is vLLM's own memory, released at every sleep: a keep
+    there would be a silent no-op, so it is refused, naming the flag that turns it off."""
+    runner = SimpleNamespace(extensible_kv_cache=object())
+    with pytest.raises(RuntimeError, match="--no-enable-extensible-kv-cache"):
+        sv.keep_kv_blocks(SimpleNamespace(model_runner=runner), [1])
 
 
 def test_kv_blocks_keep_maps_manager_blocks_to_kernel_blocks():

@@ -11,6 +11,7 @@ backend routes no CPU allocation, so this is what a torch op there gets on CUDA.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import numpy as np
@@ -71,17 +72,21 @@ class Model(nn.Module):
 class Engine:
     """One worker's memory and the Worker of the installed vLLM over it."""
 
-    def __init__(self, alloc: sv.SubletAllocator, preserve: tuple[str, ...] = (), seed: int = 0):
+    def __init__(self, alloc: sv.SubletAllocator, runtime: bool, preserve: tuple[str, ...] = (),
+                 seed: int = 0):
+        """runtime: the vLLM has a "runtime" tag (0.32 on), the KV cache made inside it."""
         from vllm.v1.worker.gpu_worker import Worker
 
         with alloc.use_memory_pool(tag="weights"):
             self.model = Model(alloc, seed)
         kv_ctx = alloc.use_memory_pool(tag="kv_cache")
-        with alloc.use_memory_pool(tag="runtime"):
-            self.runtime = random_bytes(alloc.empty(3 * 65536, dtype=torch.uint8), seed + 30)
+        with alloc.use_memory_pool(tag="runtime") if runtime else nullcontext():
+            self.others = {"runtime": random_bytes(
+                alloc.empty(3 * 65536, dtype=torch.uint8), seed + 30)} if runtime else {}
             with kv_ctx:
                 self.kv = random_bytes(alloc.empty(KV_BLOCKS, KV_BLOCK_BYTES,
                                                    dtype=torch.uint8), seed + 40)
+        self.others["kv"] = self.kv
         self.worker = Worker.__new__(Worker)   # its __init__ needs an engine: stood in for
         config = SimpleNamespace(
             sleep_preserve_parameter_names=list(preserve), enable_nccl_comm_suspend=False,
@@ -96,13 +101,11 @@ class Engine:
             setattr(self.worker, name, value)
 
     def tensor(self, name: str) -> torch.Tensor:
-        others = {"runtime": self.runtime, "kv": self.kv}
-        return others[name] if name in others else self.model.tensors()[name]
+        return self.others[name] if name in self.others else self.model.tensors()[name]
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Every tensor's bits (every tag awake)."""
-        return {name: bits(t) for name, t in
-                {**self.model.tensors(), "runtime": self.runtime, "kv": self.kv}.items()}
+        return {name: bits(t) for name, t in {**self.model.tensors(), **self.others}.items()}
 
     def load_weights(self, seed: int) -> None:
         """The RL weight update: every parameter written anew (new bits)."""
@@ -110,4 +113,4 @@ class Engine:
             random_bytes(p.data, seed + i)
 
     def free(self) -> None:
-        del self.model, self.runtime, self.kv, self.worker
+        del self.model, self.others, self.kv, self.worker
