@@ -183,9 +183,9 @@ class SubletAllocator:
     def cudagraph_pool(self) -> Iterator[Any]:
         """Yields the id of a graph pool whose segments are sublet memory of tag "cudagraph"
         (CuMemAllocator.cudagraph_pool, cumem.py:437): capture with torch.cuda.graph(g,
-        pool=id) inside. Only capture allocations go there (no other routing). vLLM 0.33.0
-        calls it only with the "cumem" backend (config/vllm.py:716-728); here for callers
-        that capture graphs themselves and offload them with sleep(("cudagraph", ...))."""
+        pool=id) inside. Only capture allocations go there (no other routing). vLLM (0.32
+        on) calls it with --sleep-mode-offload-cudagraph and the "cumem" backend, which the
+        switch keeps: every level offloads "cudagraph"."""
         pool = self.pool("cudagraph")
         if pool.device.type != "cuda":
             raise RuntimeError("cudagraph_pool() captures CUDA graphs: it needs a CUDA device")
@@ -265,9 +265,9 @@ class SubletAllocator:
             self._release(tag, [], stay=0, offloaded=False)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Resumes the sleeping tags in `tags` (None: all) and every sleeping tag not in
-        DEFERRABLE_TAGS (cumem.py:331-364): the kept bytes come back at the same addresses,
-        bit for bit; the rest is undefined. Out of device memory: SubletOutOfMemoryError,
+        """Resumes the sleeping tags in `tags` (None: all) and, from vLLM 0.32 on, every
+        sleeping tag not in deferrable_tags (cumem.py): the kept bytes come back at the same
+        addresses, bit for bit; the rest is undefined. Out of device memory: SubletOutOfMemoryError,
         the tags not yet resumed still asleep (free memory and call it again)."""
         self._empty_torch_cache()
         for tag in list(self._asleep):
