@@ -87,7 +87,9 @@ class Engine:
                 self.kv = random_bytes(alloc.empty(KV_BLOCKS, KV_BLOCK_BYTES,
                                                    dtype=torch.uint8), seed + 40)
         self.others["kv"] = self.kv
-        self.worker = Worker.__new__(Worker)   # its __init__ needs an engine: stood in for
+        # Its __init__ needs an engine: what it sets for sleep and wake (read from each
+        # tested version's Worker.__init__) is stood in for.
+        self.worker = Worker.__new__(Worker)
         config = SimpleNamespace(
             sleep_preserve_parameter_names=list(preserve), enable_nccl_comm_suspend=False,
             sleep_mode_backend="cumem", enable_sleep_mode=True, enable_cumem_allocator=True)
@@ -97,7 +99,8 @@ class Engine:
         for name, value in (("vllm_config", SimpleNamespace(model_config=config)),
                             ("model_config", config), ("model_runner", runner),
                             ("_sleep_saved_buffers", {}), ("_sleep_saved_draft_buffers", {}),
-                            ("_sleep_saved_parameters", {}), ("_sleep_mode_backend", None)):
+                            ("_sleep_saved_parameters", {}), ("_sleep_mode_backend", None),
+                            ("_sleep_rebuild_draft_metadata_buffers", False)):   # 0.26.0
             setattr(self.worker, name, value)
 
     def tensor(self, name: str) -> torch.Tensor:
