@@ -58,6 +58,7 @@ struct sublet_client {
   struct sl_device *dev; /* opened at the first region or borrow */
   struct sublet_region *regions;
   struct sl_arena *arena; /* pool.c: the tags' segments in one growable region; NULL: none */
+  uint64_t pool_margin;   /* pool.c: device bytes an arena growth leaves free (0: no check) */
   struct sl_window *win;  /* the current or last loan's window */
   struct sl_window **forfeit; /* windows of loans ended with live allocations */
   size_t nforfeit;

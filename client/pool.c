@@ -184,6 +184,30 @@ static void arena_settle(sublet_client *c, struct sl_arena *a) {
     a->region = NULL;
 }
 
+/* Does growing the arena to pages [0, end) leave c's margin free on the device? The device's
+ * free memory is the daemon's figure, asked afresh (only when there is a margin and the arena
+ * grows). */
+static int check_margin(sublet_client *c, const struct sl_arena *a, uint64_t end) {
+  uint64_t have = a->region != NULL ? a->region->npages : 0, grow;
+  struct sublet_info info;
+  char g[16], m[16], f[16];
+  int rc;
+
+  if (c->pool_margin == 0 || end <= have)
+    return 0;
+  if ((rc = sublet_get_info(c, &info)) != 0)
+    return rc;
+  grow = (end - have) * c->info.page_size;
+  if (c->pool_margin <= info.free_bytes && grow <= info.free_bytes - c->pool_margin)
+    return 0;
+  return sl_client_fail(SUBLET_ENOMEM, "out of memory under the margin: a pool allocation "
+                        "needs %s more device memory, which would leave less than the margin "
+                        "of %s free (%s free); free some, or lower the margin "
+                        "(memory_margin_bytes, sublet_pool_set_margin)",
+                        sl_format_size(g, grow), sl_format_size(m, c->pool_margin),
+                        sl_format_size(f, info.free_bytes));
+}
+
 static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void **ptr) {
   struct sl_arena *a = NULL;
   uint64_t npages = pages_for(c, size), first;
@@ -201,7 +225,8 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
   if (npages > UINT64_MAX / c->info.page_size - first) /* its end in bytes would wrap */
     return sl_client_fail(SUBLET_ENOMEM, "a pool allocation of %llu bytes is past any "
                           "device's memory", (unsigned long long)size);
-  if ((rc = arena_reach(c, a, first + npages)) != 0)
+  if ((rc = check_margin(c, a, first + npages)) != 0 ||
+      (rc = arena_reach(c, a, first + npages)) != 0)
     return rc;
   if ((rc = arena_insert(a, at, (struct pool_seg){first, npages, tag})) != 0) {
     arena_settle(c, a); /* a region made for this segment alone goes back */
@@ -244,6 +269,13 @@ static ssize_t seg_at(const sublet_client *c, const void *ptr) {
       hi = mid;
   }
   return lo < a->nsegs && a->segs[lo].first == page ? (ssize_t)lo : -1;
+}
+
+SUBLET_EXPORT int sublet_pool_set_margin(sublet_client *c, uint64_t bytes) {
+  pthread_mutex_lock(&pool_lock);
+  c->pool_margin = bytes;
+  pthread_mutex_unlock(&pool_lock);
+  return 0;
 }
 
 SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr) {

@@ -269,6 +269,11 @@ SUBLET_EXPORT void sublet_string_free(char *s);
  * region: the next allocation, or a loan, takes them; the last free releases the region. */
 SUBLET_EXPORT int sublet_pool_alloc(sublet_client *c, uint32_t tag, uint64_t size, void **ptr);
 SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr);
+/* A margin for the pools' growth: a pool allocation that needs new device memory (the arena
+ * grows) fails with SUBLET_ENOMEM when margin + the growth exceed the device's free memory
+ * (as subletd counts it: cuMemGetInfo's free, or the memfd backend's); 0 (the default) checks
+ * nothing. torch_memory_saver's memory_margin_bytes, for every pool of c. */
+SUBLET_EXPORT int sublet_pool_set_margin(sublet_client *c, uint64_t bytes);
 /* 1 when ptr is the start of a live pool allocation of c, else 0. */
 SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr);
 /* The arena (lend it as any region), or NULL before the first pool allocation. */

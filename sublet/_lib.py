@@ -320,6 +320,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_torch_bind_pool": (c_int, [c_int, c_void_p, c_uint32]),
     "sublet_pool_alloc": (c_int, [c_void_p, c_uint32, c_uint64, POINTER(c_void_p)]),
     "sublet_pool_free": (c_int, [c_void_p, c_void_p]),
+    "sublet_pool_set_margin": (c_int, [c_void_p, c_uint64]),
     "sublet_pool_owns": (c_int, [c_void_p, c_void_p]),
     "sublet_pool_region": (c_void_p, [c_void_p]),
     "sublet_pool_segments": (c_int, [c_void_p, c_uint32, c_void_p, c_size_t,
@@ -827,6 +828,11 @@ class Client:
 
     def pool_free(self, ptr: int) -> None:
         check(lib().sublet_pool_free(self.handle, c_void_p(ptr)))
+
+    def pool_set_margin(self, nbytes: int) -> None:
+        """Pool allocations that grow the arena fail (SubletOutOfMemoryError) unless nbytes
+        stay free on the device after them (0: no check)."""
+        check(lib().sublet_pool_set_margin(self.handle, nbytes))
 
     def pool_region(self) -> RegionHandle | None:
         """The arena as it is now (it grows), or None before the first pool allocation."""

@@ -2,15 +2,17 @@
 
     python -m sublet.compat install torch_memory_saver [--target DIR] [--force]
     python -m sublet.compat uninstall torch_memory_saver [--target DIR]
+    python -m sublet.compat check torch_memory_saver [--target DIR]
     python -m sublet.compat install vllm [--target DIR]
     python -m sublet.compat uninstall vllm [--target DIR]
     python -m sublet.compat list
 
-install writes a package of one small __init__.py into site-packages (or DIR) that replaces
-itself, in sys.modules, with sublet's module (sublet.compat.DROP_INS), so that
-`import torch_memory_saver` gives sublet's drop-in, its submodules too. It refuses when the
-real package is installed there; --force moves the real one aside (to NAME.sublet-saved),
-and uninstall puts it back.
+install torch_memory_saver (_install_tms.py) writes a distribution named torch_memory_saver
+that pip sees (version 0.0.10+sublet.VERSION, meeting SGLang's requirement), whose
+torch_memory_saver/__init__.py makes `import torch_memory_saver` give sublet's drop-in, its
+submodules too; `pip uninstall torch_memory_saver` or uninstall here removes it. Where the
+real package is installed it refuses, saying what to do; --force uninstalls the real one with
+pip first. check says what holds the name (exit 1 if not sublet's drop-in).
 
 install vllm replaces no package: it installs the switch that puts sublet's allocator under
 vLLM's own sleep mode (vllm_switch.py), refusing a vLLM sublet was not tested with.
@@ -19,73 +21,22 @@ vLLM's own sleep mode (vllm_switch.py), refusing a vLLM sublet was not tested wi
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import sysconfig
 from pathlib import Path
 
-from . import DROP_INS
-
-MARKER = "# sublet-compat-shim:"
-SAVED_SUFFIX = ".sublet-saved"
-
-SHIM = '''\
-# Installed by `python -m sublet.compat install {name}`: sublet's drop-in stands in for
-# {name} (`python -m sublet.compat uninstall {name}` removes it).
-{marker} {module}
-import importlib as _importlib
-import sys as _sys
-
-_module = _importlib.import_module("{module}")
-for _name in getattr(_module, "__submodules__", ()):
-    _sys.modules[__name__ + "." + _name] = getattr(_module, _name)
-_sys.modules[__name__] = _module
-'''
-
-
-def is_shim(package: Path) -> bool:
-    init = package / "__init__.py"
-    return init.is_file() and MARKER in init.read_text(errors="replace")
-
-
-def real_package(target: Path, name: str) -> Path | None:
-    """The real package (or module) of that name in target, if one is there."""
-    package, module = target / name, target / f"{name}.py"
-    if package.exists() and not is_shim(package):
-        return package
-    return module if module.exists() else None
+from . import DROP_INS, _install_tms
+from ._install_tms import MARKER  # noqa: F401 (the shim's marker, for tests and tools)
 
 
 def install(name: str, target: Path, force: bool = False) -> str:
-    module = _drop_in(name)
-    real = real_package(target, name)
-    if real is not None:
-        if not force:
-            raise SystemExit(f"the real {name} is installed at {real}: uninstall it first "
-                             f"(pip uninstall {name}), or pass --force to move it aside to "
-                             f"{real.name}{SAVED_SUFFIX} (uninstall puts it back)")
-        saved = target / (real.name + SAVED_SUFFIX)
-        if saved.exists():
-            raise SystemExit(f"{saved} exists already: remove it or move it back first")
-        real.rename(saved)
-    package = target / name
-    package.mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text(SHIM.format(name=name, module=module, marker=MARKER))
-    return f"installed {package}: `import {name}` gives {module}"
+    _drop_in(name)
+    return _install_tms.install(target, force)
 
 
 def uninstall(name: str, target: Path) -> str:
     _drop_in(name)
-    package = target / name
-    if not is_shim(package):
-        raise SystemExit(f"no sublet shim of {name} in {target}: nothing to uninstall")
-    shutil.rmtree(package)
-    restored = ""
-    for saved in (target / (name + SAVED_SUFFIX), target / (f"{name}.py" + SAVED_SUFFIX)):
-        if saved.exists():
-            saved.rename(target / saved.name[:-len(SAVED_SUFFIX)])
-            restored = f"; the real {name} is back"
-    return f"removed {package}{restored}"
+    return _install_tms.uninstall(target)
 
 
 def _drop_in(name: str) -> str:
@@ -117,26 +68,39 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Install sublet's drop-ins under the names "
                                                  "code imports them by.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("install", "uninstall"):
+    for command in ("install", "uninstall", "check"):
         p = sub.add_parser(command)
-        p.add_argument("name", help=", ".join(sorted(_NAMES)))
-        p.add_argument("--target", type=Path, default=Path(sysconfig.get_path("purelib")),
+        p.add_argument("name", help=", ".join(sorted(_NAMES if command != "check"
+                                                     else DROP_INS)))
+        p.add_argument("--target", type=Path, default=_SITE,
                        help="the directory to install into (default: this Python's "
                             "site-packages)")
         if command == "install":
             p.add_argument("--force", action="store_true",
-                           help="move a real package of that name aside")
+                           help="uninstall a real package of that name first (with pip)")
     sub.add_parser("list")
     args = parser.parse_args(argv)
     if args.command == "list":
-        for name, module in sorted(DROP_INS.items()):
-            print(f"{name}: {module}")
-        print("vllm: sublet.compat.vllm (the switch: vLLM's own sleep mode on sublet)")
-        return 0
+        return _list()
+    if args.command == "check":
+        _drop_in(args.name)
+        ok, line = _install_tms.check(args.target)
+        print(line)
+        return 0 if ok else 1
     try:
         print(_run(args.command, args.name, args.target, getattr(args, "force", False)))
     except OSError as exc:
         raise SystemExit(f"{exc}: choose a directory you can write with --target DIR") from exc
+    return 0
+
+
+_SITE = Path(sysconfig.get_path("purelib"))
+
+
+def _list() -> int:
+    for name, module in sorted(DROP_INS.items()):
+        print(f"{name}: {module} ({_install_tms.check(_SITE)[1].split(': ', 1)[1]})")
+    print("vllm: sublet.compat.vllm (the switch: vLLM's own sleep mode on sublet)")
     return 0
 
 

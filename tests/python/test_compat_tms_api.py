@@ -1,7 +1,8 @@
 """sublet.compat.torch_memory_saver's shape against the real torch_memory_saver 0.0.10 (its
-public names and the signatures of what code calls), the parts of its facade that need no
-daemon (hook_mode, memory_margin_bytes, env parsing), and `python -m sublet.compat install`
-into a temporary directory. No GPU, no daemon.
+modules, their public names, and the signatures of what code calls), and the parts of its
+facade that need no daemon (hook_mode, _ensure_initialized, env parsing, configure_subprocess,
+the Python stand-in of its C library). No GPU, no daemon. The installer:
+test_compat_tms_install.py.
 
 The real package is compared when it is importable (CI installs it from PyPI; here
 `pip install --no-deps --target DIR torch_memory_saver==0.0.10` and TMS_REAL_PATH=DIR also
@@ -13,16 +14,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import subprocess
 import sys
-from pathlib import Path
+import types
 
 import pytest
 
 from sublet.compat import torch_memory_saver as ours
-from sublet.compat.__main__ import MARKER, main as compat_main
-
-from conftest import CHILD_ENV, REPO
+from sublet.compat.torch_memory_saver import _env, entrypoint, utils
 
 
 def real_tms():
@@ -100,9 +98,45 @@ def test_the_impl_methods_that_the_facade_calls_take_the_same_keywords():
     for name in ("region", "cuda_graph", "pause", "resume", "get_cpu_backup"):
         real_params = list(inspect.signature(getattr(real.entrypoint._TorchMemorySaverImpl,
                                                      name)).parameters)
-        our_params = list(inspect.signature(getattr(ours._TorchMemorySaverImpl,
+        our_params = list(inspect.signature(getattr(ours.entrypoint._TorchMemorySaverImpl,
                                                     name)).parameters)
         assert our_params[:len(real_params)] == real_params, name
+
+
+# The original's modules (0.0.10's wheel), each of which sublet's package has.
+MODULES = ("entrypoint", "utils", "testing_utils", "binary_wrapper", "hooks", "hooks.base",
+           "hooks.mode_preload", "hooks.mode_torch")
+
+
+# Private names of theirs that code outside the package uses (Dynamo, the original's tests).
+USED = ("_TorchMemorySaverImpl", "_TAG_DEFAULT", "_sanity_checks", "_detect_cuda_major",
+        "_is_rocm_torch")
+
+
+def test_the_package_has_the_originals_modules_and_their_names():
+    """Every module of the real package is in ours, with every public name the real one
+    defines (its own, not the ones it imported; and the private ones in USED), and the same
+    kind of object."""
+    real = real_tms()
+    for name in MODULES:
+        theirs = importlib.import_module(f"{real.__name__}.{name}")
+        mine = importlib.import_module(f"{ours.__name__}.{name}")
+        own = [n for n, v in vars(theirs).items() if (not n.startswith("_") or n in USED)
+               and not isinstance(v, types.ModuleType)
+               and getattr(v, "__module__", theirs.__name__) == theirs.__name__]
+        missing = [n for n in own if not hasattr(mine, n)]
+        assert not missing, f"{name}: missing {missing}"
+        for n in own:
+            assert callable(getattr(mine, n)) == callable(getattr(theirs, n)), f"{name}.{n}"
+
+
+def test_the_modules_import_by_themselves_in_a_fresh_process():
+    import subprocess
+    from conftest import CHILD_ENV
+    code = "; ".join(f"import {ours.__name__}.{m}" for m in MODULES)
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **CHILD_ENV},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 # --------------------------------------------------------------------- the facade alone
@@ -110,30 +144,65 @@ def test_the_impl_methods_that_the_facade_calls_take_the_same_keywords():
 def test_lazy_init_and_hook_mode_as_the_original():
     tms = ours.TorchMemorySaver()
     assert tms._impl is None and tms._impl_ctor_kwargs == {}
-    tms.hook_mode = "torch"                        # accepted, ignored
+    tms.hook_mode = "torch"                        # stored; sublet routes alike
     with pytest.raises(AttributeError):
         tms.hook_mode
     with pytest.raises(ValueError, match="preload"):
-        tms.hook_mode = "gms"
+        tms.hook_mode = "cuda"
     assert tms.enabled is True
-    tms._ensure_initialized()
+    assert tms._ensure_initialized() is None       # as the original
     assert tms._impl is not None and not hasattr(tms, "_impl_ctor_kwargs")
+    assert tms._impl._hook_mode == "torch"
     with pytest.raises(AttributeError, match="before the first use"):
         tms.hook_mode = "preload"
+
+
+def test_a_dynamo_style_plug_in_wraps_ensure_initialized_and_replaces_impl(monkeypatch):
+    """NVIDIA Dynamo's GPU memory service sets hook_mode = "gms", wraps
+    _ensure_initialized (its wrapper returns None) and puts its own _impl in: the facade
+    calls whatever self._impl is after it."""
+    calls = []
+
+    class TheirImpl:
+        def pause(self, tag):
+            calls.append(("pause", tag))
+
+        def resume(self, tag):
+            calls.append(("resume", tag))
+
+    original = entrypoint.TorchMemorySaver._ensure_initialized
+
+    def wrapped(self):
+        if self._impl is None and self._impl_ctor_kwargs.get("hook_mode") == "gms":
+            self._impl = TheirImpl()
+            del self._impl_ctor_kwargs
+            return None
+        original(self)
+        return None
+
+    monkeypatch.setattr(entrypoint.TorchMemorySaver, "_ensure_initialized", wrapped)
+    tms = ours.TorchMemorySaver()
+    tms.hook_mode = "gms"
+    tms.pause("kv_cache")
+    tms.resume()
+    assert calls == [("pause", "kv_cache"), ("resume", None)]
+    plain = ours.TorchMemorySaver()                # the wrapper calling through: ours
+    plain.pause("nothing-here")
+    assert isinstance(plain._impl, entrypoint._TorchMemorySaverImpl)
 
 
 def test_memory_margin_and_retain_cpu_backup(monkeypatch):
     monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", "yes")
     tms = ours.TorchMemorySaver()
+    tms._impl_ctor_kwargs["device"] = "cpu"
     assert tms.retain_cpu_backup is True
     tms.retain_cpu_backup = False
     assert tms.retain_cpu_backup is False
     with pytest.raises(NotImplementedError):
         tms.memory_margin_bytes
-    with pytest.warns(RuntimeWarning, match="not enforced"):
-        ours._warned.discard("margin")
-        tms.memory_margin_bytes = 1 << 20
-    assert tms._impl.memory_margin_bytes == 1 << 20
+    for bad in (-1, 1.5, True, 1 << 64):
+        with pytest.raises(ValueError, match="byte count"):
+            tms.memory_margin_bytes = bad
 
 
 def test_bad_environment_values_name_the_variable(monkeypatch):
@@ -144,9 +213,13 @@ def test_bad_environment_values_name_the_variable(monkeypatch):
     monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "tmpfs")
     with pytest.raises(ValueError, match="TMS_INIT_CPU_BACKUP_BACKEND"):
         ours.TorchMemorySaver()._ensure_initialized()
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND")
+    monkeypatch.setenv("SUBLET_TMS_BACKUP", "disk")
+    with pytest.raises(ValueError, match="SUBLET_TMS_BACKUP.*'process'"):
+        ours.TorchMemorySaver()._ensure_initialized()
 
 
-def test_backup_arguments_are_checked_as_the_original():
+def test_backup_arguments_are_checked_as_the_original(monkeypatch):
     tms = ours.TorchMemorySaver()
     with pytest.raises(ValueError, match="requires enable_cpu_backup"):
         with tms.region(cpu_backup_backend="mmap"):
@@ -154,8 +227,12 @@ def test_backup_arguments_are_checked_as_the_original():
     with pytest.raises(ValueError, match="mutually exclusive"):
         with tms.region(enable_cpu_backup=True, enable_disk_backup=True):
             pass
-    with pytest.raises(NotImplementedError, match="no disk backup"):
+    with pytest.raises(NotImplementedError, match="no disk backup: use .*enable_cpu_backup"):
         with tms.region(enable_disk_backup=True):
+            pass
+    monkeypatch.setattr(entrypoint, "is_xpu", lambda: True)   # the original's test does so
+    with pytest.raises(ValueError, match="not supported on XPU"):
+        with tms.region(enable_cpu_backup=True, cpu_backup_backend="pinned"):
             pass
 
 
@@ -165,64 +242,55 @@ def test_set_disk_backup_dir_creates_it(tmp_path):
     assert (tmp_path / "a" / "b").is_dir()
 
 
-def test_configure_subprocess_changes_nothing():
+def test_pool_names_of_tags_never_collide():
+    """region("x+backup") and region("x", enable_cpu_backup=True) were one sublet pool."""
+    names = {}
+    for tag in ("x", "x+backup", "x+graph", "x+graph+backup", "x+", "+", "++", "a+b"):
+        for backup in (False, True):
+            for graph in (False, True):
+                name = _env.pool_name(tag, backup, graph)
+                assert name not in names, f"{(tag, backup, graph)} and {names[name]}: {name}"
+                names[name] = (tag, backup, graph)
+    assert _env.pool_name("kv_cache", False, False) == "kv_cache"
+    assert _env.pool_name("weights", True, False) == "weights+backup"
+
+
+# --------------------------------------------------------------------- the hooks' stand-ins
+
+def test_configure_subprocess_without_a_preload_library_changes_nothing(monkeypatch):
+    monkeypatch.setenv("LD_PRELOAD", "/other/lib.so")
+    with pytest.raises(utils.LibraryMissingError, match="issue 40 item 2"):
+        utils.get_binary_path_from_package("torch_memory_saver_hook_mode_preload")
     before = dict(os.environ)
     with ours.configure_subprocess():
         assert dict(os.environ) == before
     assert dict(os.environ) == before
 
 
-# --------------------------------------------------------------------- the installer
-
-def _run_python(code: str, path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, **CHILD_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=path)
-
-
-def test_install_makes_import_torch_memory_saver_give_sublets(tmp_path, capsys):
-    assert compat_main(["install", "torch_memory_saver", "--target", str(tmp_path)]) == 0
-    assert MARKER in (tmp_path / "torch_memory_saver" / "__init__.py").read_text()
-    out = _run_python(
-        "import torch_memory_saver as t\n"
-        "from torch_memory_saver import torch_memory_saver as s\n"
-        "from torch_memory_saver.testing_utils import get_and_print_gpu_memory\n"
-        "import torch_memory_saver.entrypoint as e\n"
-        "from sublet.compat import torch_memory_saver as ours\n"
-        "assert t is ours and s is ours.torch_memory_saver\n"
-        "assert e.TorchMemorySaver is ours.TorchMemorySaver\n"
-        "print('ok')", tmp_path)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    assert compat_main(["install", "torch_memory_saver", "--target", str(tmp_path)]) == 0
-    assert compat_main(["uninstall", "torch_memory_saver", "--target", str(tmp_path)]) == 0
-    assert not (tmp_path / "torch_memory_saver").exists()
-    with pytest.raises(SystemExit, match="nothing to uninstall"):
-        compat_main(["uninstall", "torch_memory_saver", "--target", str(tmp_path)])
+def test_configure_subprocess_prepends_a_preload_library_found_beside_the_package(
+        monkeypatch, tmp_path):
+    """As the original, wherever a library is found (issue 40 item 2 would ship one)."""
+    package = tmp_path / "torch_memory_saver"
+    package.mkdir()
+    major = utils._detect_cuda_major() if torch_cuda_known() else 12
+    library = tmp_path / f"torch_memory_saver_hook_mode_preload_cu{major}.abi3.so"
+    library.touch()
+    monkeypatch.setattr(utils, "__file__", str(package / "utils.py"))
+    monkeypatch.setattr(utils, "_detect_cuda_major", lambda: major)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with ours.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == str(library)
+    assert "LD_PRELOAD" not in os.environ
 
 
-def test_install_refuses_over_the_real_package_unless_forced(tmp_path):
-    real = tmp_path / "torch_memory_saver"
-    real.mkdir()
-    (real / "__init__.py").write_text("REAL = True\n")
-    with pytest.raises(SystemExit, match="the real torch_memory_saver is installed"):
-        compat_main(["install", "torch_memory_saver", "--target", str(tmp_path)])
-    assert (real / "__init__.py").read_text() == "REAL = True\n"
-    assert compat_main(["install", "torch_memory_saver", "--target", str(tmp_path),
-                        "--force"]) == 0
-    assert MARKER in (real / "__init__.py").read_text()
-    assert (tmp_path / "torch_memory_saver.sublet-saved" / "__init__.py").is_file()
-    assert compat_main(["uninstall", "torch_memory_saver", "--target", str(tmp_path)]) == 0
-    assert (real / "__init__.py").read_text() == "REAL = True\n"
+def torch_cuda_known() -> bool:
+    import torch
+    return bool(torch.version.cuda)
 
 
-def test_install_refuses_unknown_names(tmp_path):
-    with pytest.raises(SystemExit, match="no drop-in named"):
-        compat_main(["install", "numpy", "--target", str(tmp_path)])
-
-
-def test_cli_as_a_module(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "sublet.compat", "list"], capture_output=True,
-                         text=True, env={**os.environ, **CHILD_ENV}, cwd=REPO, timeout=120)
-    assert out.returncode == 0 and "torch_memory_saver: sublet.compat.torch_memory_saver" \
-        in out.stdout, out.stderr
+def test_the_hook_utils_say_what_they_are():
+    from sublet.compat.torch_memory_saver.hooks import base, mode_preload, mode_torch
+    assert isinstance(base.HookUtilBase.create("torch"), mode_torch.HookUtilModeTorch)
+    assert base.HookUtilBase.create("torch").get_allocator() is None
+    with pytest.raises(RuntimeError, match="invalid LD_PRELOAD"):
+        mode_preload.HookUtilModePreload().get_path_binary()

@@ -1,6 +1,9 @@
 """sublet.compat.torch_memory_saver end to end on the memfd backend (no GPU): regions, nesting,
-pause/resume of one tag and of all, keep= and stay=, the host copies of retain_cpu_backup and
-TMS_INIT_ENABLE, against a real subletd (conftest's memfd_daemon: 64 KiB pages, 64 MiB).
+pause/resume of one tag and of all (and of tags holding nothing: no-ops), keep= and stay=,
+where a paused CPU-backup tag's bytes are kept (this process's host copy, which
+get_cpu_backup reads while paused; or subletd's with SUBLET_TMS_BACKUP=daemon),
+retain_cpu_backup, memory_margin_bytes, TMS_INIT_ENABLE, against a real subletd (conftest's
+memfd_daemon: 64 KiB pages, 64 MiB).
 
 CPU allocations are not routed (PyTorch has no allocator hook for them), so a region routes
 nothing here: the tests allocate "in the region" from the pool the innermost region names
@@ -19,8 +22,9 @@ import torch
 
 import sublet
 from sublet.compat import torch_memory_saver as tms_module
+from sublet.compat.torch_memory_saver import _env, _impl
 
-from conftest import PAGE, memfd_free_bytes as free_bytes
+from conftest import PAGE, TOTAL, memfd_free_bytes as free_bytes
 from pool_helpers import bits, random_bytes
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -30,7 +34,7 @@ MiB = 1024 * 1024
 
 def _has_release() -> bool:
     try:
-        tms_module._release_api()
+        _impl._release_api()
         return True
     except RuntimeError:
         return False
@@ -41,17 +45,26 @@ needs_release = pytest.mark.skipif(not _has_release(), reason="this sublet has n
                                    "sublet.release() yet (docs/design/release.md)")
 
 
-@pytest.fixture
-def tms():
-    """A fresh TorchMemorySaver on the memfd daemon's device; whatever a test left paused is
-    resumed, so that the next test finds the daemon's memory free."""
+def new_saver() -> tms_module.TorchMemorySaver:
+    """A fresh TorchMemorySaver on the memfd daemon's device."""
     saver = tms_module.TorchMemorySaver()
     saver._impl_ctor_kwargs["device"] = "cpu"
-    yield saver
+    return saver
+
+
+def finish(saver: tms_module.TorchMemorySaver) -> None:
+    """Resumes whatever a test left paused, so that the next test finds the memory free."""
     if saver._impl is not None:
         for tag in list(saver._impl._paused):
             saver._impl._resume_tag(tag)
     gc.collect()
+
+
+@pytest.fixture
+def tms():
+    saver = new_saver()
+    yield saver
+    finish(saver)
 
 
 def alloc(tms, nbytes: int, seed: int) -> torch.Tensor:
@@ -102,36 +115,48 @@ def test_one_pool_per_tag_and_backup_flag(tms):
 # --------------------------------------------------------------------------- pause, resume
 
 @needs_release
-def test_pause_gives_the_memory_back_and_resume_restores_the_backed_up_bits(tms):
-    with tms.region("pr"):
+@pytest.mark.parametrize("place", ["process", "daemon"])
+def test_pause_gives_the_memory_back_and_resume_restores_the_backed_up_bits(place, monkeypatch):
+    """The backup pool's bytes are kept by this process (copied to host buffers, the pool
+    released keeping nothing) or, with SUBLET_TMS_BACKUP=daemon, by subletd (a release that
+    keeps it all, stay=0)."""
+    monkeypatch.setenv("SUBLET_TMS_BACKUP", place)
+    tms = new_saver()
+    tag = f"pr-{place}"
+    with tms.region(tag):
         plain = alloc(tms, 8 * MiB, seed=1)
-    with tms.region("pr", enable_cpu_backup=True):
+    with tms.region(tag, enable_cpu_backup=True):
         backed = alloc(tms, 8 * MiB + 3, seed=2)      # a partial last page
     before, ptrs = bits(backed), (plain.data_ptr(), backed.data_ptr())
     free0 = free_bytes()
-    tms.pause("pr")
-    rels = releases(tms, "pr")
+    tms.pause(tag)
+    rels = releases(tms, tag)
     assert len(rels) == 2                               # one per pool of the tag
     released = sum(r.released_bytes for r in rels)
     assert released >= 16 * MiB and free_bytes() - free0 >= 16 * MiB
-    assert sum(r.copied_bytes for r in rels) == 8 * MiB + PAGE   # the backup pool's
+    copied = 8 * MiB + PAGE if place == "daemon" else 0   # the backup pool's, by subletd
+    assert sum(r.copied_bytes for r in rels) == copied
     # The memory is the daemon's to give: another region of all of it can be made meanwhile.
     other = sublet.empty(16 * MiB, dtype=torch.uint8, device="cpu").fill_(0xA5)
     del other
     gc.collect()
-    tms.resume("pr")
-    assert "pr" not in tms._impl._paused
+    tms.resume(tag)
+    assert tag not in tms._impl._paused
     assert (plain.data_ptr(), backed.data_ptr()) == ptrs
     assert np.array_equal(bits(backed), before)
     del plain, backed
+    finish(tms)
 
 
 @needs_release
-def test_a_cpu_backup_region_pins_host_memory_ahead_of_its_first_pause(tms, monkeypatch):
-    """Leaving a region with enable_cpu_backup asks the daemon to pin the backup tags' bytes
-    for the next release, in the background (sublet.pin_ahead(release=True)): the host
-    memory the first pause would otherwise make on its path (what the daemon does with it:
-    test_pin_ahead_memfd.py, test_pin.c). The pause then keeps its bits."""
+def test_a_cpu_backup_region_pins_host_memory_ahead_of_its_first_pause(monkeypatch):
+    """With SUBLET_TMS_BACKUP=daemon, leaving a region with enable_cpu_backup asks the daemon
+    to pin the backup tags' bytes for the next release, in the background
+    (sublet.pin_ahead(release=True)): the host memory the first pause would otherwise make on
+    its path (what the daemon does with it: test_pin_ahead_memfd.py, test_pin.c). The pause
+    then keeps its bits. Without it (this process keeps the copy) nothing is asked."""
+    monkeypatch.setenv("SUBLET_TMS_BACKUP", "daemon")
+    tms = new_saver()
     asked = []
     pin = sublet.pin_ahead
     monkeypatch.setattr(sublet, "pin_ahead", lambda n, device=None, release=False:
@@ -149,6 +174,13 @@ def test_a_cpu_backup_region_pins_host_memory_ahead_of_its_first_pause(tms, monk
         plain = alloc(tms, MiB, seed=6)
     assert len(asked) == 1
     del backed, plain
+    finish(tms)
+    monkeypatch.setenv("SUBLET_TMS_BACKUP", "process")
+    here = new_saver()
+    with here.region("ahead-here", enable_cpu_backup=True):
+        kept_here = alloc(here, MiB, seed=7)
+    assert len(asked) == 1
+    del kept_here
 
 
 @needs_release
@@ -206,15 +238,26 @@ def test_double_pause_and_resume_raise_instead_of_exiting(tms):
     del t
 
 
-def test_a_tag_with_no_memory_pauses_and_resumes(tms):
-    """SGLang pauses "cuda_graph" whether or not it captured graphs."""
-    tms.pause("never-used")
-    tms.resume("never-used")
+def test_a_tag_with_no_memory_pauses_and_resumes_as_no_ops(tms):
+    """As the original: pause(t) and resume(t) of a tag holding nothing do nothing, however
+    often (SGLang pauses "cuda_graph" whether or not it captured graphs); a region of it can
+    be entered after its pause."""
+    for _ in range(2):
+        tms.pause("never-used")
+    for _ in range(2):
+        tms.resume("never-used")
+    tms.resume("never-paused")
     with tms.region("empty-region"):
         pass
     tms.pause("empty-region")
-    assert releases(tms, "empty-region") == []
+    tms.pause("empty-region")
+    assert "empty-region" not in tms._impl._paused
+    with tms.region("empty-region"):
+        pass
     tms.resume("empty-region")
+    tms.pause()                                         # every tag, none holding memory
+    tms.resume()
+    assert not tms._impl._paused
 
 
 def test_keep_needs_a_tag(tms):
@@ -225,19 +268,152 @@ def test_keep_needs_a_tag(tms):
 # --------------------------------------------------------------------------- host copies
 
 @needs_release
-def test_get_cpu_backup_while_paused_without_retain_is_none(tms):
+def test_get_cpu_backup_while_paused_reads_this_processs_host_copy(tms):
+    """As the original (cpu_backup.py): the backed-up tensors' bytes are readable while
+    paused, typed and shaped as the tensor; None after the resume (not retained), None for a
+    tensor made without backup; a tensor no region made is refused."""
     with tms.region("gcb", enable_cpu_backup=True):
         backed = alloc(tms, MiB, seed=5)
+        typed = alloc(tms, 6000 * 4, seed=9).view(torch.float32).view(10, 20, 30)
     with tms.region("gcb"):
         plain = alloc(tms, MiB, seed=6)
+    expected, typed_expected = bits(backed), typed.clone()
     foreign = torch.zeros(16, dtype=torch.uint8)
+    assert tms.get_cpu_backup(backed) is None          # active, not retained
     tms.pause("gcb")
-    assert tms.get_cpu_backup(backed) is None          # the daemon holds pause()'s copy
+    host = tms.get_cpu_backup(backed)
+    assert host is not None and np.array_equal(host.numpy(), expected)
+    got = tms.get_cpu_backup(typed)
+    assert (got.dtype, got.shape) == (torch.float32, (10, 20, 30))
+    assert torch.equal(got.view(torch.uint8), typed_expected.view(torch.uint8))
+    view = tms.get_cpu_backup(backed, zero_copy=True)
+    assert view.data_ptr() == tms.get_cpu_backup(backed, zero_copy=True).data_ptr()
     assert tms.get_cpu_backup(plain) is None           # no backup at all
     with pytest.raises(ValueError, match="not made inside"):
         tms.get_cpu_backup(foreign)
     tms.resume("gcb")
-    del backed, plain
+    assert np.array_equal(bits(backed), expected)
+    assert tms.get_cpu_backup(backed) is None          # dropped at the resume
+    del backed, typed, plain, view
+
+
+@needs_release
+def test_with_the_daemon_keeping_the_bytes_get_cpu_backup_is_none_while_paused(monkeypatch):
+    monkeypatch.setenv("SUBLET_TMS_BACKUP", "daemon")
+    tms = new_saver()
+    with tms.region("gcb-daemon", enable_cpu_backup=True):
+        backed = alloc(tms, MiB, seed=5)
+    expected = bits(backed)
+    tms.pause("gcb-daemon")
+    assert tms.get_cpu_backup(backed) is None          # subletd holds pause()'s copy
+    tms.resume("gcb-daemon")
+    assert np.array_equal(bits(backed), expected)
+    del backed
+    finish(tms)
+
+
+@needs_release
+def test_retain_set_while_paused_keeps_the_copy_at_its_address(tms):
+    """cpu_backup.py's sequence: pause, read the copy (zero_copy), turn retain on, resume:
+    the same host buffer still holds the bytes; with retain off, the next resume drops it."""
+    with tms.region("gcb-retain", enable_cpu_backup=True):
+        t = alloc(tms, 4096, seed=11)
+    expected = bits(t)
+    tms.pause("gcb-retain")
+    first = tms.get_cpu_backup(t, zero_copy=True).data_ptr()
+    tms.retain_cpu_backup = True
+    tms.resume("gcb-retain")
+    after = tms.get_cpu_backup(t, zero_copy=True)
+    assert after.data_ptr() == first and np.array_equal(after.numpy(), expected)
+    tms.retain_cpu_backup = False
+    tms.pause("gcb-retain")
+    tms.resume("gcb-retain")
+    assert tms.get_cpu_backup(t) is None
+    assert np.array_equal(bits(t), expected)
+    del t, after
+
+
+# --------------------------------------------------------------------------- the C library's stand-in
+
+def test_the_c_library_stand_in_reports_the_region_config_and_refuses_the_rest(monkeypatch):
+    """_impl._binary_wrapper.cdll, the Python stand-in of the original's C library: the
+    region config as nested_region.py reads it, slime's interesting-region switch around
+    deep_ep's Buffer (routing suspended, then back), and clear refusals for the rest."""
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "mmap")
+    tms = new_saver()
+    tms._ensure_initialized()
+    cdll = tms._impl._binary_wrapper.cdll
+    assert (cdll.tms_get_interesting_region(), cdll.tms_get_current_tag()) == (False, b"default")
+    assert cdll.tms_get_cpu_backup_backend() == b"mmap"
+    with tms.region("lib-outer", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        assert cdll.tms_get_interesting_region() and cdll.tms_get_enable_cpu_backup()
+        assert cdll.tms_get_current_tag() == b"lib-outer"
+        assert cdll.tms_get_cpu_backup_backend() == b"pinned"
+        cdll.tms_set_interesting_region.argtypes = [object]   # as code does; ignored
+        cdll.tms_set_interesting_region(False)                # slime, around deep_ep
+        assert not cdll.tms_get_interesting_region()
+        assert tms._impl._routed[tms._impl._current_device()] is None
+        cdll.tms_set_interesting_region(True)
+        assert tms._impl._routed[tms._impl._current_device()] is tms._impl.current_pool()
+        with tms.disable():
+            assert not cdll.tms_get_interesting_region()
+            assert cdll.tms_get_current_tag() == b"lib-outer"
+    assert cdll.tms_get_retain_cpu_backup() is False
+    cdll.tms_set_retain_cpu_backup(True)
+    assert tms.retain_cpu_backup is True
+    with pytest.raises(RuntimeError, match="outside a region"):
+        cdll.tms_set_interesting_region(True)
+    with pytest.raises(NotImplementedError, match="region"):
+        cdll.tms_set_current_tag(b"x")
+    with pytest.raises(AttributeError, match="get_cpu_backup"):
+        cdll.tms_get_cpu_backup_pointer
+    with pytest.raises(AttributeError, match="issue 40 item 2"):
+        cdll.cudaHostGetFlags
+
+
+
+# --------------------------------------------------------------------------- margin
+
+@pytest.fixture
+def margin_reset():
+    yield
+    sublet.pool("margin-reset", device="cpu")  # the client every pool of the device shares
+    from sublet._memory import resolve_device
+    resolve_device("cpu")[1].pool_set_margin(0)
+
+
+def _arena_gaps() -> int:
+    """Bytes of the device's arena no segment holds (an allocation there grows nothing)."""
+    from sublet._memory import resolve_device
+    client = resolve_device("cpu")[1]
+    region = client.pool_region()
+    if region is None:
+        return 0
+    used = int(client.pool_segments(0)[:, 1].sum()) if len(client.pool_segments(0)) else 0
+    return region.size - used
+
+
+def test_memory_margin_bytes_fails_region_allocations_that_would_leave_less_free(
+        tms, margin_reset):
+    """As the original's malloc (csrc/core.cpp:47-60): an allocation in a region fails with
+    out-of-memory when margin + its new device memory > the device's free memory; within
+    it, or with the margin back at 0, it succeeds."""
+    size = _arena_gaps() + 4 * MiB                      # the arena must grow by >= 4 MiB
+    tms.memory_margin_bytes = free_bytes() - 2 * MiB
+    with tms.region("margin"):
+        with pytest.raises(sublet.SubletOutOfMemoryError, match="margin"):
+            alloc(tms, size, seed=12)
+    tms.memory_margin_bytes = free_bytes() - size - 2 * MiB
+    with tms.region("margin"):
+        within = alloc(tms, size, seed=13)
+    tms.memory_margin_bytes = TOTAL                     # more than the device has
+    with tms.region("margin"):
+        with pytest.raises(sublet.SubletOutOfMemoryError, match="margin"):
+            alloc(tms, _arena_gaps() + MiB, seed=14)
+    tms.memory_margin_bytes = 0
+    with tms.region("margin"):
+        more = alloc(tms, 2 * MiB, seed=15)
+    del within, more
 
 
 @needs_release
@@ -285,7 +461,7 @@ def test_init_enable_starts_a_default_region_at_first_use(monkeypatch):
     monkeypatch.setenv("TMS_INIT_ENABLE_CPU_BACKUP", "true")
     saver = tms_module.TorchMemorySaver()
     saver._impl_ctor_kwargs["device"] = "cpu"
-    tms_module._warned.discard("init")
+    _env._warned.discard("init")
     with pytest.warns(RuntimeWarning, match="first use"):
         saver._ensure_initialized()
     assert saver._impl.current_pool().tag == "default+backup"
