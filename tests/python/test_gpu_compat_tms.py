@@ -1,6 +1,7 @@
 """GPU tests of sublet.compat.torch_memory_saver: torch_memory_saver's own examples run
-unchanged against it (tests/python/tms_examples/, copied from its repository, MIT: see the
-README there), each in a child process that imports `torch_memory_saver` from the shim that
+unchanged against it (tests/python/tms_upstream/test/examples/, copied from its repository,
+MIT: see the README there; its whole suite: test_compat_tms_upstream.py), each in a child
+process that imports `torch_memory_saver` from the shim that
 `python -m sublet.compat install --target DIR` writes; then scenarios of the examples that
 read the original's C library (cpu_backup.py, training_engine.py) and SGLang's sequence, with
 every kept byte compared as bits. Skipped without CUDA.
@@ -32,7 +33,7 @@ from test_gpu_pool import bits, kv_layers, same_bits
 from gpu_memory import free_now, scribble
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
-EXAMPLES = Path(__file__).resolve().parent / "tms_examples"
+EXAMPLES = Path(__file__).resolve().parent / "tms_upstream" / "test" / "examples"
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 
@@ -137,6 +138,31 @@ def test_retain_cpu_backup_scenario(tms):
     tms.resume("retained")
     assert tms.get_cpu_backup(t) is None and torch.equal(t.cpu(), expected)
     del t, first, after
+
+
+def test_get_cpu_backup_while_paused_and_the_memory_margin(tms):
+    """cpu_backup.py's read of the host copy after a plain pause (this process's copy), and
+    memory_margin_bytes failing a routed allocation that would leave less free than it."""
+    with tms.region("gcb-gpu", enable_cpu_backup=True):
+        t = random_fill(torch.empty(8 * MiB, dtype=torch.uint8, device="cuda"), 9)
+    before = t.cpu()
+    tms.pause("gcb-gpu")
+    host = tms.get_cpu_backup(t)
+    assert host is not None and torch.equal(host, before)
+    tms.resume("gcb-gpu")
+    assert tms.get_cpu_backup(t) is None and torch.equal(t.cpu(), before)
+    free, _ = torch.cuda.mem_get_info()
+    tms.memory_margin_bytes = free                 # nothing more may be taken
+    try:
+        with tms.region("margin-gpu"):
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+        tms.memory_margin_bytes = 0
+        with tms.region("margin-gpu"):
+            x = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    finally:
+        tms.memory_margin_bytes = 0
+    del t, host, x
 
 
 def test_keep_blocks_stay_on_the_gpu(tms):
