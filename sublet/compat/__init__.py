@@ -4,8 +4,9 @@
     torch_memory_saver.torch_memory_saver.pause("kv_cache")
 
 `python -m sublet.compat install torch_memory_saver` makes `import torch_memory_saver` itself
-give sublet's module (see __main__.py). Each drop-in is a submodule, imported on first use so
-that `import sublet.compat` costs nothing (torch is imported by the drop-in, not here).
+give sublet's package, under a distribution pip sees (see __main__.py). Each drop-in is a
+submodule or subpackage, imported on first use so that `import sublet.compat` costs nothing
+(torch is imported by the drop-in, not here).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """sublet.compat.torch_memory_saver's shape against the real torch_memory_saver 0.0.10 (its
 modules, their public names, and the signatures of what code calls), and the parts of its
-facade that need no daemon (hook_mode, _ensure_initialized, env parsing, configure_subprocess,
-the Python stand-in of its C library). No GPU, no daemon. The installer:
-test_compat_tms_install.py.
+facade that need no daemon (hook_mode, _ensure_initialized and a Dynamo-style plug-in, env
+parsing, pool names, configure_subprocess and the hooks' stand-ins). No GPU, no daemon. The
+installer: test_compat_tms_install.py; the C library's stand-in: test_compat_tms_memfd.py.
 
 The real package is compared when it is importable (CI installs it from PyPI; here
 `pip install --no-deps --target DIR torch_memory_saver==0.0.10` and TMS_REAL_PATH=DIR also

@@ -185,12 +185,15 @@ def test_list_names_the_drop_in_and_its_state():
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory) -> Path:
-    """A venv with pip, seeing this Python's packages (torch) below its own."""
+    """A venv with pip of its own, seeing what this process imports (torch, sublet: a .pth of
+    this sys.path) below its own site-packages, wherever this Python is a venv itself."""
     where = tmp_path_factory.mktemp("venv")
-    made = subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(where)],
-                          capture_output=True, text=True, timeout=300)
+    made = subprocess.run([sys.executable, "-m", "venv", str(where)], capture_output=True,
+                          text=True, timeout=300)
     if made.returncode != 0:
         pytest.skip(f"no venv with pip here: {made.stderr.strip()[-300:]}")
+    outer = [p for p in sys.path if p and Path(p).is_dir()]
+    (venv_site(where) / "outer.pth").write_text("\n".join(outer) + "\n")
     return where
 
 
