@@ -28,6 +28,10 @@ from pathlib import Path
 
 import pytest
 
+# torch_memory_saver's own test/ tree, verbatim (its conftest.py among it): not collected here,
+# where its conftest would shadow this one; test_compat_tms_upstream.py runs it in a child.
+collect_ignore = ["tms_upstream"]
+
 REPO = Path(__file__).resolve().parents[2]
 INSTALLED = os.environ.get("SUBLET_TEST_INSTALLED") == "1"
 CHILD_ENV: dict[str, str] = {} if INSTALLED else {"PYTHONPATH": str(REPO)}
