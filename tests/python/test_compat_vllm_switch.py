@@ -5,8 +5,6 @@ docs' support table, the GPU replay's orders and CI's installs all follow."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from sublet.compat import vllm_switch, vllm_versions
 from sublet.compat.__main__ import main as compat_main
 
+from test_compat_tms_install import files_under, run_in, venv, venv_site  # noqa: F401
 from vllm_orders import ORDERS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,30 +40,23 @@ def test_a_switch_value_it_does_not_know_says_which_it_does(no_env, monkeypatch)
         vllm_switch.wanted()
 
 
-def run_compat(*args: str, path: Path) -> subprocess.CompletedProcess:
-    """python -m sublet.compat ARGS with `path` first on sys.path (a site-packages)."""
-    env = {"PYTHONPATH": f"{path}:{REPO}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True,
-                          text=True, check=False)
-
-
-def test_install_then_pip_sees_it_and_uninstall_removes_it(tmp_path):
-    """The install step, as a user runs it: pip lists sublet-vllm-switch, importlib finds it
-    (the switch is on), and `pip uninstall` takes it away (off again)."""
-    out = run_compat("sublet.compat", "install", "vllm", "--target", str(tmp_path),
-                     path=tmp_path)
+def test_install_then_pip_sees_it_and_uninstall_removes_it(venv):
+    """The install step, as a user runs it in a venv: pip lists sublet-vllm-switch, the switch
+    is on, and pip's own uninstall takes it away (off again), leaving the venv as it was."""
+    site = venv_site(venv)
+    before = files_under(site)
+    out = run_in(venv, "-m", "sublet.compat", "install", "vllm")
     assert out.returncode == 0, out.stderr
     assert "pip uninstall sublet-vllm-switch" in out.stdout
-    listed = run_compat("pip", "list", "--disable-pip-version-check", path=tmp_path)
-    assert re.search(r"^sublet-vllm-switch\s+1$", listed.stdout, re.M), listed.stdout
-    probe = [sys.executable, "-c", "from sublet.compat import vllm_switch as s; "
-             "print(s.installed())"]
-    env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
-    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout == "True\n"
-    gone = run_compat("pip", "uninstall", "-y", "sublet-vllm-switch", path=tmp_path)
-    assert gone.returncode == 0, gone.stderr
-    assert subprocess.run(probe, env=env, capture_output=True, text=True).stdout == "False\n"
-    assert list(tmp_path.iterdir()) == []
+    listed = run_in(venv, "-m", "pip", "list", "--path", str(site), "--format", "freeze")
+    assert "sublet-vllm-switch==1" in listed.stdout, listed.stdout + listed.stderr
+    probe = "from sublet.compat import vllm_switch as s; print(s.installed())"
+    assert run_in(venv, "-c", probe).stdout == "True\n"
+    gone = run_in(venv, "-m", "pip", "uninstall", "-y", "sublet-vllm-switch")
+    assert gone.returncode == 0 and "Successfully uninstalled" in gone.stdout, gone.stderr
+    assert run_in(venv, "-c", probe).stdout == "False\n"
+    assert {f for f in files_under(site) if "__pycache__" not in f} == \
+        {f for f in before if "__pycache__" not in f}
 
 
 def test_uninstall_step_and_a_second_uninstall(tmp_path, capsys):
