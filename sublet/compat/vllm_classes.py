@@ -57,7 +57,7 @@ class SubletBackend(CuMemBackend or object):   # type: ignore[misc]
 
 
 def _refuse_if_cumem_holds_memory() -> None:
-    cumem = vllm_switch._cumem_class()
+    cumem = vllm_switch.cumem_class()
     held = cumem is not None and cumem.instance is not None and \
         cumem.instance.get_current_usage() > 0
     if held:

@@ -97,7 +97,7 @@ def route_allocator() -> None:
             if name == "vllm" or name.startswith("vllm.") else None
         if found is not None and (module is lookup_home or _is_vllms_lookup(found)):
             module.get_mem_allocator_instance = ours
-    cumem = _cumem_class()
+    cumem = cumem_class()
     if cumem is not None:
         cumem.get_instance = staticmethod(ours)
     SubletAllocator.get_instance().deferrable_tags = getattr(
@@ -117,7 +117,7 @@ def routed() -> bool:
     return lookup_home.get_mem_allocator_instance == SubletAllocator.get_instance
 
 
-def _cumem_class() -> Any:
+def cumem_class() -> Any:
     """vLLM's CuMemAllocator, or None where its module cannot load (no CUDA runtime: a CPU
     process; nothing there calls it)."""
     try:

@@ -14,18 +14,12 @@ import os
 
 logger = logging.getLogger(__name__)
 
-# version -> the framework that pins it, or why it is here (docs/compat-vllm.md says more).
-TESTED: dict[str, str] = {
-    "0.24.0": "verl 0.9.1",
-    "0.25.0": "", "0.25.1": "", "0.26.0": "", "0.27.0": "",
-    "0.27.1": "earlier OpenRLHF releases",
-    "0.28.0": "",
-    "0.29.0": "OpenRLHF 0.11.2",
-    "0.30.0": "",
-    "0.31.0": "TRL 1.16 (the newest vLLM it supports)",
-    "0.32.0": "", "0.33.0": "",
-    "0.34.0": "the newest vLLM",
-}
+# Which framework pins which: docs/compat-vllm.md's support table (kept equal to this list by
+# test_compat_vllm_switch.py).
+TESTED: tuple[str, ...] = (
+    "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0",
+    "0.31.0", "0.32.0", "0.33.0", "0.34.0",
+)
 ALLOW_ENV = "SUBLET_VLLM_ALLOW_UNTESTED"
 
 

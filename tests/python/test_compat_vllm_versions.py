@@ -31,6 +31,7 @@ from sublet.compat import vllm as sv  # noqa: E402
 from sublet.compat import vllm_switch, vllm_versions  # noqa: E402
 
 from conftest import memfd_free_bytes  # noqa: E402
+from pool_helpers import bits  # noqa: E402
 from vllm_orders import ORDERS  # noqa: E402
 from vllm_worker import Engine, Model, keep_lookups  # noqa: E402
 
@@ -95,7 +96,7 @@ def test_the_switch_routes_every_lookup_to_sublet(alloc):
     gpu_worker = sys.modules["vllm.v1.worker.gpu_worker"]
     assert gpu_worker.get_mem_allocator_instance() is alloc
     assert alloc.deferrable_tags == ORDER.deferrable
-    cumem = vllm_switch._cumem_class()
+    cumem = vllm_switch.cumem_class()
     if cumem is not None:   # where vLLM's cumem module loads (a CUDA runtime)
         assert cumem.get_instance() is alloc
 
@@ -242,6 +243,3 @@ def test_kept_kv_blocks_survive_the_sleep_on_the_device(alloc):
     assert all(np.array_equal(bits(engine.kv[b]), k) for b, k in zip(live, kept))
     engine.free()
 
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(-1).view(torch.uint8).numpy().copy()

@@ -33,7 +33,7 @@ def keep_lookups(monkeypatch) -> None:
         if name.startswith("vllm") and hasattr(module, "get_mem_allocator_instance"):
             monkeypatch.setattr(module, "get_mem_allocator_instance",
                                 module.get_mem_allocator_instance)
-    cumem = vllm_switch._cumem_class()
+    cumem = vllm_switch.cumem_class()
     if cumem is not None:
         monkeypatch.setattr(cumem, "get_instance", cumem.__dict__["get_instance"])
     monkeypatch.delenv(vllm_switch.ENV, raising=False)
