@@ -20,10 +20,12 @@
 extern "C" {
 #endif
 
+#ifndef SUBLET_EXPORT /* a build that hides the API defines it empty (preload/tms.h) */
 #if defined(__GNUC__)
 #define SUBLET_EXPORT __attribute__((visibility("default")))
 #else
 #define SUBLET_EXPORT
+#endif
 #endif
 
 #define SUBLET_PROTOCOL_VERSION 1

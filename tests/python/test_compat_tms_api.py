@@ -257,9 +257,12 @@ def test_pool_names_of_tags_never_collide():
 
 # --------------------------------------------------------------------- the hooks' stand-ins
 
-def test_configure_subprocess_without_a_preload_library_changes_nothing(monkeypatch):
+def test_configure_subprocess_without_a_preload_library_changes_nothing(monkeypatch, tmp_path):
+    """A sublet built without its preload library (none beside the package, none built)."""
     monkeypatch.setenv("LD_PRELOAD", "/other/lib.so")
-    with pytest.raises(utils.LibraryMissingError, match="issue 40 item 2"):
+    monkeypatch.setenv("SUBLET_TMS_PRELOAD", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(utils, "__file__", str(tmp_path / "torch_memory_saver" / "utils.py"))
+    with pytest.raises(utils.LibraryMissingError, match="SUBLET_TMS_PRELOAD"):
         utils.get_binary_path_from_package("torch_memory_saver_hook_mode_preload")
     before = dict(os.environ)
     with ours.configure_subprocess():
@@ -269,7 +272,7 @@ def test_configure_subprocess_without_a_preload_library_changes_nothing(monkeypa
 
 def test_configure_subprocess_prepends_a_preload_library_found_beside_the_package(
         monkeypatch, tmp_path):
-    """As the original, wherever a library is found (issue 40 item 2 would ship one)."""
+    """As the original, wherever a library is found."""
     package = tmp_path / "torch_memory_saver"
     package.mkdir()
     major = utils._detect_cuda_major() if torch_cuda_known() else 12

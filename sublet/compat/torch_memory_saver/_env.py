@@ -17,6 +17,9 @@ DEFAULT_BACKEND = "pinned"
 #            while the tag is paused (the default);
 #   daemon:  subletd's host memory, pinned ahead at each backup region's end: a faster pause
 #            (no host memory made on its path), but get_cpu_backup() is None while paused.
+NO_DISK_BACKUP = ("sublet's torch_memory_saver has no disk backup: use "
+                  "region(enable_cpu_backup=True) (TMS_INIT_ENABLE_CPU_BACKUP=1), whose bytes "
+                  "are kept on the host while paused")
 BACKUP_ENV = "SUBLET_TMS_BACKUP"
 BACKUP_PLACES = ("process", "daemon")
 

@@ -1,5 +1,7 @@
 """torch_memory_saver.binary_wrapper on sublet: BinaryWrapper, whose `.cdll` is a Python-level
-stand-in for the original's C library (`_impl._binary_wrapper.cdll`).
+stand-in for the original's C library (`_impl._binary_wrapper.cdll`) where regions are sublet
+pools (hook_mode "torch", or no preload library in the process). Under sublet's preload library
+`_impl._binary_wrapper.cdll` is the library itself (_preload.py), with every symbol.
 
 What it does: the calls code makes on the original's library that have a meaning for sublet's
 regions, on the calling process's current device: the region config getters
@@ -14,8 +16,7 @@ What it does not do: it is no shared library, so `ctypes.CDLL(None).tms_pause` f
 and the other setters (tms_set_current_tag, tms_set_enable_cpu_backup, ...: use region()),
 tms_get_cpu_backup_pointer (use get_cpu_backup()), the CUDA runtime symbols the original's
 library re-exports (cudaHostGetFlags, ...) and the XPU ones raise AttributeError or
-NotImplementedError naming the alternative. The preload library (issue 40 item 2) would bring
-the real ones.
+NotImplementedError naming the alternative: the preload library has the real ones.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class _Cdll:
 
     def __getattr__(self, name: str):
         hint = ("use get_cpu_backup()" if name == "tms_get_cpu_backup_pointer" else
-                "the preload library of issue 40 item 2 would bring it")
+                "run under sublet's preload library (configure_subprocess()), which has it")
         raise AttributeError(f"sublet's torch_memory_saver has no C library, and its Python "
                              f"stand-in has no {name}: {hint}")
 

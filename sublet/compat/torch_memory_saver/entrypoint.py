@@ -1,5 +1,6 @@
 """torch_memory_saver.entrypoint on sublet: TorchMemorySaver, the original's facade, over
-_TorchMemorySaverImpl (_impl.py). Every call makes the implementation on first use with
+_TorchMemorySaverImpl (_impl.py: sublet pools), or in preload mode with sublet's preload
+library in the process, over _preload.PreloadImpl (the library's regions, per thread). Every call makes the implementation on first use with
 _ensure_initialized(), which returns None, and then uses self._impl, as the original: a
 plug-in may wrap _ensure_initialized or replace _impl (NVIDIA Dynamo's GPU memory service
 does both, with hook_mode = "gms").
@@ -16,6 +17,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from . import _preload
 from ._env import TAG_DEFAULT as _TAG_DEFAULT
 from ._impl import _TorchMemorySaverImpl
 from .binary_wrapper import BinaryWrapper
@@ -159,7 +161,12 @@ class TorchMemorySaver:
         """Makes the implementation on first use; returns None, as the original."""
         if self._impl is not None:
             return
-        self._impl = _TorchMemorySaverImpl(**self._impl_ctor_kwargs)
+        kwargs = self._impl_ctor_kwargs
+        library = _preload.loaded() if kwargs.get("hook_mode", "preload") == "preload" else None
+        if library is not None:
+            self._impl = _preload.PreloadImpl(library, **kwargs)
+        else:
+            self._impl = _TorchMemorySaverImpl(**kwargs)
         del self._impl_ctor_kwargs
         _sanity_checks()
         self._impl.start_init_region()

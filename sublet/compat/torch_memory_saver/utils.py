@@ -2,10 +2,9 @@
 (is_xpu, _detect_cuda_major, get_binary_path_from_package, change_env).
 
 get_binary_path_from_package looks where the original does, beside this package: its own
-directory, then the one above (sublet/compat/, where a sublet build would put the preload
-library). sublet ships none of the original's hook libraries yet (issue 40 item 2), so for
-their names it raises LibraryMissingError, saying why none is needed: sublet routes a region's
-allocations itself.
+directory, then the one above (sublet/compat/, where sublet's wheel installs its preload
+library, preload/tms.h). sublet has no torch-mode library (its torch mode is sublet pools): for
+that name it raises LibraryMissingError.
 """
 
 from __future__ import annotations
@@ -20,10 +19,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_CUDA_MAJORS = (13, 12)
+PRELOAD_STEM = "torch_memory_saver_hook_mode_preload"
 
 
 class LibraryMissingError(RuntimeError):
-    """No hook library of that name beside the package (sublet has none yet)."""
+    """No hook library of that name beside the package."""
 
 
 def is_xpu() -> bool:
@@ -66,19 +66,33 @@ def _detect_cuda_major() -> int:
 def get_binary_path_from_package(stem: str) -> Path:
     """The one library `stem` of the process's GPU runtime beside the package, as the
     original: `stem_cuN.*.so` (CUDA N) or `stem.*.so` (ROCm), in this directory or the one
-    above."""
+    above. sublet's preload library, which serves every CUDA version, is `stem.*.so` there
+    (sublet/compat/ of an installed sublet), or the build's (sublet._lib.find_native)."""
     package_dir = Path(__file__).parent
+    dirs = (package_dir, package_dir.parent)
     pattern = f"{stem}.*.so" if _is_rocm_torch() else f"{stem}_cu{_detect_cuda_major()}.*.so"
-    found = list(package_dir.glob(pattern)) or list(package_dir.parent.glob(pattern))
+    found = [p for d in dirs for p in sorted(d.glob(pattern))]
+    if not found and stem == PRELOAD_STEM:
+        found = [p for d in dirs for p in sorted(d.glob(f"{stem}.*.so"))] or _built_preload()
     if len(found) == 1:
         return found[0]
     if not found:
         raise LibraryMissingError(
-            f"no {pattern} beside {package_dir}: sublet's torch_memory_saver has no hook "
-            f"library yet, and needs none to route a region's allocations (sublet pools do); "
-            f"LD_PRELOAD capture from process start is not there yet (issue 40 item 2)")
+            f"no {pattern} beside {package_dir}: sublet has no library {stem} (its torch mode "
+            f"is sublet pools, routed without one)" if stem != PRELOAD_STEM else
+            f"no {stem}.abi3.so beside {package_dir}: install sublet with pip, build it "
+            f"(cmake --build build), or set $SUBLET_TMS_PRELOAD to its path")
     raise RuntimeError(f"torch_memory_saver: {len(found)} libraries match {pattern!r} "
                        f"({[str(p) for p in found]}): remove all but one")
+
+
+def _built_preload() -> list[Path]:
+    """sublet's preload library of a source tree's build (or $SUBLET_TMS_PRELOAD)."""
+    from sublet import _lib
+    try:
+        return [_lib.find_native(f"{PRELOAD_STEM}.abi3.so", "SUBLET_TMS_PRELOAD")]
+    except FileNotFoundError:
+        return []
 
 
 @contextmanager

@@ -1,15 +1,12 @@
 """torch_memory_saver.hooks.mode_preload on sublet: HookUtilModePreload and
 configure_subprocess(), a Python-level stand-in for the original's preload mode.
 
-What it does: configure_subprocess() prepends the preload library to LD_PRELOAD for the block,
-as the original, wherever get_binary_path_from_package finds one; HookUtilModePreload reads
-LD_PRELOAD as the original does.
-
-What it does not do: sublet ships no preload library yet (issue 40 item 2), so with sublet's
-package alone configure_subprocess() leaves LD_PRELOAD as it is (children import this package
-and route their regions through sublet pools: the same effect for region() code), and nothing
-captures a process's CUDA allocations from its start (TMS_INIT_ENABLE=1 starts at the first
-torch_memory_saver call: see the docs).
+What it does: configure_subprocess() prepends sublet's preload library (preload/tms.h) to
+LD_PRELOAD for the block, as the original; a child started in it has its cudaMalloc taken
+from its start (TMS_INIT_ENABLE=1 captures everything), and its regions are the library's.
+HookUtilModePreload reads LD_PRELOAD as the original does. Where no library is found (a sublet
+built without it), configure_subprocess() leaves LD_PRELOAD as it is, and the children's
+regions are sublet pools (_impl.py).
 """
 
 from __future__ import annotations
@@ -19,12 +16,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..utils import LibraryMissingError, change_env, get_binary_path_from_package
+from ..utils import PRELOAD_STEM, LibraryMissingError, change_env, get_binary_path_from_package
 from .base import HookUtilBase
 
 logger = logging.getLogger(__name__)
-
-PRELOAD_STEM = "torch_memory_saver_hook_mode_preload"
 
 
 class HookUtilModePreload(HookUtilBase):
@@ -35,15 +30,14 @@ class HookUtilModePreload(HookUtilBase):
         if len(found) != 1:
             raise RuntimeError(f"TorchMemorySaver observes invalid LD_PRELOAD "
                                f"({preload!r}, process {os.getpid()}): one torch_memory_saver "
-                               f"library is needed there; sublet's torch_memory_saver has none "
-                               f"yet and routes regions without it")
+                               f"library is needed there (configure_subprocess() puts sublet's)")
         return found[0]
 
 
 @contextmanager
 def configure_subprocess() -> Iterator[None]:
     """For processes started in the block: the preload library first in LD_PRELOAD, where
-    one is found; with none (sublet's package alone), LD_PRELOAD is left as it is."""
+    one is found; with none, LD_PRELOAD is left as it is."""
     try:
         library = str(get_binary_path_from_package(PRELOAD_STEM))
     except LibraryMissingError as exc:
