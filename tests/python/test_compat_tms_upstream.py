@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -26,10 +24,10 @@ import torch
 from sublet.compat.__main__ import install
 
 from conftest import CHILD_ENV
+from tms_upstream_run import (FAIL, NOT_RUN, PASS, SKIP, UPSTREAM_DIR, child_env,
+                              outcomes as _outcomes, pytest_command)
 
-UPSTREAM_DIR = Path(__file__).resolve().parent / "tms_upstream" / "test"
 CUDA = torch.cuda.is_available()
-PASS, FAIL, SKIP = "passed", "failed", "skipped"
 NEEDS_GPU = None   # not run without a GPU
 
 _TWO = "upstream skips it: it needs two devices (none lent yet)"
@@ -82,11 +80,6 @@ UPSTREAM: dict[str, tuple[str | None, str, str]] = {
     "test_examples.py::test_nested_region": (NEEDS_GPU, PASS, ""),
 }
 
-# Upstream files not run at all.
-NOT_RUN = {"test_merge_cuda_wheels.py": "it tests the original's wheel-merging script "
-                                        "(scripts/merge_cuda_wheels.py, not vendored), "
-                                        "nothing of the package"}
-
 
 def expected(nodeid: str) -> str | None:
     without, with_gpu, _ = UPSTREAM[nodeid]
@@ -95,16 +88,11 @@ def expected(nodeid: str) -> str | None:
 
 def _child_pytest(shim: Path, args: list[str]) -> subprocess.CompletedProcess:
     """Upstream's pytest in a child, in its own directory, under none of sublet's pytest
-    configuration, with the drop-in first on the path."""
-    ini = shim.parent / "pytest.ini"
-    ini.write_text("[pytest]\n")
-    env = {**os.environ, **CHILD_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(ini),
-               "--rootdir", str(UPSTREAM_DIR), "--confcutdir", str(UPSTREAM_DIR),
-               *(f"--ignore={name}" for name in NOT_RUN), *args]
-    return subprocess.run(command, env=env, cwd=UPSTREAM_DIR, capture_output=True, text=True,
-                          timeout=1800)
+    configuration, with the drop-in first on the path (tms_upstream_run.py, which
+    tests/tms-upstream-gpu runs it with too)."""
+    return subprocess.run(pytest_command(shim.parent / "pytest.ini", args),
+                          env=child_env(shim, {**os.environ, **CHILD_ENV}), cwd=UPSTREAM_DIR,
+                          capture_output=True, text=True, timeout=1800)
 
 
 @pytest.fixture(scope="module")
@@ -125,21 +113,6 @@ def results(shim) -> dict[str, tuple[str, str]]:
         pytest.fail(f"upstream's pytest left no report:\n{done.stdout[-3000:]}"
                     f"\n{done.stderr[-3000:]}")
     return _outcomes(report)
-
-
-def _outcomes(report: Path) -> dict[str, tuple[str, str]]:
-    found = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        nodeid = f"{case.get('classname', '').split('.')[-1]}.py::{case.get('name')}"
-        outcome, message = PASS, ""
-        for tag, name in (("failure", FAIL), ("error", FAIL), ("skipped", SKIP)):
-            node = case.find(tag)
-            if node is not None:
-                outcome = name
-                message = (node.get("message") or "") + "\n" + (node.text or "")[-2000:]
-                break
-        found[nodeid] = (outcome, message)
-    return found
 
 
 def test_the_table_lists_every_upstream_test(shim):
