@@ -6,6 +6,7 @@
  *   tms_hooks.c   cudaMalloc/cudaFree, the calling thread's region config, the tms_* calls
  *   tms_saver.c   the allocations by tag, pause and resume, the host backups
  *   tms_daemon.c  a sublet client per CUDA device: which subletd serves it
+ *   tms_start.c   starting this user's subletd where none serves the device
  *   tms_cuda.c    the CUDA runtime and driver calls, found at run time (none without CUDA)
  * and under them libsublet's client, built into this library with its symbols hidden, so that
  * a libsublet.so the process also loads (sublet's Python package does) is not interposed.
@@ -85,6 +86,10 @@ sublet_client *tms_daemon_connected(int device);
 /* 1 where the device's daemon runs sublet's memfd backend (tests): its memory is host memory,
  * copied with memcpy, and the CUDA runtime has no part in it. */
 int tms_daemon_on_host(int device);
+
+/* tms_start.c: this user's daemon for the device, started (under the lock of dir/name) unless
+ * it answers already; NULL with tms_fail() said why. */
+sublet_client *tms_start_user_daemon(int device, const char *dir, const char *name);
 
 /* tms_cuda.c: the process's CUDA runtime, the next library after this one (NULL-safe: without
  * CUDA, as on sublet's memfd backend in tests, each says so). */

@@ -4,9 +4,8 @@
  * Which daemon: $SUBLET_SOCKET as it is, else the one serving this GPU (its UUID, as the
  * driver reports it under CUDA_VISIBLE_DEVICES) among the system daemons (/run/sublet,
  * gpuN.sock first) and then this user's (where sublet's Python package starts them:
- * $XDG_RUNTIME_DIR/sublet or /tmp/sublet-UID). This library starts none: a process that
- * allocates before any sublet call needs one running (a system daemon, or a user's started by
- * an earlier process).
+ * $XDG_RUNTIME_DIR/sublet or /tmp/sublet-UID); with none, this user's is started
+ * (tms_start.c), as sublet's Python package would.
  */
 #include "tms.h"
 
@@ -71,10 +70,23 @@ static void user_dir(char *out, size_t n) {
     snprintf(out, n, "/tmp/sublet-%u", (unsigned)getuid());
 }
 
+
+/* GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi writes it: the user daemon's name. */
+static const char *uuid_name(const uint8_t uuid[16], char *out, size_t n) {
+  size_t at = (size_t)snprintf(out, n, "GPU-");
+
+  for (int i = 0; i < 16 && at + 4 < n; i++) {
+    if (i == 4 || i == 6 || i == 8 || i == 10)
+      out[at++] = '-';
+    at += (size_t)snprintf(out + at, n - at, "%02x", uuid[i]);
+  }
+  return out;
+}
+
 static sublet_client *find(int device) {
   const char *explicit_path = getenv("SUBLET_SOCKET");
   uint8_t uuid[16];
-  char name[32], dir[PATH_MAX];
+  char name[48], dir[PATH_MAX];
   int known = tms_cuda_uuid(device, uuid) == 0;
   sublet_client *c;
 
@@ -85,6 +97,8 @@ static sublet_client *find(int device) {
   if (c == NULL && known) {
     user_dir(dir, sizeof dir);
     c = search_dir(dir, NULL, uuid);
+    if (c == NULL)
+      c = tms_start_user_daemon(device, dir, uuid_name(uuid, name, sizeof name));
   }
   return c;
 }

@@ -18,7 +18,7 @@ import pytest
 from sublet.compat.__main__ import install
 from sublet.compat.torch_memory_saver import utils
 
-from conftest import CHILD_ENV, PAGE
+from conftest import CHILD_ENV, INSTALLED, PAGE
 
 CHILD = Path(__file__).with_name("tms_preload_child.py")
 SIZE = 3 * PAGE + 6912 % PAGE  # not a whole number of pages, as upstream's granularity test
@@ -119,3 +119,32 @@ def test_the_library_exports_the_originals_symbols_and_no_sublet_ones(preload):
             "tms_get_interesting_region", "tms_get_cpu_backup_pointer",
             "set_memory_margin_bytes"} <= names
     assert not [n for n in names if n.startswith("sublet_")]
+
+
+# slime/ray/actor_group.py:73-94 @ 624b824, as it finds the library to LD_PRELOAD.
+SLIME_LOOKUP = """
+import os, torch_memory_saver
+for path in ["torch_memory_saver_hook_mode_preload_cu13.abi3.so",
+             "torch_memory_saver_hook_mode_preload_cu12.abi3.so",
+             "torch_memory_saver_hook_mode_preload.abi3.so"]:
+    dynlib_path = os.path.join(os.path.dirname(os.path.dirname(torch_memory_saver.__file__)),
+                               path)
+    if os.path.exists(dynlib_path):
+        break
+else:
+    raise FileNotFoundError("Cannot find torch_memory_saver dynamic library")
+print(dynlib_path)
+"""
+
+
+@pytest.mark.skipif(not INSTALLED, reason="slime looks beside the installed package (sublet/"
+                    "compat/ of a pip-installed sublet): tests/wheel runs this")
+def test_slimes_lookup_finds_a_loadable_library(shim):
+    env = {**os.environ, **CHILD_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
+    found = subprocess.run([sys.executable, "-c", SLIME_LOOKUP], env=env, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).tms_sublet_version)"],
+        env={**env, "LD_PRELOAD": found}, capture_output=True, text=True)
+    assert loaded.returncode == 0 and "tms_sublet_version" in loaded.stdout, loaded.stderr

@@ -117,9 +117,10 @@ class PreloadImpl:
                cpu_backup_backend: Optional[str]):
         if enable_disk_backup:
             raise NotImplementedError(_env.NO_DISK_BACKUP)
-        backend = cpu_backup_backend or self._backend() if enable_cpu_backup else ""
-        with self._pool((tag, enable_cpu_backup, backend)):
-            with self._config(tag, enable_cpu_backup, cpu_backup_backend):
+        backend = (cpu_backup_backend or self._backend()) if enable_cpu_backup else ""
+        with self._pool((tag, enable_cpu_backup, False, backend)):
+            with self._with_region_config(tag=tag, enable_cpu_backup=enable_cpu_backup,
+                                          cpu_backup_backend=cpu_backup_backend):
                 yield
 
     @contextmanager
@@ -127,7 +128,8 @@ class PreloadImpl:
                    enable_cpu_backup: bool, cpu_backup_backend: Optional[str]):
         with torch.cuda.graph(cuda_graph, pool=pool, stream=stream,
                               capture_error_mode=capture_error_mode):
-            with self._config(tag, enable_cpu_backup, cpu_backup_backend):
+            with self._with_region_config(tag=tag, enable_cpu_backup=enable_cpu_backup,
+                                          cpu_backup_backend=cpu_backup_backend):
                 yield
 
     @contextmanager
@@ -154,7 +156,9 @@ class PreloadImpl:
     @contextmanager
     def _pool(self, key: tuple):
         """The region's MemPool (PyTorch's allocator, so its segments come through the
-        library's cudaMalloc), one per (tag, backup, backend, device) as the original's."""
+        library's cudaMalloc), one per (tag, cpu backup, disk backup, backend, device): the
+        original's `_mem_pools` and its keys, which code reaches into (its cpu_backup
+        example pops one to free a tag's memory)."""
         if not torch.cuda.is_available():
             yield
             return
@@ -162,7 +166,12 @@ class PreloadImpl:
             yield
 
     @contextmanager
-    def _config(self, tag: str, enable_cpu_backup: bool, backend: Optional[str]):
+    def _with_region_config(self, tag: str, enable_cpu_backup: bool,
+                            cpu_backup_backend: Optional[str], enable_disk_backup: bool = False):
+        """The calling thread's config in the library for the block, then what it was (the
+        original's name and keywords)."""
+        if enable_disk_backup:
+            raise NotImplementedError(_env.NO_DISK_BACKUP)
         cdll = self._cdll
         saved = dict(tag=cdll.tms_get_current_tag().decode("utf-8"),
                      interesting_region=cdll.tms_get_interesting_region(),
@@ -171,7 +180,7 @@ class PreloadImpl:
                      enable_disk_backup=cdll.tms_get_enable_disk_backup())
         self._binary_wrapper.set_config(tag=tag, interesting_region=True,
                                         enable_cpu_backup=enable_cpu_backup,
-                                        cpu_backup_backend=backend)
+                                        cpu_backup_backend=cpu_backup_backend)
         try:
             yield
         finally:
