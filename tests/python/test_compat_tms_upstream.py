@@ -33,7 +33,6 @@ NEEDS_GPU = None   # not run without a GPU
 _TWO = "upstream skips it: it needs two devices (none lent yet)"
 _XPU = "upstream skips it: Intel XPU only (sublet runs on CUDA)"
 _CUDA_ONLY = "upstream skips it without CUDA"
-_ITEM2 = "needs the preload library (issue 40 item 2): "
 
 # upstream test -> (without a GPU, with one CUDA GPU, why)
 UPSTREAM: dict[str, tuple[str | None, str, str]] = {
@@ -50,11 +49,13 @@ UPSTREAM: dict[str, tuple[str | None, str, str]] = {
        for name, row in {
            "test_simple": (NEEDS_GPU, PASS, ""),
            "test_cuda_graph": (NEEDS_GPU, PASS, ""),
-           "test_cpu_backup": (NEEDS_GPU, FAIL, "its last step (_assert_cpu_backup_released_"
-                               "on_allocation_free) pops _impl._mem_pools and calls "
-                               "cudaHostGetFlags through the original's library, which "
-                               "sublet's has neither of; every step before it is expected "
-                               "to pass"),
+           "test_cpu_backup": (NEEDS_GPU, PASS if mode == "preload" else FAIL,
+                               "" if mode == "preload" else
+                               "its last step (_assert_cpu_backup_released_on_allocation_"
+                               "free) pops _impl._mem_pools and calls cudaHostGetFlags "
+                               "through _impl._binary_wrapper.cdll: the preload library's "
+                               "(preload mode) has both, sublet pools (torch mode) neither; "
+                               "every step before it is expected to pass"),
            "test_cpu_backup_multi_device_mmap_restore": (SKIP, SKIP, _TWO),
            "test_cpu_backup_backend_from_env": (SKIP, PASS, _CUDA_ONLY),
            "test_disk_backup": (FAIL, FAIL, "disk backup is refused: NotImplementedError "
@@ -70,13 +71,8 @@ UPSTREAM: dict[str, tuple[str | None, str, str]] = {
         "test_disable_unsupported_xpu", "test_resume_failure_injection_xpu",
         "test_cleanup_failure_injection_xpu", "test_free_failure_injection_xpu",
         "test_multi_device_sync_xpu", "test_memory_margin_unsupported_xpu")},
-    "test_examples.py::test_training_engine": (NEEDS_GPU, FAIL, _ITEM2 + "it allocates "
-                                               "its weights before any torch_memory_saver "
-                                               "call, which only a hook from process start "
-                                               "puts in the TMS_INIT_ENABLE region"),
-    "test_examples.py::test_cuda_vmm_granularity": (SKIP, FAIL, _ITEM2 + "it calls tms_pause "
-                                                    "through ctypes.CDLL(None), a symbol of "
-                                                    "the preloaded library"),
+    "test_examples.py::test_training_engine": (NEEDS_GPU, PASS, ""),
+    "test_examples.py::test_cuda_vmm_granularity": (SKIP, PASS, _CUDA_ONLY),
     "test_examples.py::test_nested_region": (NEEDS_GPU, PASS, ""),
 }
 
