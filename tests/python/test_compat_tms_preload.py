@@ -95,6 +95,12 @@ def test_the_originals_exits_are_errors_that_say_what_to_do(child_env):
     assert "hook_mode = 'torch'" in found["keep"]
 
 
+def test_expandable_segments_are_refused_as_by_the_original(child_env):
+    found = run_child(child_env, "expandable",
+                      PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    assert "expandable_segments:True bypasses cudaMalloc" in found["error"]
+
+
 def test_without_a_daemon_an_allocation_fails_naming_the_fix(child_env, tmp_path):
     found = run_child(child_env, "no_daemon", TMS_INIT_ENABLE="1",
                       SUBLET_SOCKET=str(tmp_path / "none.sock"))

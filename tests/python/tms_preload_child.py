@@ -128,6 +128,17 @@ def errors(size: int) -> dict:
     return out
 
 
+def expandable(size: int) -> dict:
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bypasses cudaMalloc: refused at the
+    first call, as the original."""
+    import torch_memory_saver
+    try:
+        torch_memory_saver.torch_memory_saver.pause()
+        return {"error": None}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
 def no_daemon(size: int) -> dict:
     ptr = ctypes.c_void_p()
     return {"rc": malloc(ctypes.byref(ptr), size),

@@ -12,6 +12,7 @@ unless stay= (bytes) says otherwise.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Literal, Optional
 
@@ -163,12 +164,12 @@ class TorchMemorySaver:
             return
         kwargs = self._impl_ctor_kwargs
         library = _preload.loaded() if kwargs.get("hook_mode", "preload") == "preload" else None
+        _sanity_checks(preload=library is not None)
         if library is not None:
             self._impl = _preload.PreloadImpl(library, **kwargs)
         else:
             self._impl = _TorchMemorySaverImpl(**kwargs)
         del self._impl_ctor_kwargs
-        _sanity_checks()
         self._impl.start_init_region()
 
     def _initialized(self) -> _TorchMemorySaverImpl:
@@ -180,6 +181,13 @@ class TorchMemorySaver:
         return self._impl
 
 
-def _sanity_checks() -> None:
-    """The original refuses PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True here; sublet's
-    pools take their segments from their own MemPools, and check nothing more."""
+def _sanity_checks(preload: bool = False) -> None:
+    """As the original, under the preload library: expandable segments in
+    PYTORCH_CUDA_ALLOC_CONF are refused, since PyTorch then maps its memory itself and
+    cudaMalloc, which the library takes, is never called (nothing would pause). sublet's
+    pools take their segments from their own MemPools, and check nothing."""
+    if preload and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise RuntimeError("torch_memory_saver (sublet's preload library): "
+                           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bypasses "
+                           "cudaMalloc, so nothing would be paused: unset it, or set "
+                           "torch_memory_saver.hook_mode = 'torch' before the first use")
