@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import sublet
 from sublet.compat.__main__ import install
 from sublet.compat.torch_memory_saver import utils
 
@@ -150,7 +151,10 @@ def test_slimes_lookup_finds_a_loadable_library(shim):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
     found = subprocess.run([sys.executable, "-c", SLIME_LOOKUP], env=env, capture_output=True,
                            text=True, check=True).stdout.strip()
-    loaded = subprocess.run(
-        [sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).tms_sublet_version)"],
-        env={**env, "LD_PRELOAD": found}, capture_output=True, text=True)
-    assert loaded.returncode == 0 and "tms_sublet_version" in loaded.stdout, loaded.stderr
+    # The preloaded library answers in the process's global namespace: its version is sublet's.
+    ask = ("import ctypes; f = ctypes.CDLL(None).tms_sublet_version; f.restype = ctypes.c_char_p;"
+           " print(f().decode())")
+    loaded = subprocess.run([sys.executable, "-c", ask], env={**env, "LD_PRELOAD": found},
+                            capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == sublet.__version__
