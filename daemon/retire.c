@@ -21,7 +21,7 @@ struct free_job {
 };
 
 static void free_run(struct sl_job *j) {
-  sl_pool_region_free(j->d->pool, ((struct free_job *)j)->r);
+  sl_pool_region_free(j->d->pool, ((struct free_job *)j)->r); /* NULL: nothing (see below) */
 }
 
 static void free_done(struct sl_job *j) {
@@ -40,12 +40,16 @@ static void free_done(struct sl_job *j) {
 #define FREE_INLINE_BYTES (256ull << 20)
 
 /* Frees r, off the loop unless small (or where not even the job can be had); answers c's
- * request then. */
+ * request then. r NULL: a job still holds the region (the map of its pages, a growth, a
+ * transfer), which frees it at its end; the answer is a job of its own behind it, since jobs
+ * end in order (jobs.c), so that the memory is back when the client hears so here too (a
+ * RegionRelease just after RegionCreated used to be answered while the map still ran, and
+ * the free memory the client read next was short by the region). */
 static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, struct sl_conn *c,
                        uint64_t req_id) {
   struct free_job *fj = NULL;
 
-  if (!(sl_jobs_idle(d) && sl_pool_region_bytes(d->pool, r) <= FREE_INLINE_BYTES))
+  if (r == NULL || !(sl_jobs_idle(d) && sl_pool_region_bytes(d->pool, r) <= FREE_INLINE_BYTES))
     fj = calloc(1, sizeof(*fj));
   if (fj == NULL) {
     sl_pool_region_free(d->pool, r);
@@ -79,12 +83,12 @@ void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_con
 
   sl_releases_prune(d); /* the region's releases left the books with it */
   sl_pins_regions_changed(d);
-  if (r != NULL) {
+  if (r != NULL || (holders == 0 && answer != NULL)) {
     free_pages(d, r, answer, req_id);
     return;
   }
   if (answer != NULL)
-    sl_conn_send_ok(answer, req_id); /* freed later: by its last holder or last transfer */
+    sl_conn_send_ok(answer, req_id); /* freed later: by its last holder */
   if (holders == 0)
     return;
   for (struct sl_conn *c = d->conns; c != NULL; c = c->next) {
