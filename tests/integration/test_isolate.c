@@ -276,7 +276,6 @@ static void test_ended_loan_no_wait(void) {
   sublet_region *r = NULL;
   uint8_t *base, token[16];
   uint64_t loan;
-  double t0;
   pid_t pid;
 
   CHECK(start_daemon(&d) == 0);
@@ -290,9 +289,11 @@ static void test_ended_loan_no_wait(void) {
     CHECK(!"the borrower returned the loan");
   }
   CHECK(kill(d.pid, SIGKILL) == 0 && waitpid(d.pid, NULL, 0) == d.pid);
-  t0 = sl_test_now();
+  /* The borrower (and its keeper) live on until told. The journal says the loan had ended,
+   * so the owner takes the path that waits for nobody and restores nothing: its message says
+   * which path it took. */
   CHECK_RC(sublet_reclaim(owner, loan, 3000, &st), SUBLET_EDAEMONDIED);
-  CHECK(sl_test_now() - t0 < 1.0); /* the borrower lives on: waiting for it would take the 3 s */
+  CHECK(strstr(sublet_last_error(), "had ended") != NULL);
   CHECK(st.daemon_died && st.copied_in_bytes == st.copied_out_bytes);
   CHECK(kept_changed(base) == 0);
   CHECK(say(p.to_borrower[1], 'q') == 0);
