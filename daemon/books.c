@@ -138,13 +138,15 @@ int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages,
     return sl_err_set(err, SUBLET_EINVAL,
                       "a region of %" PRIu64 " pages cannot be made; ask for at least one byte "
                       "and no more than the device holds", npages);
+  if (sl_books_space_check(b, c->peer.uid, npages, err) != 0)
+    return SUBLET_ENOMEM;
   v = sl_grow(b->regions, &b->cap_regions, b->nregions + 1, sizeof(*v));
   if (v == NULL)
     return sl_books_oom(err);
   b->regions = v;
   v[b->nregions] = (struct sl_region){
       .id = b->next_region++, .owner_client = c->id, .owner = c->peer, .npages = npages,
-      .growable = growable != 0};
+      .growable = growable != 0, .space = npages};
   if (region_id != NULL)
     *region_id = v[b->nregions].id;
   b->nregions++;
@@ -216,7 +218,8 @@ int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t reg
     return sl_err_set(err, SUBLET_EINVAL, "region %" PRIu64 " has %" PRIu64 " pages and "
                       "cannot have %" PRIu64 ": a region only grows; ask for more than it has",
                       region_id, r->npages, npages);
-  return 0;
+  return sl_books_space_check(b, r->owner.uid,
+                              sl_books_grow_space(b, region_id, npages) - r->space, err);
 }
 
 int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region_id,
@@ -228,6 +231,7 @@ int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region
     return rc;
   if (sl_books_groups_grow(r, npages) != 0)
     return sl_books_oom(err);
+  r->space = sl_books_grow_space(b, region_id, npages);
   b->region_pages += npages - r->npages;
   r->npages = npages;
   /* The last loan's layout covered the old pages only: the next loan's id must be new, or a
@@ -307,7 +311,8 @@ static void region_fill_info(const struct sl_region *r, struct sl_region_info *r
   *ri = (struct sl_region_info){.id = r->id, .owner_client = r->owner_client,
                                 .owner = r->owner, .npages = r->npages,
                                 .growable = r->growable, .loan_id = r->loan_id,
-                                .pages_version = r->pages_version, .replacing = r->replacing};
+                                .pages_version = r->pages_version, .replacing = r->replacing,
+                                .space = r->space};
 }
 
 int sl_books_region_info(const struct sl_books *b, uint64_t region_id,

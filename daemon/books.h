@@ -85,8 +85,18 @@ static inline int sl_peer_reaches(const struct sl_peer *peer, uid_t uid) {
   return peer->trusted || peer->uid == uid;
 }
 
+/* A user's regions may reserve this many times the device's memory of subletd's address space
+ * (issue 41). A user never holds more than the device at once; a growable region reserves at
+ * most twice what it holds (its room doubles as it grows), and the rest is for regions whose
+ * pages a release gave back, which keep their place. Without a bound, one user's regions could
+ * take the daemon's address space from every other user's. */
+#define SL_USER_SPACE_DEVICES 8
+
 struct sl_books_config {
   uint64_t page_size;
+  uint64_t device_pages;    /* the device's memory in pages: a growable region's room stops
+                               there, and a user's regions may reserve SL_USER_SPACE_DEVICES
+                               times it; 0: neither bound */
   int no_compact;           /* save every kept byte of a lent page to the host, move none */
   uint64_t fresh_give;      /* pages a region's fresh zone may stay above the free memory
                                offered at borrow (books.c: steady_fresh) */
@@ -153,6 +163,8 @@ struct sl_region_info {
   uint64_t loan_id;           /* 0: not lent */
   uint64_t pages_version;     /* bumped whenever some of its pages were replaced */
   int replacing;              /* its pages are being replaced (the last loan is ending) */
+  uint64_t space;             /* pages of subletd's address space reserved for it (npages or
+                                 more: a growable region's room; sl_books_region_space) */
 };
 
 struct sl_loan_info {
@@ -213,12 +225,26 @@ int sl_books_region_new(struct sl_books *b, uint64_t client_id, uint64_t npages,
                         uint64_t *region_id, struct sl_err *err);
 /* A growable region of client_id's gets npages pages in all, more than it has (the daemon
  * checks them against the device first). Only its owner's, never while lent or while its last
- * loan's pages are being replaced. Its last layout goes: the next loan's layout id is new.
- * may_grow: the same checks, changing nothing (before the device work). */
+ * loan's pages are being replaced, nor past its user's address space (sl_books_grow_space).
+ * Its last layout goes: the next loan's layout id is new. may_grow: the same checks, changing
+ * nothing (before the device work). */
 int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                       uint64_t npages, struct sl_err *err);
 int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                          uint64_t npages, struct sl_err *err);
+/* Address space (books_space.c). A region reserves its pages of subletd's mapping when it is
+ * made (new and add refuse past its user's bound: SUBLET_ENOMEM, naming it), and a growable
+ * one more as it grows. grow_space: the pages a growth of region_id to npages pages reserves
+ * in all: its own if they hold npages, else twice them (a move maps every page again: so a
+ * region's moves map at most twice its final pages), at least npages, at most the device and
+ * what its user's bound leaves. region_space: what is reserved for it now (set before the
+ * device work, so that its user's other requests count it, and after, to what the pool has).
+ * user_space: the pages uid's regions reserve (the gone ones whose pages a keeper holds too);
+ * user_space_limit: the bound (0: none). */
+uint64_t sl_books_grow_space(const struct sl_books *b, uint64_t region_id, uint64_t npages);
+int sl_books_region_space(struct sl_books *b, uint64_t region_id, uint64_t space);
+uint64_t sl_books_user_space(const struct sl_books *b, uid_t uid);
+uint64_t sl_books_user_space_limit(const struct sl_books *b);
 /* Only the owner, and only while not lent. */
 int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err);

@@ -1,6 +1,6 @@
 /* books_impl.h - the books' data, shared by books.c (the ledger's operations),
- * books_alloc.c (a loan's allocations), books_release.c and kept.c, and check.c (its
- * invariants). Nothing else includes it: the contract is books.h.
+ * books_alloc.c (a loan's allocations), books_release.c, kept.c and books_space.c, and
+ * check.c (its invariants). Nothing else includes it: the contract is books.h.
  */
 #ifndef SL_BOOKS_IMPL_H
 #define SL_BOOKS_IMPL_H
@@ -26,7 +26,7 @@ struct sl_client {
 
 /* A gone region whose pages a client still holds (kept.c). */
 struct sl_held {
-  uint64_t region_id, npages, holder_client;
+  uint64_t region_id, npages, space, holder_client;
   struct sl_peer owner, holder;
 };
 
@@ -47,6 +47,7 @@ struct sl_region {
                             the layout) */
   uint32_t *span;       /* page groups (books.h, "Page groups"): span[p] pages share page p's
                            allocation, 0 inside a group; NULL while every page is its own */
+  uint64_t space;       /* pages of subletd's address space reserved for it (books_space.c) */
 };
 
 struct sl_alloc {
@@ -207,6 +208,11 @@ int sl_books_borrowed_loan(const struct sl_books *b, uint64_t client_id, struct 
 
 /* kept.c, for books.c: room for one more keeper; the loan's end makes its borrower one (or
  * not: the region goes); a region leaves and its keepers become holders; a client leaves. */
+/* books_space.c: may uid's regions reserve more pages of address space? 0, or SUBLET_ENOMEM
+ * naming the bound. */
+int sl_books_space_check(const struct sl_books *b, uid_t uid, uint64_t more,
+                         struct sl_err *err);
+
 int sl_books_kept_reserve(struct sl_books *b);
 void sl_books_kept_loan_end(struct sl_books *b, const struct sl_loan *l);
 void sl_books_kept_retire(struct sl_books *b, const struct sl_region *r);

@@ -56,6 +56,9 @@ static int check_region(const struct sl_books *b, const struct sl_region *r, str
 
   if (r->npages == 0)
     return broken(ck, "region %" PRIu64 " has no pages", r->id);
+  if (r->space < r->npages)
+    return broken(ck, "region %" PRIu64 " of %" PRIu64 " pages reserves %" PRIu64, r->id,
+                  r->npages, r->space);
   if (r->loan_id != 0 && (l == NULL || l->region_id != r->id))
     return broken(ck, "region %" PRIu64 " is lent to loan %" PRIu64 " which does not lend it",
                   r->id, r->loan_id);

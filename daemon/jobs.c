@@ -73,6 +73,8 @@ static void after_job(uv_work_t *w, int status) {
   if (d->jobs == NULL)
     d->jobs_tail = NULL;
   finish(d, j, status);
+  /* Only now: the next job sees what this one's done changed (a growth's moved mapping is
+   * taken over there, and a transfer must never run before it: pool_impl.h). */
   start_next(d);
   sl_jobs_maybe_stop(d);
 }

@@ -60,6 +60,7 @@ void sl_books_kept_retire(struct sl_books *b, const struct sl_region *r) {
     if (c->kept_region != r->id)
       continue;
     b->held[b->nheld++] = (struct sl_held){.region_id = r->id, .npages = r->npages,
+                                           .space = r->space,
                                            .holder_client = c->id, .owner = r->owner,
                                            .holder = c->peer};
     c->kept_region = 0;

@@ -250,6 +250,7 @@ static int open_device(struct sl_daemon *d, struct sl_err *err) {
     return rc;
   d->cfg.device = sl_device_info(d->dev)->ordinal; /* the number of a device named by UUID */
   bc.page_size = sl_device_info(d->dev)->page_size;
+  bc.device_pages = sl_device_info(d->dev)->total_bytes / bc.page_size;
   bc.fresh_give = d->cfg.reserve_bytes / 2 / bc.page_size;
   rc = sl_books_new(&bc, &d->books);
   if (rc == 0)

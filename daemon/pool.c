@@ -70,7 +70,25 @@ static void pages_undo(struct sl_pool *p, struct sl_pool_region *r, uint64_t fro
   }
 }
 
+/* The loop takes over a growth's new table (r->moved): the old arrays go (their mapping and
+ * reservation went already). */
+static void moved_take(struct sl_pool_region *r) {
+  struct sl_pool_region *m = r->moved;
+
+  if (m == NULL)
+    return;
+  free(r->pages);
+  free(r->span);
+  r->pages = m->pages;
+  r->span = m->span;
+  r->base = m->base;
+  r->cap_pages = m->cap_pages;
+  r->moved = NULL;
+  free(m);
+}
+
 void sl_pool_region_unmap_release(struct sl_pool *p, struct sl_pool_region *r) {
+  moved_take(r); /* none is pending here (a growth holds the region until its done): safety */
   pages_undo(p, r, 0, r->npages, r->npages);
   if (r->base != NULL)
     sl_device_unreserve(p->dev, r->base, r->cap_pages * p->page_size);
@@ -113,19 +131,29 @@ static int pages_add(struct sl_pool *p, struct sl_pool_region *r, uint64_t from,
   return rc;
 }
 
-int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
-                        uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
+/* A region (or a growth's table) with page arrays for cap_pages pages, or NULL. */
+static struct sl_pool_region *table_new(uint64_t cap_pages, struct sl_err *err) {
   struct sl_pool_region *r = calloc(1, sizeof(*r));
-  int rc;
 
-  cap_pages = cap_pages > npages ? cap_pages : npages;
   if (r == NULL || (r->pages = calloc(cap_pages, sizeof(sl_handle))) == NULL ||
       (r->span = calloc(cap_pages, sizeof(*r->span))) == NULL) {
     if (r != NULL)
       free(r->pages);
     free(r);
-    return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a region's page table");
+    sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for a region's page table");
+    return NULL;
   }
+  return r;
+}
+
+int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
+                        uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err) {
+  struct sl_pool_region *r;
+  int rc;
+
+  cap_pages = cap_pages > npages ? cap_pages : npages;
+  if ((r = table_new(cap_pages, err)) == NULL)
+    return SUBLET_ENOHOSTMEM;
   r->id = region_id;
   r->cap_pages = cap_pages;
   r->unmapped = 1;
@@ -158,22 +186,105 @@ struct sl_pool_region *sl_pool_region_hold(struct sl_pool *p, uint64_t region_id
   return r;
 }
 
-int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
-                        struct sl_err *err) {
-  if (npages <= r->npages || npages > r->cap_pages)
-    return sl_err_set(err, SUBLET_EINVAL, "region %llu has room for %llu pages, not %llu: "
-                      "create it growable to grow it", (unsigned long long)r->id,
-                      (unsigned long long)r->cap_pages, (unsigned long long)npages);
-  return pages_add(p, r, r->npages, npages, 1, err);
+/* Access to pages [from, to) of r's mapping, all mapped: one call. */
+static int grant_run(struct sl_pool *p, struct sl_pool_region *r, uint64_t from, uint64_t to,
+                     struct sl_err *err) {
+  uint64_t ps = p->page_size;
+
+  return to > from ? sl_device_set_access(p->dev, (char *)r->base + from * ps, (to - from) * ps,
+                                          err)
+                   : 0;
 }
 
-void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
-                          int keep) {
+/* Maps every page r has at r->base (a reservation just made), a group as one, then grants
+ * access run by run: a released page is a hole, and a range with a hole is refused. *mapped:
+ * how far it got, for the undo. */
+static int table_map(struct sl_pool *p, struct sl_pool_region *r, uint64_t *mapped,
+                     struct sl_err *err) {
+  uint64_t ps = p->page_size, run = 0, i;
+  int rc = 0;
+
+  for (i = 0; rc == 0 && i < r->npages; i += span_of(r, i)) {
+    *mapped = i + span_of(r, i);
+    if (r->pages[i] != 0) /* else released: a hole, which ends a run */
+      rc = sl_device_map(p->dev, (char *)r->base + i * ps, span_of(r, i) * ps, r->pages[i], err);
+    else if ((rc = grant_run(p, r, run, i, err)) == 0)
+      run = i + 1;
+  }
+  return rc != 0 ? rc : grant_run(p, r, run, r->npages, err);
+}
+
+/* Undoes what relocate made of m: its mapping, its reservation, its arrays. */
+static void moved_free(struct sl_pool *p, struct sl_pool_region *m, uint64_t mapped) {
+  if (m->base != NULL) {
+    sl_device_synchronize(p->dev, NULL);
+    sl_pool_unmap_range(p, m, 0, mapped);
+    sl_device_unreserve(p->dev, m->base, m->cap_pages * p->page_size);
+  }
+  free(m->pages);
+  free(m->span);
+  free(m);
+}
+
+/* A growth past the reservation: the region's table moves to a reservation of cap pages, its
+ * pages mapped there (the same handles: nothing is copied, and the owner's addresses are its
+ * own), then the old mapping and reservation go; r->moved holds the new table for the loop
+ * (moved_take, in the growth's done). The daemon's mapping is read by transfers only, and
+ * none runs between this job and that done (pool_impl.h, "Threads"). All or nothing. */
+static int relocate(struct sl_pool *p, struct sl_pool_region *r, uint64_t cap, struct sl_err *err) {
+  struct sl_pool_region *m = table_new(cap, err);
+  uint64_t mapped = 0;
+  int rc;
+
+  if (m == NULL)
+    return SUBLET_ENOHOSTMEM;
+  memcpy(m->pages, r->pages, r->npages * sizeof(*m->pages));
+  memcpy(m->span, r->span, r->npages * sizeof(*m->span));
+  m->id = r->id;
+  m->npages = r->npages;
+  m->cap_pages = cap;
+  m->unmapped = r->unmapped;
+  rc = sl_device_reserve(p->dev, cap * p->page_size, &m->base, err);
+  if (rc == 0 && !r->unmapped)
+    rc = table_map(p, m, &mapped, err);
+  if (rc != 0) {
+    moved_free(p, m, mapped);
+    return rc;
+  }
+  sl_device_synchronize(p->dev, NULL);
+  if (!r->unmapped)
+    sl_pool_unmap_range(p, r, 0, r->npages);
+  sl_device_unreserve(p->dev, r->base, r->cap_pages * p->page_size);
+  r->moved = m;
+  return 0;
+}
+
+int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                        uint64_t cap_pages, struct sl_err *err) {
+  int rc = 0;
+
+  if (npages <= r->npages || npages > sl_max_u64(cap_pages, r->cap_pages))
+    return sl_err_set(err, SUBLET_EINVAL, "region %llu has room for %llu pages, not %llu: "
+                      "create it growable to grow it", (unsigned long long)r->id,
+                      (unsigned long long)sl_max_u64(cap_pages, r->cap_pages),
+                      (unsigned long long)npages);
+  if (npages > r->cap_pages)
+    rc = relocate(p, r, cap_pages, err);
+  return rc != 0 ? rc : pages_add(p, r->moved != NULL ? r->moved : r, r->npages, npages, 1, err);
+}
+
+uint64_t sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                              int keep) {
+  uint64_t cap;
+
+  moved_take(r); /* a move stays, whatever became of the new pages: the old pages are there */
   if (keep)
     r->npages = npages;
-  else
+  else if (npages <= r->cap_pages) /* else it never got the room: nothing was made */
     pages_undo(p, r, r->npages, npages, npages);
+  cap = r->cap_pages;
   sl_pool_region_put(p, r);
+  return cap;
 }
 
 void sl_pool_region_put(struct sl_pool *p, struct sl_pool_region *r) {

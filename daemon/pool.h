@@ -26,8 +26,8 @@ void sl_pool_free(struct sl_pool *p);
  * returns NULL for a region it does not have, or one a transfer still holds (freed with it). */
 struct sl_pool_region;
 /* A region's pages, in two steps. make (any thread) creates them, which may be exported at
- * once; cap_pages: the pages it may grow to (address space reserved now, in the daemon's
- * mapping), npages or less for a region that never grows. map (any thread, the region held)
+ * once; cap_pages: the pages of address space reserved now in the daemon's mapping (npages or
+ * less: just them). map (any thread, the region held)
  * maps them in the daemon's mapping, which every transfer needs (one of a region not mapped
  * yet, or whose map failed, is refused). The map of 32,768 pages takes most of a second on an
  * H200 (mostly cuMemSetAccess): made then mapped, a new region's pages go to its owner while
@@ -36,18 +36,22 @@ int sl_pool_region_make(struct sl_pool *p, uint64_t region_id, uint64_t npages,
                         uint64_t cap_pages, struct sl_pool_region **out, struct sl_err *err);
 int sl_pool_region_map(struct sl_pool *p, struct sl_pool_region *r, struct sl_err *err);
 /* Growing a region in the same halves. hold (the loop): the region is kept from being freed
- * until grown (NULL: not in the pool). grow (any thread, with the region held): pages
- * [its npages, npages) are created and mapped after the others, npages at most its cap_pages;
- * nothing else of the region is touched, and on failure nothing is left. grown (the loop):
- * the new pages become the region's (keep), or are undone; the hold ends (a region taken
- * meanwhile is freed now, with them). */
+ * until grown (NULL: not in the pool). grow (any thread, with the region held, no transfer
+ * running): pages [its npages, npages) are created and mapped after the others. Past its
+ * reservation, the daemon's mapping first moves to a new one of cap_pages (its pages mapped
+ * there, nothing copied; the owner's addresses are the owner's, and stay), so that a growable
+ * region reserves what it holds, not the device (issue 41). Nothing else of the region is
+ * touched, and on failure nothing is left but such a move. grown (the loop): the move is
+ * taken over, the new pages become the region's (keep) or are undone; the hold ends (a region
+ * taken meanwhile is freed now, with them). It returns the pages reserved for the region now
+ * (its cap_pages: the books count them, sl_books_region_space). */
 struct sl_pool_region *sl_pool_region_hold(struct sl_pool *p, uint64_t region_id);
 /* Ends a hold that grew nothing (a map's). */
 void sl_pool_region_put(struct sl_pool *p, struct sl_pool_region *r);
 int sl_pool_region_grow(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
-                        struct sl_err *err);
-void sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
-                          int keep);
+                        uint64_t cap_pages, struct sl_err *err);
+uint64_t sl_pool_region_grown(struct sl_pool *p, struct sl_pool_region *r, uint64_t npages,
+                              int keep);
 void sl_pool_region_add(struct sl_pool *p, struct sl_pool_region *r);
 struct sl_pool_region *sl_pool_region_take(struct sl_pool *p, uint64_t region_id);
 void sl_pool_region_free(struct sl_pool *p, struct sl_pool_region *r);

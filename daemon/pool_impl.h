@@ -13,12 +13,28 @@
  * where they are) and pinning is paid once per piece, not per loan. */
 #define SL_HOST_PIECE (256ull << 20)
 
+/* Threads. A region is shared by the loop and the copy lane's one running job (jobs.c). The
+ * lane starts a job only once the job before it has had its done on the loop, and a transfer
+ * runs on the loop (sl_jobs_inline) only while no job is in the line: so the loop's writes
+ * below never overlap a job's reads, and a job sees the table as the loop left it.
+ *   id: fixed at make.  npages: the loop's (grown, when the books take a growth).
+ *   base, cap_pages, the pages and span arrays (the pointers): changed only by the loop
+ *     (moved_take, in a growth's done) or while nothing else holds the region (make, free);
+ *     read by the running job. A growth's job never changes them: it leaves its new table
+ *     in moved, which the loop takes over before any later job runs, so no transfer can see
+ *     the old base after the growth unmapped it (sl_pool_transfer_run refuses one that
+ *     would, as a broken invariant, rather than touch an unmapped address).
+ *   pages[i], span[i]: written by the running job on pages no one else reads then (a growth's
+ *     new pages, a release's dropped ones) and by the loop when a transfer is freed
+ *     (settle_replace); the loop reads the region's pages any time (PagesGet).
+ *   busy, doomed, next: the loop's.  unmapped: the map job's, read by later jobs.
+ *   moved: set by the growth's job, taken (cleared) by the loop in its done. */
 struct sl_pool_region {
   uint64_t id;
   uint64_t npages;
-  uint64_t cap_pages; /* address space reserved at base, and room in pages: npages, or (a
-                         growable region) the device's whole memory, so that growing maps only
-                         the new pages and never moves the old ones */
+  uint64_t cap_pages; /* address space reserved at base, and room in pages: what the books
+                         reserved for it (npages, and for a growable region room to grow, which
+                         doubles as it grows: issue 41) */
   sl_handle *pages;
   uint32_t *span; /* pages[p] backs span[p] pages (a page group, books.h; 0 inside one, and
                      1 for a released page, which has no handle) */
@@ -26,6 +42,10 @@ struct sl_pool_region {
   int busy;     /* transfers that hold it: destroying waits for the last */
   int unmapped; /* made, not mapped in the daemon yet (sl_pool_region_make): no transfer */
   int doomed;   /* destroyed while busy: goes when the last transfer is freed */
+  struct sl_pool_region *moved; /* a growth past cap_pages (its job): the region's table in a
+                                   larger reservation (pages, span, base, cap_pages), its pages
+                                   mapped there and no longer at base; the loop takes it over
+                                   (sl_pool_region_grown) before any later job runs */
   struct sl_pool_region *next;
 };
 

@@ -361,6 +361,10 @@ int sl_pool_transfer_run(struct sl_pool_transfer *t, double *copy_seconds, doubl
   int save = t->dir == SL_COPY_TO_HOST, rc;
   double t0 = sl_clock_now(), t1;
 
+  if (t->region->moved != NULL) /* never: the growth's done ran before this job (pool_impl.h) */
+    return sl_err_set(err, SUBLET_EIO, "internal error: region %llu's mapping in subletd is "
+                      "moving; nothing was copied (report it)",
+                      (unsigned long long)t->region->id);
   if (t->region->unmapped) /* its map ran before (jobs run in order), and failed */
     return sl_err_set(err, SUBLET_EIO, "region %llu's pages are not mapped in subletd (its log "
                       "says why): release the region and make another",

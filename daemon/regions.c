@@ -9,6 +9,10 @@
  * daemon's mapping); every transfer of the region is a job after that one (jobs run in order).
  * building_bytes keeps the pages being made out of the free memory that a loan measures
  * meanwhile.
+ *
+ * Address space: a region reserves in the daemon what it holds, a growable one room that
+ * doubles as it grows (the books decide it and bound it per user: books_space.c; the pool
+ * moves the daemon's mapping when a growth passes it).
  */
 #include <stdlib.h>
 
@@ -37,7 +41,8 @@ static void reply_region_created(struct sl_conn *c, uint64_t req_id, uint64_t re
 
 struct region_job {
   struct sl_job job; /* first member */
-  uint64_t req_id, region, npages, cap_pages, bytes;
+  uint64_t req_id, region, npages, bytes;
+  int growable;
   struct sl_pool_region *built;
 };
 
@@ -55,7 +60,7 @@ static void submit_build(struct sl_conn *c, struct sl_job *job, void (*run)(stru
 static void region_build_run(struct sl_job *j) {
   struct region_job *rj = (struct region_job *)j;
 
-  j->rc = sl_pool_region_make(j->d->pool, rj->region, rj->npages, rj->cap_pages, &rj->built,
+  j->rc = sl_pool_region_make(j->d->pool, rj->region, rj->npages, rj->npages, &rj->built,
                               &j->err);
 }
 
@@ -115,7 +120,7 @@ static void region_built(struct sl_job *j) {
     sl_pool_region_add(d->pool, rj->built);
     if (c != NULL) {
       reply_region_created(c, rj->req_id, rj->region, rj->npages,
-                           rj->cap_pages > rj->npages ? "growable, " : "");
+                           rj->growable ? "growable, " : "");
       submit_map(d, rj->region);
     } else { /* its client went meanwhile, and the region left the books with it */
       sl_retire_region(d, rj->region);
@@ -127,13 +132,6 @@ static void region_built(struct sl_job *j) {
   if (c != NULL)
     sl_conn_resume(c);
   free(rj);
-}
-
-/* The pages a growable region may reach: the device's whole memory. */
-static uint64_t device_pages(const struct sl_daemon *d) {
-  const struct sl_device_info *info = sl_device_info(d->dev);
-
-  return (info->total_bytes + info->page_size - 1) / info->page_size;
 }
 
 int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
@@ -152,7 +150,7 @@ int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate
   if (rj == NULL)
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory");
   rj->npages = (m->size + ps - 1) / ps;
-  rj->cap_pages = m->growable ? device_pages(c->d) : rj->npages;
+  rj->growable = m->growable;
   rj->bytes = rj->npages * ps;
   rc = sl_books_region_new(c->d->books, c->client_id, rj->npages, m->growable, &rj->region,
                            err);
@@ -169,19 +167,19 @@ int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate
 
 struct grow_job {
   struct sl_job job; /* first member */
-  uint64_t req_id, region, npages, bytes;
+  uint64_t req_id, region, npages, space, bytes;
   struct sl_pool_region *r; /* held until grown */
 };
 
 static void grow_run(struct sl_job *j) {
   struct grow_job *gj = (struct grow_job *)j;
 
-  j->rc = sl_pool_region_grow(j->d->pool, gj->r, gj->npages, &j->err);
+  j->rc = sl_pool_region_grow(j->d->pool, gj->r, gj->npages, gj->space, &j->err);
 }
 
 /* The books take the new pages, or the pool undoes them: also when the owner went meanwhile
  * (the region left the books with it; the pool frees it once the hold ends, or keeps its old
- * pages for the clients that kept its window). */
+ * pages for the clients that kept its window). The books count what the pool reserves now. */
 static void grow_done(struct sl_job *j) {
   struct grow_job *gj = (struct grow_job *)j;
   struct sl_conn *c = j->conn;
@@ -191,7 +189,8 @@ static void grow_done(struct sl_job *j) {
   d->building_bytes -= gj->bytes;
   if (rc == 0)
     rc = sl_books_region_grow(d->books, c->client_id, gj->region, gj->npages, &j->err);
-  sl_pool_region_grown(d->pool, gj->r, gj->npages, rc == 0);
+  sl_books_region_space(d->books, gj->region,
+                        sl_pool_region_grown(d->pool, gj->r, gj->npages, rc == 0));
   if (c != NULL && rc == 0)
     reply_region_created(c, gj->req_id, gj->region, gj->npages, "grown to ");
   else if (c != NULL)
@@ -227,7 +226,9 @@ int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
   gj->req_id = id;
   gj->region = m->region;
   gj->npages = npages;
+  gj->space = sl_books_grow_space(c->d->books, m->region, npages);
   gj->bytes = (npages - ri.npages) * ps;
+  sl_books_region_space(c->d->books, m->region, gj->space); /* counted while it is made */
   submit_build(c, &gj->job, grow_run, grow_done, gj->bytes);
   return 0;
 }

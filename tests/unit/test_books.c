@@ -447,6 +447,67 @@ static void test_grow_rules(void) {
   sl_books_free(b);
 }
 
+/* Address space (issue 41): a region reserves its pages, a growable one room that doubles as
+ * it grows (at most the device, at most what its user's bound leaves), and a user's regions
+ * reserve at most SL_USER_SPACE_DEVICES times the device: past it RegionCreate and RegionGrow
+ * are SUBLET_ENOMEM naming the bound, for that user only; a gone region a keeper holds still
+ * counts (once however many hold it). */
+static void loan_round(struct sl_books *b, uint64_t owner, uint64_t borrower, uint64_t rid);
+
+static void test_user_space(void) {
+  struct sl_books_config cfg = {.page_size = PS, .device_pages = 16};
+  uint64_t limit = 16 * SL_USER_SPACE_DEVICES, owner, twin, keeper, other, g, h, big, id = 0;
+  struct sl_books *b = NULL;
+  struct sl_err err = {0};
+
+  CHECK_EQ(sl_books_new(&cfg, &b), 0);
+  owner = client(b, 1000, 1000);
+  twin = client(b, 1000, 1000);
+  keeper = client(b, 1000, 1000);
+  other = client(b, 2000, 2000);
+  g = growable(b, owner, 1);
+  CHECK_EQ(sl_books_user_space(b, 1000), 1); /* its page, no more */
+  CHECK_EQ(sl_books_grow_space(b, g, 1), 1);
+  CHECK_EQ(sl_books_grow_space(b, g, 2), 2); /* doubles */
+  CHECK_EQ(sl_books_grow_space(b, g, 3), 3); /* at least what it grows to */
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 3, NULL), 0);
+  CHECK_EQ(sl_books_grow_space(b, g, 4), 6);
+  CHECK_EQ(sl_books_region_grow(b, owner, g, 9, NULL), 0);
+  CHECK_EQ(sl_books_grow_space(b, g, 10), 16); /* twice 9, but the device holds 16 */
+  CHECK_EQ(sl_books_grow_space(b, g, 17), 17);
+  CHECK_EQ(sl_books_region_space(b, g, 16), 0); /* what the daemon reserved for it */
+  CHECK_EQ(sl_books_user_space(b, 1000), 16);
+  /* the user's other clients nearly fill its bound; another user is not touched */
+  CHECK_EQ(sl_books_region_new(b, twin, limit - 16 - 5, 0, &big, NULL), 0);
+  CHECK_EQ(sl_books_region_new(b, other, 16, 1, &id, NULL), 0);
+  CHECK_EQ(sl_books_region_new(b, twin, 6, 1, &id, &err), SUBLET_ENOMEM);
+  CHECK_MSG(err, "times the device's memory");
+  CHECK_MSG(err, "release the regions this user no longer needs");
+  CHECK_EQ(sl_books_region_new(b, owner, 5, 1, &id, NULL), 0); /* just fits */
+  CHECK_EQ(sl_books_region_remove(b, owner, id, NULL), 0);
+  h = growable(b, twin, 3);
+  CHECK_EQ(sl_books_grow_space(b, h, 4), 5); /* not 6: the bound leaves 5 */
+  CHECK_EQ(sl_books_may_grow(b, twin, h, 6, &err), SUBLET_ENOMEM);
+  CHECK_EQ(sl_books_region_grow(b, twin, h, 6, &err), SUBLET_ENOMEM);
+  CHECK_MSG(err, "subletd's address space");
+  CHECK_EQ(sl_books_region_grow(b, twin, h, 5, NULL), 0);
+  CHECK_EQ(sl_books_user_space(b, 1000), limit);
+  CHECK_EQ(sl_books_region_new(b, other, 16, 0, &id, NULL), 0); /* its own bound */
+  BOOKS_OK(b);
+  /* a gone region whose pages a keeper holds still counts, until let go */
+  sl_books_client_notices(b, keeper);
+  loan_round(b, twin, keeper, big);
+  CHECK_EQ(sl_books_region_remove(b, twin, big, NULL), 0);
+  CHECK_EQ(sl_books_kept_holds(b, keeper, big), 1);
+  CHECK_EQ(sl_books_user_space(b, 1000), limit);
+  CHECK_EQ(sl_books_region_new(b, twin, 1, 0, &id, &err), SUBLET_ENOMEM);
+  CHECK_EQ(sl_books_kept_drop(b, keeper, big, &(int){0}, NULL), 0);
+  CHECK_EQ(sl_books_user_space(b, 1000), 21);
+  CHECK_EQ(sl_books_region_new(b, twin, 1, 0, &id, NULL), 0);
+  BOOKS_OK(b);
+  sl_books_free(b);
+}
+
 /* While the last loan's pages are being replaced (a borrower of another user), no growth. */
 static void test_grow_while_replacing(void) {
   struct sl_books *b = books_new(PS, (gid_t)-1);
@@ -2570,6 +2631,7 @@ int main(void) {
   test_pinned_layout_ids();
   test_grow_rules();
   test_grow_while_replacing();
+  test_user_space();
   test_grow_then_lend();
   test_borrow_paths();
   test_alloc_order();
