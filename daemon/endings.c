@@ -7,7 +7,9 @@
  * the kept bytes are restored into those, and the owner hears which to map.
  *
  * Never into the old ones (docs/design/isolation.md): that borrower may hold their fds for
- * good. When the device lacks the memory for the fresh pages, the end stalls: nothing is
+ * good. subletd lets go of its own hold of the old ones first (pool_transfer.c: drop_old), so
+ * the fresh ones never wait for memory only subletd held. When the device still lacks the
+ * memory (other processes map the old pages, or hold the rest), the end stalls: nothing is
  * restored, the region stays getting fresh pages (no Lend, no PagesGet), the save area becomes
  * the end's alone, and the owner's Reclaim gets SUBLET_ENOMEM saying so. A timer tries again
  * while it waits; once the memory is there the end completes like any other.
@@ -285,8 +287,9 @@ static void on_stall_tick(uv_timer_t *t) {
       stall_retry(d, ej); /* back here if it fails again */
     } else {
       tell_owner(d, ej, "the device still lacks the memory for fresh pages in place of the "
-                 "pages a borrower of another user was granted; free device memory and "
-                 "reclaim again");
+                 "pages a borrower of another user was granted (subletd let go of those; "
+                 "processes that map them, or other memory, hold it); reclaim again once "
+                 "device memory is free");
     }
   }
 }

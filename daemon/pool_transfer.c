@@ -232,16 +232,28 @@ static int swap_mappings(struct sl_pool_transfer *t, struct sl_err *err) {
   return rc;
 }
 
+/* A loan's end (MUST_FRESH): subletd lets go of its own mapping and handle of every old page
+ * first. They hold nothing of the owner's (a granted page's kept bytes were moved or saved
+ * before the grant, and the restore writes into the fresh pages), so keeping them until the
+ * fresh ones were made asked the device for both: a borrower that had taken the whole device
+ * left an end waiting for memory that only subletd held (issue 41). Where no one else maps
+ * them now, their memory is the device's again for the fresh pages. The region is getting
+ * fresh pages until the end commits (no PagesGet, Lend or release: books.c), so nothing reads
+ * these entries meanwhile; a page dropped by an earlier try is a hole already. */
+static int drop_old(struct sl_pool_transfer *t, struct sl_err *err) {
+  return t->must == MUST_FRESH ? sl_pool_transfer_drop(t, t->replace, t->nreplace, err) : 0;
+}
+
 /* New pages for the region pages of t->replace, all or none: without all of them the run
  * copies nothing (sl_pool_transfer_run). */
 static void run_replace(struct sl_pool_transfer *t) {
   struct sl_err err = {0};
-  int rc = 0;
+  int rc = drop_old(t, &err);
 
-  for (; rc == 0 && t->nfresh < t->nreplace; t->nfresh++)
+  while (rc == 0 && t->nfresh < t->nreplace) {
     rc = sl_device_create(t->pool->dev, fresh_bytes(t, t->nfresh), &t->fresh[t->nfresh], &err);
-  if (rc != 0)
-    t->nfresh--; /* the last create failed */
+    t->nfresh += rc == 0;
+  }
   if (rc == 0)
     rc = swap_mappings(t, &err);
   if (rc != 0) {
@@ -349,9 +361,10 @@ static int no_room(const struct sl_pool_transfer *t, struct sl_err *err) {
   sl_format_size(size, replace_bytes(t));
   if (t->must == MUST_FRESH)
     return sl_err_set(err, SUBLET_ENOMEM, "the device lacks %s of memory for fresh pages in "
-                      "place of the %zu pages a borrower of another user was granted: nothing "
-                      "is restored into pages it may still reach (the kept bytes wait, safe); "
-                      "free device memory and reclaim again", size, t->nreplace);
+                      "place of the %zu pages a borrower of another user was granted (subletd "
+                      "let go of those: their memory comes back once no process maps them): "
+                      "nothing is restored into pages it may still reach (the kept bytes wait, "
+                      "safe); reclaim again once device memory is free", size, t->nreplace);
   return sl_err_set(err, SUBLET_ENOMEM, "the device lacks the memory to make %s again: "
                     "whoever holds it must free it first; the release goes on", size);
 }

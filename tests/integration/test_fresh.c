@@ -7,13 +7,16 @@
  * child writes all of them: the owner's kept bytes stay as they were, every one compared
  * bytewise, at the same addresses, because the end of the loan gave the owner fresh pages.
  * The old pages count against the borrower until it disconnects. A borrower of the owner's
- * own user costs no fresh page.
+ * own user costs no fresh page. A borrower that took the whole device (more than the device
+ * holds beside the region) gives the owner its kept bytes back all the same, returned or
+ * exited: subletd lets go of the old pages before it makes the fresh ones (issue 41).
  */
 #include <grp.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -290,6 +293,92 @@ static void test_kept_window_follows_fresh_pages(void) {
   sublet_disconnect(owner);
 }
 
+/* ------------------------------------------- a borrower of another user takes the whole device */
+
+#define FULL_TOTAL (24u * PAGE) /* the region's 16 pages and 8 more: less than twice the region */
+
+/* In a child: another user in the allowed group borrows the loan and takes the whole device
+ * (every region page and all free memory), writes it, then returns and stays connected until
+ * told (hold_fd), or (returns 0) exits without returning. Exits with the failing step. */
+static int whole_device_loan(uint64_t loan, const uint8_t *token, int returns, int hold_fd) {
+  static const gid_t groups[] = {GROUP};
+  sublet_client *c;
+  size_t n = 0;
+  void *q;
+
+  if (setgroups(1, groups) != 0 || setgid(MEMBER_UID) != 0 || setuid(MEMBER_UID) != 0)
+    return 10;
+  if (sublet_connect(daemon_.socket, &c) != 0 || sublet_borrow(c, loan, token, NULL, 0) != 0)
+    return 11;
+  for (; sublet_alloc(c, PAGE, &q) == 0; n++)
+    memset(q, 0xB0, PAGE);
+  if (n * PAGE != FULL_TOTAL)
+    return 12; /* the whole device: the region's pages and every free one */
+  if (!returns)
+    return 0; /* its process goes, the loan with it: the daemon ends it once it has exited */
+  if (sublet_return(c, 1, NULL, NULL, 0, NULL) != SUBLET_ELEAK)
+    return 13;
+  if (say(hold_fd, 'r') != 0 || hear(hold_fd, 'q') != 0)
+    return 14; /* connected, its pages' fds still open, while the owner reclaims */
+  sublet_disconnect(c);
+  return 0;
+}
+
+/* The borrower (another user) took the whole device, so the fresh pages of the loan's end
+ * (one per page it was granted: 16) fit only once subletd lets go of the old ones: the owner's
+ * reclaim completes, every kept byte back, whether the borrower returned (and is still
+ * connected) or exited. Before: the end waited for 16 free pages while subletd held the old
+ * 16 and 8 were free, and the owner's Reclaim got ENOMEM ("free device memory and reclaim
+ * again") until the daemon restarted. */
+static void whole_device_case(int returns) {
+  struct sublet_range keep[NPAGES];
+  struct sublet_loan_stats st;
+  sublet_client *owner;
+  sublet_region *r = NULL;
+  uint8_t *base = NULL, token[16];
+  int sv[2], rc;
+  uint64_t loan;
+  pid_t pid;
+
+  make_owner(&owner, &r, &base);
+  CHECK(owner != NULL && base != NULL);
+  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "whole", &loan, token), 0);
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
+  if ((pid = fork()) == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(sv[0]);
+    _exit(whole_device_loan(loan, token, returns, sv[1]));
+  }
+  close(sv[1]);
+  if (returns)
+    CHECK(hear(sv[0], 'r') == 0);
+  else
+    CHECK(borrower_exit(pid) == 0);
+  rc = sublet_reclaim(owner, loan, 10000, &st);
+  if (rc != 0)
+    fprintf(stderr, "  reclaim: %s\n", sublet_last_error());
+  CHECK_RC(rc, 0);
+  CHECK(st.replaced_pages == NPAGES);
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+  CHECK(sublet_region_addr(r) == base);
+  CHECK(kept_changed(base) == 0);
+  if (returns) {
+    CHECK(say(sv[0], 'q') == 0);
+    CHECK(borrower_exit(pid) == 0);
+  }
+  close(sv[0]);
+  CHECK_RC(sublet_region_release(r), 0);
+  sublet_disconnect(owner);
+}
+
+static void test_whole_device_borrower_returns(void) {
+  whole_device_case(1);
+}
+
+static void test_whole_device_borrower_exits(void) {
+  whole_device_case(0);
+}
+
 int main(void) {
   static const char *const args[] = {"--allow-group", "4242", NULL};
 
@@ -307,6 +396,17 @@ int main(void) {
               test_other_user_gets_nothing_after_the_loan);
   sl_test_run("a borrower of the owner's user pays nothing", test_same_user_pays_nothing);
   sl_test_run("a kept window follows the fresh pages", test_kept_window_follows_fresh_pages);
+  if (sl_test_daemon_stop(&daemon_) != 0)
+    sl_test_failed++;
+  if (sl_test_daemon_start_ex(&daemon_, PAGE, FULL_TOTAL,
+                              &(struct sl_test_daemon_opts){.args = args}) != 0)
+    return 1;
+  chmod(daemon_.dir, 0755);
+  chmod(daemon_.socket, 0666);
+  sl_test_run("a borrower of another user takes the whole device and returns",
+              test_whole_device_borrower_returns);
+  sl_test_run("a borrower of another user takes the whole device and exits",
+              test_whole_device_borrower_exits);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;
   return sl_test_summary("fresh");

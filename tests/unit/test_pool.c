@@ -185,6 +185,55 @@ static void test_transfer_during_a_move(struct sl_pool *p) {
   sl_pool_region_free(p, sl_pool_region_take(p, 10));
 }
 
+/* A loan's end that gives the pages a borrower of another user was granted fresh pages: the
+ * pool lets go of the old pages before it makes the fresh ones (issue 41), so their memory is
+ * the device's again; when the fresh ones cannot all be made anyway, nothing is copied, no
+ * fresh page is kept, the old ones stay gone (holes), and a later run makes them all and
+ * copies every byte back. Before: the old pages stayed until the fresh ones were made, and a
+ * device that could not hold both never had the room. */
+static void test_fresh_end_frees_the_old_pages(struct sl_pool *p) {
+  struct sl_pool_region *r = NULL;
+  struct sl_pool_transfer *t = NULL;
+  uint64_t ps = p->page_size, old[4] = {0, 1, 2, 3}, before, after;
+  struct sl_copy all = {0, 0, 4 * ps};
+  struct sl_err err = {0};
+  size_t replaced = 0;
+  double c, m;
+
+  check_note = err.msg;
+  CHECK_EQ(sl_pool_region_make(p, 11, 4, 4, &r, &err), 0);
+  CHECK_EQ(sl_pool_region_map(p, r, &err), 0);
+  sl_pool_region_add(p, r);
+  fill(r, 4 * ps);
+  CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_HOST, 11, &all, 1, NULL, 0, &t, &err), 0);
+  CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), 0); /* the kept bytes, saved */
+  sl_pool_transfer_free(t);
+  memset(r->base, 0xB0, 4 * ps); /* the borrower's */
+  CHECK_EQ(sl_device_free_bytes(p->dev, &before, &err), 0);
+
+  creates_left = 2;
+  CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_DEVICE, 11, &all, 1, NULL, 0, &t, &err), 0);
+  CHECK_EQ(sl_pool_transfer_replace(t, old, 4, &replaced, &err), 0);
+  CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), SUBLET_ENOMEM);
+  sl_pool_transfer_free(t);
+  creates_left = -1;
+  CHECK_EQ(replaced, 0);
+  CHECK_EQ(sl_device_free_bytes(p->dev, &after, &err), 0);
+  CHECK_EQ(after, before + 4 * ps); /* the old pages' memory is back, no fresh page kept */
+  for (int i = 0; i < 4; i++)
+    CHECK_EQ(r->pages[i], 0);
+
+  CHECK_EQ(sl_pool_transfer_new(p, SL_COPY_TO_DEVICE, 11, &all, 1, NULL, 0, &t, &err), 0);
+  CHECK_EQ(sl_pool_transfer_replace(t, old, 4, &replaced, &err), 0);
+  CHECK_EQ(sl_pool_transfer_run(t, &c, &m, &err), 0);
+  sl_pool_transfer_free(t);
+  CHECK_EQ(replaced, 4);
+  CHECK(intact(r, 4 * ps));
+  CHECK_EQ(sl_device_free_bytes(p->dev, &after, &err), 0);
+  CHECK_EQ(after, before); /* four fresh pages in place of four old ones */
+  sl_pool_region_free(p, sl_pool_region_take(p, 11));
+}
+
 int main(void) {
   struct sl_device_params params = {.backend = "memfd", .total_bytes = 1ull << 30};
   struct sl_pool_region *r = NULL;
@@ -259,6 +308,7 @@ int main(void) {
 
   test_growth_moves_the_mapping(p);
   test_transfer_during_a_move(p);
+  test_fresh_end_frees_the_old_pages(p);
   sl_pool_free(p);
   sl_device_close(dev);
   return check_report("test_pool");
