@@ -138,7 +138,8 @@ static void test_lend_pins_ahead_up_to_its_kept_bytes(void) {
 }
 
 /* The borrower takes 64 MiB of kept pages (no free memory beside the region): their save
- * needs the first piece only, pinned in 0.5 s, while the whole pin takes 2 s. */
+ * needs the first piece only, so it is answered while the pin goes on (a piece takes a
+ * quarter of the whole pin here): Status.pin, read after the save, still runs. */
 static void test_first_save_waits_for_its_pieces_only(void) {
   struct sl_test_daemon d;
   struct pin_state s;
@@ -156,8 +157,7 @@ static void test_first_save_waits_for_its_pieces_only(void) {
   CHECK_RC(pin_state(c, &s), 0);
   fprintf(stderr, "  first save of 64 MiB: %.3f s; pin %llu of %llu MiB\n", took,
           (unsigned long long)(s.done >> 20), (unsigned long long)(s.target >> 20));
-  CHECK(took < 1.5);                     /* not the 2 s of the whole pin */
-  CHECK(s.pinning && s.done < s.target); /* which goes on */
+  CHECK(s.pinning && s.done < s.target); /* the save did not wait for the whole pin */
   end_loan(c, r, b, p, loan);
   CHECK(pin_settled(c, &s, REGION, 10) == 0 && s.host_bytes == REGION);
   sublet_disconnect(c);
@@ -166,7 +166,8 @@ static void test_first_save_waits_for_its_pieces_only(void) {
 
 /* PinAhead before the first Lend: the pin runs at once; once it is done, the first save of
  * a loan that keeps everything (64 MiB of kept pages taken, no free memory beside the region)
- * waits for no pinning (a piece takes 0.5 s here), and every kept bit comes back. */
+ * pins nothing on its path (no pin runs, and the pinned bytes stay as they were), and every
+ * kept bit comes back. */
 static void test_pin_ahead_before_the_first_lend(void) {
   struct sl_test_daemon d;
   struct pin_state s;
@@ -188,7 +189,8 @@ static void test_pin_ahead_before_the_first_lend(void) {
   CHECK(!s.pinning); /* the Lend's kept bytes are pinned already */
   save_64m(&d, loan, token, &b, &p, &took);
   fprintf(stderr, "  first save of 64 MiB after a pin ahead: %.3f s\n", took);
-  CHECK(took < 0.4); /* a piece pinned on its path would take 0.5 s */
+  CHECK_RC(pin_state(c, &s), 0);
+  CHECK(!s.pinning && s.host_bytes == REGION);
   end_loan(c, r, b, p, loan);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.host_bytes == REGION);
@@ -244,6 +246,9 @@ static void first_release(int pin, double *took) {
   CHECK_RC(sublet_release(r, NULL, 0, &keep, 1, 0, 0, &rel, &st), 0);
   *took = sl_test_now() - t0;
   CHECK(st.copied_out_bytes == keep.length);
+  CHECK_RC(pin_state(c, &s), 0);
+  if (pin) /* it took the spare: nothing pinned beside it, no pin running */
+    CHECK(!s.pinning && s.host_bytes == PIECE);
   CHECK_RC(sublet_resume(r, rel, 0, &st), 0);
   for (uint64_t i = 0; i < keep.length; i += 4096)
     CHECK(((uint8_t *)sublet_region_addr(r))[i] == 0x5A);
@@ -254,7 +259,9 @@ static void first_release(int pin, double *took) {
 }
 
 /* PinAhead for releases: the first release takes the spare pinned for it and pins nothing on
- * its path, where without it the release pins a piece (0.5 s here) first. */
+ * its path (first_release checks the pinned bytes it leaves), where without it the release
+ * pins a piece first. The time that saves is printed, not asserted: it is a benchmark's
+ * figure, and a loaded machine's copies blur it. */
 static void test_pin_ahead_for_the_first_release(void) {
   double cold, ahead;
 
@@ -262,7 +269,6 @@ static void test_pin_ahead_for_the_first_release(void) {
   first_release(1, &ahead);
   fprintf(stderr, "  first release saving 64 MiB: %.3f s, after a pin ahead %.3f s\n", cold,
           ahead);
-  CHECK(ahead < cold - 0.3);
 }
 
 /* --pin-keep: once the user has no region, its areas go (the loans' and the spare pinned for
@@ -294,8 +300,9 @@ static void test_area_released_after_last_region(void) {
   CHECK_RC(pin_state(watch, &s), 0);
   if (sl_test_now() - t0 < 0.8) /* else a slow machine's disconnect took the time */
     CHECK(s.host_bytes == 2 * PIECE); /* not yet: --pin-keep */
-  usleep(1500000);
-  CHECK_RC(pin_state(watch, &s), 0);
+  t0 = sl_test_now(); /* --pin-keep's second passes: the areas go (60 s: a hang guard) */
+  while (pin_state(watch, &s) == 0 && s.host_bytes != 0 && sl_test_now() - t0 < 60.0)
+    usleep(50000);
   CHECK(s.host_bytes == 0);
   sublet_disconnect(watch);
   CHECK(sl_test_daemon_stop(&d) == 0);
@@ -329,25 +336,62 @@ static void test_pin_option_still_works(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
-/* A daemon stopped in the middle of a pin ahead stops after the piece in progress. */
+/* The bytes the daemon's log (fd) last says its pin ahead held pinned ("pinned 768.0 MiB of
+ * the save area ahead in 1.50 s: 768.0 MiB pinned"); UINT64_MAX when it says nothing of it. */
+static uint64_t pinned_in_log(int fd) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  char text[1 << 16], unit[8], *at, *last = NULL;
+  ssize_t n = pread(fd, text, sizeof(text) - 1, 0);
+  double v;
+
+  text[n > 0 ? n : 0] = '\0';
+  for (at = text; (at = strstr(at, "of the save area ahead in ")) != NULL; at++)
+    last = at;
+  if (last == NULL || (last = strstr(last, "s: ")) == NULL ||
+      sscanf(last + 3, "%lf %7s", &v, unit) != 2)
+    return UINT64_MAX;
+  for (int u = 0; u < 5; u++, v *= 1024)
+    if (strcmp(unit, units[u]) == 0)
+      return (uint64_t)v;
+  return UINT64_MAX;
+}
+
+/* A daemon stopped in the middle of a pin ahead stops after the piece in progress, not at the
+ * end of the pin: its log's last word on the pin counts less than the region pinned. */
 static void test_stop_during_pin(void) {
+  char log[] = "/tmp/sublet-test-pin-log-XXXXXX";
+  const char *level = getenv("SUBLET_TEST_LOG");
   struct sl_test_daemon d;
   struct pin_state s;
   sublet_client *c;
   sublet_region *r;
   uint8_t token[SUBLET_TOKEN_SIZE];
-  uint64_t loan;
-  double t0;
+  uint64_t loan, pinned;
+  int fd = mkstemp(log), err = dup(2), rc;
 
-  CHECK(sl_test_daemon_start(&d, PAGE, REGION) == 0);
+  CHECK(fd >= 0 && err >= 0);
+  unlink(log);
+  setenv("SUBLET_TEST_LOG", "info", 1); /* the daemon's log (stderr) into fd: it says the pin */
+  dup2(fd, 2);
+  rc = sl_test_daemon_start(&d, PAGE, REGION);
+  dup2(err, 2);
+  close(err);
+  if (level != NULL)
+    setenv("SUBLET_TEST_LOG", level, 1);
+  else
+    unsetenv("SUBLET_TEST_LOG");
+  CHECK(rc == 0);
   CHECK((r = open_region(&d, &c)) != NULL);
   CHECK_RC(lend_first(r, REGION, &loan, token), 0);
   CHECK_RC(pin_state(c, &s), 0);
   CHECK(s.pinning);
   sublet_disconnect(c);
-  t0 = sl_test_now();
   CHECK(sl_test_daemon_stop(&d) == 0);
-  CHECK(sl_test_now() - t0 < 1.5); /* a piece (0.5 s), not the rest of the pin */
+  pinned = pinned_in_log(fd);
+  fprintf(stderr, "  stopped with %llu MiB of %llu pinned\n", (unsigned long long)(pinned >> 20),
+          (unsigned long long)(REGION >> 20));
+  CHECK(pinned < REGION);
+  close(fd);
 }
 
 int main(void) {
