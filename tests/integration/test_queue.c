@@ -343,23 +343,19 @@ static void test_cancel_a_waiting_lend(void) {
 
 #define MANY_RANGES 3000000u
 #define BIG_REGION (64u << 20)
-/* The bound on another client's round trip meanwhile: 200 ms (on the loop the Lend held it
- * half a second in a release build), five times that under ASan, which slows the daemon's own
- * work (its books check after every request reads all 3 million ranges) as much. */
-#if defined(__SANITIZE_ADDRESS__)
-#define ROUND_TRIP_BOUND 1.0
-#else
-#define ROUND_TRIP_BOUND 0.2
-#endif
 
+/* Another client's round trips while a long call of this one is worked out. Each trip says
+ * what it saw; `during` counts the trips that saw the call in the daemon's hands, half done:
+ * answered, so, while the long work went on off the loop (on the loop, nothing is answered
+ * until it is done, and no trip could see it half done). */
 struct pinger {
   volatile int stop;
-  double worst;
-  unsigned trips;
-  const char *socket; /* NULL: the suite's daemon */
+  unsigned trips, during;
+  const char *socket;  /* NULL: the suite's daemon */
+  int lends;           /* asks Status: a Lend waits (being drafted) */
+  uint64_t lo, hi;     /* else asks Info: free bytes strictly between (pages being made) */
 };
 
-/* Another client's round trips (Status) while the long Lend is processed. */
 static void *ping(void *arg) {
   struct pinger *p = arg;
   struct sublet_info info;
@@ -368,11 +364,16 @@ static void *ping(void *arg) {
   if (sublet_connect(p->socket != NULL ? p->socket : daemon_.socket, &c) != 0)
     return NULL;
   while (!p->stop) {
-    double t = sl_test_now();
-    if (sublet_get_info(c, &info) != 0)
-      break;
-    t = sl_test_now() - t;
-    p->worst = t > p->worst ? t : p->worst;
+    if (p->lends) {
+      long n = lends_waiting(c);
+      if (n < 0)
+        break;
+      p->during += n > 0;
+    } else {
+      if (sublet_get_info(c, &info) != 0)
+        break;
+      p->during += info.free_bytes > p->lo && info.free_bytes < p->hi;
+    }
     p->trips++;
   }
   sublet_disconnect(c);
@@ -380,17 +381,16 @@ static void *ping(void *arg) {
 }
 
 /* 3 million 8-byte ranges in shuffled order (the daemon sorts them): the Lend is decoded and
- * worked out off the loop, so another client's round trip stays short (ROUND_TRIP_BOUND beyond
- * what the machine adds by itself); the loan then keeps exactly those bytes. */
+ * worked out off the loop, so another client is answered meanwhile (it sees the Lend waiting
+ * while its keep list is drafted); the loan then keeps exactly those bytes. */
 static void test_millions_of_ranges_off_the_loop(void) {
   struct sublet_range *keep = malloc(MANY_RANGES * sizeof(*keep));
-  struct pinger p = {0};
+  struct pinger p = {.lends = 1};
   struct sublet_loan_stats st;
   sublet_client *c;
   sublet_region *r;
   pthread_t th;
   uint64_t loan;
-  double idle;
 
   CHECK(keep != NULL);
   for (uint32_t i = 0; i < MANY_RANGES; i++)
@@ -404,16 +404,14 @@ static void test_millions_of_ranges_off_the_loop(void) {
   CHECK_RC(sublet_connect(daemon_.socket, &c), 0);
   CHECK_RC(sublet_region_create(c, BIG_REGION, &r), 0);
   fill(sublet_region_addr(r), BIG_REGION, 99, 0);
+  CHECK(lends_waiting(c) == 0);
   CHECK(pthread_create(&th, NULL, ping, &p) == 0);
-  usleep(500000); /* what the machine itself adds to a round trip, first */
-  idle = p.worst;
-  p.worst = 0;
   CHECK_RC(sublet_lend_local_wait(r, keep, MANY_RANGES, 0, 30000, &loan), 0);
   p.stop = 1;
   pthread_join(th, NULL);
-  fprintf(stderr, "  another client's worst round trip during the Lend: %.1f ms (%.1f ms "
-          "before it; %u trips)\n", p.worst * 1e3, idle * 1e3, p.trips);
-  CHECK(p.trips > 0 && p.worst < ROUND_TRIP_BOUND + idle);
+  fprintf(stderr, "  another client's round trips during the Lend: %u, %u of them while it "
+          "was drafted\n", p.trips, p.during);
+  CHECK(p.during > 0);
   CHECK_RC(sublet_return(c, 0, &st, NULL, 0, NULL), 0);
   CHECK_RC(sublet_reclaim(c, loan, 30000, &st), 0);
   CHECK(st.copied_in_bytes == st.copied_out_bytes);
@@ -424,21 +422,22 @@ static void test_millions_of_ranges_off_the_loop(void) {
 }
 
 /* Creating a region's pages runs off the loop, and so does releasing a large one (more than
- * 256 MiB): another client is answered meanwhile, and the release is answered once the memory
- * is back. This daemon's memfd pages take as long to create as a GPU's ($SUBLET_MEMFD_CREATE;
- * 2 s for 64 GiB on an H200), and before the job the loop was held that long. */
+ * 256 MiB): another client is answered meanwhile (it sees the device's free memory partway
+ * down, some pages made and some not), and the release is answered once the memory is back.
+ * This daemon's memfd pages take as long to create as a GPU's ($SUBLET_MEMFD_CREATE; 2 s for
+ * 64 GiB on an H200), and before the job the loop was held that long. */
 #define SLOW_TOTAL (512ull << 20)
 #define SLOW_REGION (320ull << 20) /* untouched memfd pages: no memory of the machine's */
 
 static void test_region_pages_made_off_the_loop(void) {
   static const char *const reserve[] = {"--reserve", "0", NULL};
   struct sl_test_daemon slow;
-  struct pinger p = {0};
+  struct pinger p = {.lo = SLOW_TOTAL - SLOW_REGION, .hi = SLOW_TOTAL};
   struct sublet_info info;
   sublet_client *c;
   sublet_region *r;
   pthread_t th;
-  double t, idle;
+  double t;
 
   setenv("SUBLET_MEMFD_CREATE", "1G", 1); /* 320 MiB: 0.3 s */
   CHECK(sl_test_daemon_start_ex(&slow, PAGE, SLOW_TOTAL,
@@ -447,23 +446,19 @@ static void test_region_pages_made_off_the_loop(void) {
   p.socket = slow.socket;
   CHECK_RC(sublet_connect(slow.socket, &c), 0);
   CHECK(pthread_create(&th, NULL, ping, &p) == 0);
-  usleep(300000);
-  idle = p.worst;
-  p.worst = 0;
   t = sl_test_now();
   CHECK_RC(sublet_region_create(c, SLOW_REGION, &r), 0);
   t = sl_test_now() - t;
+  p.stop = 1;
+  pthread_join(th, NULL);
   CHECK_RC(sublet_get_info(c, &info), 0);
   CHECK(info.free_bytes == SLOW_TOTAL - SLOW_REGION);
   CHECK_RC(sublet_region_release(r), 0); /* a job: answered once the pages are gone */
   CHECK_RC(sublet_get_info(c, &info), 0);
   CHECK(info.free_bytes == SLOW_TOTAL);
-  p.stop = 1;
-  pthread_join(th, NULL);
-  fprintf(stderr, "  region of 320 MiB made in %.2f s; another client's worst round trip "
-          "meanwhile %.1f ms (%.1f ms before; %u trips)\n", t, p.worst * 1e3, idle * 1e3,
-          p.trips);
-  CHECK(t > 0.25 && p.trips > 10 && p.worst < ROUND_TRIP_BOUND / 2 + idle);
+  fprintf(stderr, "  region of 320 MiB made in %.2f s; another client's round trips meanwhile: "
+          "%u, %u of them with the pages partway made\n", t, p.trips, p.during);
+  CHECK(p.during > 0);
   sublet_disconnect(c);
   CHECK(sl_test_daemon_stop(&slow) == 0);
 }
