@@ -5,6 +5,7 @@
 #define SL_CLIENT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 #include "device.h"
 #include "keepwire.h"
@@ -34,6 +35,8 @@ struct sublet_region {
   int torch_blocks;    /* its pages back PyTorch's blocks (a pool's arena: pool.c): a loan's
                           window never hands out their addresses, or PyTorch would see two
                           live blocks at one address (it aborts: "invalid device pointer") */
+  atomic_int pool_held; /* an arena's: held for a loan (sublet_pool_hold), without which its
+                          Lend is refused (set by pool.c under its lock, read by region.c) */
   struct sublet_region *next;
 };
 

@@ -13,11 +13,22 @@
  * group never holds pages of two tags: a segment does not take part of one another tag holds,
  * and a tag's pages reach over the free rest of its groups, so its release gives them back.
  *
- * Locking: pool_lock guards every arena; it is taken before the client's lock (region growth
- * and the lent check take that), never after it.
+ * Loans of the arena: the pages a loan lends (a tag's, the free ones) and those it pins (the
+ * other tags') are decided from the segments, so no segment may be made between that decision
+ * and the loan's end, or a tensor of another tag could land in a free page the loan lends.
+ * sublet_pool_hold() switches the refusal of allocations on (SUBLET_EBUSY) under pool_lock
+ * before the caller reads the segments it plans with, and the Lend of the arena's region is
+ * refused without it (region.c); sublet_pool_unhold() after the loan is reclaimed. The layout
+ * id, bumped under pool_lock at every segment made, tells a plan made before the hold whether
+ * it still holds (nothing was allocated since).
+ *
+ * Lock order, for every pool and loan of a process: pool_lock, then the client's lock
+ * (c->lock: region growth, the lent check, every request), then c->send_lock; never the
+ * reverse. (The Python package takes sublet._pool._lock before any of them.)
  */
 #include "client.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,6 +41,8 @@ struct sl_arena {
   sublet_region *region; /* NULL until the first segment */
   struct pool_seg *segs; /* ascending first, disjoint */
   size_t nsegs, cap;
+  int held;              /* sublet_pool_hold: a loan of the region is being made or runs */
+  uint64_t layout;       /* bumped at every segment made (the region grows only then) */
 };
 
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -176,9 +189,9 @@ static int arena_get(sublet_client *c, struct sl_arena **out) {
 }
 
 /* An arena that holds no segment gives its region back (the device memory goes back to the
- * driver), unless it is lent: then the next segment after the loan finds it. */
+ * driver), unless it is held or lent: then the next segment after the loan finds it. */
 static void arena_settle(sublet_client *c, struct sl_arena *a) {
-  if (a->nsegs > 0 || a->region == NULL || arena_lent(c, a))
+  if (a->nsegs > 0 || a->region == NULL || a->held || arena_lent(c, a))
     return;
   if (sublet_region_release(a->region) == 0)
     a->region = NULL;
@@ -216,11 +229,15 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
 
   if ((rc = arena_get(c, &a)) != 0)
     return rc;
-  if (arena_lent(c, a))
-    return sl_client_fail(SUBLET_EBUSY, "the pool's memory (region %llu) is lent: it serves "
-                          "allocations again once the loan has ended; allocate before "
-                          "lending, or outside sublet.pool()",
-                          (unsigned long long)a->region->id);
+  /* Held: the loan's pages were decided from the segments as they are; any page this would
+   * take (a free one, or one the region grows by) is lent. Refused, never waited for: the
+   * caller may be PyTorch's allocator, whose lock the borrower's own allocations need. */
+  if (a->held || arena_lent(c, a))
+    return sl_client_fail(SUBLET_EBUSY, "the pools' memory on this device (region %llu) is "
+                          "being lent or is lent: no pool allocation of any tag is served "
+                          "until the loan has ended (its page could be one the loan lends); "
+                          "allocate before lending, or again once the loan is back",
+                          a->region != NULL ? (unsigned long long)a->region->id : 0ULL);
   first = first_fit(a, npages, tag, &at);
   if (npages > UINT64_MAX / c->info.page_size - first) /* its end in bytes would wrap */
     return sl_client_fail(SUBLET_ENOMEM, "a pool allocation of %llu bytes is past any "
@@ -228,6 +245,7 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
   if ((rc = check_margin(c, a, first + npages)) != 0 ||
       (rc = arena_reach(c, a, first + npages)) != 0)
     return rc;
+  a->layout++; /* a page is taken, or the region grew */
   if ((rc = arena_insert(a, at, (struct pool_seg){first, npages, tag})) != 0) {
     arena_settle(c, a); /* a region made for this segment alone goes back */
     return rc;
@@ -300,6 +318,50 @@ SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr) {
   owns = seg_at(c, ptr) >= 0;
   pthread_mutex_unlock(&pool_lock);
   return owns;
+}
+
+/* The region's own mark (region.c refuses a Lend of an arena without it), set with the
+ * arena's: a region made while held cannot be (no segment is made then). */
+static void mark_held(struct sl_arena *a, int held) {
+  a->held = held;
+  if (a->region != NULL)
+    atomic_store(&a->region->pool_held, held);
+}
+
+SUBLET_EXPORT int sublet_pool_hold(sublet_client *c, uint64_t *layout) {
+  struct sl_arena *a = NULL;
+  int rc;
+
+  pthread_mutex_lock(&pool_lock);
+  if ((rc = arena_get(c, &a)) == 0 && a->held)
+    rc = sl_client_fail(SUBLET_EBUSY, "the pools of this client are held for a loan already: "
+                        "one loan of the arena at a time");
+  if (rc == 0) {
+    mark_held(a, 1);
+    if (layout != NULL)
+      *layout = a->layout;
+  }
+  pthread_mutex_unlock(&pool_lock);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_pool_unhold(sublet_client *c) {
+  pthread_mutex_lock(&pool_lock);
+  if (c->arena != NULL && c->arena->held) {
+    mark_held(c->arena, 0);
+    arena_settle(c, c->arena); /* emptied during the loan: its region goes now */
+  }
+  pthread_mutex_unlock(&pool_lock);
+  return 0;
+}
+
+SUBLET_EXPORT uint64_t sublet_pool_layout(sublet_client *c) {
+  uint64_t layout;
+
+  pthread_mutex_lock(&pool_lock);
+  layout = c->arena != NULL ? c->arena->layout : 0;
+  pthread_mutex_unlock(&pool_lock);
+  return layout;
 }
 
 SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c) {

@@ -655,6 +655,13 @@ int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply
   int rc;
 
   *release_fd = -1;
+  /* A plan of a pool arena's pages made while allocations could still take its free pages
+   * would lend another tag's new tensor (pool.c, "Loans of the arena"). */
+  if (r->torch_blocks && !atomic_load(&r->pool_held))
+    return sl_client_fail(SUBLET_EINVAL, "region %llu is a pool arena: lend it under "
+                          "sublet_pool_hold(), reading its segments after that call, and "
+                          "sublet_pool_unhold() once the loan is reclaimed",
+                          (unsigned long long)r->id);
   /* An older subletd would ignore the pinned pages and lend them: the owner's bytes. */
   if (a->npinned > 0 && !c->pinned_ok)
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin pages of a loan (it is "

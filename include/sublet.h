@@ -266,9 +266,16 @@ SUBLET_EXPORT void sublet_string_free(char *s);
 /* Pools: memory sub-allocated by tag (any number but 0, the caller's names) from one growable
  * region of the client, its arena, so that many tensors cost no region each and one loan of
  * that region lends any set of tags (the pages of the others kept). An allocation is whole
- * pages, first fit; the region grows when no gap holds it (made at the first). While the
- * arena is lent, allocating fails with SUBLET_EBUSY. A free leaves its pages free in the
- * region: the next allocation, or a loan, takes them; the last free releases the region. */
+ * pages, first fit; the region grows when no gap holds it (made at the first). From
+ * sublet_pool_hold() to sublet_pool_unhold(), and while the arena is lent, allocating fails at
+ * once with SUBLET_EBUSY (of every tag: a new page could be a free one the loan lends; it
+ * never waits, since PyTorch's allocator calls it with its lock held). A free leaves its pages
+ * free in the region: the next allocation, or a loan, takes them; the last free releases the
+ * region.
+ *
+ * Lock order for the pools and loans of a process: the pools' lock (these calls), then the
+ * client's (every request), never the reverse; no call here takes the pools' lock while it
+ * holds the client's. */
 SUBLET_EXPORT int sublet_pool_alloc(sublet_client *c, uint32_t tag, uint64_t size, void **ptr);
 SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr);
 /* A margin for the pools' growth: a pool allocation that needs new device memory (the arena
@@ -278,8 +285,21 @@ SUBLET_EXPORT int sublet_pool_free(sublet_client *c, void *ptr);
 SUBLET_EXPORT int sublet_pool_set_margin(sublet_client *c, uint64_t bytes);
 /* 1 when ptr is the start of a live pool allocation of c, else 0. */
 SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr);
-/* The arena (lend it as any region), or NULL before the first pool allocation. */
+/* The arena (lend it under sublet_pool_hold()), or NULL before the first pool allocation. */
 SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c);
+/* Lending the arena: which pages a loan lends (a tag's, the free ones) and which it pins (the
+ * other tags') is decided from the segments, and no allocation may take a page between that
+ * decision and the loan's end. sublet_pool_hold() switches the refusal of pool allocations on
+ * (SUBLET_EBUSY, above) atomically with reading the layout: read the segments and the
+ * arena's size for the loan after it, lend, and call sublet_pool_unhold() once the loan is
+ * reclaimed or the Lend failed. A Lend of the arena's region without the hold fails with
+ * SUBLET_EINVAL. *layout (may be NULL): the arena's layout id, which changes whenever an
+ * allocation takes pages (sublet_pool_layout() reads it without holding): a plan made from
+ * segments read while the id was the one the hold returns is still the arena's. SUBLET_EBUSY
+ * when held already (one loan of the arena at a time). Frees go on while held. */
+SUBLET_EXPORT int sublet_pool_hold(sublet_client *c, uint64_t *layout);
+SUBLET_EXPORT int sublet_pool_unhold(sublet_client *c);
+SUBLET_EXPORT uint64_t sublet_pool_layout(sublet_client *c);
 /* The live allocations of tag (0: of every tag) as byte ranges of the arena, ascending and
  * disjoint: the first n into out, their count into *count (a bound when it exceeds n: call
  * again with room for it). A tag's ranges reach over the free pages of the page groups they

@@ -107,6 +107,12 @@ def lend(what: Lendable, keep: Keep = None, verify: bool | None = None,
     (cache[8:]) lends its own bytes only: the rest of its memory is kept. Anything the work
     leaves alive at the end raises LeakError, after the kept data is restored.
 
+    Pools: which pages are lent and which pinned (the other tags') is read when the `with` is
+    entered, once no pool allocation can take a page any more: a tensor made after lend()
+    returned is the owner's, pinned. From the `with` to its end no pool allocation of any tag
+    is served on the device: Pool.empty() raises BusyError, and PyTorch inside
+    `with sublet.pool(tag)` raises torch.OutOfMemoryError when it needs a new segment.
+
     verify: checksum the kept bytes on the device before the loan and after it, and raise
     VerifyError naming the ranges that changed (bits, not values). None: $SUBLET_VERIFY=1.
 
@@ -135,7 +141,9 @@ def offer(what: Lendable, keep: Keep = None, name: str | None = None,
     and returns an Offer as soon as it is made; Offer.wait() blocks until it comes back. In a
     `with` block, leaving it withdraws an untaken offer or waits for the borrower to finish.
     verify: as for lend(), checked when wait() sees the loan back. timeout: as for lend(), the
-    wait for the device while another loan runs on it.
+    wait for the device while another loan runs on it. Pools: as for lend(), from this call
+    until the offer is back or withdrawn no pool allocation is served on the device; a pool
+    whose tag the offer pins whole may be entered meanwhile (its cached blocks serve).
 
     release=True: a release offer instead (a ReleaseOffer), for a scheduler that calls
     sublet.take(name=...): when it takes the offer this process's library releases the memory

@@ -323,6 +323,9 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_pool_set_margin": (c_int, [c_void_p, c_uint64]),
     "sublet_pool_owns": (c_int, [c_void_p, c_void_p]),
     "sublet_pool_region": (c_void_p, [c_void_p]),
+    "sublet_pool_hold": (c_int, [c_void_p, POINTER(c_uint64)]),
+    "sublet_pool_unhold": (c_int, [c_void_p]),
+    "sublet_pool_layout": (c_uint64, [c_void_p]),
     "sublet_pool_segments": (c_int, [c_void_p, c_uint32, c_void_p, c_size_t,
                                      POINTER(c_size_t)]),
 }
@@ -833,6 +836,22 @@ class Client:
         """Pool allocations that grow the arena fail (SubletOutOfMemoryError) unless nbytes
         stay free on the device after them (0: no check)."""
         check(lib().sublet_pool_set_margin(self.handle, nbytes))
+
+    def pool_hold(self) -> int:
+        """Switches on the refusal of this client's pool allocations (BusyError) for a loan of
+        its arena, to be planned from here on; returns the arena's layout id
+        (sublet_pool_hold). BusyError when held already."""
+        layout = c_uint64()
+        check(lib().sublet_pool_hold(self.handle, ctypes.byref(layout)))
+        return layout.value
+
+    def pool_unhold(self) -> None:
+        """Pool allocations are served again: the loan of the arena is over."""
+        check(lib().sublet_pool_unhold(self.handle))
+
+    def pool_layout(self) -> int:
+        """The arena's layout id now: it changes whenever an allocation takes pages."""
+        return int(lib().sublet_pool_layout(self.handle))
 
     def pool_region(self) -> RegionHandle | None:
         """The arena as it is now (it grows), or None before the first pool allocation."""

@@ -6,13 +6,18 @@ directly. Ending it stops the routing, checks what the borrower left alive, and 
 loan; the daemon then restores the owner's kept bytes.
 
 Waits on the daemon (reclaim, borrow) run in short slices, so Ctrl-C is seen between them.
+
+Locking: who routes a device (a pool entered, a loan borrowed) and what of the pools is lent
+are decided under the one lock of the process's pools and loans, sublet._pool._lock, which is
+taken before libsublet's (its pools' lock, then the client's), never inside them. A loan of
+the pools holds them (libsublet refuses pool allocations from then on) before it reads which
+pages it lends and pins: a tensor made before that is pinned, one asked for after it refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import threading
 import weakref
 
 import torch
@@ -31,10 +36,9 @@ _EOWNERGONE = _lib.ERROR_CODES["EOWNERGONE"]
 _EBORROWERDIED = _lib.ERROR_CODES["EBORROWERDIED"]
 _EDAEMONDIED = _lib.ERROR_CODES["EDAEMONDIED"]
 
-# Loans this process borrows, by device: one per device at a time.
+# Loans this process borrows, by device: one per device at a time; under _pool._lock, from
+# before the Lend or Borrow goes out (no pool is entered on the device from then on) to the end.
 _active: dict[torch.device, "Loan"] = {}
-_active_lock = threading.Lock()
-
 
 
 class Loan:
@@ -154,11 +158,21 @@ class Loan:
                                "serves one loan; call sublet.lend() or sublet.borrow() again "
                                "for the next")
 
-    def _start(self, client: Client, device: torch.device) -> None:
-        """Claims the device for this loan and starts routing PyTorch into it (CUDA)."""
-        with _active_lock:
+    def _claim_device(self, device: torch.device) -> None:
+        """The device's routing is this loan's from here on: no loan is borrowed and no pool
+        entered on it, and no pool is entered until the loan ends (Pool._check_can_enter)."""
+        with _pool._lock:
             _check_device_free(device)
+            _check_no_pool_entered(device)
             _active[device] = self
+
+    def _drop_device(self, device: torch.device) -> None:
+        with _pool._lock:
+            if _active.get(device) is self:
+                del _active[device]
+
+    def _start(self, client: Client, device: torch.device) -> None:
+        """Starts routing PyTorch into the loan (CUDA); the device is claimed already."""
         self._client, self.device = client, device
         try:
             if device.type == "cuda":
@@ -198,9 +212,7 @@ class Loan:
         if self.device is not None and self.device.type == "cuda" and self._client:
             self._client.torch_bind(self.device.index, False)
         self._router = None
-        with _active_lock:
-            if _active.get(self.device) is self:
-                del _active[self.device]
+        self._drop_device(self.device)
 
     def _leak_error(self, stats: LoanStats) -> LeakError:
         described = [leak.describe() if isinstance(leak, LeakedBlock)
@@ -213,18 +225,34 @@ class Loan:
               "before the `with` block ends.", _ELEAK, list(self.leaks), stats)
 
 
-def _prepare(device: torch.device, routing: bool, region: object = None) -> None:
+def _prepare(device: torch.device, routing: bool) -> None:
     """Before the daemon measures the free memory of a loan on a CUDA device: the borrower's
-    side (routing) or the owner's of an offer (PyTorch's cache given back only). Refuses a
-    loan beside an entered pool when the pool's allocations would go astray: to the pool while
-    routing (PyTorch serves the pool entered first), or into the arena while it is lent."""
+    side (routing) or the owner's of an offer (PyTorch's cache given back only)."""
+    if device.type == "cuda":
+        (prepare_routing if routing else release_cached)(device.index)
+
+
+def _check_no_pool_entered(device: torch.device) -> None:
+    """A loan routed here does not start inside a pool: PyTorch serves the pool entered first,
+    and the pool's new segments would be the loan's memory (the caller holds _pool._lock)."""
     entered = _pool.entered(device)
-    if entered is not None and (routing or isinstance(region, _pool.Arena)):
+    if entered is not None:
         raise RuntimeError(f"sublet.pool({entered.tag!r}) is entered on {device}: a loan does "
                            f"not start inside a pool; leave the `with sublet.pool(...)` block "
                            f"first")
-    if device.type == "cuda":
-        (prepare_routing if routing else release_cached)(device.index)
+
+
+def _check_entered_pool_pinned(arena: _pool.Arena) -> None:
+    """An offer of the pools may start while a pool is entered (another thread's engine) only
+    if the loan pins every page of its tag: PyTorch's cached blocks of that pool are served
+    during the loan, and a block in a page the loan lends or keeps would be the borrower's too
+    (the caller holds _pool._lock, and the arena's plan is made)."""
+    entered = _pool.entered(arena.device)
+    if entered is not None and entered.arena is arena and not arena.spares(entered.tag_id):
+        raise RuntimeError(f"sublet.pool({entered.tag!r}) is entered on {arena.device}, and "
+                           f"the loan lends or keeps pages of that tag: its tensors there "
+                           f"would be the borrower's; leave the `with sublet.pool(...)` block "
+                           f"first")
 
 
 def _check_device_free(device: torch.device) -> None:
@@ -254,10 +282,12 @@ class LocalLoan(Loan):
                  verify: bool | None = None, timeout: float | None = None):
         super().__init__()
         self.tensor = what  # what is lent, as given (a tensor, a tag, a list)
+        self._keep = keep
         self._timeout = timeout
-        self._lent = _lent.resolve(what)
-        self._region = self._lent.region
-        self._ranges = _lent.keep_ranges(self._lent, keep)
+        self._region = _lent.resolve(what).region
+        # Errors in what or keep show here, not at the `with`; the plan is made again there
+        # if the pools' pages changed since.
+        self._lent, self._ranges, self._layout = _plan(what, keep, self._region)
         self._loan_id = 0
         self._verify = _verify.enabled(verify)
         self._snapshot: _verify.Snapshot | None = None
@@ -269,9 +299,25 @@ class LocalLoan(Loan):
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
         self._check_unused()
-        _check_device_free(region.device)
-        _prepare(region.device, routing=True, region=region)
-        _claim(region)
+        _prepare(region.device, routing=True)
+        with _pool._lock:
+            self._claim_device(region.device)
+            try:
+                layout = _claim(region)
+            except BaseException:
+                self._drop_device(region.device)
+                raise
+            try:
+                # Held now: a pool allocation made since sublet.lend() (the layout moved) may
+                # have taken a page the plan lent; decided again, that page is pinned.
+                if layout is not None and layout != self._layout:
+                    self._lent, self._ranges, self._layout = _plan(self.tensor, self._keep,
+                                                                   region)
+                _publish(region, self._lent)
+            except BaseException:
+                _unclaim(region)
+                self._drop_device(region.device)
+                raise
         try:
             if self._verify:
                 self._snapshot = _verify.Snapshot(region, self._lent.tensor, self._ranges)
@@ -279,14 +325,15 @@ class LocalLoan(Loan):
             self._loan_id = _wait.lend_local(client, region.handle, self._ranges,
                                              self._timeout, self._lent.pinned)
         except BaseException:
-            region.lent = False
+            _unclaim(region)
+            self._drop_device(region.device)
             raise
         try:
             self._start(client, region.device)
         except BaseException:
             client.return_loan(force=True)
             client.reclaim(self._loan_id, -1)
-            region.lent = False
+            _unclaim(region)
             raise
         return self
 
@@ -301,7 +348,7 @@ class LocalLoan(Loan):
                 self._region.client.reclaim(self._loan_id, -1),
                 map_seconds=returned.stats.map_seconds)
         finally:
-            self._region.lent = False
+            _unclaim(self._region)
         leak = self._leak_error(self._final_stats) if self.leaks else None
         if self._snapshot is not None:
             try:
@@ -318,11 +365,46 @@ class LocalLoan(Loan):
             _add_note(exc, str(leak))
 
 
-def _claim(region: Region | _pool.Arena) -> None:
+def _plan(what: _lent.Lendable, keep: _keep.Keep, region: Region | _pool.Arena
+          ) -> tuple[_lent.Lent, object, int | None]:
+    """What a loan of `what` (in region) lends, pins and keeps, decided from the pools'
+    segments as they are now: (the Lent, the Lend's keep list, the arena's layout id they were
+    read at, None for a sublet.empty() region). Raises TypeError/ValueError naming the fix."""
+    layout = region.client.pool_layout() if isinstance(region, _pool.Arena) else None
+    lent = _lent.resolve(what)  # the segments, read after the layout id
+    if lent.region is not region:
+        raise RuntimeError(f"{lent.what} is no longer in the memory it was in when the loan "
+                           f"was made (its daemon restarted): lend it again")
+    return lent, _lent.keep_ranges(lent, keep), layout
+
+
+def _claim(region: Region | _pool.Arena) -> int | None:
+    """Marks the region lent (the caller holds _pool._lock). The pools' arena is held too:
+    libsublet refuses every pool allocation from here until _unclaim, so that the pages read
+    after this call are those the loan lends and pins. Returns the arena's layout id then
+    (None for a sublet.empty() region)."""
     if region.lent:
         raise BusyError("this memory is already lent: one loan of a region (a sublet.empty() "
                         "tensor, or the pools of a device) at a time")
+    layout = region.hold() if isinstance(region, _pool.Arena) else None
     region.lent = True
+    return layout
+
+
+def _publish(region: Region | _pool.Arena, lent: _lent.Lent) -> None:
+    """The plan's pinned pages, for the pools entered during the loan (the caller holds
+    _pool._lock)."""
+    if isinstance(region, _pool.Arena):
+        region.pinned = lent.pinned
+
+
+def _unclaim(region: Region | _pool.Arena) -> None:
+    """The loan is over (or was never made): the region is the owner's, its pools serve
+    allocations again."""
+    with _pool._lock:
+        region.lent = False
+        if isinstance(region, _pool.Arena):
+            region.let_go()
 
 
 # --------------------------------------------------------------------------- across processes
@@ -339,19 +421,30 @@ class Offer:
                  verify: bool | None = None, timeout: float | None = None):
         self.tensor = what  # what is lent, as given (a tensor, a tag, a list)
         self.name = name
-        lent = _lent.resolve(what)
-        self._region = lent.region
+        self._region = region = _lent.resolve(what).region
+        lent, ranges, planned = _plan(what, keep, region)  # errors in keep before anything
+        _prepare(region.device, routing=False)
+        with _pool._lock:
+            layout = _claim(region)
+            try:
+                # Held: a pool allocation since the plan (the layout moved) may have taken a
+                # page it lends; decided again, from pages no allocation can change now.
+                if layout is not None and layout != planned:
+                    lent, ranges, _ = _plan(what, keep, region)
+                if isinstance(region, _pool.Arena):
+                    _publish(region, lent)
+                    _check_entered_pool_pinned(region)
+            except BaseException:
+                _unclaim(region)
+                raise
         self._what = f"{lent.what} ({human(int(lent.spans[:, 1].sum()))})"  # for repr
-        ranges = _lent.keep_ranges(lent, keep)
-        _prepare(self._region.device, routing=False, region=self._region)
-        _claim(self._region)
         try:
-            self._snapshot = (_verify.Snapshot(self._region, lent.tensor, ranges)
+            self._snapshot = (_verify.Snapshot(region, lent.tensor, ranges)
                               if _verify.enabled(verify) else None)
-            self.loan_id, self.token = _wait.lend(self._region.client, self._region.handle,
+            self.loan_id, self.token = _wait.lend(region.client, region.handle,
                                                   ranges, name, timeout, lent.pinned)
         except BaseException:
-            self._region.lent = False
+            _unclaim(region)
             raise
         self.stats: LoanStats | None = None
 
@@ -387,7 +480,7 @@ class Offer:
             lambda ms: self._reclaim_slice(ms), timeout,
             f"the loan {self.name or self.loan_id} did not come back within {timeout} s")
         self.stats = stats
-        self._region.lent = False
+        _unclaim(self._region)
         if self._snapshot is not None:
             self._snapshot.check()  # the kept data is back, the borrower died or not
         if code == _EDAEMONDIED:
@@ -407,7 +500,7 @@ class Offer:
     def withdraw(self) -> None:
         """Takes back an offer nobody has borrowed (raises if a borrower has it)."""
         self._region.client.withdraw(self.loan_id)
-        self._region.lent = False
+        _unclaim(self._region)
 
     def close(self) -> None:
         if self.done:
@@ -441,12 +534,16 @@ class BorrowedLoan(Loan):
     def __enter__(self) -> "BorrowedLoan":
         self._check_unused()
         device, client = resolve_device(self._want_device)
-        _check_device_free(device)
         _prepare(device, routing=True)
+        self._claim_device(device)
         what = f"named {self.name!r}" if self.name else "(any)"
-        _wait.in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
-                   f"no loan {what} was offered on {device} within {self._timeout} s",
-                   NoOfferError)
+        try:
+            _wait.in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
+                            f"no loan {what} was offered on {device} within {self._timeout} s",
+                            NoOfferError)
+        except BaseException:
+            self._drop_device(device)
+            raise
         try:
             self._start(client, device)
         except BaseException:

@@ -18,6 +18,16 @@ graph pool, as PyTorch gives it (torch 2.11, on an H200): not sublet memory. Poo
 (one tag at a time per device; entering the same tag again is fine), a loan does not start
 inside one, and no pool is entered inside a loan. On the memfd backend (no GPU: tests) nothing
 routes CPU allocations; ``Pool.empty()`` allocates from the pool directly, on either backend.
+
+While the pools of a device are lent (from the `with` of sublet.lend(tag) to its end, from
+the sublet.offer(tag) call until it is back or withdrawn) no pool allocation of any tag is
+served: a new page could be a free one the loan lends. ``Pool.empty()`` raises BusyError at
+once; inside ``with sublet.pool(tag)`` (entered during an offer, which only a tag whose every
+page the loan pins may be), PyTorch goes on serving the tag's cached blocks (its own pages,
+pinned) and raises torch.OutOfMemoryError when it asks libsublet for a new segment. Nothing
+waits, and no tensor is placed in a page the loan lends. The pages a loan lends and pins are
+read once libsublet refuses allocations: a tensor made after sublet.lend() returned and before
+its `with` is the owner's, pinned like any other.
 """
 
 from __future__ import annotations
@@ -37,6 +47,11 @@ from ._client import Client
 from ._memory import as_dtype, nbytes_of, parse_size, resolve_device, wrap
 from ._units import human
 
+# The one lock of the process's pools and loans, on the Python side: the pools, the pool
+# entered on each device, the loans borrowed (_loan._active) and the arenas lent are read and
+# changed under it, so that a pool entered and a loan started are never decided apart. Taken
+# before libsublet's locks (its pools' lock, then the client's), never while one is held
+# (libsublet never calls Python).
 _lock = threading.RLock()
 _pools: dict[tuple[str, torch.device], "Pool"] = {}
 _tag_ids: dict[str, int] = {}
@@ -51,6 +66,34 @@ class Arena:
     def __init__(self, client: Client, device: torch.device):
         self.client, self.device = client, device
         self.lent = False  # one loan of a region at a time; set by the lending side
+        # While lent: the pages the loan pins, (n, 2) uint64 byte ranges (None: not decided).
+        self.pinned: np.ndarray | None = None
+
+    def hold(self) -> int:
+        """Switches on libsublet's refusal of every pool allocation of the client (BusyError)
+        for a loan of the arena, before the loan reads which pages it lends and pins; returns
+        the arena's layout id. Called by the lending side under _lock; let_go() ends it."""
+        layout = self.client.pool_hold()
+        self.pinned = None
+        return layout
+
+    def let_go(self) -> None:
+        """The loan is over: pool allocations are served again."""
+        self.pinned = None
+        try:
+            self.client.pool_unhold()
+        except _lib.SubletError:
+            pass  # the library is gone with the client: nothing is held
+
+    def spares(self, tag: int) -> bool:
+        """Does the loan of the arena pin every page of tag (it lends and keeps none of them)?
+        Then the tag's memory is the owner's all through the loan. False while not decided."""
+        if self.pinned is None:
+            return False
+        segs = self.segments(tag).astype(np.int64)
+        if not len(segs):
+            return True
+        return not len(_keep.subtract_ranges(segs, self.pinned.astype(np.int64)))
 
     @property
     def handle(self) -> _lib.RegionHandle:
@@ -179,7 +222,8 @@ class Pool:
     def empty(self, *size, dtype: torch.dtype | type | None = None) -> torch.Tensor:
         """A tensor allocated from the pool directly (whole pages), on any backend; its memory
         goes back to the pool when the tensor dies. dtype: as for torch.empty (None:
-        torch.get_default_dtype())."""
+        torch.get_default_dtype()). While the device's pools are being lent or lent, BusyError
+        at once (any tag: see the module's docstring); allocate again once the loan is back."""
         shape = parse_size(size)
         dtype = as_dtype(dtype)
         nbytes = nbytes_of(shape, dtype)
@@ -212,6 +256,8 @@ class Pool:
         recording"). The pool entered around the block, if any, is bound again after it."""
         from ._torch import check_routing_possible, pluggable_allocator
         check_routing_possible(self.device.index)
+        with _lock:
+            self._check_not_lent()
         if self._mempool is None:
             self._mempool = _keep_alive(torch.cuda.MemPool(
                 pluggable_allocator(_lib.library_path())._allocator))
@@ -228,11 +274,24 @@ class Pool:
             raise RuntimeError(f"a loan is active on {self.device}: no pool is entered inside "
                                f"a loan (its allocations belong to the loan); enter "
                                f"sublet.pool({self.tag!r}) before or after it")
+        self._check_not_lent()
         other = _entered.get(self.device)
         if other is not None and other is not self:
             raise RuntimeError(f"sublet.pool({other.tag!r}) is entered on {self.device}: pools "
                                f"do not nest; leave it before entering "
                                f"sublet.pool({self.tag!r})")
+
+    def _check_not_lent(self) -> None:
+        """While the pools are being lent or lent (an offer), a pool is entered only if the
+        loan pins every page of its tag: inside, PyTorch serves the pool's cached blocks, and
+        one in a page the loan lends or keeps would be the borrower's memory too. (New
+        segments are refused, any tag's: libsublet holds the arena.) The caller holds _lock."""
+        if self._arena.lent and not self._arena.spares(self._tag_id):
+            raise _lib.BusyError(
+                f"the pools on {self.device} are being lent or are lent, and the loan lends or "
+                f"keeps pages of tag {self.tag!r}: its cached blocks are the borrower's until "
+                f"the loan is back; enter sublet.pool({self.tag!r}) after it",
+                _lib.ERROR_CODES["EBUSY"])
 
     def _begin(self) -> None:
         from ._torch import check_routing_possible, pluggable_allocator

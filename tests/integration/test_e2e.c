@@ -1552,6 +1552,46 @@ static void test_other_user_refused(void) {
   close(to_child[1]);
 }
 
+/* A loan of the pools' arena is planned under the hold: from sublet_pool_hold() to
+ * sublet_pool_unhold() no pool allocation of any tag is served (the free page between two
+ * segments, which the loan lends, stays free), the layout id says whether a plan read before
+ * the hold still holds, and a Lend of the arena without the hold is refused. */
+static void test_pool_hold(void) {
+  struct sublet_range pin = {0, PAGE};
+  sublet_client *c;
+  sublet_region *r;
+  void *a, *b, *hole, *late;
+  uint64_t layout, held, loan;
+
+  CHECK_RC(connect_client(&c), 0);
+  CHECK_RC(sublet_pool_alloc(c, 1, PAGE, &a), 0);
+  CHECK_RC(sublet_pool_alloc(c, 1, PAGE, &hole), 0);
+  CHECK_RC(sublet_pool_alloc(c, 1, PAGE, &b), 0);
+  CHECK_RC(sublet_pool_free(c, hole), 0);           /* page 1: free, lent with tag 1 */
+  r = sublet_pool_region(c);
+  layout = sublet_pool_layout(c);
+  CHECK_RC(sublet_lend_pinned(r, NULL, 0, 0, NULL, 0, 1, NULL, 0, &loan, NULL), SUBLET_EINVAL);
+  CHECK(strstr(sublet_last_error(), "sublet_pool_hold") != NULL);
+  CHECK_RC(sublet_pool_hold(c, &held), 0);
+  CHECK(held == layout);
+  CHECK_RC(sublet_pool_hold(c, NULL), SUBLET_EBUSY);  /* one loan of the arena at a time */
+  CHECK_RC(sublet_pool_alloc(c, 2, PAGE, &late), SUBLET_EBUSY);
+  CHECK(strstr(sublet_last_error(), "being lent") != NULL);
+  CHECK(sublet_pool_layout(c) == held);
+  CHECK_RC(sublet_lend_pinned(r, NULL, 0, 1, &pin, 1, 1, NULL, 0, &loan, NULL), 0);
+  CHECK_RC(sublet_return(c, 0, NULL, NULL, 0, NULL), 0);
+  CHECK_RC(sublet_reclaim(c, loan, -1, NULL), 0);
+  CHECK_RC(sublet_pool_alloc(c, 2, PAGE, &late), SUBLET_EBUSY); /* held until unheld */
+  CHECK_RC(sublet_pool_unhold(c), 0);
+  CHECK_RC(sublet_pool_alloc(c, 2, PAGE, &late), 0);
+  CHECK(late == hole);                              /* first fit: the free page again */
+  CHECK(sublet_pool_layout(c) != held);
+  CHECK_RC(sublet_pool_free(c, late), 0);
+  CHECK_RC(sublet_pool_free(c, a), 0);
+  CHECK_RC(sublet_pool_free(c, b), 0);
+  sublet_disconnect(c);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   srand(1);
@@ -1591,6 +1631,7 @@ int main(void) {
   sl_test_run("a growable region grows in place", test_growable_region);
   sl_test_run("a kept window of a region that grew", test_growable_kept_window);
   sl_test_run("growth refused", test_growable_refusals);
+  sl_test_run("a loan of the pools is planned under their hold", test_pool_hold);
   sl_test_run("many connections", test_many_connections);
   sl_test_run("free memory back at the end", test_free_memory_back);
   if (sl_test_daemon_stop(&daemon_) != 0) {
