@@ -330,7 +330,7 @@ static int offer_request(struct sublet_release_offer *o, const char *name) {
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot offer releases (it is older "
                           "than this library): update subletd");
   m.region = o->r->id;
-  m.has_name = name != NULL && name[0] != '\0';
+  m.has_name = name != NULL; /* "" too: subletd refuses it (LoanName is 1 to 63 bytes) */
   m.name.data = (uint8_t *)name;
   m.name.len = m.has_name ? strlen(name) : 0;
   req.body_case = SUBLET__REQUEST__BODY_RELEASE_OFFER;

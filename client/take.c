@@ -36,7 +36,7 @@ SUBLET_EXPORT int sublet_take(sublet_client *c, const char *name, int timeout_ms
   Sublet__Reply *rep = NULL;
   int rc;
 
-  m.has_name = name != NULL && name[0] != '\0';
+  m.has_name = name != NULL; /* "" too: subletd refuses it (LoanName is 1 to 63 bytes) */
   m.name.data = (uint8_t *)name;
   m.name.len = m.has_name ? strlen(name) : 0;
   m.has_timeout_ms = 1;

@@ -40,6 +40,18 @@ const char *sl_strerror(int code) {
 #undef SL_ERR_CASE
 }
 
+int sl_err_known(int code) {
+#define SL_ERR_KNOWN(name, value, text) \
+  case SUBLET_##name:                   \
+    return 1;
+  switch (code) {
+    SUBLET_ERRNO_MAP(SL_ERR_KNOWN)
+    default:
+      return 0;
+  }
+#undef SL_ERR_KNOWN
+}
+
 int sl_parse_size(const char *s, uint64_t *out) {
   static const char units[] = "KMGT";
   const char *unit;

@@ -20,6 +20,9 @@ int sl_err_set(struct sl_err *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void sl_err_clear(struct sl_err *err);
 const char *sl_strerror(int code);
+/* 1 when code is one of SUBLET_ERRNO_MAP's (the protocol's error table), else 0: a code from
+ * another process is checked before anyone acts on it. */
+int sl_err_known(int code);
 /* "1.5 GiB": human-readable sizes for messages and logs; buf of at least 16 bytes. */
 const char *sl_format_size(char *buf, unsigned long long bytes);
 /* The other way, for options and the environment: "512M", "2G", "16GiB", "1TB", "4096" (K, M,

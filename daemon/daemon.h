@@ -373,8 +373,8 @@ struct sl_req {
 };
 /* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
  * in x->err for the caller to send. A Lend may take x->keep_fd. */
-/* A request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes, no NUL)
- * into out, "" when absent; what names it in the refusal. */
+/* A request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes without
+ * control characters) into out, "" when absent (has not set); what names it in the refusal. */
 int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
                   ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
 int sl_lends_lend(struct sl_req *x, Sublet__Lend *m);

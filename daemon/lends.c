@@ -25,16 +25,19 @@ int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
   size_t len;
 
   out[0] = '\0';
-  if (!has || name.len == 0)
+  if (!has)
     return 0;
-  if (name.len >= SL_LOAN_NAME_SIZE)
-    return sl_err_set(err, SUBLET_EINVAL, "%s is at most %d bytes, not %zu: use a shorter "
-                      "name", what, SL_LOAN_NAME_SIZE - 1, name.len);
+  if (name.len == 0 || name.len >= SL_LOAN_NAME_SIZE)
+    return sl_err_set(err, SUBLET_EINVAL, "%s is 1 to %d bytes, not %zu: leave the name out "
+                      "for none, or use another", what, SL_LOAN_NAME_SIZE - 1, name.len);
   for (size_t i = 0; i < name.len; i += len) {
-    len = name.data[i] == 0 ? 0 : sl_utf8_sequence(name.data + i, name.len - i);
-    if (len == 0)
-      return sl_err_set(err, SUBLET_EINVAL, "%s is UTF-8 text without NUL; byte %zu of this "
-                        "one (0x%02x) is not: use another name", what, i, name.data[i]);
+    len = sl_utf8_sequence(name.data + i, name.len - i);
+    /* Names go into status and the log: a control character (an escape) must not */
+    if (len == 0 || sl_utf8_is_control(name.data + i, len))
+      return sl_err_set(err, SUBLET_EINVAL, "%s is UTF-8 text of 1 to %d bytes without "
+                        "control characters (C0, DEL, C1: NUL and ESC among them); byte %zu of "
+                        "this one (0x%02x) is not: use another name", what,
+                        SL_LOAN_NAME_SIZE - 1, i, name.data[i]);
   }
   memcpy(out, name.data, name.len);
   out[name.len] = '\0';

@@ -28,6 +28,15 @@
 /* Live offers one connection may hold: each costs the daemon host memory, and an owner needs
  * one per tag it pauses, a handful. */
 #define SL_OFFERS_PER_CONN 64
+/* The bytes of an owner's failure text that reach its taker (PROTOCOL.md, Limits): enough for
+ * libsublet's own messages, and the whole error stays within a message's room. */
+#define SL_OWNER_TEXT 200
+
+struct release_offer_failure {
+  int code;
+  char as[80];                 /* "": the owner's code; else what became of it */
+  char why[SL_OWNER_TEXT + 1];
+};
 
 struct sl_release_offer {
   uint64_t id;
@@ -41,7 +50,7 @@ struct sl_release_offer {
   int given_back;              /* the taker gave it back or went: resume once released */
   int taker_gone;              /* ... went */
   struct sl_err failure;       /* code != 0: how it ended for the taker (owner gone, failure) */
-  char trouble[160];           /* why the owner's last resume failed (it tries again) */
+  char trouble[SL_OWNER_TEXT + 1]; /* why the owner's last resume failed (it tries again) */
   Sublet__OfferStats *released, *resumed; /* the owner's reports (owned copies) */
   struct sl_release_offer *next;
 };
@@ -368,18 +377,36 @@ static int reached_ended(struct sl_req *x, struct sl_release_offer *o,
   return 0;
 }
 
+/* The owner's failure as the taker hears it: the owner's code when it is one of the
+ * protocol's, else EIO naming it; its text printable and at most SL_OWNER_TEXT bytes. The
+ * owner is another process, maybe another user's: what it sends goes to the taker and into
+ * this daemon's log, where a code no one knows or an escape sequence must not arrive. */
+static void owner_failure(struct release_offer_failure *f, const Sublet__OfferStep *m) {
+  const char *why = m->failure != NULL ? m->failure : "";
+
+  sl_utf8_printable(f->why, sizeof(f->why), (const uint8_t *)why, strlen(why));
+  f->code = sl_err_known(m->failed) ? m->failed : SUBLET_EIO;
+  if (f->code == m->failed)
+    snprintf(f->as, sizeof(f->as), "%s", "");
+  else
+    snprintf(f->as, sizeof(f->as), " (its code %d is none of the protocol's: EIO here)",
+             (int)m->failed);
+}
+
 /* The owner's release or resume failed: a resume short of memory is tried again (the taker
  * must free it), anything else ends the offer and the taker hears why. */
 static int reached_failure(struct sl_req *x, struct sl_release_offer *o,
                            const Sublet__OfferStep *m) {
-  const char *why = m->failure != NULL ? m->failure : "";
+  struct release_offer_failure f;
 
-  if (o->phase == PH(RETURNING) && m->failed == SUBLET_ENOMEM) {
-    snprintf(o->trouble, sizeof(o->trouble), "%s", why);
+  owner_failure(&f, m);
+  if (o->phase == PH(RETURNING) && f.code == SUBLET_ENOMEM) {
+    snprintf(o->trouble, sizeof(o->trouble), "%s", f.why);
     return 0;
   }
-  sl_err_set(&o->failure, m->failed, "the owner's %s of release offer %llu failed: %s",
-             o->phase == PH(TAKEN) ? "release" : "resume", (unsigned long long)o->id, why);
+  sl_err_set(&o->failure, f.code, "the owner's %s of release offer %llu failed%s: %s",
+             o->phase == PH(TAKEN) ? "release" : "resume", (unsigned long long)o->id, f.as,
+             f.why);
   sl_warn("%s", o->failure.msg);
   o->phase = PH(ENDED);
   nudge_taker(x->d, o);

@@ -6,7 +6,11 @@
  * By hand (raw.h): what a careless or hostile client may send: an offer of a region of another
  * process, steps of an offer that is not its own, reports that did not happen, bad names, a
  * take-wait of an offer never taken; the daemon answers each with a typed error and serves on.
+ * An owner's failure that is hostile (a code outside the protocol, escape sequences, 512 bytes)
+ * reaches the taker as a code of the protocol and bounded printable text (issue 41 item 7).
  */
+#include <limits.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -16,6 +20,8 @@
 #include "sublet.h"
 
 #define PAGE (64u * 1024)
+/* PROTOCOL.md, Limits: the bytes of an owner's failure text that reach its taker. */
+#define SL_TEST_OWNER_TEXT 200
 
 static uint8_t pattern(uint64_t i) {
   return (uint8_t)((i * 2654435761u) >> 13);
@@ -153,6 +159,170 @@ static int take_wait_raw(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t of
   return code_of(fd, rx, &req);
 }
 
+/* A request whose only field that matters is an empty name (has_name set, 0 bytes): its code
+ * and message. */
+static int empty_name(int fd, struct sl_wire_rx *rx, uint64_t id, Sublet__Request__BodyCase body,
+                      char *msg, size_t size) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend lend = SUBLET__LEND__INIT;
+  Sublet__Borrow borrow = SUBLET__BORROW__INIT;
+  Sublet__Take take = SUBLET__TAKE__INIT;
+  Sublet__Reply *rep;
+  int code = 1;
+
+  lend.has_name = borrow.has_name = take.has_name = 1;
+  lend.region = 1;
+  req.id = id;
+  req.body_case = body;
+  if (body == SUBLET__REQUEST__BODY_LEND)
+    req.lend = &lend;
+  else if (body == SUBLET__REQUEST__BODY_BORROW)
+    req.borrow = &borrow;
+  else
+    req.take = &take;
+  msg[0] = '\0';
+  if ((rep = ask(fd, rx, &req)) == NULL)
+    return code;
+  code = rep->body_case == SUBLET__REPLY__BODY_ERROR ? rep->error->code : 0;
+  if (code != 0)
+    snprintf(msg, size, "%s", rep->error->message);
+  sublet__reply__free_unpacked(rep, NULL);
+  return code;
+}
+
+/* The owner's OfferStep that reports a failure: code and text as the owner chose them. */
+static int step_failed(int fd, struct sl_wire_rx *rx, uint64_t id, uint64_t offer, int code,
+                       const char *why) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__OfferStep m = SUBLET__OFFER_STEP__INIT;
+
+  m.offer = offer;
+  m.has_failed = 1;
+  m.failed = code;
+  m.failure = (char *)why;
+  req.id = id;
+  req.body_case = SUBLET__REQUEST__BODY_OFFER_STEP;
+  req.offer_step = &m;
+  return code_of(fd, rx, &req);
+}
+
+static int take_raw(int fd, struct sl_wire_rx *rx, uint64_t id, const char *name) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Take m = SUBLET__TAKE__INIT;
+
+  m.has_name = 1;
+  m.name.data = (uint8_t *)name;
+  m.name.len = strlen(name);
+  req.id = id;
+  req.body_case = SUBLET__REQUEST__BODY_TAKE;
+  req.take = &m;
+  return code_of(fd, rx, &req);
+}
+
+/* Bytes a terminal or a log reader would act on: C0, DEL, C1 (U+0080 to U+009F in UTF-8). */
+static size_t control_bytes(const char *s) {
+  size_t n = 0;
+
+  for (const uint8_t *p = (const uint8_t *)s; *p != 0; p++)
+    n += *p < 0x20 || *p == 0x7f || (p[0] == 0xc2 && p[1] >= 0x80 && p[1] < 0xa0);
+  return n;
+}
+
+/* One offer taken by b and failed by its owner a with (code, why): what the taker hears. */
+static int owner_fails(int a, struct sl_wire_rx *rx, int b, struct sl_wire_rx *rx2,
+                       uint64_t region, uint64_t offer, int code, const char *why, char *msg,
+                       size_t size) {
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__TakeWait m = SUBLET__TAKE_WAIT__INIT;
+  Sublet__Reply *rep;
+  char name[16];
+  int heard = 1;
+
+  snprintf(name, sizeof(name), "fails-%llu", (unsigned long long)offer);
+  if (offer_raw(a, rx, 10 * offer, region, name, strlen(name)) != 0 ||
+      take_raw(b, rx2, 10 * offer, name) != 0 ||
+      step_raw(a, rx, 10 * offer + 1, offer, 0) != 0 || /* its task: release */
+      step_failed(a, rx, 10 * offer + 2, offer, code, why) != 0) /* ENDED, the last it hears */
+    return 1;
+  m.offer = offer;
+  m.has_timeout_ms = 1;
+  req.id = 10 * offer + 1;
+  req.body_case = SUBLET__REQUEST__BODY_TAKE_WAIT;
+  req.take_wait = &m;
+  if ((rep = ask(b, rx2, &req)) == NULL)
+    return 1;
+  if (rep->body_case == SUBLET__REPLY__BODY_ERROR) {
+    heard = rep->error->code;
+    snprintf(msg, size, "%s", rep->error->message);
+  }
+  sublet__reply__free_unpacked(rep, NULL);
+  return heard;
+}
+
+/* The owner's failure reached the taker as the owner wrote it: code INT32_MIN, escape
+ * sequences, 512 bytes (and so into subletd's log). Now: a code of the protocol (EIO for one
+ * outside it, named in the text), control characters replaced, the owner's text bounded. */
+static void test_owner_failure_checked(void) {
+  struct sl_test_daemon d;
+  struct sl_wire_rx rx, rx2;
+  char why[700], msg[600];
+  int a, b, code;
+  uint64_t region;
+
+  snprintf(why, sizeof(why), "\x1b[2J\x1b]0;pwned\x07\xc2\x9b" "31m\r\n\x7f");
+  memset(why + strlen(why), 'A', 512);
+  why[sizeof(why) - 1] = '\0';
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  a = sl_raw_open(d.socket, &rx);
+  b = sl_raw_open(d.socket, &rx2);
+  CHECK(a >= 0 && b >= 0);
+  region = sl_raw_region(a, &rx, 2, 4 * PAGE);
+  code = owner_fails(a, &rx, b, &rx2, region, 1, INT_MIN, why, msg, sizeof(msg));
+  printf("  the taker heard %d: %zu bytes, %zu control bytes\n", code, strlen(msg),
+         control_bytes(msg));
+  CHECK(code == SUBLET_EIO);
+  CHECK(strstr(msg, "-2147483648") != NULL); /* the owner's code, named */
+  CHECK(control_bytes(msg) == 0);
+  CHECK(strstr(msg, "AAAA") != NULL && strlen(msg) < 160 + SL_TEST_OWNER_TEXT);
+  code = owner_fails(a, &rx, b, &rx2, region, 2, SUBLET_EDEVICE, "\x1b[31mred", msg,
+                     sizeof(msg));
+  CHECK(code == SUBLET_EDEVICE && control_bytes(msg) == 0 && strstr(msg, "[31mred") != NULL);
+  CHECK(offer_raw(a, &rx, 40, region, "still", 5) == 0); /* serving on */
+  close(b);
+  close(a);
+  sl_wire_rx_destroy(&rx);
+  sl_wire_rx_destroy(&rx2);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
+/* Names are 1 to 63 bytes (LoanName): "" was taken for no name in every request that has one,
+ * and a control character passed into status and the log. */
+static void test_names_follow_the_rule(void) {
+  static const Sublet__Request__BodyCase bodies[3] = {
+      SUBLET__REQUEST__BODY_LEND, SUBLET__REQUEST__BODY_BORROW, SUBLET__REQUEST__BODY_TAKE};
+  struct sl_test_daemon d;
+  struct sl_wire_rx rx;
+  char msg[512];
+  int a;
+  uint64_t region;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  a = sl_raw_open(d.socket, &rx);
+  CHECK(a >= 0);
+  region = sl_raw_region(a, &rx, 2, 4 * PAGE);
+  CHECK(offer_raw(a, &rx, 3, region, "", 0) == SUBLET_EINVAL);
+  CHECK(offer_raw(a, &rx, 4, region, "a\x1b[2Jb", 6) == SUBLET_EINVAL);
+  CHECK(offer_raw(a, &rx, 5, region, "a\xc2\x9b" "b", 4) == SUBLET_EINVAL); /* C1 */
+  for (int i = 0; i < 3; i++) {
+    CHECK(empty_name(a, &rx, 6 + i, bodies[i], msg, sizeof(msg)) == SUBLET_EINVAL);
+    CHECK(strstr(msg, "1 to 63 bytes") != NULL);
+  }
+  CHECK(offer_raw(a, &rx, 9, region, "ok", 2) == 0);
+  close(a);
+  sl_wire_rx_destroy(&rx);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 /* A forked child (another process of this user) offers the parent's region: EPERM. */
 static int offer_from_child(const char *socket, uint64_t region) {
   struct sl_wire_rx rx;
@@ -205,5 +375,7 @@ int main(void) {
   sl_test_run("taken, released, given back", test_taken_released_given_back);
   sl_test_run("withdrawn before anyone takes it", test_withdrawn_before_anyone_takes_it);
   sl_test_run("what the daemon refuses", test_what_the_daemon_refuses);
+  sl_test_run("the owner's failure checked", test_owner_failure_checked);
+  sl_test_run("names follow the rule", test_names_follow_the_rule);
   return sl_test_summary("test_release_offer");
 }
