@@ -174,7 +174,7 @@ static void region_delete(struct sl_books *b, struct sl_region *r) {
 
 int sl_books_region_remove(struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err) {
-  struct sl_region *r = sl_books_find_region(b, region_id);
+  struct sl_region *r = sl_books_region_seen(b, client_id, region_id);
 
   if (r == NULL)
     return no_region(err, region_id);
@@ -198,7 +198,7 @@ static int replacing_error(const struct sl_region *r, struct sl_err *err) {
 
 int sl_books_may_grow(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                       uint64_t npages, struct sl_err *err) {
-  const struct sl_region *r = sl_books_find_region(b, region_id);
+  const struct sl_region *r = sl_books_region_seen(b, client_id, region_id);
 
   if (r == NULL)
     return no_region(err, region_id);
@@ -244,7 +244,7 @@ int sl_books_region_grow(struct sl_books *b, uint64_t client_id, uint64_t region
 
 int sl_books_region_access(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                            struct sl_err *err) {
-  const struct sl_region *r = sl_books_find_region(b, region_id);
+  const struct sl_region *r = sl_books_region_seen(b, client_id, region_id);
   const struct sl_loan *l;
 
   if (r == NULL)
@@ -786,7 +786,7 @@ void sl_books_draft_free(struct sl_loan *draft) {
 
 int sl_books_may_lend(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                       uint64_t *npages, struct sl_err *err) {
-  const struct sl_region *r = sl_books_find_region(b, region_id);
+  const struct sl_region *r = sl_books_region_seen(b, client_id, region_id);
   const struct sl_client *c = sl_books_find_client(b, client_id);
   int rc = owner_check(b, client_id, r, region_id, err);
 
@@ -911,7 +911,7 @@ int sl_books_withdraw(struct sl_books *b, uint64_t client_id, uint64_t loan_id,
 
 int sl_books_loan_owned(const struct sl_books *b, uint64_t client_id, uint64_t loan_id,
                         struct sl_err *err) {
-  const struct sl_loan *l = sl_books_find_loan(b, loan_id);
+  const struct sl_loan *l = sl_books_loan_seen(b, client_id, loan_id);
 
   if (l == NULL)
     return no_loan(err, loan_id);
@@ -949,7 +949,10 @@ static int pick_by_id(const struct sl_books *b, uint64_t client_id, uint64_t loa
                       const uint8_t *token, struct sl_loan **out, struct sl_err *err) {
   struct sl_loan *l = sl_books_find_loan(b, loan_id);
 
-  if (l == NULL)
+  /* Another user's loan is a missing one to whoever may not see it (sl_books_loan_seen),
+   * unless it holds the loan's token: its owner gave it, and it hears how to be let in */
+  if (l == NULL || (!sl_books_sees(b, client_id, sl_books_loan_uid(b, l)) &&
+                    (token == NULL || !token_equal(token, l->token))))
     return no_loan(err, loan_id);
   if (token == NULL && l->owner_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,

@@ -202,6 +202,23 @@ static inline uid_t sl_books_loan_uid(const struct sl_books *b, const struct sl_
   return r != NULL ? r->owner.uid : (uid_t)-1;
 }
 
+/* The region or loan that client_id names by id in a request, or NULL: none, or one of a user
+ * it may not see. The refusal is then the one for a missing id, word for word: a user must
+ * not tell another user's ids from free ones by what it is told (status hides them too). */
+static inline struct sl_region *sl_books_region_seen(const struct sl_books *b,
+                                                      uint64_t client_id, uint64_t id) {
+  struct sl_region *r = sl_books_find_region(b, id);
+
+  return r != NULL && sl_books_sees(b, client_id, r->owner.uid) ? r : NULL;
+}
+
+static inline struct sl_loan *sl_books_loan_seen(const struct sl_books *b, uint64_t client_id,
+                                                 uint64_t id) {
+  struct sl_loan *l = sl_books_find_loan(b, id);
+
+  return l != NULL && sl_books_sees(b, client_id, sl_books_loan_uid(b, l)) ? l : NULL;
+}
+
 /* books_alloc.c, for books.c: the ACTIVE loan client_id borrows. */
 int sl_books_borrowed_loan(const struct sl_books *b, uint64_t client_id, struct sl_loan **out,
                            struct sl_err *err);

@@ -27,6 +27,16 @@ static struct sl_release *find_release(const struct sl_books *b, uint64_t id) {
   return sl_books_find_by_id(b->releases, b->nreleases, sizeof(*b->releases), id);
 }
 
+/* A release named by client_id, or NULL: none, or another user's it may not see (refused as
+ * a missing one, word for word: sl_books_region_seen). */
+static struct sl_release *release_seen(const struct sl_books *b, uint64_t client_id,
+                                       uint64_t id) {
+  struct sl_release *rel = find_release(b, id);
+  const struct sl_region *r = rel != NULL ? sl_books_find_region(b, rel->region_id) : NULL;
+
+  return r != NULL && sl_books_sees(b, client_id, r->owner.uid) ? rel : NULL;
+}
+
 static void release_free(struct sl_release *rel) {
   sl_books_draft_free(rel->l);
   free(rel->released);
@@ -257,7 +267,7 @@ static void apply_groups(struct sl_region *r, const struct sl_release *rel) {
 
 int sl_books_may_release(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                          uint64_t *npages, struct sl_err *err) {
-  const struct sl_region *r = sl_books_find_region(b, region_id);
+  const struct sl_region *r = sl_books_region_seen(b, client_id, region_id);
 
   if (r == NULL)
     return sl_err_set(err, SUBLET_ENOENT, "no region %" PRIu64 " (released, or its owner has "
@@ -517,7 +527,7 @@ static int resume_work(struct sl_books *b, struct sl_release *rel, int groups,
 
 int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
                           int groups, struct sl_release_work *w, struct sl_err *err) {
-  struct sl_release *rel = find_release(b, release_id);
+  struct sl_release *rel = release_seen(b, client_id, release_id);
 
   if (rel == NULL)
     return sl_err_set(err, SUBLET_ENOENT, "no release %" PRIu64 " (resumed already, or its "

@@ -217,9 +217,15 @@ static int live(const struct sl_release_offer *o) {
   return o->owner_conn != NULL && o->phase != PH(ENDED);
 }
 
+/* May c hear of o at all: its owner's uid (root, --allow-group), or its taker? Another user
+ * is told of an offer it may not see what it is told of a missing one, word for word. */
+static int seen(const struct sl_conn *c, const struct sl_release_offer *o) {
+  return o != NULL && (may_take(c, o) || o->taker == c);
+}
+
 /* The offer is x's connection's own (the owner's side). */
 static int owned(struct sl_req *x, const struct sl_release_offer *o, uint64_t id) {
-  if (o == NULL || o->owner_conn == NULL)
+  if (!seen(x->c, o) || o->owner_conn == NULL)
     return sl_err_set(&x->err, SUBLET_ENOENT, "no release offer %llu: it has ended",
                       (unsigned long long)id);
   if (o->owner_conn != x->c)
@@ -231,7 +237,7 @@ static int owned(struct sl_req *x, const struct sl_release_offer *o, uint64_t id
 
 /* The offer is x's connection's, as its taker (the scheduler's side). */
 static int taken_by(struct sl_req *x, const struct sl_release_offer *o, uint64_t id) {
-  if (o == NULL)
+  if (!seen(x->c, o))
     return sl_err_set(&x->err, SUBLET_ENOENT, "no release offer %llu on this device: it has "
                       "ended (and its taker heard how), or it never was",
                       (unsigned long long)id);

@@ -530,8 +530,12 @@ int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeE
   struct sl_live_release *lr = *live_link(c->d, m->release);
   struct release_job *rj = lr != NULL ? lr->resuming : NULL;
   struct sl_release_info ri;
+  struct sl_region_info gi;
 
-  if (sl_books_release_info(c->d->books, m->release, &ri) != 0)
+  /* another user's release is refused as a missing one, word for word (books_impl.h) */
+  if (sl_books_release_info(c->d->books, m->release, &ri) != 0 ||
+      sl_books_region_info(c->d->books, ri.region_id, &gi) != 0 ||
+      !sl_peer_reaches(&c->peer, gi.owner.uid))
     return sl_err_set(err, SUBLET_ENOENT, "no release %llu (resumed already, or its region "
                       "has gone)", (unsigned long long)m->release);
   if (ri.owner_client != c->client_id)
