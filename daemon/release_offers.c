@@ -48,7 +48,7 @@ struct sl_release_offer {
   struct sl_peer taker_peer;
   Sublet__OfferPhase phase;
   int given_back;              /* the taker gave it back or went: resume once released */
-  int taker_gone;              /* ... went */
+  int taker_gone;              /* ... went without giving it back (a give-back stays one) */
   struct sl_err failure;       /* code != 0: how it ended for the taker (owner gone, failure) */
   char trouble[SL_OWNER_TEXT + 1]; /* why the owner's last resume failed (it tries again) */
   Sublet__OfferStats *released, *resumed; /* the owner's reports (owned copies) */
@@ -582,6 +582,8 @@ static void owner_went(struct sl_daemon *d, struct sl_release_offer *o) {
 
 static void taker_went(struct sl_daemon *d, struct sl_release_offer *o) {
   o->taker = NULL;
+  if (o->given_back) /* it went after it gave the offer back: nothing was left undone */
+    return;
   o->taker_gone = 1;
   if (o->owner_conn != NULL && o->phase != PH(ENDED))
     sl_info("the taker of release offer %llu (pid %d) went without giving it back: its owner "

@@ -97,6 +97,65 @@ static void test_withdrawn_before_anyone_takes_it(void) {
   CHECK(sl_test_daemon_stop(&d) == 0);
 }
 
+/* The scheduler of test_given_back_then_died, a process of its own: takes the offer, fills the
+ * memory it freed (so the owner's resume must wait for it), gives it back, says so, and waits
+ * to be killed. */
+static void scheduler(const char *socket, int said_fd) {
+  sublet_client *c;
+  sublet_region *all;
+  struct sublet_release_stats seen;
+  uint64_t id;
+  int state;
+
+  if (sublet_connect(socket, &c) != 0 || sublet_take(c, "c-die", 5000, &id) != 0 ||
+      sublet_take_wait(c, id, 5000, &state, &seen) != 0 || state != SUBLET_OFFER_RELEASED ||
+      sublet_region_create(c, free_bytes(c), &all) != 0 || sublet_give_back(c, id) != 0 ||
+      write(said_fd, "g", 1) != 1)
+    _exit(1);
+  pause();
+  _exit(0);
+}
+
+/* A scheduler that gave the offer back and then died was reported to the owner as one that
+ * "went without giving it back" (EBORROWERDIED). Its death comes before the owner's resume
+ * ends: the scheduler holds the memory the resume needs until it dies. */
+static void test_given_back_then_died(void) {
+  struct sl_test_daemon d;
+  struct sublet_range keep = {3 * PAGE + 5, 2 * PAGE};
+  struct sublet_release_stats rel, res;
+  sublet_client *owner;
+  sublet_region *r;
+  sublet_release_offer *o;
+  uint64_t bad = 0;
+  int said[2], rc;
+  pid_t pid;
+  char x;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &owner), 0);
+  CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
+  for (uint64_t i = 0; i < 16 * PAGE; i++)
+    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  CHECK_RC(sublet_offer_release(r, NULL, 0, &keep, 1, 0, SUBLET_STAY_ANY, "c-die", &o), 0);
+  CHECK(pipe(said) == 0);
+  if ((pid = sl_test_child()) == 0)
+    scheduler(d.socket, said[1]);
+  CHECK(read(said[0], &x, 1) == 1); /* given back: the owner's resume waits for memory */
+  sl_test_reap(pid);
+  rc = sublet_release_offer_wait(o, 30000, &rel, &res);
+  printf("  the owner heard %d%s%s\n", rc, rc != 0 ? ": " : "", rc != 0 ? sublet_last_error() : "");
+  CHECK_RC(rc, 0);
+  CHECK(rel.released_pages > 0 && res.release_id == rel.release_id);
+  for (uint64_t b = keep.offset; b < keep.offset + keep.length; b++)
+    bad += ((uint8_t *)sublet_region_addr(r))[b] != pattern(b);
+  CHECK(bad == 0);
+  sublet_release_offer_free(o);
+  sublet_disconnect(owner);
+  close(said[0]);
+  close(said[1]);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 /* ------------------------------------------------------------------ by hand */
 
 static Sublet__Reply *ask(int fd, struct sl_wire_rx *rx, Sublet__Request *req) {
@@ -374,6 +433,7 @@ static void test_what_the_daemon_refuses(void) {
 int main(void) {
   sl_test_run("taken, released, given back", test_taken_released_given_back);
   sl_test_run("withdrawn before anyone takes it", test_withdrawn_before_anyone_takes_it);
+  sl_test_run("given back, then died", test_given_back_then_died);
   sl_test_run("what the daemon refuses", test_what_the_daemon_refuses);
   sl_test_run("the owner's failure checked", test_owner_failure_checked);
   sl_test_run("names follow the rule", test_names_follow_the_rule);
