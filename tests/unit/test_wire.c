@@ -498,6 +498,9 @@ static void test_eof(void) {
   close(sv[1]);
 }
 
+/* A deadline is kept: the call gives up with ETIMEDOUT and names it, never before it (a loaded
+ * machine can only make it later, so only that side of the time is checked; 30 s: a hang
+ * guard, which a deadline misread a thousandfold would fail). */
 static void test_timeout(void) {
   struct sl_wire_rx rx;
   struct sl_err err;
@@ -511,13 +514,14 @@ static void test_timeout(void) {
   send_bytes(sv[0], "TBLS", 4, NULL, 0); /* part of a header: still not a frame */
   CHECK(sl_wire_recv(&rx, sv[1], &h, &payload, NULL, 50, &err) == SUBLET_ETIMEDOUT);
   took = now_s() - start;
-  CHECK(took >= 0.045 && took < 2.0);
   CHECK(strstr(err.msg, "50 ms") != NULL);
+  CHECK(took >= 0.045 && took < 30.0); /* not before it (ms rounding) */
   sl_wire_rx_destroy(&rx);
   close_pair(sv);
 }
 
-/* A peer that stops reading: the sender gives up instead of stalling for ever. */
+/* A peer that stops reading: the sender gives up at its deadline instead of stalling for ever
+ * (the time as in test_timeout). */
 static void test_send_to_a_peer_that_does_not_read(void) {
   size_t len = 8u << 20; /* far more than the socket buffers hold */
   uint8_t *big = calloc(1, len);
@@ -530,8 +534,9 @@ static void test_send_to_a_peer_that_does_not_read(void) {
   CHECK(big != NULL);
   CHECK(sl_wire_send(sv[0], SL_WIRE_REPLY, big, len, NULL, 0, 500, &err) == SUBLET_ETIMEDOUT);
   took = now_s() - start;
-  CHECK(took >= 0.45 && took < 10.0);
   CHECK(strstr(err.msg, "not reading") != NULL);
+  CHECK(strstr(err.msg, "within 500 ms") != NULL);
+  CHECK(took >= 0.45 && took < 30.0); /* not before it */
   free(big);
   close_pair(sv);
 }
