@@ -268,10 +268,11 @@ void sl_waiter_done(struct sl_waiter *w);
 void sl_waiters_cancel(struct sl_conn *c);
 /* Cancel: the conn's waiter of that request answers ECANCELED; returns 1 if there was one. */
 int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id);
-/* The device may have become free: Lends waiting for it are served, oldest first (one still
- * being drafted holds the younger ones back: strict arrival order). */
+/* The device may have become free: Lends waiting for it are served, oldest first among the
+ * drafted ones (one whose keep list is still being drafted is not in the line yet, and holds
+ * nobody back). */
 void sl_waiters_device_free(struct sl_daemon *d);
-/* Is w the oldest waiting Lend? How many Lends wait? */
+/* Is w the oldest drafted Lend? How many Lends wait (drafted or not)? */
 int sl_waiters_lend_first(const struct sl_waiter *w);
 size_t sl_waiters_lends(const struct sl_daemon *d);
 /* Tells the owner that a loan ended, and which of its region's pages are new (replaced, the

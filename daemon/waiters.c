@@ -4,7 +4,8 @@
  *
  * A waiter is answered exactly once: by the event it waits for, by its timer, or not at all
  * when its connection goes first (then it is only freed). Waiters are kept in arrival order,
- * and each kind is served oldest first: owners get the device in the order they asked.
+ * and each kind is served oldest first: owners get the device in the order they asked, among
+ * the Lends whose loans are drafted (first_lend).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -106,9 +107,13 @@ int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id) {
   return 0;
 }
 
+/* The device's line holds the Lends whose loans are drafted, oldest first. A Lend whose keep
+ * list is still being read and sorted (off the loop, for as long as its user's turns take)
+ * has no place in it yet: it would hold every owner behind it, another user's too, for a
+ * draft that is none of theirs. It takes its place, by its arrival, once drafted. */
 static struct sl_waiter *first_lend(const struct sl_daemon *d) {
   for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next)
-    if (w->kind == SL_WAIT_LEND)
+    if (w->kind == SL_WAIT_LEND && w->lend.draft != NULL)
       return w;
   return NULL;
 }
@@ -129,8 +134,7 @@ void sl_waiters_device_free(struct sl_daemon *d) {
   struct sl_waiter *w;
 
   /* From the head each time: serving one posts an offer, which answers Borrow waiters. */
-  while (!d->stopping && sl_books_current_loan(d->books) == 0 && (w = first_lend(d)) != NULL &&
-         w->lend.draft != NULL) {
+  while (!d->stopping && sl_books_current_loan(d->books) == 0 && (w = first_lend(d)) != NULL) {
     if (!w->conn->closed) /* a closing connection's Lend would only be withdrawn */
       w->lend.serve(w);
     sl_waiter_done(w);
