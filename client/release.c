@@ -9,6 +9,7 @@
  */
 #include "client.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -222,7 +223,8 @@ static int early_unmap_end(struct early_unmap *eu, const uint64_t *runs, size_t 
 
 /* This process's side once subletd has answered the release (rc): the released runs let go
  * of, or, after an early unmap, what it unmapped put right. Returns the release's outcome, or
- * a page held back that failed to map again (the release lives on: it has a hole). */
+ * a page that failed to map again: held back by a live release (it has a hole), or of a
+ * failed one (its error then, not the release's: the tensor is not whole). */
 static int let_go(struct early_unmap *eu, struct sl_release_rec *rec, int rc) {
   struct sl_err why = *sl_client_last_error();
   int again;
@@ -233,9 +235,25 @@ static int let_go(struct early_unmap *eu, struct sl_release_rec *rec, int rc) {
     return rc;
   }
   again = early_unmap_end(eu, rc == 0 ? rec->runs : NULL, rc == 0 ? rec->nruns : 0);
-  if (rc != 0)
+  if (rc != 0 && again == 0)
     *sl_client_last_error() = why; /* the release's error, not the mapping's */
-  return rc != 0 ? rc : again;
+  return again != 0 ? again : rc;
+}
+
+/* The connection went before Released came (subletd died, or closed it): nothing was released
+ * here. This process let go of no page (its handles and mapping hold them all; an early unmap
+ * was mapped again), and subletd's work only copies kept bytes into unkept ones (moves) or out
+ * to the save area (saves): each kept byte is where it was. The caller must hear that, not only
+ * that the connection closed, or it takes the tensor for lost. */
+static int died_before_released(const struct sublet_region *r) {
+  char why[200];
+
+  snprintf(why, sizeof(why), "%s", sublet_last_error());
+  return sl_client_fail(SUBLET_EDAEMONDIED, "subletd went before it answered the release of "
+                        "region %llu (%s): nothing was released, the tensor is intact (this "
+                        "process still maps every page, each kept byte where it was). Its "
+                        "memory is this process's own now: once subletd runs again, make a new "
+                        "tensor and copy into it to release it", (unsigned long long)r->id, why);
 }
 
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
@@ -295,6 +313,8 @@ static int release_locked(struct sublet_region *r, const struct sublet_range *ke
   *live = rc == 0;
   t0 = sl_clock_now();
   rc = let_go(&eu, rec, rc);
+  if (rc == SUBLET_EPIPE && sl_client_gone(r->client))
+    rc = died_before_released(r);
   rec->stats.map_seconds = sl_clock_now() - t0;
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

@@ -314,6 +314,30 @@ def test_daemon_killed_mid_release_of_nothing_kept_leaves_the_tensor_intact(daem
     gc.collect()
 
 
+def test_daemon_killed_mid_release_says_the_tensor_is_intact(daemon):
+    """A release that keeps bytes of pages it gives back (moved into pages that stay), subletd
+    stopped with the Release in its socket and then killed: the error says nothing was
+    released and the tensor is intact, and what to do (it said only that subletd closed the
+    connection, EPIPE). Every byte compared: a subletd that never ran the job copied nothing;
+    one killed mid-job would only have copied kept bytes into unkept ones."""
+    n = 32 * PAGE
+    cache = random_bytes(sublet.empty(n, dtype=torch.uint8, device="cpu"), 43)
+    keep = [cache[i * PAGE + 100:i * PAGE + 4196] for i in range(0, 32, 3)]
+    before, kept = bits(cache), [bits(v) for v in keep]
+    daemon.proc.send_signal(signal.SIGSTOP)
+    threading.Timer(0.5, daemon.kill).start()       # once the owner waits for Released
+    with pytest.raises(sublet.DaemonDiedError) as e:
+        sublet.release(cache, keep=keep)
+    message = str(e.value)
+    assert "nothing was released, the tensor is intact" in message, message
+    assert "make a new tensor and copy into it" in message, message
+    assert all(np.array_equal(bits(v), b) for v, b in zip(keep, kept))
+    assert np.array_equal(bits(cache), before)
+    cache.fill_(3)                                  # mapped for writing, this process's own
+    del cache
+    gc.collect()
+
+
 BLOCK = PAGE // 4
 
 
