@@ -609,7 +609,7 @@ static int owner_check(const struct sl_books *b, uint64_t client_id, const struc
                        uint64_t region_id, struct sl_err *err) {
   if (sl_books_find_client(b, client_id) == NULL)
     return sl_books_no_client(err, client_id);
-  if (r == NULL)
+  if (r == NULL || !sl_books_sees(b, client_id, r->owner.uid)) /* as missing: books_impl.h */
     return no_region(err, region_id);
   if (r->owner_client != client_id)
     return sl_err_set(err, SUBLET_EPERM,

@@ -1391,6 +1391,14 @@ static int m_live_client(const struct model *m, uint64_t id) {
   return id >= 1 && id <= m->nclients && m->c[id].live;
 }
 
+/* May client cid see what client owner made (books_impl.h, sl_books_sees)? Its uid's, or it
+ * is root or in --allow-group. What it may not see is refused as missing, word for word. */
+static int m_sees(const struct model *m, uint64_t cid, uint64_t owner) {
+  const struct m_client *c = &m->c[cid], *o = &m->c[owner];
+
+  return m_live_client(m, cid) && (c->uid == o->uid || c->uid == 0 || c->gid == M_ALLOW_GID);
+}
+
 static int m_live_region(const struct model *m, uint64_t id) {
   return id >= 1 && id <= m->nregions && m->r[id].live;
 }
@@ -1447,7 +1455,7 @@ static void op_region_remove(struct model *m) {
 
   if (below(m, 2) && m_live_region(m, rid))
     cid = m->r[rid].owner;
-  if (!m_live_region(m, rid))
+  if (!m_live_region(m, rid) || !m_sees(m, cid, m->r[rid].owner))
     want = SUBLET_ENOENT;
   else if (m->r[rid].owner != cid)
     want = SUBLET_EPERM;
@@ -1536,7 +1544,7 @@ static void op_lend(struct model *m) {
   snprintf(name, sizeof(name), "n%d", (int)below(m, 3));
   for (int i = 0; i < 16; i++)
     token[i] = (uint8_t)rnd(m);
-  if (!m_live_client(m, cid) || !m_live_region(m, rid))
+  if (!m_live_region(m, rid) || !m_sees(m, cid, m->r[rid].owner))
     want = SUBLET_ENOENT;
   else if (m->r[rid].owner != cid)
     want = SUBLET_EPERM;
@@ -1564,7 +1572,7 @@ static void op_withdraw(struct model *m) {
 
   if (l != NULL && below(m, 2))
     cid = l->owner;
-  if (l == NULL || l->id != lid)
+  if (l == NULL || l->id != lid || !m_sees(m, cid, l->owner))
     want = SUBLET_ENOENT;
   else if (l->owner != cid)
     want = SUBLET_EPERM;
@@ -1582,9 +1590,7 @@ static uint64_t m_borrowing(const struct model *m, uint64_t cid) {
 }
 
 static int m_may_borrow(const struct model *m, uint64_t cid) {
-  const struct m_client *c = &m->c[cid], *o = &m->c[m->loan->owner];
-
-  return c->uid == o->uid || c->uid == 0 || c->gid == M_ALLOW_GID;
+  return m_sees(m, cid, m->loan->owner);
 }
 
 /* The books' answer to a borrow, by the rules of books.h. */
@@ -1597,6 +1603,9 @@ static int m_borrow_rc(const struct model *m, uint64_t cid, uint64_t lid, const 
   if (m_borrowing(m, cid))
     return SUBLET_EBUSY;
   if (lid != 0 && (l == NULL || l->id != lid))
+    return SUBLET_ENOENT;
+  /* another user's loan is a missing one, unless the caller holds its token */
+  if (lid != 0 && !m_may_borrow(m, cid) && (token == NULL || memcmp(token, l->token, 16) != 0))
     return SUBLET_ENOENT;
   if (lid != 0 && token == NULL && l->owner != cid)
     return SUBLET_EPERM;
@@ -1914,7 +1923,8 @@ static void op_free(struct model *m) {
 
   if (l != NULL && l->state == SL_LOAN_ACTIVE && below(m, 6) != 0)
     cid = l->borrower;
-  if (!m_live_client(m, cid) || !m_alloc_live(l, aid))
+  if (!m_live_client(m, cid) || !m_alloc_live(l, aid) ||
+      (l->borrower != cid && !m_sees(m, cid, l->owner)))
     want = SUBLET_ENOENT;
   else if (l->borrower != cid)
     want = SUBLET_EPERM;

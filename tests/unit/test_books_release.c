@@ -229,12 +229,15 @@ static void test_side_by_side(void) {
 /* What a live release refuses: lending the region, its released pages' fds, others' hands. */
 static void test_refusals(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), other = client(b, 1001), r = region(b, o, 16, 0), loan;
+  uint64_t o = client(b, 1000), same = client(b, 1000), other = client(b, 1001);
+  uint64_t r = region(b, o, 16, 0), loan;
   struct sl_release_work w = {0}, u = {0};
   struct sl_err err = {0};
   const uint8_t token[16] = {1};
 
-  CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EPERM);
+  CHECK_EQ(release(b, same, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EPERM);
+  /* another user's region is refused as a missing one, word for word (issue 41) */
+  CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
   CHECK_EQ(release(b, o, r + 99, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
   CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, &err), SUBLET_EBUSY); /* releasing */
@@ -244,7 +247,8 @@ static void test_refusals(void) {
   CHECK_MSG(err, "resume them before lending");
   CHECK_EQ(sl_books_pages_granted(b, o, r, w.released[0], 1, &err), SUBLET_EBUSY);
   CHECK_EQ(sl_books_pages_granted(b, o, r, 7, 1, NULL), 0); /* a kept page that stayed */
-  CHECK_EQ(sl_books_resume_begin(b, other, w.release_id, 0, &u, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_resume_begin(b, same, w.release_id, 0, &u, &err), SUBLET_EPERM);
+  CHECK_EQ(sl_books_resume_begin(b, other, w.release_id, 0, &u, &err), SUBLET_ENOENT);
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id + 50, 0, &u, &err), SUBLET_ENOENT);
   /* A resume that failed (the device had no memory): released again, resumable again */
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
