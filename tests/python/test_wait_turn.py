@@ -93,7 +93,7 @@ def lends_waiting() -> int:
 
 
 def wait_for_line(n: int) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30  # a hang guard
     while lends_waiting() != n:
         assert time.monotonic() < deadline, f"{lends_waiting()} lends wait, not {n}"
         time.sleep(0.01)
@@ -138,7 +138,7 @@ def test_ctrl_c_while_waiting_leaves_nothing_lent():
         go(owner)
         wait_for_line(1)
         owner.send_signal(signal.SIGINT)
-        out, err = owner.communicate(timeout=10)
+        out, err = owner.communicate(timeout=30)
         assert owner.returncode == 4 and out.endswith("interrupted\n"), err + out
         assert lends_waiting() == 0
 
@@ -146,41 +146,61 @@ def test_ctrl_c_while_waiting_leaves_nothing_lent():
 def test_ctrl_c_before_the_lend_is_sent_still_cancels_it():
     """The interrupt comes before the waiting thread has sent its Lend: the first cancel finds
     nothing waiting, so it is sent again until the call is over (after a single cancel, a
-    Lend sent later waited for ever). A stand-in client: its Lend is sent 0.3 s late, then
-    waits until a cancel reaches it."""
+    Lend sent later waited for ever). A stand-in client: its Lend is sent once a cancel has
+    found nothing waiting, then waits until a cancel reaches it. Each wait gives up after 30 s
+    (a hang guard): the Lend that no cancel reaches says so."""
     import _thread
     from sublet import _wait
 
     class LateLend:
         def __init__(self):
             self.sent, self.cancelled = threading.Event(), threading.Event()
+            self.missed = threading.Event()
             self.cancels_before = self.cancels_after = 0
+            self.reached = False
 
         def lend(self):
-            time.sleep(0.3)
+            self.missed.wait(30)
             self.sent.set()
-            if not self.cancelled.wait(5):
+            self.reached = self.cancelled.wait(30)
+            if not self.reached:
                 raise AssertionError("never cancelled: the Lend would wait for ever")
             raise sublet.SubletError("cancelled by the client: nothing was lent")
 
         def cancel(self):
             if not self.sent.is_set():
                 self.cancels_before += 1  # nothing waits in the daemon yet: a no-op
+                self.missed.set()
             else:
                 self.cancels_after += 1
                 self.cancelled.set()
 
+    def waiting_in_waiting() -> bool:
+        """The main thread waits in _waiting's loop (not in the thread's start before it)."""
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        while frame is not None and frame.f_back is not None:
+            if frame.f_code.co_name == "wait" and frame.f_back.f_code is _wait._waiting.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def interrupt_once_waiting():
+        for _ in range(30_000):  # 30 s: a hang guard
+            if waiting_in_waiting():
+                break
+            time.sleep(0.001)
+        _thread.interrupt_main()
+
     client = LateLend()
     was = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in OWNER
     try:
-        threading.Timer(0.05, _thread.interrupt_main).start()
-        t0 = time.monotonic()
+        threading.Thread(target=interrupt_once_waiting, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             _wait._waiting(client.lend, client, lambda value: None)
     finally:
         signal.signal(signal.SIGINT, was)
     assert client.cancels_before >= 1 and client.cancels_after >= 1
-    assert time.monotonic() - t0 < 3
+    assert client.reached, "the Lend sent after the first cancel was never cancelled"
     assert _client.client_for("memfd", 0).status()["loan"] is None
 
 
