@@ -6,6 +6,7 @@ libuv or jansson says which package to install."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,14 +37,30 @@ def runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def mib_after(label: str, out: str) -> float:
+    """The MiB an example printed after label ("moved on the device: 64.0 MiB")."""
+    match = re.search(re.escape(label) + r" ([0-9.]+) MiB", out)
+    assert match, (label, out)
+    return float(match.group(1))
+
+
 def test_quickstart_runs_on_this_machine(native, tmp_path, runtime_dir):
     import torch
+    # The daemon it starts (memfd without a GPU) has 512 MiB: the work takes its free 256 MiB
+    # and 192 MiB of the cache's pages, which hold kept bytes.
     r = run_python([str(REPO / "examples" / "quickstart.py"), "0.25"], tmp_path,
-                   XDG_RUNTIME_DIR=runtime_dir)
+                   XDG_RUNTIME_DIR=runtime_dir, SUBLET_MEMFD_TOTAL="512M")
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("data intact: True")
+    moved = mib_after("moved on the device:", r.stdout)
+    copied = mib_after("copied to the host and back:", r.stdout)
     if not torch.cuda.is_available():
         assert "no CUDA GPU here: running on sublet's memfd backend" in r.stdout
+        # The loan reached kept pages: some kept bytes moved, some went to the host, and the
+        # kept blocks compared equal (uint8: bit for bit) all the same.
+        assert moved > 0 and copied > 0, r.stdout
+        served_kept = re.search(r"([0-9.]+) MiB of pages that held kept bytes", r.stdout)
+        assert served_kept and float(served_kept.group(1)) == 192, r.stdout
 
 
 def test_import_sublet_loads_no_torch_and_sublet_empty_loads_what_lending_needs(tmp_path):
