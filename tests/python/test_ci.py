@@ -113,3 +113,15 @@ def test_help_lists_every_option_main_c_parses(native):
                               check=True).stdout
     shown = set(re.findall(r"^\s+(?:-\w, )?--([a-z][a-z-]*)", helptext, re.M))
     assert parsed - shown == set(), "parsed by subletd but not in its --help"
+
+
+def test_the_readme_cpu_only_torch_is_within_sublets_range():
+    """The README's CPU-only PyTorch command asks for the range pyproject.toml declares: a
+    torch outside it would be replaced by PyPI's CUDA build at `pip install '.[test]'`."""
+    readme = (REPO / "README.md").read_text()
+    asked = re.search(r"pip install '(torch[^']*)' --index-url https://download\.pytorch\.org"
+                      r"/whl/cpu", readme)
+    assert asked, "the README says how to take a CPU-only torch"
+    declared = re.search(r'^dependencies = \["(torch[^"]*)"',
+                         (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert asked.group(1) == declared
