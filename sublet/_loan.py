@@ -299,7 +299,6 @@ class LocalLoan(Loan):
     def __enter__(self) -> "LocalLoan":
         region, client = self._region, self._region.client
         self._check_unused()
-        _prepare(region.device, routing=True)
         with _pool._lock:
             self._claim_device(region.device)
             try:
@@ -319,6 +318,9 @@ class LocalLoan(Loan):
                 self._drop_device(region.device)
                 raise
         try:
+            # After the claims, which refuse a loan inside a pool: made inside one, the cuBLAS
+            # workspaces that routing makes ahead would be the pool's memory.
+            _prepare(region.device, routing=True)
             if self._verify:
                 self._snapshot = _verify.Snapshot(region, self._lent.tensor, self._ranges)
             # One request: the loan is never on offer, so no borrow() elsewhere can take it.
@@ -534,10 +536,10 @@ class BorrowedLoan(Loan):
     def __enter__(self) -> "BorrowedLoan":
         self._check_unused()
         device, client = resolve_device(self._want_device)
-        _prepare(device, routing=True)
         self._claim_device(device)
         what = f"named {self.name!r}" if self.name else "(any)"
         try:
+            _prepare(device, routing=True)
             _wait.in_slices(lambda ms: self._borrow_slice(client, ms), self._timeout,
                             f"no loan {what} was offered on {device} within {self._timeout} s",
                             NoOfferError)

@@ -14,6 +14,7 @@ never lent, whenever they were made. Skipped without CUDA.
 - Loans: sublet.lend("race-kv") routes the whole process into the loan, so the engine thread
   makes its tensors with Pool.empty() (BusyError while the loan is made or runs), between
   the Loan object and its `with` too; 100 loans, each filled by the main thread itself.
+- One thread: the Loan made, a tensor made inside `with sublet.pool(...)`, then the `with`.
 
 After every loan, every kept block and every live tensor of the engine are compared as bytes
 (copied to pinned host memory: no comparison allocates on the device, where it would be
@@ -172,6 +173,24 @@ class Engine(threading.Thread):
             raise self.error
         self.live.clear()
         return f"engine made {self.made}, refused {self.refused}"
+
+
+def test_a_tensor_made_in_a_pool_between_lend_and_its_with_is_not_lent():
+    """One thread: the Loan made, a tensor of another tag made inside `with sublet.pool(...)`
+    (its segment first fit into the free pages between the cache's layers, which the Loan's
+    first plan lent), then the `with`: the borrower fills the loan and the tensor's bytes stay."""
+    caches = kv_cache()
+    with free_memory_left(3 * 1024 * MiB):
+        loan = sublet.lend("race-kv", keep=[])
+        with sublet.pool("race-late"):
+            late = torch.empty(8 * MiB, dtype=torch.uint8, device="cuda")
+        late.copy_(host_noise(8 * MiB, seed=9))
+        before = on_host(late)
+        with loan:
+            assert overwrite_in_process() > 0
+        assert torch.equal(on_host(late), before), "the borrower wrote over a tensor of " \
+                                                    "another tag"
+    del caches, late
 
 
 def in_pool(tag: str, nbytes: int) -> torch.Tensor:
