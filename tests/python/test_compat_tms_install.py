@@ -246,9 +246,14 @@ def test_force_uninstalls_the_real_one_through_pip(venv):
     assert "the real torch_memory_saver 0.0.10 uninstalled" in out.stdout
     assert not (site / f"{NAME}_hook_mode_preload_cu12.abi3.so").exists()
     assert run_in(venv, "-m", "sublet.compat", "check", NAME).returncode == 0
-    out = run_in(venv, "-m", "sublet.compat", "uninstall", NAME)
-    assert out.returncode == 0, out.stderr
+    # pip uninstall after --force: it removes sublet's drop-in, and nothing of the real one is
+    # left behind anywhere (no copy set aside, such as an old *.sublet-saved, to strand).
+    gone = run_in(venv, "-m", "pip", "uninstall", "-y", NAME)
+    assert gone.returncode == 0 and "Successfully uninstalled" in gone.stdout, gone.stderr
     assert files_under(site) == before
+    assert not list(venv.rglob("*sublet-saved*"))
+    listed = run_in(venv, "-m", "pip", "list", "--path", str(site), "--format", "freeze")
+    assert f"{NAME}==" not in listed.stdout
 
 
 def test_pip_install_over_the_drop_in(venv, tmp_path):
@@ -263,9 +268,27 @@ def test_pip_install_over_the_drop_in(venv, tmp_path):
     assert run_in(venv, "-m", "sublet.compat", "check", NAME).returncode == 0
     replaced = run_in(venv, *pip, f"{NAME}==0.0.8")
     assert replaced.returncode == 0, replaced.stderr
+    # pip says so (docs/compat-torch-memory-saver.md quotes it)
+    assert f"Successfully uninstalled {NAME}-{_install_tms.version()}" in replaced.stdout
     check = run_in(venv, "-m", "sublet.compat", "check", NAME)
     assert check.returncode == 1 and "the real torch_memory_saver 0.0.8" in check.stdout
     assert not (venv_site(venv) / NAME / "__init__.py").read_text().count(MARKER)
+    assert run_in(venv, "-m", "sublet.compat", "install", NAME, "--force").returncode == 0
+    assert run_in(venv, "-m", "sublet.compat", "check", NAME).returncode == 0
+    assert run_in(venv, "-m", "pip", "uninstall", "-y", NAME).returncode == 0
+
+
+def test_pip_install_ignore_installed_over_the_drop_in_is_detected(venv, tmp_path):
+    """pip cannot be kept from writing over the drop-in's files (--ignore-installed installs
+    without uninstalling, saying nothing of it): check detects it and says what to do, and
+    install --force clears both distributions and puts sublet's back."""
+    fake_wheel(tmp_path, "0.0.8")
+    assert run_in(venv, "-m", "sublet.compat", "install", NAME).returncode == 0
+    over = run_in(venv, "-m", "pip", "install", "--no-index", "--find-links", str(tmp_path),
+                  "--ignore-installed", NAME)
+    assert over.returncode == 0, over.stderr
+    check = run_in(venv, "-m", "sublet.compat", "check", NAME)
+    assert check.returncode == 1 and "was written over by another install" in check.stdout
     assert run_in(venv, "-m", "sublet.compat", "install", NAME, "--force").returncode == 0
     assert run_in(venv, "-m", "sublet.compat", "check", NAME).returncode == 0
     assert run_in(venv, "-m", "pip", "uninstall", "-y", NAME).returncode == 0
