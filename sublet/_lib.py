@@ -548,9 +548,10 @@ def _data(ranges: Any) -> int | None:
 
 
 def _name(name: str | None) -> bytes | None:
-    """A loan name for C: a C string cannot hold a NUL, so such a name is refused here as the
-    daemon refuses it (rather than being cut short)."""
-    if not name:
+    """A loan name for C: None is no name; "" goes as given, for the daemon to refuse as it
+    refuses a name of 0 bytes (1 to 63 bytes). A C string cannot hold a NUL, so such a name is
+    refused here as the daemon refuses it (rather than being cut short)."""
+    if name is None:
         return None
     if "\0" in name:
         raise error_for(ERROR_CODES["EINVAL"], f"loan name {name!r} holds a NUL character: "

@@ -841,3 +841,15 @@ def test_a_loan_keeping_the_head_is_served_in_place_from_the_unkept_tail_on(head
             del held, big
         assert np.array_equal(t.numpy()[mask], before.numpy()[mask]), f"loan {i}"
         t[head_pages * PAGE:].fill_(i)                      # the owner writes unkept bytes
+
+
+@pytest.mark.parametrize("name", ["", "a\x1b[2Jb"])
+def test_a_loan_name_of_no_bytes_or_with_a_control_character_is_refused(name):
+    """name="" is a name of 0 bytes, not None (no name): the daemon refuses it as it refuses a
+    name with a control character, and the tensor is untouched."""
+    t, before = patterned(2 * PAGE)
+    with pytest.raises(sublet.SubletError) as refused:
+        with sublet.offer(t, name=name):
+            pytest.fail("a loan was offered under an invalid name")
+    assert refused.value.code_name == "EINVAL" and "1 to 63 bytes" in str(refused.value)
+    assert torch.equal(t, before)
