@@ -318,7 +318,10 @@ SUBLET_EXPORT int sublet_pool_segments(sublet_client *c, uint32_t tag, struct su
  * memory is the driver's: this process holds no handle of the released pages, and touching
  * them is a GPU fault until the resume. Several releases of a region may be live, on disjoint
  * pages (SUBLET_EBUSY otherwise); a region with one cannot be lent (SUBLET_EBUSY).
- * SUBLET_ENOTSUP from a subletd that cannot release. */
+ * SUBLET_ENOTSUP from a subletd that cannot release. SUBLET_EDAEMONDIED when subletd went
+ * before it answered: nothing was released, every page is still this process's, mapped, each
+ * kept byte where it was (subletd only copies kept bytes over unkept ones, or to
+ * the host, before it answers). */
 #define SUBLET_STAY_ANY UINT64_MAX
 
 struct sublet_release_stats {
