@@ -225,6 +225,15 @@ def test_sdist_leaves_out_a_venv_and_build_trees(tmp_path):
     assert "daemon/main.c" in names and "pyproject.toml" in names  # it is the sources
     assert [n for n in names if "leftover" in n or "pyvenv.cfg" in n or
             n.startswith(".venv")] == []
+    # The README's wheel step can be followed from it: packaging/ whole (the "/build*"
+    # exclusion is the checkout's build trees, not packaging/build-wheel).
+    packaging = sorted(n for n in tracked_files() if n.startswith("packaging/"))
+    assert "packaging/build-wheel" in packaging
+    assert [n for n in packaging if n not in names] == []
+    # The benchmarks' results and plot stay out (their scripts stay in).
+    assert [n for n in names if n.startswith("bench/") and n.endswith((".log", ".json"))] == []
+    assert [n for n in names if n.startswith("assets/")] == []
+    assert "bench/benchmark.py" in names
 
 
 def dockerignore_patterns() -> list[str]:
