@@ -140,10 +140,13 @@ def offer(what: Lendable, keep: Keep = None, name: str | None = None,
     """Offers memory (what: as for lend()) to another process (which calls sublet.borrow(name=...))
     and returns an Offer as soon as it is made; Offer.wait() blocks until it comes back. In a
     `with` block, leaving it withdraws an untaken offer or waits for the borrower to finish.
-    verify: as for lend(), checked when wait() sees the loan back. timeout: as for lend(), the
-    wait for the device while another loan runs on it. Pools: as for lend(), from this call
-    until the offer is back or withdrawn no pool allocation is served on the device; a pool
-    whose tag the offer pins whole may be entered meanwhile (its cached blocks serve).
+    name: what a borrower asks for it by: UTF-8 text of 1 to 63 bytes without control
+    characters, or None for no name; subletd refuses any other (`""` too) with EINVAL, raised
+    as a SubletError. verify: as for lend(), checked when wait() sees the loan back. timeout:
+    as for lend(), the wait for the device while another loan runs on it. Pools: as for
+    lend(), from this call until the offer is back or withdrawn no pool allocation is served
+    on the device; a pool whose tag the offer pins whole may be entered meanwhile (its cached
+    blocks serve).
 
     release=True: a release offer instead (a ReleaseOffer), for a scheduler that calls
     sublet.take(name=...): when it takes the offer this process's library releases the memory
@@ -167,7 +170,7 @@ def borrow(name: str | None = None, device: torch.device | str | int | None = No
     with neither, the next offer: the oldest one on the device that this user may borrow
     (the owner's own user, root, or a member of the daemon's --allow-group). Each offer goes
     to exactly one borrower. Waits up to `timeout` seconds (None: forever) for it, else
-    NoOfferError."""
+    NoOfferError. name: as for offer() (None: no name; `""` is refused, EINVAL)."""
     from ._loan import BorrowedLoan
     return BorrowedLoan(name, device, timeout, loan_id, token)
 

@@ -287,7 +287,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sublet", description="sublet: lend GPU memory",
         epilog="exit status: 0 every daemon answered, 1 some did not, 2 usage error, 3 no "
-               "daemon found, 4 the output could not be written or libsublet is missing")
+               "daemon found, 4 the output could not be written or libsublet is missing, 5 no "
+               "daemon answered and one at least refused this user (permission denied)")
     parser.add_argument("-V", "--version", action=_VersionAction,
                         help="show the version and exit")
     commands = parser.add_subparsers(dest="command", required=True)

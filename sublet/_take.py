@@ -149,5 +149,6 @@ def take(name: str | None = None, device: object = None,
     Entering waits up to `timeout` seconds (None: forever) for the offer and its release
     (NoOfferError, SubletTimeoutError); inside, the memory is the CUDA driver's, for any
     process; leaving gives it back and waits (give_back_timeout) until the owner has it back.
-    Taken.released_bytes and .stats say what the owner released."""
+    Taken.released_bytes and .stats say what the owner released. name: as for
+    sublet.offer() (None: any; `""` is refused, EINVAL)."""
     return Taken(name, device, timeout, give_back_timeout)

@@ -97,8 +97,9 @@ def test_report_prints_the_table_and_the_targets(tmp_path):
 
 
 def test_plot_renders_an_svg(tmp_path):
-    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib, which CI does not "
-                                             "install (pip install matplotlib)")
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib, which is not "
+                                             "installed here (CI installs it: "
+                                             "pip install matplotlib)")
     path, out = tmp_path / "results.json", tmp_path / "chart.svg"
     path.write_text(json.dumps(synthetic_results()))
     done = run_script("plot.py", "--json", str(path), "--out", str(out))

@@ -124,6 +124,20 @@ def test_metrics_are_written_where_the_textfile_volume_is(daemonset):
     assert volumes["textfile"]["hostPath"]["type"] == "DirectoryOrCreate"
 
 
+def test_the_docs_name_the_textfile_directory_the_daemonset_uses(daemonset):
+    """Every doc and man page that names a node exporter's textfile directory names the one
+    the DaemonSet mounts from the host (one spelling: node-exporter, not node_exporter)."""
+    volumes = daemonset["DaemonSet"]["spec"]["template"]["spec"]["volumes"]
+    host = {v["name"]: v for v in volumes}["textfile"]["hostPath"]["path"]
+    docs = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "man").glob("*.[0-9]")]
+    named = {(path.relative_to(REPO).as_posix(), m.group(0))
+             for path in docs for m in re.finditer(r"/var/lib/node[-_]exporter[\w/.-]*",
+                                                   path.read_text().replace("\\-", "-"))}
+    assert named, "the docs name the textfile directory"
+    assert [(doc, p) for doc, p in named
+            if p.rstrip("/") != host and not p.startswith(host + "/")] == []
+
+
 def test_images_are_one_and_options_are_subletd_options(daemonset, native, tmp_path):
     spec = daemonset["DaemonSet"]["spec"]["template"]["spec"]
     assert len({c["image"] for c in spec["initContainers"] + spec["containers"]}) == 1

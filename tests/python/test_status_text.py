@@ -76,3 +76,17 @@ def test_times_json_left_null_print_as_unknown(offer):
     metrics = _status.prometheus([s], [])
     assert any(line.startswith("sublet_uptime_seconds{") and line.endswith(" NaN")
                for line in metrics.splitlines())
+
+
+def test_help_names_every_exit_status():
+    """`sublet --help` lists each exit status the command has (sublet/_status.py's EXIT_*)."""
+    from sublet import _status
+    codes = sorted(v for k, v in vars(_status).items() if k.startswith("EXIT_"))
+    assert codes == list(range(6))
+    out = subprocess.run([sys.executable, "-m", "sublet", "--help"], capture_output=True,
+                         text=True, env=dict(os.environ, **CHILD_ENV), timeout=60)
+    assert out.returncode == 0, out.stderr
+    epilog = " ".join(out.stdout.split("exit status:", 1)[1].split())
+    for code in codes:
+        assert f" {code} " in f" {epilog} ", (code, epilog)
+    assert "5 no daemon answered and one at least refused this user" in epilog
