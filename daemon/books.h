@@ -392,6 +392,7 @@ struct sl_release_work {
   size_t ngroups;             /* pairs */
   uint64_t stayed, kept_bytes, moved_bytes, saved_bytes; /* stayed: held pages too */
   uint64_t held;              /* of those, the pages held with a group that stays */
+  int by_need;                /* a release by need (its stayed pages may hold nothing) */
 };
 
 struct sl_release_info {
@@ -400,13 +401,26 @@ struct sl_release_info {
   enum sl_release_state state;
   uint64_t pages;             /* its pages: released and stayed, and those holding nothing */
   uint64_t released_pages, stayed_pages, kept_bytes, moved_bytes, saved_bytes;
+  int by_need;                /* a release by need, with its figures: */
+  uint64_t need_bytes, free_bytes;
+};
+
+/* A release by need (Lend.need_bytes, issue 42): the bytes the taker needs, and the device's
+ * free bytes at the release's moment. The release gives back only the pages the need takes
+ * beyond the free bytes, the ones whose release moves or saves the fewest kept bytes; a need
+ * beyond the free bytes and every page the release could give is refused (SUBLET_ENEED) before
+ * anything moves. */
+struct sl_release_need {
+  uint64_t need_bytes, free_bytes;
 };
 
 /* stay: the most kept pages that may stay (UINT64_MAX: as many as the kept bytes need). */
 int sl_books_may_release(const struct sl_books *b, uint64_t client_id, uint64_t region_id,
                          uint64_t *npages, struct sl_err *err);
+/* need: NULL releases every page the stay allows (a release by tag). */
 int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t region_id,
-                           struct sl_loan *draft, uint64_t stay, struct sl_release_work *w,
+                           struct sl_loan *draft, uint64_t stay,
+                           const struct sl_release_need *need, struct sl_release_work *w,
                            struct sl_err *err);
 void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok);
 /* groups: make the released pages again as groups (w->groups), not page by page. */

@@ -105,6 +105,8 @@ struct sl_release {
   uint64_t *released; /* ascending region pages */
   size_t nreleased;
   uint64_t *zone;     /* the plan's kept zone (books_release.c): owned, the plan points in */
+  int by_need;        /* a release by need (books.h): its stayed pages may hold nothing */
+  struct sl_release_need need;
 };
 
 struct sl_books {

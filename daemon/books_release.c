@@ -415,6 +415,138 @@ static int choose_stay(const struct sl_books *b, struct sl_release *rel, uint64_
   return 0;
 }
 
+/* ---- releases by need --------------------------------------------------------------------- */
+
+/* What a release by need may give back: a whole page group (or a page of a region without
+ * groups), entries [first, first + size) of the release's pages, holding kept bytes. */
+struct need_unit {
+  size_t first;
+  uint64_t size, kept;
+};
+
+/* Fewest kept bytes per page first (a unit with none costs nothing), then ascending. */
+static int unit_cmp(const void *a, const void *b) {
+  const struct need_unit *x = a, *y = b;
+  uint64_t l = x->kept * y->size, r = y->kept * x->size;
+
+  if (l != r)
+    return l < r ? -1 : 1;
+  return x->first < y->first ? -1 : x->first > y->first;
+}
+
+/* The units of pages[0, n) that a release may give back whole, their kept bytes from kb; the
+ * entries of a group the release does not hold whole (a page of it pinned) make none. */
+static struct need_unit *need_units(const struct sl_region *r, const uint64_t *pages,
+                                    const uint64_t *kb, size_t n, size_t *nunits) {
+  struct need_unit *u = malloc((n + 1) * sizeof(*u));
+  size_t m = 0;
+
+  for (size_t i = 0, j; u != NULL && i < n; i = j) {
+    uint64_t head = group_head(r, pages[i]), span = sl_books_span(r, head), kept = 0;
+    for (j = i; j < n && pages[j] < head + span; j++)
+      kept += kb[j];
+    if (pages[i] == head && j - i == span)
+      u[m++] = (struct need_unit){i, span, kept};
+  }
+  *nunits = m;
+  return u;
+}
+
+/* The pages a release by need must give back: those the need takes beyond the free bytes, at
+ * least those beyond the stay; refused (before anything moves) when the units cannot. */
+static int need_count(const struct sl_books *b, const struct sl_release *rel, uint64_t n,
+                      uint64_t can_give, uint64_t stay, uint64_t *count, struct sl_err *err) {
+  uint64_t ps = b->cfg.page_size, need = rel->need.need_bytes, free_bytes = rel->need.free_bytes;
+  uint64_t pages = need > free_bytes ? sl_books_pages_for(b, need - free_bytes) : 0;
+
+  if (pages > can_give)
+    return sl_err_set(err, SUBLET_ENEED, "a release by need of %" PRIu64 " bytes from region %"
+                      PRIu64 " was refused, nothing moved: the device has %" PRIu64 " bytes "
+                      "free and the release can give at most %" PRIu64 " bytes (%" PRIu64
+                      " pages), %" PRIu64 " in all, %" PRIu64 " short. Ask for at most %"
+                      PRIu64 " bytes, release more with it (other tags or tensors), or free "
+                      "memory on the device first", need, rel->region_id, free_bytes,
+                      can_give * ps, can_give, free_bytes + can_give * ps,
+                      need - free_bytes - can_give * ps, free_bytes + can_give * ps);
+  if (stay != UINT64_MAX && n > stay && n - stay > pages)
+    pages = n - stay;
+  *count = pages < can_give ? pages : can_give;
+  return 0;
+}
+
+/* Marks released[i] for the cheapest units until count pages are (whole groups: a group may
+ * take it past count, by less than the group). */
+static void need_pick(struct need_unit *u, size_t nunits, uint64_t count, uint8_t *released) {
+  uint64_t got = 0;
+
+  qsort(u, nunits, sizeof(*u), unit_cmp);
+  for (size_t i = 0; i < nunits && got < count; i++) {
+    memset(released + u[i].first, 1, u[i].size);
+    got += u[i].size;
+  }
+}
+
+/* The released pages (ascending), and the plan's zone: the released ones that hold kept
+ * bytes, then every page that stays, each ascending (*reach: the former's count). */
+static int need_lists(struct sl_release *rel, const uint64_t *pages, const uint64_t *kb,
+                      const uint8_t *released, size_t n, size_t *nzone, size_t *reach) {
+  size_t m = 0, z = 0;
+
+  rel->released = malloc((n + 1) * sizeof(*rel->released));
+  rel->zone = malloc((n + 1) * sizeof(*rel->zone));
+  if (rel->released == NULL || rel->zone == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (size_t i = 0; i < n; i++) {
+    if (released[i])
+      rel->released[m++] = pages[i];
+    if (released[i] && kb[i] > 0)
+      rel->zone[z++] = pages[i];
+  }
+  *reach = z;
+  for (size_t i = 0; i < n; i++)
+    if (!released[i])
+      rel->zone[z++] = pages[i];
+  rel->nreleased = m;
+  rel->stayed = n - m;
+  *nzone = z;
+  return 0;
+}
+
+/* choose_stay for a release by need (books.h, sl_release_need). */
+static int choose_need(const struct sl_books *b, struct sl_release *rel, uint64_t stay,
+                       size_t *reach, struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, rel->region_id);
+  struct sl_loan *l = rel->l;
+  struct need_unit *u = NULL;
+  uint64_t *kb = NULL, can_give = 0, count = 0;
+  size_t n = 0, nunits = 0, nzone = 0;
+  uint64_t *pages = region_pages(l, &n);
+  uint8_t *released = calloc(n + 1, 1);
+  int rc = SUBLET_ENOHOSTMEM;
+
+  if (pages != NULL && released != NULL &&
+      (kb = kept_per_page(l, pages, n, b->cfg.page_size)) != NULL &&
+      (u = need_units(r, pages, kb, n, &nunits)) != NULL) {
+    for (size_t i = 0; i < nunits; i++)
+      can_give += u[i].size;
+    rc = need_count(b, rel, n, can_give, stay, &count, err);
+  }
+  if (rc == 0) {
+    need_pick(u, nunits, count, released);
+    rc = need_lists(rel, pages, kb, released, n, &nzone, reach);
+  }
+  if (rc == 0) {
+    sl_plan_release(&l->plan);
+    sl_plan_init(&l->plan, b->cfg.page_size, l->keep, l->nkeep, rel->zone, nzone,
+                 l->plan.compact);
+  }
+  free(pages);
+  free(kb);
+  free(u);
+  free(released);
+  return rc;
+}
+
 /* The work of the begin: the step's moves and saves, and the released pages. */
 static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s,
                       struct sl_release_work *w) {
@@ -423,7 +555,8 @@ static int begin_work(const struct sl_release *rel, const struct sl_plan_step *s
                                 .nreleased = rel->nreleased,
                                 .stayed = rel->stayed + rel->held, .held = rel->held,
                                 .kept_bytes = rel->l->kept_bytes,
-                                .moved_bytes = s->moved_bytes, .saved_bytes = s->saved_bytes};
+                                .moved_bytes = s->moved_bytes, .saved_bytes = s->saved_bytes,
+                                .by_need = rel->by_need};
   w->moves = sl_dup(s->moves, s->nmoves, sizeof(*s->moves));
   w->copies = sl_dup(s->saves, s->nsaves, sizeof(*s->saves));
   w->released = sl_dup(rel->released, rel->nreleased, sizeof(*rel->released));
@@ -441,8 +574,11 @@ static int plan_release(struct sl_books *b, struct sl_release *rel, uint64_t sta
   struct sl_loan *l = rel->l;
   struct sl_plan_step s = {0};
   size_t reach = 0;
-  int rc = choose_stay(b, rel, stay, &reach);
+  int rc = rel->by_need ? choose_need(b, rel, stay, &reach, err)
+                        : choose_stay(b, rel, stay, &reach);
 
+  if (rc == SUBLET_ENEED)
+    return rc; /* err says why */
   if (rc == 0 && reach > 0 && (rc = sl_plan_reach(&l->plan, 0, reach, &s)) == 0)
     rc = sl_plan_commit(&l->plan, &s);
   if (rc == 0)
@@ -454,7 +590,8 @@ static int plan_release(struct sl_books *b, struct sl_release *rel, uint64_t sta
 }
 
 int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t region_id,
-                           struct sl_loan *draft, uint64_t stay, struct sl_release_work *w,
+                           struct sl_loan *draft, uint64_t stay,
+                           const struct sl_release_need *need, struct sl_release_work *w,
                            struct sl_err *err) {
   struct sl_release *v, *rel;
   uint64_t npages, hit;
@@ -476,7 +613,10 @@ int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t regi
   b->releases = v;
   rel = &v[b->nreleases];
   *rel = (struct sl_release){.id = b->next_loan, .region_id = region_id,
-                             .owner_client = client_id, .state = SL_REL_RELEASING, .l = draft};
+                             .owner_client = client_id, .state = SL_REL_RELEASING, .l = draft,
+                             .by_need = need != NULL};
+  if (need != NULL)
+    rel->need = *need;
   if ((rc = plan_release(b, rel, stay, w, err)) != 0) {
     free(rel->released);
     free(rel->zone);
@@ -612,7 +752,9 @@ static void fill_info(const struct sl_books *b, const struct sl_release *rel,
       .id = rel->id, .region_id = rel->region_id, .owner_client = rel->owner_client,
       .state = rel->state, .pages = l->unkept + l->kept, .released_pages = rel->nreleased,
       .stayed_pages = rel->stayed + rel->held, .kept_bytes = l->kept_bytes,
-      .moved_bytes = l->plan.moved_bytes, .saved_bytes = l->plan.saved_bytes};
+      .moved_bytes = l->plan.moved_bytes, .saved_bytes = l->plan.saved_bytes,
+      .by_need = rel->by_need, .need_bytes = rel->need.need_bytes,
+      .free_bytes = rel->need.free_bytes};
   if (r != NULL)
     ri->owner = r->owner;
 }

@@ -575,7 +575,9 @@ static int check_release(const struct sl_books *b, const struct sl_release *rel,
                   rel->id);
   if ((rc = check_layout(b, l, npages, ck)) != 0)
     return rc;
-  if (rel->stayed > l->kept || rel->held > l->unkept + l->kept - rel->stayed ||
+  /* By need, pages that hold no kept byte may stay (only the need's pages go). */
+  if (rel->stayed > (rel->by_need ? l->unkept + l->kept : l->kept) ||
+      rel->held > l->unkept + l->kept - rel->stayed ||
       rel->nreleased != l->unkept + l->kept - rel->stayed - rel->held)
     return broken(ck, "release %" PRIu64 " released or stayed pages are miscounted", rel->id);
   for (size_t i = 1; i < rel->nreleased; i++)

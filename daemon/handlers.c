@@ -60,6 +60,7 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_release_offer = w.release_offer = 1;
   w.has_early_resume = w.early_resume = 1;
   w.has_pin_ahead = w.pin_ahead = 1;
+  w.has_release_need = w.release_need = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;

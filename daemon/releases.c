@@ -38,6 +38,8 @@ struct sl_live_release {
 struct release_job {
   struct sl_job job; /* first member */
   uint64_t req_id, region, npages, stay;
+  int by_need;       /* Lend.need_bytes: a release by need (books.h, sl_release_need) */
+  uint64_t need_bytes;
   struct sl_lend_lists lists; /* the Lend's, for the draft */
   struct sl_loan *draft;
   struct sl_release_work work;
@@ -280,14 +282,29 @@ static void release_done(struct sl_job *j) {
   job_free(rj);
 }
 
+/* The device's free bytes for a release by need: what the driver has, less what subletd is
+ * making meanwhile (a region or fresh pages half made are not free to a taker). */
+static int release_free_bytes(struct sl_daemon *d, uint64_t *free_bytes, struct sl_err *err) {
+  int rc = sl_device_free_bytes(d->dev, free_bytes, err);
+
+  if (rc == 0)
+    *free_bytes = *free_bytes > d->building_bytes ? *free_bytes - d->building_bytes : 0;
+  return rc;
+}
+
 /* The draft is made: the release enters the books, then the device work is queued. */
 static int release_begin(struct release_job *rj, struct sl_err *err) {
   struct sl_daemon *d = rj->job.d;
   struct sl_conn *c = rj->job.conn;
   const struct sl_release_work *w = &rj->work;
-  int rc = sl_books_release_begin(d->books, c->client_id, rj->region, rj->draft, rj->stay,
-                                  &rj->work, err);
+  struct sl_release_need need = {.need_bytes = rj->need_bytes};
+  int rc = 0;
 
+  /* Counted now, on the loop, so that the page choice matches the device as it is. */
+  if (rj->by_need && (rc = release_free_bytes(d, &need.free_bytes, err)) != 0)
+    return rc;
+  rc = sl_books_release_begin(d->books, c->client_id, rj->region, rj->draft, rj->stay,
+                              rj->by_need ? &need : NULL, &rj->work, err);
   if (rc != 0)
     return rc;
   rj->draft = NULL; /* the books' now */
@@ -341,6 +358,8 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
   rj->region = m->region;
   rj->npages = npages;
   rj->stay = m->has_stay_pages ? m->stay_pages : UINT64_MAX;
+  rj->by_need = m->has_need_bytes;
+  rj->need_bytes = m->need_bytes;
   rj->t0 = sl_clock_now();
   sl_lend_lists_take(&rj->lists, m, keep_fd);
   rj->job.run = draft_run;

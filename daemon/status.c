@@ -74,6 +74,9 @@ static int status_releases(struct sl_conn *c, Sublet__Status *st, Sublet__Releas
     r->kept_bytes = ri.kept_bytes;
     r->copied_out_bytes = ri.saved_bytes;
     r->moved_bytes = ri.moved_bytes;
+    r->has_need_bytes = r->has_free_bytes = ri.by_need;
+    r->need_bytes = ri.need_bytes;
+    r->free_bytes = ri.free_bytes;
     st->releases[n++] = r;
   }
   st->n_releases = n;

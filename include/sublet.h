@@ -56,6 +56,7 @@ extern "C" {
   X(ENOOFFER, -4006, "no loan is on offer")                                                    \
   X(EDAEMONDIED, -4007, "subletd died during the loan")                                        \
   X(ENOHOSTMEM, -4008, "out of host memory")                                                   \
+  X(ENEED, -4009, "the need exceeds the free memory and all the release can give")             \
   X(ENOTSUP, -95, "not supported")
 
 #define SUBLET_DEFINE_ERR(name, value, text) SUBLET_##name = (value),

@@ -55,6 +55,7 @@ ERROR_CODES: dict[str, int] = {
     "ENOOFFER": -4006,
     "EDAEMONDIED": -4007,
     "ENOHOSTMEM": -4008,
+    "ENEED": -4009,
     "ENOTSUP": -errno.EOPNOTSUPP,
 }
 CODE_NAMES: dict[int, str] = {v: k for k, v in ERROR_CODES.items()}
@@ -155,6 +156,13 @@ def join_torch_out_of_memory(torch_oom: type[BaseException]) -> None:
         SubletOutOfMemoryError.__bases__ = (*SubletOutOfMemoryError.__bases__, torch_oom)
 
 
+class NeedTooLargeError(SubletOutOfMemoryError):
+    """A release by need (sublet.release(..., need=N)) asked for more than the device's free
+    memory and every page the release could give (code ENEED): refused before anything moved.
+    The message gives the figures (the need, the free bytes, what the release could give, how
+    much is short) and the fix: ask for less, release more with it, or free device memory."""
+
+
 class SubletTimeoutError(SubletError, TimeoutError):
     """A wait timed out; it is also a builtin TimeoutError."""
 
@@ -174,6 +182,7 @@ _EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
     ERROR_CODES["ETIMEDOUT"]: SubletTimeoutError,
     ERROR_CODES["ENOMEM"]: SubletOutOfMemoryError,
     ERROR_CODES["ENOHOSTMEM"]: SubletOutOfMemoryError,
+    ERROR_CODES["ENEED"]: NeedTooLargeError,
 }
 
 

@@ -59,7 +59,7 @@ static int release(struct sl_books *b, uint64_t owner, uint64_t rid, const struc
 
   sl_books_region_info(b, rid, &ri);
   rc = sl_books_draft(sl_books_cfg(b), ri.npages, keep, n, 0, pinned, npinned, &draft, err);
-  if (rc == 0 && (rc = sl_books_release_begin(b, owner, rid, draft, stay, w, err)) != 0)
+  if (rc == 0 && (rc = sl_books_release_begin(b, owner, rid, draft, stay, NULL, w, err)) != 0)
     sl_books_draft_free(draft);
   return rc;
 }

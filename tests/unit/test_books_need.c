@@ -1,0 +1,264 @@
+/* test_books_need.c - releases by need in the books (daemon/books_release.c, issue 42): a
+ * property test of the page choice against a reference, and the refusal.
+ *
+ * The reference, for a region without page groups: a need of N bytes with F free takes
+ * R = ceil(max(0, N - F) / page) pages; exactly R are released (never more), those with the
+ * fewest kept bytes, so their kept bytes Kr are the R smallest counts' sum. The pages that
+ * stay have (n - R) x page - (K - Kr) bytes of holes, so the host gets exactly
+ * max(0, Kr - holes) = max(0, K - (n - R) x page), the rest moves on the device; every kept
+ * byte comes back (a byte map), and the books check after each step. With page groups (a
+ * resume's), whole groups go: at least R pages, fewer than R plus a group, the host figure
+ * the same rule over the pages that stay.
+ */
+#include "books.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+
+#define PS 4096u
+
+static void books_ok_at(const struct sl_books *b, const char *file, int line) {
+  char why[256] = "";
+  int rc = sl_books_check(b, why, sizeof(why));
+
+  check_at(rc == 0, "sl_books_check", file, line);
+  if (rc != 0)
+    fprintf(stderr, "    %s\n", why);
+}
+#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
+
+static uint64_t rnd(uint64_t *s) { /* xorshift64: the same cases on every machine */
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}
+
+struct fixture {
+  struct sl_books *b;
+  uint64_t owner, region, npages;
+  struct sublet_range keep[512];
+  size_t nkeep;
+  uint64_t kb[64];       /* kept bytes per page */
+  uint64_t kept;         /* all of them */
+};
+
+static void fixture_new(struct fixture *f, uint64_t npages) {
+  struct sl_books_config cfg = {.page_size = PS};
+  struct sl_peer peer = {.pid = 100, .uid = 1000, .gid = 1000};
+
+  memset(f, 0, sizeof(*f));
+  if (sl_books_new(&cfg, &f->b) != 0)
+    abort();
+  CHECK_EQ(sl_books_client_add(f->b, &peer, &f->owner), 0);
+  CHECK_EQ(sl_books_region_new(f->b, f->owner, npages, 0, &f->region, NULL), 0);
+  f->npages = npages;
+}
+
+/* Random keep ranges: each page empty, full, or a few runs of bytes (odd lengths too). */
+static void random_keep(struct fixture *f, uint64_t *s) {
+  f->nkeep = 0;
+  f->kept = 0;
+  for (uint64_t p = 0; p < f->npages; p++) {
+    uint64_t kind = rnd(s) % 4, at = p * PS, end = at + PS;
+    f->kb[p] = 0;
+    if (kind == 0)
+      continue;
+    if (kind == 1) {
+      f->keep[f->nkeep++] = (struct sublet_range){at, PS};
+      f->kb[p] = PS;
+      continue;
+    }
+    for (int r = 0; r < 3 && at < end; r++) {
+      uint64_t gap = rnd(s) % 900, len = 1 + rnd(s) % 1500;
+      at += gap;
+      if (at >= end)
+        break;
+      len = len < end - at ? len : end - at;
+      f->keep[f->nkeep++] = (struct sublet_range){at, len};
+      f->kb[p] += len;
+      at += len + 1;
+    }
+  }
+  for (uint64_t p = 0; p < f->npages; p++)
+    f->kept += f->kb[p];
+}
+
+static int release_need(struct fixture *f, const struct sl_release_need *need, uint64_t stay,
+                        struct sl_release_work *w, struct sl_err *err) {
+  struct sl_loan *draft = NULL;
+  int rc = sl_books_draft(sl_books_cfg(f->b), f->npages, f->keep, f->nkeep, 0, NULL, 0, &draft,
+                          err);
+
+  if (rc == 0 && (rc = sl_books_release_begin(f->b, f->owner, f->region, draft, stay, need, w,
+                                              err)) != 0)
+    sl_books_draft_free(draft);
+  return rc;
+}
+
+/* The begin's moves and saves on a byte map, the released pages overwritten, the undo: is
+ * every kept byte back? */
+static int kept_back(const struct fixture *f, const struct sl_release_work *w,
+                     const struct sl_release_work *u) {
+  uint64_t size = f->npages * PS;
+  uint8_t *dev = malloc(size), *orig = malloc(size), *host = calloc(1, size + 1);
+  int ok = 1;
+
+  for (uint64_t i = 0; i < size; i++)
+    orig[i] = dev[i] = (uint8_t)(i * 13 + i / PS);
+  for (size_t i = 0; i < w->nmoves; i++)
+    memmove(dev + w->moves[i].dst_off, dev + w->moves[i].src_off, w->moves[i].len);
+  for (size_t i = 0; i < w->ncopies; i++)
+    memcpy(host + w->copies[i].host_off, dev + w->copies[i].dev_off, w->copies[i].len);
+  for (size_t i = 0; i < w->nreleased; i++)
+    memset(dev + w->released[i] * PS, 0xAB, PS);
+  for (size_t i = 0; i < u->ncopies; i++)
+    memcpy(dev + u->copies[i].dev_off, host + u->copies[i].host_off, u->copies[i].len);
+  for (size_t i = 0; i < u->nmoves; i++)
+    memmove(dev + u->moves[i].dst_off, dev + u->moves[i].src_off, u->moves[i].len);
+  for (size_t i = 0; i < f->nkeep; i++)
+    ok &= memcmp(dev + f->keep[i].offset, orig + f->keep[i].offset, f->keep[i].length) == 0;
+  free(dev);
+  free(orig);
+  free(host);
+  return ok;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* The reference's Kr: the r smallest kept counts. */
+static uint64_t fewest_kept(const struct fixture *f, uint64_t r) {
+  uint64_t v[64], sum = 0;
+
+  memcpy(v, f->kb, f->npages * sizeof(*v));
+  qsort(v, f->npages, sizeof(*v), cmp_u64);
+  for (uint64_t i = 0; i < r; i++)
+    sum += v[i];
+  return sum;
+}
+
+static uint64_t released_kept(const struct fixture *f, const struct sl_release_work *w) {
+  uint64_t sum = 0;
+
+  for (size_t i = 0; i < w->nreleased; i++)
+    sum += f->kb[w->released[i]];
+  return sum;
+}
+
+/* The release's figures against the rule, for `want` pages released (0 .. npages). */
+static void check_figures(const struct fixture *f, const struct sl_release_work *w,
+                          uint64_t want, int exact) {
+  uint64_t stayed = f->npages - w->nreleased, kr = released_kept(f, w);
+  uint64_t host = f->kept > stayed * PS ? f->kept - stayed * PS : 0;
+
+  if (exact) {
+    CHECK_EQ(w->nreleased, want);
+    CHECK_EQ(kr, fewest_kept(f, want));
+  } else {
+    CHECK(w->nreleased >= want);
+    CHECK(w->nreleased < want + SL_GROUP_PAGES);
+  }
+  CHECK_EQ(w->stayed, stayed);
+  CHECK_EQ(w->held, 0);
+  CHECK_EQ(w->saved_bytes, host);
+  CHECK_EQ(w->moved_bytes, kr - host);
+  CHECK(w->by_need);
+}
+
+/* One release by need and its resume (groups: made again as page groups). */
+static void one_cycle(struct fixture *f, uint64_t *s, int groups, int exact) {
+  struct sl_release_need need = {.need_bytes = rnd(s) % ((f->npages + 2) * PS),
+                                 .free_bytes = rnd(s) % 4 == 0 ? 0 : rnd(s) % (3 * PS)};
+  uint64_t stay = rnd(s) % 5 == 0 ? rnd(s) % (f->npages + 1) : UINT64_MAX;
+  uint64_t short_by = need.need_bytes > need.free_bytes ? need.need_bytes - need.free_bytes : 0;
+  uint64_t want = (short_by + PS - 1) / PS;
+  struct sl_release_work w = {0}, u = {0};
+  struct sl_err err = {0};
+  int rc;
+
+  random_keep(f, s);
+  rc = release_need(f, &need, stay, &w, &err);
+  BOOKS_OK(f->b);
+  if (want > f->npages) { /* more than free + every page: refused, nothing entered */
+    CHECK_EQ(rc, SUBLET_ENEED);
+    CHECK(strstr(err.msg, "refused, nothing moved") != NULL);
+    CHECK_EQ(sl_books_region_released(f->b, f->region), 0);
+    return;
+  }
+  CHECK_EQ(rc, 0);
+  if (stay != UINT64_MAX && f->npages - stay > want)
+    want = f->npages - stay; /* at most stay pages stay, as without a need */
+  check_figures(f, &w, want, exact);
+  sl_books_release_done(f->b, w.release_id, 1);
+  BOOKS_OK(f->b);
+  CHECK_EQ(sl_books_resume_begin(f->b, f->owner, w.release_id, groups, &u, NULL), 0);
+  CHECK(kept_back(f, &w, &u));
+  sl_books_resume_done(f->b, w.release_id, 1);
+  BOOKS_OK(f->b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+}
+
+/* Regions without groups (each resume page by page): the choice exactly as the reference. */
+static void test_choice_against_the_reference(void) {
+  uint64_t s = 0x9E3779B97F4A7C15ull;
+
+  for (int round = 0; round < 400; round++) {
+    struct fixture f;
+    fixture_new(&f, 1 + rnd(&s) % 40);
+    for (int cycle = 0; cycle < 3; cycle++)
+      one_cycle(&f, &s, 0, 1);
+    sl_books_free(f.b);
+  }
+}
+
+/* Resumes make page groups: later releases by need give back whole groups. */
+static void test_groups(void) {
+  uint64_t s = 0xD1B54A32D192ED03ull;
+
+  for (int round = 0; round < 200; round++) {
+    struct fixture f;
+    fixture_new(&f, 16 + rnd(&s) % 48);
+    for (int cycle = 0; cycle < 4; cycle++)
+      one_cycle(&f, &s, 1, 0);
+    sl_books_free(f.b);
+  }
+}
+
+/* The figures of a refusal, and a need the free bytes cover releasing nothing. */
+static void test_refusal_and_free_enough(void) {
+  struct fixture f;
+  struct sl_release_need need = {.need_bytes = 11 * PS + 1, .free_bytes = 3 * PS};
+  struct sl_release_work w = {0};
+  struct sl_err err = {0};
+
+  fixture_new(&f, 8);
+  f.keep[0] = (struct sublet_range){0, 8 * PS};
+  f.nkeep = 1;
+  CHECK_EQ(release_need(&f, &need, UINT64_MAX, &w, &err), SUBLET_ENEED);
+  CHECK(strstr(err.msg, "45057 bytes") != NULL);                 /* the need */
+  CHECK(strstr(err.msg, "12288 bytes free") != NULL);            /* the free bytes */
+  CHECK(strstr(err.msg, "at most 32768 bytes (8 pages)") != NULL); /* what it can give */
+  CHECK(strstr(err.msg, "1 short") != NULL);
+  CHECK_EQ(sl_books_region_released(f.b, f.region), 0);
+  BOOKS_OK(f.b);
+  need.need_bytes = 3 * PS; /* free covers it: nothing released, nothing moved */
+  CHECK_EQ(release_need(&f, &need, UINT64_MAX, &w, &err), 0);
+  CHECK_EQ(w.nreleased, 0);
+  CHECK_EQ(w.moved_bytes + w.saved_bytes, 0);
+  BOOKS_OK(f.b);
+  sl_release_work_clear(&w);
+  sl_books_free(f.b);
+}
+
+int main(void) {
+  test_choice_against_the_reference();
+  test_groups();
+  test_refusal_and_free_enough();
+  return check_report("books_need");
+}
