@@ -115,13 +115,6 @@ static int heard(sublet_client *c, const struct sl_frame_header *h, Sublet__Repl
   return 1;
 }
 
-/* What is left of timeout_ms since start (< 0: no limit, -1). */
-static int ms_left(int64_t start, int timeout_ms) {
-  int64_t left = timeout_ms - (sl_clock_ms() - start);
-
-  return timeout_ms < 0 ? -1 : left > 0 ? (int)left : 0;
-}
-
 /* The next frame that is not a notice: *rep unpacked (NULL when it is not a Reply), its fds in
  * rxfds. timeout_ms < 0: no limit. */
 static int recv_reply(sublet_client *c, struct sl_frame_header *h, Sublet__Reply **rep,
@@ -131,7 +124,8 @@ static int recv_reply(sublet_client *c, struct sl_frame_header *h, Sublet__Reply
   int rc;
 
   do {
-    rc = sl_wire_recv(&c->rx, c->sock, h, &payload, rxfds, ms_left(start, timeout_ms), err);
+    rc = sl_wire_recv(&c->rx, c->sock, h, &payload, rxfds, sl_clock_left_ms(start, timeout_ms),
+                      err);
     if (rc != 0)
       return rc;
     if (h->version != SUBLET_PROTOCOL_VERSION) {
@@ -197,7 +191,7 @@ static int exchange(sublet_client *c, Sublet__Request *req, int fd, Sublet__Repl
   if (rc == 0 && mw != NULL)
     mw->run(mw->arg);
   if (rc == 0) {
-    rc = recv_reply(c, &h, rep, rxfds, ms_left(start, deadline_ms), &err);
+    rc = recv_reply(c, &h, rep, rxfds, sl_clock_left_ms(start, deadline_ms), &err);
     pthread_mutex_lock(&c->send_lock);
     c->waiting_id = 0; /* answered (or lost): nothing left to cancel */
     pthread_mutex_unlock(&c->send_lock);

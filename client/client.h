@@ -214,6 +214,12 @@ uint64_t sl_rescue_loan(const struct sl_rescue *r);
  * be NULL) when they are back, else the failure (SUBLET_ETIMEDOUT: call it again). The caller
  * does not hold the client's lock (the borrower may be this process, letting go). */
 int sl_rescue_run(struct sublet_region *reg, int timeout_ms, struct sublet_loan_stats *stats);
+/* The loan's end waits for fresh pages (Error.awaits_fresh_pages): this process lets go of its
+ * mapping and handles of the pages a borrower of another user was granted (the journal's
+ * GRANT entries), once per loan (the rescue's own letting go is the same). Returns 1 when it
+ * let go now, 0 when there was nothing to do, or an error. The caller holds the client's lock
+ * and has dropped the region's window. */
+int sl_rescue_let_go_granted(struct sublet_region *reg);
 
 /* ------------------------------------------------------------------ release.c */
 

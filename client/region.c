@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "msg.h"
 
 /* ------------------------------------------------------------------ regions */
@@ -55,12 +56,15 @@ int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uin
   return 0;
 }
 
-/* Maps the new page h at page p's address in place of the old one, which goes. Takes h. */
+/* Maps the new page h at page p's address in place of the old one, which goes. Takes h. A
+ * page without a handle is a hole (released, or let go of while its loan's end waited for
+ * fresh pages): nothing is mapped there to unmap, and the driver's refusal would cost a call. */
 static int remap_page(sublet_client *c, struct sublet_region *r, uint64_t p, sl_handle h) {
   void *at = (char *)r->base + p * r->page_size;
   struct sl_err err = {0};
 
-  sl_device_unmap_idle(c->dev, at, r->page_size);
+  if (r->handles[p] != 0)
+    sl_device_unmap_idle(c->dev, at, r->page_size);
   if (sl_device_map(c->dev, at, r->page_size, h, &err) != 0) {
     sl_device_release(c->dev, h);
     return sl_client_fail(err.code, "mapping the fresh page %llu of region %llu failed (%s): "
@@ -806,8 +810,10 @@ static int replaced_pages(sublet_client *c, uint64_t loan_id, const Sublet__Loan
   return sl_region_remap(c, r, m->replaced, m->n_replaced);
 }
 
+/* *awaits_fresh: subletd said the loan's end waits for memory for fresh pages
+ * (Error.awaits_fresh_pages; an older subletd never says it). */
 static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
-                           struct sublet_loan_stats *stats) {
+                           struct sublet_loan_stats *stats, int *awaits_fresh) {
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Reclaim m = SUBLET__RECLAIM__INIT;
   Sublet__Reply *rep;
@@ -820,6 +826,8 @@ static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
   req.reclaim = &m;
   /* The daemon answers at the timeout; the socket wait only guards against a lost daemon. */
   rc = sl_client_call(c, &req, SUBLET__REPLY__BODY_RECLAIMED, &rep, NULL, NULL, timeout_ms);
+  *awaits_fresh = rc == SUBLET_ENOMEM && rep != NULL &&
+                  rep->body_case == SUBLET__REPLY__BODY_ERROR && rep->error->awaits_fresh_pages > 0;
   if (rc == 0 && stats != NULL)
     sl_msg_stats_from_proto(rep->reclaimed, stats);
   if (rc == 0 && rep->reclaimed->n_replaced > 0)
@@ -834,6 +842,41 @@ static int reclaim_request(sublet_client *c, uint64_t loan_id, int timeout_ms,
   return rc;
 }
 
+/* Reclaim, and once more when the loan's end (a borrower of another user) waits for device
+ * memory for its fresh pages: on CUDA a page's memory is freed only once every process has let
+ * go of it, and this process still maps and holds the old pages the borrower was granted (it
+ * remaps them only at Reclaimed), so on a device that cannot hold them twice the end would wait
+ * for memory this very process holds, for ever. Those pages hold nothing of the owner's (their
+ * kept bytes were moved or saved before the grant; the restore writes into the fresh pages),
+ * so this process lets go of them (the journal's GRANT entries, as its rescue does) and asks
+ * again within what is left of the timeout. The holes stay until the Reclaim that succeeds
+ * maps the fresh pages there (remap_page), or the rescue makes pages of its own if subletd
+ * dies first; while the borrower still maps the old pages, the end still waits: ENOMEM, and a
+ * later Reclaim finds the pages let go of already. */
+static int reclaim_fresh(sublet_client *c, uint64_t loan_id, int timeout_ms,
+                         struct sublet_loan_stats *stats) {
+  int64_t t0 = sl_clock_ms();
+  int fresh = 0, rc = reclaim_request(c, loan_id, timeout_ms, stats, &fresh), left;
+  struct sublet_region *r = fresh ? rescuable(c, loan_id) : NULL;
+  struct sl_err first;
+
+  if (r == NULL)
+    return rc;
+  first = *sl_client_last_error();
+  sl_region_drop_window(c, r); /* it would map the pages let go of (none for another user) */
+  if (sl_rescue_let_go_granted(r) != 1) {
+    *sl_client_last_error() = first; /* the ENOMEM, with subletd's why: reclaim again */
+    return rc;
+  }
+  /* No time left to ask: the end may well complete now, so "call again" (ETIMEDOUT), as any
+   * wait that ran out says, not ENOMEM (which a caller takes for "free memory first"). */
+  if ((left = sl_clock_left_ms(t0, timeout_ms)) == 0)
+    return sl_client_fail(SUBLET_ETIMEDOUT, "loan %llu has not ended yet: its end waited for "
+                          "memory for fresh pages, and this process has let go of the old "
+                          "pages it mapped: reclaim again", (unsigned long long)loan_id);
+  return reclaim_request(c, loan_id, left, stats, &fresh);
+}
+
 SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
                                  struct sublet_loan_stats *stats) {
   struct sublet_region *r;
@@ -841,7 +884,7 @@ SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout
 
   pthread_mutex_lock(&c->lock);
   if (!sl_client_gone(c))
-    rc = reclaim_request(c, loan_id, timeout_ms, stats);
+    rc = reclaim_fresh(c, loan_id, timeout_ms, stats);
   r = rc != 0 && sl_client_gone(c) ? rescuable(c, loan_id) : NULL;
   if (rc == 0 || rc == SUBLET_EDEVICE)
     loan_over(c, loan_id);

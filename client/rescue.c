@@ -11,9 +11,10 @@
  *      - a borrower of another user may keep its fds (or a forked child's mappings) for good,
  *        so waiting proves nothing: every page it was granted (the journal's GRANT entries)
  *        gets fresh memory of this process's own, mapped at the same address, and the old
- *        pages go from this process (docs/design/isolation.md). It never had the others. No
- *        wait, unless the device lacks the memory: then once for it to let go (its memory
- *        comes back), up to the timeout;
+ *        pages go from this process (docs/design/isolation.md), unless a Reclaim whose end
+ *        waited for fresh pages let go of them already (sl_rescue_let_go_granted). It never
+ *        had the others. No wait, unless the device lacks the memory: then once for it to
+ *        let go (its memory comes back), up to the timeout;
  *   2. undoes, last first, every committed entry of the journal that the daemon did not put
  *      back: saved bytes come from the save area, moved ones move back, through its own
  *      mapping of the region (it holds handles to all its pages);
@@ -68,16 +69,6 @@ uint64_t sl_rescue_loan(const struct sl_rescue *r) {
   return r->loan_id;
 }
 
-/* Milliseconds left of timeout_ms since t0 (-1: no limit). */
-static int left_ms(int timeout_ms, double t0) {
-  double left;
-
-  if (timeout_ms < 0)
-    return -1;
-  left = timeout_ms - (sl_clock_now() - t0) * 1e3;
-  return left > 0 ? (int)left : 0;
-}
-
 /* Waits for fd to become readable; 1 when it did, 0 at the timeout. */
 static int readable(int fd, int timeout_ms) {
   struct pollfd p = {.fd = fd, .events = POLLIN};
@@ -103,7 +94,7 @@ static int borrower_exited(pid_t pid, int timeout_ms) {
 static int wait_released(struct sl_rescue *r, const struct sl_journal_header *h,
                          int timeout_ms) {
   pid_t pid = __atomic_load_n(&h->borrower_pid, __ATOMIC_ACQUIRE);
-  double t0 = sl_clock_now();
+  int64_t t0 = sl_clock_ms();
   char byte;
   ssize_t n = 0;
 
@@ -115,7 +106,7 @@ static int wait_released(struct sl_rescue *r, const struct sl_journal_header *h,
     n = read(r->release_fd, &byte, 1);
   if (n == 1 && (h->borrower_uid == getuid() || h->borrower_uid == 0))
     return r->released = 1, 0;
-  if (n >= 0 && pid != getpid() && borrower_exited(pid, left_ms(timeout_ms, t0)))
+  if (n >= 0 && pid != getpid() && borrower_exited(pid, sl_clock_left_ms(t0, timeout_ms)))
     return r->released = 1, 0;
   return sl_client_fail(SUBLET_ETIMEDOUT, "subletd died during loan %llu and its borrower "
                         "(pid %d) has not let go of the loan's pages yet; the kept bytes are "
@@ -142,15 +133,42 @@ static void granted_run(const struct sublet_region *reg, const struct sl_journal
   *count = e->len / reg->page_size;
 }
 
-/* This process lets go of the granted pages' old memory (unmapped, handles released): the
- * borrower may reach it, and holding it would keep its memory from the device. */
-static void drop_granted(struct sublet_region *reg, const struct sl_journal_view *v) {
+/* This process lets go of the granted pages' old memory (unmapped, handles released), once
+ * per loan: the borrower may reach it, and holding it would keep its memory from the device.
+ * The rescue's step 1 and a Reclaim whose end waits for fresh pages (sl_rescue_let_go_granted)
+ * both come here; r->dropped tells each that the other did it (the holes it left are what
+ * make_granted and the Reclaim's remap fill). Returns 1 when it let go now. */
+static int drop_granted(struct sublet_region *reg, struct sl_rescue *r,
+                        const struct sl_journal_view *v) {
+  if (r->dropped)
+    return 0;
   sl_device_synchronize(reg->client->dev, NULL);
   for (uint64_t i = 0, first, count; i < v->committed; i++) {
     granted_run(reg, &v->e[i], &first, &count);
     if (count > 0)
       sl_region_let_go(reg->client, reg, first, count);
   }
+  r->dropped = 1;
+  return 1;
+}
+
+/* The owner is paused for the whole loan (its tensors are the borrower's to overwrite, and
+ * its kept bytes are not in granted pages: they were moved or saved before the grant), so
+ * nothing of its own reads the granted pages' addresses until the Reclaim has mapped fresh
+ * pages there: leaving holes meanwhile costs it nothing. */
+int sl_rescue_let_go_granted(struct sublet_region *reg) {
+  struct sl_rescue *r = reg->rescue;
+  struct sl_journal_view v;
+  struct sl_err err = {0};
+  int rc;
+
+  if (r == NULL || r->dropped)
+    return 0;
+  if ((rc = sl_journal_open(r->journal_fd, r->loan_id, &v, &err)) != 0)
+    return sl_client_fail_err(&err);
+  rc = other_user(v.h) ? drop_granted(reg, r, &v) : 0; /* only those pages are replaced */
+  sl_journal_close(&v);
+  return rc;
 }
 
 /* Fresh memory of this process's own for the granted pages that have none, mapped where the
@@ -186,9 +204,7 @@ static int fresh_granted(struct sublet_region *reg, struct sl_rescue *r,
   struct sl_err err = {0};
   int rc;
 
-  if (!r->dropped)
-    drop_granted(reg, v);
-  r->dropped = 1;
+  drop_granted(reg, r, v);
   rc = make_granted(reg, v, &err);
   if (rc != 0 && wait_released(r, v->h, timeout_ms) == 0) {
     memset(&err, 0, sizeof(err));

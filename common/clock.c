@@ -16,3 +16,9 @@ int64_t sl_clock_ms(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
+
+int sl_clock_left_ms(int64_t start_ms, int timeout_ms) {
+  int64_t left = timeout_ms - (sl_clock_ms() - start_ms);
+
+  return timeout_ms < 0 ? -1 : left > 0 ? (int)left : 0;
+}

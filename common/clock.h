@@ -8,5 +8,8 @@
 double sl_clock_now(void);
 /* The same clock in whole milliseconds, for deadlines. */
 int64_t sl_clock_ms(void);
+/* What is left of timeout_ms since start_ms (sl_clock_ms): -1 when timeout_ms < 0 (no limit),
+ * 0 once it has passed. */
+int sl_clock_left_ms(int64_t start_ms, int timeout_ms);
 
 #endif

@@ -16,6 +16,12 @@
  * takes seconds per 10 GiB on a GPU machine: tests use it to signal subletd while --pin runs.
  * $SUBLET_MEMFD_CREATE (bytes per second) paces creating handles likewise (2 s for the 64 GiB
  * of a region on an H200): tests use it to watch the daemon serve others meanwhile.
+ * $SUBLET_MEMFD_MAPPED=1 keeps a handle this device created counted after its release for as
+ * long as any process still maps it, as a GPU's memory lives until every process has let go
+ * (by default the bytes are free at the release). The kernel says whether one does: adding
+ * F_SEAL_WRITE to a memfd fails with EBUSY while a writable shared mapping of it exists (every
+ * mapping here is one). Tests use it to show what the owner's own mapping costs on CUDA. A
+ * process that holds only an fd, unmapped, is not seen.
  */
 #include "device.h"
 #include "hash.h"
@@ -42,6 +48,7 @@
 struct owned_fd {
   uint64_t counted; /* bytes counted against the total: the size if created here, else 0 */
   int live;
+  int lingers; /* released, still counted: a process maps it ($SUBLET_MEMFD_MAPPED) */
 };
 
 struct memfd_device {
@@ -51,6 +58,8 @@ struct memfd_device {
   uint64_t link_bps; /* $SUBLET_MEMFD_LINK: copies paced to it; 0: as fast as memcpy */
   uint64_t pin_bps;  /* $SUBLET_MEMFD_PIN: host_map paced to it; 0: at once */
   uint64_t create_bps; /* $SUBLET_MEMFD_CREATE: create paced to it; 0: at once */
+  int count_mapped;    /* $SUBLET_MEMFD_MAPPED: released handles count while mapped */
+  size_t nlinger;      /* owned[] entries that linger */
   /* owned[fd], indexed by fd because fds are small dense integers (bounded by the open-files
    * limit). It lets release/map/export refuse fds the device does not own. */
   struct owned_fd *owned;
@@ -134,6 +143,8 @@ static int memfd_open(const struct sl_device_params *p, struct sl_device **out,
   d->link_bps = link == UINT64_MAX ? 0 : link;
   d->pin_bps = pin == UINT64_MAX ? 0 : pin;
   d->create_bps = create == UINT64_MAX ? 0 : create;
+  d->count_mapped = getenv("SUBLET_MEMFD_MAPPED") != NULL &&
+                    strcmp(getenv("SUBLET_MEMFD_MAPPED"), "1") == 0;
   pthread_mutex_init(&d->lock, NULL);
   fill_info(&d->base.info, p->ordinal, page, total);
   *out = &d->base;
@@ -147,16 +158,19 @@ static void memfd_close(struct sl_device *dev) {
   size_t fd;
 
   for (fd = 0; fd < d->owned_cap; fd++)
-    if (d->owned[fd].live)
+    if (d->owned[fd].live || d->owned[fd].lingers)
       close((int)fd);
   pthread_mutex_destroy(&d->lock);
   free(d->owned);
   free(d);
 }
 
+static void sweep_lingering(struct memfd_device *d);
+
 static int memfd_free_bytes(struct sl_device *dev, uint64_t *free_bytes, struct sl_err *err) {
   struct memfd_device *d = to_memfd(dev);
   pthread_mutex_lock(&d->lock);
+  sweep_lingering(d);
   *free_bytes = d->base.info.total_bytes - d->created_bytes;
   pthread_mutex_unlock(&d->lock);
   return 0;
@@ -164,10 +178,31 @@ static int memfd_free_bytes(struct sl_device *dev, uint64_t *free_bytes, struct 
 
 /* --- the books of created handles (called with d->lock held) */
 
+/* Does a process map the memfd (writable and shared, as every mapping of a page is)? The
+ * seal is refused while one does; once added it is harmless: the handle is released. */
+static int mapped_somewhere(int fd) {
+  return fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) != 0 && errno == EBUSY;
+}
+
+/* Released handles that no process maps any more are uncounted and closed. */
+static void sweep_lingering(struct memfd_device *d) {
+  for (size_t fd = 0; d->nlinger > 0 && fd < d->owned_cap; fd++) {
+    if (!d->owned[fd].lingers || mapped_somewhere((int)fd))
+      continue;
+    d->created_bytes -= d->owned[fd].counted;
+    d->owned[fd] = (struct owned_fd){0};
+    d->nlinger--;
+    close((int)fd);
+  }
+}
+
 static int count_created(struct memfd_device *d, uint64_t size, struct sl_err *err) {
   uint64_t total = d->base.info.total_bytes;
-  uint64_t free_bytes = total - d->created_bytes;
+  uint64_t free_bytes;
   char asked[16], left[16], all[16];
+
+  sweep_lingering(d);
+  free_bytes = total - d->created_bytes;
 
   if (size > free_bytes)
     return sl_err_set(err, SUBLET_ENOMEM, "out of device memory: asked %s, %s free of %s",
@@ -278,19 +313,29 @@ unlock:
   return rc;
 }
 
+/* With $SUBLET_MEMFD_MAPPED a created handle that a process still maps lingers: its fd stays
+ * open here (so its number is not reused) and its bytes counted until a sweep finds it
+ * unmapped everywhere. */
 static int memfd_release(struct sl_device *dev, sl_handle h) {
   struct memfd_device *d = to_memfd(dev);
   int fd = handle_fd(h);
-  int owned;
+  int owned, linger;
 
   pthread_mutex_lock(&d->lock);
   owned = owns_fd(d, fd);
-  if (owned)
+  linger = owned && d->count_mapped && d->owned[fd].counted > 0 && mapped_somewhere(fd);
+  if (linger) {
+    d->owned[fd].live = 0;
+    d->owned[fd].lingers = 1;
+    d->nlinger++;
+  } else if (owned) {
     forget_fd(d, fd);
+  }
   pthread_mutex_unlock(&d->lock);
   if (!owned)
     return SUBLET_EINVAL; /* never close an fd the device does not own */
-  close(fd);
+  if (!linger)
+    close(fd);
   return 0;
 }
 

@@ -249,11 +249,18 @@ int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t n
 }
 
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err) {
+  return sl_conn_send_error_fresh(c, id, err, 0);
+}
+
+int sl_conn_send_error_fresh(struct sl_conn *c, uint64_t id, const struct sl_err *err,
+                             uint64_t awaits_fresh_pages) {
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Error e = SUBLET__ERROR__INIT;
 
   e.code = err->code != 0 ? err->code : SUBLET_EIO;
   e.message = (char *)err->msg;
+  e.has_awaits_fresh_pages = awaits_fresh_pages > 0;
+  e.awaits_fresh_pages = awaits_fresh_pages;
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_ERROR;
   rep.error = &e;

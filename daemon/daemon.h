@@ -255,6 +255,10 @@ void sl_conn_close_now(struct sl_conn *c);
 /* Queues a reply (never blocks); fds stay the caller's (the queue holds copies). */
 int sl_conn_send(struct sl_conn *c, Sublet__Reply *rep, const int *fds, size_t nfds);
 int sl_conn_send_error(struct sl_conn *c, uint64_t id, const struct sl_err *err);
+/* The same, saying (Error.awaits_fresh_pages, when not 0) that a loan's end waits for device
+ * memory for that many fresh pages: the owner's library then lets go of the old ones. */
+int sl_conn_send_error_fresh(struct sl_conn *c, uint64_t id, const struct sl_err *err,
+                             uint64_t awaits_fresh_pages);
 void sl_conn_send_ok(struct sl_conn *c, uint64_t id);
 /* A loan's stats, as Returned (returned != 0) or Reclaimed, this one with the region pages
  * that are new (replaced[0..n), ascending; the caller's). */
@@ -280,9 +284,9 @@ size_t sl_waiters_lends(const struct sl_daemon *d);
 int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,
                           uint64_t owner_client, const uint64_t *replaced, size_t n);
 /* The owner's waiting Reclaims of the loan are answered with err: its end waits for device
- * memory (endings.c), and a later Reclaim may wait again. */
+ * memory for fresh_pages fresh pages (endings.c), and a later Reclaim may wait again. */
 void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint64_t loan_id,
-                               const struct sl_err *err);
+                               const struct sl_err *err, uint64_t fresh_pages);
 /* Takes an ended loan off the conn's list (NULL if not there); sl_ended_free() frees it. */
 struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan);
 void sl_ended_free(struct sl_ended *e);

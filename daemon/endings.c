@@ -214,13 +214,15 @@ static void stalled_unlink(struct sl_daemon *d, struct end_job *ej) {
     uv_timer_stop(&d->stalled->timer);
 }
 
-/* The owner's Reclaims of the loan hear why it has not ended. */
+/* The owner's Reclaims of the loan hear why it has not ended, and (Error.awaits_fresh_pages)
+ * that it waits for fresh pages: on CUDA the owner's own process maps the old ones until it
+ * remaps, so its library lets go of them and asks again (client/region.c). */
 static void tell_owner(struct sl_daemon *d, const struct end_job *ej, const char *why) {
   struct sl_err err = {0};
 
   sl_err_set(&err, SUBLET_ENOMEM, "loan %llu was returned, but its kept bytes are not back "
              "yet: %s", (unsigned long long)ej->end.loan_id, why);
-  sl_waiters_reclaim_failed(d, ej->end.owner_client, ej->end.loan_id, &err);
+  sl_waiters_reclaim_failed(d, ej->end.owner_client, ej->end.loan_id, &err, ej->end.nreplace);
 }
 
 /* An end of a loan to another user that restored nothing (its fresh pages could not all be

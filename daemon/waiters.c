@@ -183,12 +183,12 @@ int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s
 }
 
 void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint64_t loan_id,
-                               const struct sl_err *err) {
+                               const struct sl_err *err, uint64_t fresh_pages) {
   struct sl_conn *owner = conn_of_client(d, owner_client);
 
   for (struct sl_waiter *w = d->waiters; owner != NULL && w != NULL; w = w->next) {
     if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == loan_id) {
-      sl_conn_send_error(owner, w->req_id, err);
+      sl_conn_send_error_fresh(owner, w->req_id, err, fresh_pages);
       sl_waiter_done(w);
       return; /* a connection waits for one request at a time */
     }

@@ -239,7 +239,11 @@ SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range
  * after this call. If subletd dies meanwhile, the library restores them itself from the
  * host save area once the borrower has let go, and returns SUBLET_EDAEMONDIED with stats
  * (copied_in_bytes: what it restored; daemon_died set); SUBLET_ETIMEDOUT if the borrower has
- * not let go within timeout_ms (call again). */
+ * not let go within timeout_ms (call again). SUBLET_ENOMEM: the loan was another user's and the
+ * device lacks the memory for the fresh pages of its end (the kept bytes wait, safe; call
+ * again once memory is free). Told so, the library first lets go of this process's mapping of
+ * the pages that borrower was granted (their memory may be what the end waits for) and asks
+ * once more within timeout_ms; those addresses stay unmapped until a call succeeds. */
 SUBLET_EXPORT int sublet_reclaim(sublet_client *c, uint64_t loan_id, int timeout_ms,
                                  struct sublet_loan_stats *stats);
 /* Withdraws an offer nobody has borrowed yet. */
@@ -297,7 +301,12 @@ SUBLET_EXPORT sublet_region *sublet_pool_region(sublet_client *c);
  * SUBLET_EINVAL. *layout (may be NULL): the arena's layout id, which changes whenever an
  * allocation takes pages (sublet_pool_layout() reads it without holding): a plan made from
  * segments read while the id was the one the hold returns is still the arena's. SUBLET_EBUSY
- * when held already (one loan of the arena at a time). Frees go on while held. */
+ * when held already (one loan or release of the arena made at a time). Frees go on while held.
+ * Releases of the arena likewise: sublet_release() and sublet_offer_release() of its region
+ * fail with SUBLET_EINVAL outside the hold; hold, read sublet_pool_segments(), release, and
+ * unhold once the release is made (an offer: once it has ended). While a release is live, pool
+ * allocations are served again, never from a page of its set (released, or stayed with kept
+ * bytes moved into it) until its resume. */
 SUBLET_EXPORT int sublet_pool_hold(sublet_client *c, uint64_t *layout);
 SUBLET_EXPORT int sublet_pool_unhold(sublet_client *c);
 SUBLET_EXPORT uint64_t sublet_pool_layout(sublet_client *c);

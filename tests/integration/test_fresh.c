@@ -10,6 +10,12 @@
  * own user costs no fresh page. A borrower that took the whole device (more than the device
  * holds beside the region) gives the owner its kept bytes back all the same, returned or
  * exited: subletd lets go of the old pages before it makes the fresh ones (issue 41).
+ * On CUDA the owner's own process maps the old pages too, until it remaps: with
+ * $SUBLET_MEMFD_MAPPED the memfd backend counts a page while any process maps it, as a GPU
+ * does, and the owner's library, told that the end waits for fresh pages
+ * (Error.awaits_fresh_pages), lets go of them and asks again: the bytes come back at the first
+ * reclaim; while the borrower still maps them the end waits (ENOMEM), and the holes it leaves
+ * are filled by a later reclaim, by the rescue when subletd dies, or go with the region.
  */
 #include <grp.h>
 #include <signal.h>
@@ -324,6 +330,62 @@ static int whole_device_loan(uint64_t loan, const uint8_t *token, int returns, i
   return 0;
 }
 
+/* One loan to a borrower that takes the whole device: the owner's side of it. */
+struct whole {
+  sublet_client *owner;
+  sublet_region *r;
+  uint8_t *base;
+  uint64_t loan;
+  pid_t pid;
+  int sv; /* the test's end of the pipe to the borrower */
+};
+
+/* The owner lends its pattern; the borrower (returns: and stays connected, holding what it
+ * took) has taken the whole device when this returns 0. */
+static int whole_start(struct whole *w, int returns) {
+  struct sublet_range keep[NPAGES];
+  uint8_t token[16];
+  int sv[2];
+
+  *w = (struct whole){.sv = -1};
+  make_owner(&w->owner, &w->r, &w->base);
+  if (w->owner == NULL || w->base == NULL ||
+      sublet_lend(w->r, keep, keep_ranges(keep), 0, "whole", &w->loan, token) != 0 ||
+      socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
+    return -1;
+  if ((w->pid = fork()) == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(sv[0]);
+    _exit(whole_device_loan(w->loan, token, returns, sv[1]));
+  }
+  close(sv[1]);
+  w->sv = sv[0];
+  return returns ? hear(w->sv, 'r') : borrower_exit(w->pid);
+}
+
+/* The owner's reclaim succeeds: every granted page fresh, every kept byte back in place. */
+static void whole_reclaimed(struct whole *w) {
+  struct sublet_loan_stats st;
+  int rc = sublet_reclaim(w->owner, w->loan, 10000, &st);
+
+  if (rc != 0)
+    fprintf(stderr, "  reclaim: %s\n", sublet_last_error());
+  CHECK_RC(rc, 0);
+  CHECK(st.replaced_pages == NPAGES);
+  CHECK(st.copied_in_bytes == st.copied_out_bytes);
+}
+
+/* The borrower still connected (held) goes; the region is released. */
+static void whole_finish(struct whole *w, int held) {
+  if (held) {
+    CHECK(say(w->sv, 'q') == 0);
+    CHECK(borrower_exit(w->pid) == 0);
+  }
+  close(w->sv);
+  CHECK_RC(sublet_region_release(w->r), 0);
+  sublet_disconnect(w->owner);
+}
+
 /* The borrower (another user) took the whole device, so the fresh pages of the loan's end
  * (one per page it was granted: 16) fit only once subletd lets go of the old ones: the owner's
  * reclaim completes, every kept byte back, whether the borrower returned (and is still
@@ -331,44 +393,13 @@ static int whole_device_loan(uint64_t loan, const uint8_t *token, int returns, i
  * 16 and 8 were free, and the owner's Reclaim got ENOMEM ("free device memory and reclaim
  * again") until the daemon restarted. */
 static void whole_device_case(int returns) {
-  struct sublet_range keep[NPAGES];
-  struct sublet_loan_stats st;
-  sublet_client *owner;
-  sublet_region *r = NULL;
-  uint8_t *base = NULL, token[16];
-  int sv[2], rc;
-  uint64_t loan;
-  pid_t pid;
+  struct whole w;
 
-  make_owner(&owner, &r, &base);
-  CHECK(owner != NULL && base != NULL);
-  CHECK_RC(sublet_lend(r, keep, keep_ranges(keep), 0, "whole", &loan, token), 0);
-  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0);
-  if ((pid = fork()) == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(sv[0]);
-    _exit(whole_device_loan(loan, token, returns, sv[1]));
-  }
-  close(sv[1]);
-  if (returns)
-    CHECK(hear(sv[0], 'r') == 0);
-  else
-    CHECK(borrower_exit(pid) == 0);
-  rc = sublet_reclaim(owner, loan, 10000, &st);
-  if (rc != 0)
-    fprintf(stderr, "  reclaim: %s\n", sublet_last_error());
-  CHECK_RC(rc, 0);
-  CHECK(st.replaced_pages == NPAGES);
-  CHECK(st.copied_in_bytes == st.copied_out_bytes);
-  CHECK(sublet_region_addr(r) == base);
-  CHECK(kept_changed(base) == 0);
-  if (returns) {
-    CHECK(say(sv[0], 'q') == 0);
-    CHECK(borrower_exit(pid) == 0);
-  }
-  close(sv[0]);
-  CHECK_RC(sublet_region_release(r), 0);
-  sublet_disconnect(owner);
+  CHECK(whole_start(&w, returns) == 0);
+  whole_reclaimed(&w);
+  CHECK(sublet_region_addr(w.r) == w.base);
+  CHECK(kept_changed(w.base) == 0);
+  whole_finish(&w, returns);
 }
 
 static void test_whole_device_borrower_returns(void) {
@@ -377,6 +408,61 @@ static void test_whole_device_borrower_returns(void) {
 
 static void test_whole_device_borrower_exits(void) {
   whole_device_case(0);
+}
+
+/* ------------------------------- the same, with the owner's own mapping counted (as on CUDA) */
+
+/* What comes after the owner's first reclaim, while the borrower still maps its pages. */
+enum after_wait { THEN_EXITS, THEN_DAEMON_DIES, THEN_RELEASED };
+
+/* The borrower (another user) took the whole device, returned and still maps the old pages.
+ * The owner's reclaim gets ENOMEM, having let go of the granted pages (holes now); then the
+ * borrower exits and a reclaim maps fresh pages into the holes, or subletd is killed and the
+ * owner's rescue makes pages of its own there, or the region is released with its holes. */
+static void mapped_wait_case(enum after_wait then) {
+  struct sublet_loan_stats st;
+  struct whole w;
+  int status, rc;
+
+  CHECK(whole_start(&w, 1) == 0);
+  CHECK_RC(sublet_reclaim(w.owner, w.loan, 2000, &st), SUBLET_ENOMEM); /* the borrower maps */
+  CHECK(strstr(sublet_last_error(), "kept bytes are not back yet") != NULL);
+  if (then == THEN_DAEMON_DIES) {
+    kill(daemon_.pid, SIGKILL);
+    CHECK(waitpid(daemon_.pid, &status, 0) == daemon_.pid);
+    rc = sublet_reclaim(w.owner, w.loan, 10000, &st); /* the rescue: its pages made anew here */
+    if (rc != SUBLET_EDAEMONDIED)
+      fprintf(stderr, "  rescue: %s\n", sublet_last_error());
+    CHECK_RC(rc, SUBLET_EDAEMONDIED);
+    CHECK(st.daemon_died && st.copied_in_bytes > 0);
+  } else if (then == THEN_EXITS) {
+    CHECK(say(w.sv, 'q') == 0);
+    CHECK(borrower_exit(w.pid) == 0);
+    whole_reclaimed(&w);
+  }
+  if (then != THEN_RELEASED) {
+    CHECK(sublet_region_addr(w.r) == w.base);
+    CHECK(kept_changed(w.base) == 0);
+  }
+  whole_finish(&w, then != THEN_EXITS);
+}
+
+/* The borrower took the whole device and exited: only the owner's own mapping holds the old
+ * pages. Before its library let go of them, the Reclaim got ENOMEM for ever. */
+static void test_mapped_borrower_exits(void) {
+  whole_device_case(0);
+}
+
+static void test_mapped_borrower_maps_then_exits(void) {
+  mapped_wait_case(THEN_EXITS);
+}
+
+static void test_mapped_borrower_maps_then_released(void) {
+  mapped_wait_case(THEN_RELEASED);
+}
+
+static void test_mapped_borrower_maps_then_daemon_dies(void) {
+  mapped_wait_case(THEN_DAEMON_DIES);
 }
 
 int main(void) {
@@ -409,5 +495,21 @@ int main(void) {
               test_whole_device_borrower_exits);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;
+  setenv("SUBLET_MEMFD_MAPPED", "1", 1); /* the daemon's device, and this process's */
+  if (sl_test_daemon_start_ex(&daemon_, PAGE, FULL_TOTAL,
+                              &(struct sl_test_daemon_opts){.args = args}) != 0)
+    return 1;
+  chmod(daemon_.dir, 0755);
+  chmod(daemon_.socket, 0666);
+  sl_test_run("mapped pages counted: the borrower takes the whole device and exits",
+              test_mapped_borrower_exits);
+  sl_test_run("mapped pages counted: the borrower still maps, then exits",
+              test_mapped_borrower_maps_then_exits);
+  sl_test_run("mapped pages counted: the borrower still maps, the region is released",
+              test_mapped_borrower_maps_then_released);
+  sl_test_run("mapped pages counted: the borrower still maps, subletd dies",
+              test_mapped_borrower_maps_then_daemon_dies); /* last: the daemon is gone */
+  unsetenv("SUBLET_MEMFD_MAPPED");
+  rmdir(daemon_.dir);
   return sl_test_summary("fresh");
 }

@@ -18,20 +18,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import CHILD_ENV
+from gpu_other_user import borrower_args, other_user_daemon
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 GiB = 1024 ** 3
-MEMBER, GROUP = 3000, 4242
 
 OWNER = textwrap.dedent("""
     import sys, torch, sublet
@@ -52,33 +50,8 @@ OWNER = textwrap.dedent("""
     print(f"after the write intact {intact()}", flush=True)
 """)
 
-# The borrower runs no torch (whose lazy imports another uid may not read): libsublet and the
-# driver through ctypes, loaded as root, then it becomes the member of the allowed group.
+# After BORROWER_HEAD (gpu_other_user.py): it has taken the whole window (ptrs).
 BORROWER = textwrap.dedent("""
-    import ctypes, os, sys
-    from ctypes import byref, c_int, c_size_t, c_ubyte, c_uint64, c_ulonglong, c_void_p
-    sl = ctypes.CDLL(os.environ["SUBLET_LIB"])
-    cu = ctypes.CDLL("libcuda.so.1")
-    os.setgroups([int(sys.argv[2])]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))
-    sl.sublet_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(c_void_p)]
-    sl.sublet_borrow.argtypes = [c_void_p, c_uint64, c_void_p, ctypes.c_char_p, c_int]
-    sl.sublet_alloc.argtypes = [c_void_p, c_uint64, ctypes.POINTER(c_void_p)]
-    sl.sublet_free.argtypes = [c_void_p, c_void_p]
-    sl.sublet_return.argtypes = [c_void_p, c_int, c_void_p, c_void_p, c_size_t, c_void_p]
-    sl.sublet_last_error.restype = ctypes.c_char_p
-    def ok(rc, what):
-        if rc != 0:
-            sys.exit(f"{what}: error {rc} ({sl.sublet_last_error().decode()})")
-    page = int(sys.argv[3])                      # the daemon's page size
-    c = c_void_p()
-    ok(sl.sublet_connect(os.environ["SUBLET_SOCKET"].encode(), byref(c)), "sublet_connect")
-    ok(sl.sublet_borrow(c, 0, None, b"fresh", 120000), "sublet_borrow")
-    ptrs, p = [], c_void_p()
-    while sl.sublet_alloc(c, page, byref(p)) == 0:    # the whole window, a page at a time
-        ptrs.append(p.value)
-    dev, ctx = c_int(), c_void_p()
-    ok(cu.cuInit(0) or cu.cuDeviceGet(byref(dev), 0) or
-       cu.cuDevicePrimaryCtxRetain(byref(ctx), dev) or cu.cuCtxSetCurrent(ctx), "context")
     held = []
     for q in ptrs:                               # every page granted, kept alive past the loan
         ok(cu.cuMemsetD8_v2(c_ulonglong(q), c_ubyte(0xB0), c_size_t(page)), "cuMemsetD8")
@@ -114,23 +87,8 @@ def shared_daemon(native):
         pytest.skip("needs a CUDA GPU")
     if os.geteuid() != 0:
         pytest.skip("needs root to run the borrower as another user")
-    directory = Path(tempfile.mkdtemp(prefix="sublet-fresh-"))
-    directory.chmod(0o755)
-    sock = directory / "gpu.sock"
-    daemon = subprocess.Popen([str(native.subletd), "--device", "0", "--socket", str(sock),
-                               "--allow-group", str(GROUP), "--reserve", "1T"],
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        for _ in range(300):
-            if sock.exists() or daemon.poll() is not None:
-                break
-            time.sleep(0.05)
-        assert sock.exists(), daemon.stderr.read() if daemon.poll() is not None else "no socket"
-        sock.chmod(0o666)
+    with other_user_daemon(native.subletd, "--reserve", "1T") as (sock, _):
         yield sock
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
 
 
 def test_other_users_borrower_cannot_write_the_owner_after_the_loan(shared_daemon, native):
@@ -141,8 +99,8 @@ def test_other_users_borrower_cannot_write_the_owner_after_the_loan(shared_daemo
     try:
         offered = owner.stdout.readline()
         assert offered.startswith("offered"), owner.stderr.read()
-        borrower = subprocess.Popen([sys.executable, "-c", BORROWER, str(MEMBER), str(GROUP),
-                                     offered.split()[-1]],
+        borrower = subprocess.Popen([sys.executable,
+                                     *borrower_args(BORROWER, int(offered.split()[-1]), "fresh")],
                                     env=dict(env, HOME="/tmp", SUBLET_LIB=str(native.libsublet)),
                                     cwd="/", **pipes)
         held = borrower.stdout.readline()
