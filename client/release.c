@@ -256,9 +256,22 @@ static int died_before_released(const struct sublet_region *r) {
                         "tensor and copy into it to release it", (unsigned long long)r->id, why);
 }
 
+/* The request's release by need (SUBLET_NEED_ALL: none), refused unless subletd knows it: an
+ * older one would release every page. */
+static int set_need(const sublet_client *c, Sublet__Lend *m, uint64_t need) {
+  if (need == SUBLET_NEED_ALL)
+    return 0;
+  if (!c->release_need_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot release by need (it is older "
+                          "than this library): update subletd, or release without a need");
+  m->has_need_bytes = 1;
+  m->need_bytes = need;
+  return 0;
+}
+
 static int release_request(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                            int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
-                           struct early_unmap *eu, Sublet__Reply **rep, int *fd) {
+                           uint64_t need, struct early_unmap *eu, Sublet__Reply **rep, int *fd) {
   sublet_client *c = r->client;
   Sublet__Request req = SUBLET__REQUEST__INIT;
   Sublet__Lend m = SUBLET__LEND__INIT;
@@ -268,6 +281,8 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
   if (!c->release_ok)
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot release pages (it is older "
                           "than this library): update subletd");
+  if (set_need(c, &m, need) != 0)
+    return SUBLET_ENOTSUP;
   m.region = r->id;
   sl_keepwire_encode(&c->keep, &m, keep, n, keep_all, &keep_fd);
   m.pinned = (uint64_t *)pinned;
@@ -294,17 +309,19 @@ static int release_request(struct sublet_region *r, const struct sublet_range *k
 
 static int release_locked(struct sublet_region *r, const struct sublet_range *keep, size_t n,
                           int keep_all, const uint64_t *pinned, size_t npinned, uint64_t stay,
-                          struct sl_release_rec *rec, int *live) {
+                          uint64_t need, struct sl_release_rec *rec, int *live) {
   Sublet__Reply *rep = NULL;
   struct early_unmap eu = {r->client, r, pinned, npinned, NULL};
   double t0;
   int rc;
 
   /* Nothing kept: nothing to lose by unmapping at once; unless a loan of r is borrowed here,
-   * whose window maps the pages (subletd refuses the release then). */
-  if (n == 0 && !keep_all && !borrowing(r))
+   * whose window maps the pages (subletd refuses the release then), or the release is by
+   * need (subletd chooses the pages: most of them may stay, to be mapped again). */
+  if (n == 0 && !keep_all && !borrowing(r) && need == SUBLET_NEED_ALL)
     eu.unmapped = calloc(r->npages, 1);
-  rc = release_request(r, keep, n, keep_all, pinned, npinned, stay, &eu, &rep, &rec->area_fd);
+  rc = release_request(r, keep, n, keep_all, pinned, npinned, stay, need, &eu, &rep,
+                       &rec->area_fd);
   if (rc == 0) {
     rec->id = rep->released->release;
     sl_release_stats_from(rep->released, &rec->stats);
@@ -325,6 +342,15 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
                                  size_t npages, const struct sublet_range *keep, size_t nkeep,
                                  int keep_all, uint64_t stay_pages, uint64_t *release_id,
                                  struct sublet_release_stats *stats) {
+  return sublet_release_need(r, pages, npages, keep, nkeep, keep_all, stay_pages,
+                             SUBLET_NEED_ALL, release_id, stats);
+}
+
+SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_range *pages,
+                                      size_t npages, const struct sublet_range *keep,
+                                      size_t nkeep, int keep_all, uint64_t stay_pages,
+                                      uint64_t need_bytes, uint64_t *release_id,
+                                      struct sublet_release_stats *stats) {
   sublet_client *c = r->client;
   struct sl_release_rec *rec = calloc(1, sizeof(*rec));
   uint64_t *pinned = NULL;
@@ -338,7 +364,8 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
   rc = pinned_for(r, pages, npages, &pinned, &npinned);
   pthread_mutex_lock(&c->lock);
   if (rc == 0)
-    rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, rec, &live);
+    rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, need_bytes, rec,
+                        &live);
   if (live) { /* recorded even when a page it held back failed to map again: it resumes */
     rec->stats.seconds = sl_clock_now() - t0;
     rec->next = r->releases;

@@ -98,17 +98,21 @@ static json_t *region_json(const void *item, uint64_t page_size) {
                    "released_bytes", count_json(r->released_pages * page_size));
 }
 
-/* A live release: its pages given back to the driver until resumed (ReleaseStatus). */
+/* A live release: its pages given back to the driver until resumed (ReleaseStatus); a
+ * release by need's need and the free bytes counted first (null for a release by tag). */
 static json_t *release_json(const void *item, uint64_t page_size) {
   const Sublet__ReleaseStatus *r = item;
 
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "id", count_json(r->release),
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+                   "id", count_json(r->release),
                    "region", count_json(r->region), "state", text_json(r->state),
                    "released_bytes", count_json(r->released_pages * page_size),
                    "stayed_bytes", count_json(r->stayed_pages * page_size),
                    "kept_bytes", count_json(r->kept_bytes),
                    "copied_out_bytes", count_json(r->copied_out_bytes),
-                   "moved_bytes", count_json(r->moved_bytes));
+                   "moved_bytes", count_json(r->moved_bytes),
+                   "need_bytes", r->has_need_bytes ? count_json(r->need_bytes) : json_null(),
+                   "free_bytes", r->has_free_bytes ? count_json(r->free_bytes) : json_null());
 }
 
 /* A release offer a scheduler may take, or took (ReleaseOfferStatus). */

@@ -356,6 +356,20 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
                                  size_t npages, const struct sublet_range *keep, size_t nkeep,
                                  int keep_all, uint64_t stay_pages, uint64_t *release_id,
                                  struct sublet_release_stats *stats);
+/* A release by need (issue 42; PROTOCOL.md, "Releases by need"): the taker needs need_bytes
+ * of device memory. subletd counts the device's free bytes first and releases only the pages
+ * of the set the rest of the need takes (at least those beyond stay_pages; whole page groups),
+ * those holding the fewest kept bytes; their kept bytes move into holes of the pages that
+ * stay, and only what those cannot hold goes to the host. SUBLET_ENEED, nothing moved, when
+ * the need exceeds the free bytes and every page the release could give (the message gives
+ * the figures); SUBLET_ENOTSUP from a subletd that cannot (nothing sent). need_bytes
+ * SUBLET_NEED_ALL: sublet_release(). */
+#define SUBLET_NEED_ALL UINT64_MAX
+SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_range *pages,
+                                      size_t npages, const struct sublet_range *keep,
+                                      size_t nkeep, int keep_all, uint64_t stay_pages,
+                                      uint64_t need_bytes, uint64_t *release_id,
+                                      struct sublet_release_stats *stats);
 /* Makes the released pages again at their addresses and puts the kept bytes back. All or
  * none: SUBLET_ENOMEM while the device lacks the memory (whoever took it must free it; the
  * release goes on: call again). If subletd has died, this library does it itself (the save

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
                    DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
-                   NoOfferError, OwnerGoneError, ProtocolError, ReleaseStats, SubletError,
-                   SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
+                   NeedTooLargeError, NoOfferError, OwnerGoneError, ProtocolError, ReleaseStats,
+                   SubletError, SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,8 @@ __all__ = [
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
     "ProtocolError", "BusyError",
-    "SubletTimeoutError", "SubletOutOfMemoryError", "VerifyError", "info", "pin_ahead",
+    "SubletTimeoutError", "SubletOutOfMemoryError", "NeedTooLargeError", "VerifyError", "info",
+    "pin_ahead",
 ]
 
 # What needs torch is imported on first use, so that `sublet status` (and `import sublet`)

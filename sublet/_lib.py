@@ -256,6 +256,7 @@ RESUME_PAGES = 1  # SUBLET_RESUME_PAGES
 OFFER_STATES = {1: "offered", 2: "taken", 3: "released", 4: "returning", 5: "ended"}
 OFFER_RELEASED, OFFER_ENDED = 3, 5
 STAY_ANY = 2**64 - 1  # SUBLET_STAY_ANY: as many kept pages stay as the kept bytes need
+NEED_ALL = 2**64 - 1  # SUBLET_NEED_ALL: not a release by need
 
 
 class CLeak(Structure):
@@ -298,6 +299,9 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
                                    c_int, c_char_p, c_int, POINTER(c_uint64), TOKEN]),
     "sublet_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                c_uint64, POINTER(c_uint64), POINTER(CReleaseStats)]),
+    "sublet_release_need": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
+                                    c_uint64, c_uint64, POINTER(c_uint64),
+                                    POINTER(CReleaseStats)]),
     "sublet_resume": (c_int, [c_void_p, c_uint64, c_int, POINTER(CReleaseStats)]),
     "sublet_offer_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                      c_uint64, c_char_p, POINTER(c_void_p)]),
@@ -662,17 +666,21 @@ class Client:
         return loan_id.value
 
     @staticmethod
-    def release(region: RegionHandle, pages: Any, ranges: Any, stay_pages: int) -> ReleaseStats:
+    def release(region: RegionHandle, pages: Any, ranges: Any, stay_pages: int,
+                need: int | None = None) -> ReleaseStats:
         """Gives pages of region (byte ranges of whole pages as for lend's pinned; None: all of
         it) back to the driver, keeping ranges (None: all of it) on the GPU in at most
-        stay_pages kept pages (STAY_ANY: as many as they need), the rest on the host."""
+        stay_pages kept pages (STAY_ANY: as many as they need), the rest on the host. need:
+        bytes a taker needs (sublet_release_need: subletd releases only the pages that the
+        need takes beyond the device's free bytes); None: every page the stay allows."""
         stats = CReleaseStats()
         keep_all = ranges is None
         n = 0 if keep_all else len(ranges)
         spans = _pinned(pages)  # held here: C reads them during the call
-        check(lib().sublet_release(region.handle, _data(spans), len(spans),
-                                   ranges.ctypes.data if n else None, n, int(keep_all),
-                                   stay_pages, None, ctypes.byref(stats)))
+        check(lib().sublet_release_need(region.handle, _data(spans), len(spans),
+                                        ranges.ctypes.data if n else None, n, int(keep_all),
+                                        stay_pages, NEED_ALL if need is None else need, None,
+                                        ctypes.byref(stats)))
         return ReleaseStats.from_c(stats)
 
     @staticmethod

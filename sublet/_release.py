@@ -35,7 +35,8 @@ class Release:
     block resumes."""
 
     def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None,
-                 stay: int | None = None):
+                 stay: int | None = None, need: int | None = None):
+        _check_need(need)
         lent = _lent.resolve(what, free=False)
         region = lent.region
         page = region.client.info.page_size
@@ -50,8 +51,9 @@ class Release:
         stay_pages = STAY_ANY if stay is None else stay // page
         self._handle = region.handle  # the region as it is now (an arena's may go and come)
         self._stats = region.client.release(self._handle, _lent.touched_pages(lent), ranges,
-                                            stay_pages)
+                                            stay_pages, need)
         self._released = self._stats
+        self.need_bytes = need
         self._active = True
 
     @property
@@ -132,7 +134,14 @@ class Release:
                 f"{human(self.copied_bytes)} to the host>")
 
 
-def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = None) -> Release:
+def _check_need(need: int | None) -> None:
+    if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 0):
+        raise ValueError(f"need is the bytes of device memory the taker needs (an int >= 0), "
+                         f"or None to release everything; not {need!r}")
+
+
+def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = None,
+            need: int | None = None) -> Release:
     """Gives memory back to the CUDA driver until Release.resume(); returns the Release once
     the memory is the driver's.
 
@@ -142,8 +151,17 @@ def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = No
     stay: the most bytes of GPU memory the kept bytes may keep (whole pages): None (default)
     as many pages as they fill, so nothing crosses the host link; 0 sends every kept byte to
     the host (torch_memory_saver's CPU backup). Kept pages beyond `stay` are saved and released.
+    need: bytes of device memory the taker needs (issue 42), or None (default) to release every
+    page that `stay` allows. subletd counts the device's free bytes first and releases only the
+    pages the rest of the need takes, ceil((need - free) / page) of them (at least those beyond
+    `stay`; a region made again by a resume gives back whole page groups, so up to a group
+    more), choosing those that hold the fewest kept bytes; their kept bytes move on the device
+    into the unkept bytes of the pages that stay, and only what those cannot hold goes to the
+    host. A need beyond the free bytes and every page of `what` raises NeedTooLargeError
+    (a SubletOutOfMemoryError) with the figures, before anything moves. Release.need_bytes
+    says what was asked; stats.released_pages what went.
     """
-    return Release(what, keep, stay)
+    return Release(what, keep, stay, need)
 
 
 # --------------------------------------------------------------------------- release offers

@@ -142,7 +142,9 @@ def text_status(s: dict[str, Any]) -> str:
                      f"pid {h['holder_pid']} (uid {h['holder_uid']}), which kept its window")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
     for r in s.get("releases", []):
-        lines.append(f"  release  {r['id']} of region {r['region']}: {shown(r['state'])}, "
+        need = (f" by need of {human(r['need_bytes'])} ({human(r['free_bytes'])} free before)"
+                if r.get("need_bytes") is not None else "")
+        lines.append(f"  release  {r['id']} of region {r['region']}{need}: {shown(r['state'])}, "
                      f"{human(r['released_bytes'])} given back to the driver, "
                      f"{human(r['stayed_bytes'])} stayed holding {human(r['kept_bytes'])} kept "
                      f"({human(r['moved_bytes'])} moved there, "
