@@ -226,6 +226,10 @@ int sl_rescue_let_go_granted(struct sublet_region *reg);
 
 /* The region goes: its releases' records (fds, plans) too. */
 void sl_release_forget(struct sublet_region *r);
+/* The first page of [from, to) in the set of a live release of r (released, or stayed and
+ * holding kept bytes until the resume), or to: a pool segment takes none (pool.c). The caller
+ * holds the client's lock. */
+uint64_t sl_release_set_in(const struct sublet_region *r, uint64_t from, uint64_t to);
 
 /* ------------------------------------------------------------------ release_offer.c */
 

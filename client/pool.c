@@ -22,6 +22,16 @@
  * id, bumped under pool_lock at every segment made, tells a plan made before the hold whether
  * it still holds (nothing was allocated since).
  *
+ * Releases of the arena (release.c) are made under the same hold: the pages a release gives
+ * to the driver are a tag's, read from the segments, and a segment made between that reading
+ * and subletd's answer could be another tag's tensor in a page the tag's freed tensor left:
+ * given away with it. sublet_release refuses an arena without the hold; the caller unholds
+ * once the release is made (a release offer: once the offer has ended, since it is made when
+ * taken). While a release is live, segments are made again, but never in a page of its set
+ * (sl_release_set_in): a released page has no memory behind its address until the resume,
+ * and a page that stayed holds kept bytes moved into its unkept bytes, even once the tensor
+ * that had it is freed.
+ *
  * Lock order, for every pool and loan of a process: pool_lock, then the client's lock
  * (c->lock: region growth, the lent check, every request), then c->send_lock; never the
  * reverse. (The Python package takes sublet._pool._lock before any of them.)
@@ -52,7 +62,9 @@ static uint64_t pages_for(const sublet_client *c, uint64_t size) {
 }
 
 /* The first page of [from, to) that a release gave back to the driver (it has no handle
- * until the resume), or to: a segment must not get one. */
+ * until the resume) or that a live release holds (a stayed page: kept bytes may have moved
+ * into it), or to: a segment must not get one. The caller holds the client's lock (a release
+ * or a resume changes both). */
 static uint64_t released_in(const struct sl_arena *a, uint64_t from, uint64_t to) {
   const sublet_region *r = a->region;
   uint64_t end = r == NULL ? from : to < r->npages ? to : r->npages;
@@ -60,7 +72,7 @@ static uint64_t released_in(const struct sl_arena *a, uint64_t from, uint64_t to
   for (uint64_t p = from; p < end; p++)
     if (r->handles[p] == 0)
       return p;
-  return to;
+  return r == NULL || r->releases == NULL ? to : sl_release_set_in(r, from, to);
 }
 
 /* Does a segment of a tag other than tag hold a page of [from, to)? */
@@ -234,11 +246,16 @@ static int pool_alloc_locked(sublet_client *c, uint32_t tag, uint64_t size, void
    * caller may be PyTorch's allocator, whose lock the borrower's own allocations need. */
   if (a->held || arena_lent(c, a))
     return sl_client_fail(SUBLET_EBUSY, "the pools' memory on this device (region %llu) is "
-                          "being lent or is lent: no pool allocation of any tag is served "
-                          "until the loan has ended (its page could be one the loan lends); "
-                          "allocate before lending, or again once the loan is back",
+                          "being lent or released, or is lent: no pool allocation of any tag "
+                          "is served until the loan has ended or the release is made (its "
+                          "page could be one the loan lends or the release gives away); "
+                          "allocate again once the loan is back or the release is made",
                           a->region != NULL ? (unsigned long long)a->region->id : 0ULL);
+  /* The fit reads the region's handles and releases, which a release or a resume of another
+   * thread changes under the client's lock (taken after pool_lock, as everywhere). */
+  pthread_mutex_lock(&c->lock);
   first = first_fit(a, npages, tag, &at);
+  pthread_mutex_unlock(&c->lock);
   if (npages > UINT64_MAX / c->info.page_size - first) /* its end in bytes would wrap */
     return sl_client_fail(SUBLET_ENOMEM, "a pool allocation of %llu bytes is past any "
                           "device's memory", (unsigned long long)size);
@@ -334,8 +351,9 @@ SUBLET_EXPORT int sublet_pool_hold(sublet_client *c, uint64_t *layout) {
 
   pthread_mutex_lock(&pool_lock);
   if ((rc = arena_get(c, &a)) == 0 && a->held)
-    rc = sl_client_fail(SUBLET_EBUSY, "the pools of this client are held for a loan already: "
-                        "one loan of the arena at a time");
+    rc = sl_client_fail(SUBLET_EBUSY, "the pools of this client are held for a loan already "
+                        "(or a release being made or offered): one loan or release of the "
+                        "arena is made at a time");
   if (rc == 0) {
     mark_held(a, 1);
     if (layout != NULL)

@@ -28,6 +28,9 @@ struct sl_release_rec {
   size_t nmoves;
   uint64_t *runs;           /* the released pages: (first, count) pairs */
   size_t nruns;             /* uint64s */
+  uint64_t *set;            /* the pages asked for, released or stayed: (first, count) pairs;
+                               no pool segment takes one until the resume (sl_release_set_in) */
+  size_t nset;              /* pairs */
   struct sublet_release_stats stats;
   struct sl_release_rec *next;
 };
@@ -40,6 +43,7 @@ static void rec_free(struct sl_release_rec *rec) {
   free(rec->saves);
   free(rec->moves);
   free(rec->runs);
+  free(rec->set);
   free(rec);
 }
 
@@ -114,6 +118,40 @@ static int pinned_for(const struct sublet_region *r, const struct sublet_range *
     rc = complement(r, pairs, npairs, pinned, npinned);
   free(pairs);
   return rc;
+}
+
+/* The release's set (the pages not pinned; all of the region's when none is) into rec, before
+ * the request. Of a pool arena only under sublet_pool_hold(): its set was read from the
+ * segments, and a segment made between that and the Released (a tag's tensor freed, another
+ * tag's made in its page) would be given to the driver with it (pool.c, "Releases"). */
+static int take_set(const struct sublet_region *r, const uint64_t *pinned, size_t npinned,
+                    struct sl_release_rec *rec) {
+  static const uint64_t none[2] = {0, 0};
+
+  if (r->torch_blocks && !atomic_load(&r->pool_held))
+    return sl_client_fail(SUBLET_EINVAL, "region %llu is a pool arena: release it under "
+                          "sublet_pool_hold(), reading its segments after that call, and "
+                          "sublet_pool_unhold() once the release is made (or offered, once the "
+                          "offer has ended)", (unsigned long long)r->id);
+  if (npinned == 0) { /* the whole region */
+    pinned = none;
+    npinned = 1;
+  }
+  return complement(r, pinned, npinned, &rec->set, &rec->nset);
+}
+
+uint64_t sl_release_set_in(const struct sublet_region *r, uint64_t from, uint64_t to) {
+  uint64_t first = to;
+
+  for (const struct sl_release_rec *rec = r->releases; rec != NULL; rec = rec->next)
+    for (size_t i = 0; i < rec->nset; i++) {
+      uint64_t at = rec->set[2 * i], end = at + rec->set[2 * i + 1];
+      if (at >= first)
+        break; /* ascending: nothing nearer */
+      if (end > from)
+        first = at > from ? at : from;
+    }
+  return first;
 }
 
 /* The plan and the runs of a Released, checked against the region and taken into rec. */
@@ -362,6 +400,8 @@ SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_rang
     return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   rec->area_fd = -1;
   rc = pinned_for(r, pages, npages, &pinned, &npinned);
+  if (rc == 0)
+    rc = take_set(r, pinned, npinned, rec);
   pthread_mutex_lock(&c->lock);
   if (rc == 0)
     rc = release_locked(r, keep, nkeep, keep_all, pinned, npinned, stay_pages, need_bytes, rec,

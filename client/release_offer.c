@@ -382,6 +382,13 @@ SUBLET_EXPORT int sublet_offer_release(sublet_region *r, const struct sublet_ran
   if (!r->client->offer_ok)
     return sl_client_fail(SUBLET_ENOTSUP, "subletd at %s cannot offer releases (it is older "
                           "than this library): update subletd", r->client->path);
+  /* Its pages, read from the pools' segments, must stay those of the tag until the release
+   * is made (when taken): held from before they were read until the offer ends (pool.c). */
+  if (r->torch_blocks && !atomic_load(&r->pool_held))
+    return sl_client_fail(SUBLET_EINVAL, "region %llu is a pool arena: offer its release "
+                          "under sublet_pool_hold(), reading its segments after that call, and "
+                          "sublet_pool_unhold() once the offer has ended",
+                          (unsigned long long)r->id);
   if ((o = offer_new(r)) == NULL)
     return sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   o->npages = pages != NULL ? npages : 0;

@@ -237,15 +237,25 @@ static int release_tag(uint32_t tag, int device) {
   }
   if ((rc = copy_backups(tag, device, 0)) != 0)
     return rc;
+  /* The tag's pages are read under the pools' hold (pool.c, "Releases"): no allocation, of
+   * another thread or tag, takes a page between their reading and the release's end, where a
+   * page the tag freed just before would be given to the driver under a new tensor. */
+  if ((rc = sublet_pool_hold(c, NULL)) != 0)
+    return fail_sublet("pause", rc);
   sublet_pool_segments(c, tag, NULL, 0, &n);
+  if (n > 0 && (pages = calloc(n, sizeof *pages)) == NULL) {
+    sublet_pool_unhold(c);
+    return TMS_CUDA_OUT_OF_MEMORY;
+  }
+  if (n > 0) {
+    sublet_pool_segments(c, tag, pages, n, &m);
+    rc = sublet_release(sublet_pool_region(c), pages, m < n ? m : n, NULL, 0, 0, 0,
+                        &tags[tag - 1].release[device], NULL);
+  }
+  sublet_pool_unhold(c);
+  free(pages);
   if (n == 0)
     return 0;
-  if ((pages = calloc(n, sizeof *pages)) == NULL)
-    return TMS_CUDA_OUT_OF_MEMORY;
-  sublet_pool_segments(c, tag, pages, n, &m);
-  rc = sublet_release(sublet_pool_region(c), pages, m < n ? m : n, NULL, 0, 0, 0,
-                      &tags[tag - 1].release[device], NULL);
-  free(pages);
   if (rc != 0)
     return fail_sublet("pause", rc);
   tags[tag - 1].paused[device] = 1;

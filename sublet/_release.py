@@ -9,18 +9,30 @@ into the unkept bytes of the kept pages that stay, so nothing crosses the host l
 `stay` allows fewer pages than the kept bytes fill. The tensors keep their addresses (their
 data_ptr and any CUDA graph over them stay valid); touching released memory before resume() is
 a GPU fault, as after torch_memory_saver's pause.
+
+Pools: a release of a tag gives the driver the tag's pages, read from the pools' segments, so
+no tensor may take one of them between that reading and subletd's answer (a page the tag freed
+just before, taken by another tag's new tensor, would be given away under it). As a loan does,
+the release holds the device's pools first (libsublet refuses every pool allocation:
+BusyError, or torch.OutOfMemoryError inside `with sublet.pool(...)`), reads its pages under the
+hold, and lets go once the release is made; a release offer once it has ended (it is made
+when taken). While a release is live, pool allocations of any tag are served again, never from
+a page of its set: neither a released one nor one that stayed (kept bytes may have moved
+into it), until the resume.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
 import weakref
 
 import torch
 
-from . import _keep, _lent
+from . import _keep, _lent, _pool
 from ._lib import (ERROR_CODES, STAY_ANY, BorrowerDiedError, BusyError, Client, DaemonDiedError,
-                   ReleaseStats, SubletTimeoutError, error_for)
+                   ReleaseStats, SubletError, SubletTimeoutError, error_for)
 from ._units import human
 from ._wait import in_slices
 
@@ -30,10 +42,55 @@ _ECANCELED = ERROR_CODES["ECANCELED"]
 _ETIMEDOUT = ERROR_CODES["ETIMEDOUT"]
 
 
+class _Hold:
+    """A hold of the pools of the region `what` is in, for a release of it (nothing for a
+    sublet.empty() region): libsublet refuses every pool allocation from take() to let_go(),
+    so that the pages read in between are those the release gives away. let_go() acts once."""
+
+    def __init__(self, what: _lent.Lendable):
+        self.region = _lent.resolve(what, free=False).region  # errors in what: before it
+        self.held = False
+        self._lock = threading.Lock()
+
+    def take(self) -> None:
+        """Under sublet._pool._lock (the lock order: it, then libsublet's). BusyError while a
+        loan or another release offer holds the pools."""
+        if isinstance(self.region, _pool.Arena):
+            self.region.client.pool_hold()
+            self.held = True
+
+    def let_go(self) -> None:
+        with self._lock:
+            if not self.held:
+                return
+            self.held = False
+        try:
+            self.region.client.pool_unhold()
+        except SubletError:
+            pass  # the client went, and the arena with it
+
+
+def _planned_under_hold(init):
+    """Release.__init__ runs under sublet._pool._lock and the pools' hold: it reads the pages
+    and sends the Release while no pool allocation can take a page (nor another thread's loan
+    or release be made), and the hold goes once the release is made or refused."""
+    @functools.wraps(init)
+    def wrapped(self, what, *args, **kwargs):
+        hold = _Hold(what)
+        with _pool._lock:
+            hold.take()
+            try:
+                init(self, what, *args, **kwargs)
+            finally:
+                hold.let_go()
+    return wrapped
+
+
 class Release:
     """A live release (sublet.release): resume() ends it; as a context manager, leaving the
     block resumes."""
 
+    @_planned_under_hold
     def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None,
                  stay: int | None = None, need: int | None = None):
         _check_need(need)
@@ -186,19 +243,29 @@ class ReleaseOffer:
 
     def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None, name: str | None = None,
                  stay: int | None = None):
-        self._lent = _lent.resolve(what, free=False)  # held: its tensors keep the region
-        region = self._lent.region
-        stay_pages = _stay_pages(stay, region.client.info.page_size)
-        self.what = self._lent.what
-        self.name = name
-        self._region = region
-        ranges = _lent.keep_ranges(self._lent, keep)
-        self._handle = region.handle
-        self._offer = Client.offer_release(self._handle, _lent.touched_pages(self._lent), ranges,
-                                           stay_pages, name)
+        # An arena's pools are held from before its pages are read until the offer has ended:
+        # the release is made when a scheduler takes it, from the pages read now.
+        self._hold = hold = _Hold(what)
+        with _pool._lock:
+            hold.take()
+            try:
+                self._lent = _lent.resolve(what, free=False)  # held: its tensors keep the region
+                region = self._lent.region
+                stay_pages = _stay_pages(stay, region.client.info.page_size)
+                self.what = self._lent.what
+                self.name = name
+                self._region = region
+                ranges = _lent.keep_ranges(self._lent, keep)
+                self._handle = region.handle
+                self._offer = Client.offer_release(self._handle, _lent.touched_pages(self._lent),
+                                                   ranges, stay_pages, name)
+            except BaseException:
+                hold.let_go()
+                raise
         self.offer_id = Client.release_offer_id(self._offer)
-        # The library's thread outlives nothing: freeing withdraws, or waits for the end.
-        self._finalizer = weakref.finalize(self, Client.release_offer_free, self._offer)
+        # The library's thread outlives nothing: freeing withdraws, or waits for the end; the
+        # hold goes after it.
+        self._finalizer = weakref.finalize(self, _offer_free, self._offer, hold)
         self._withdrawn = False
         self._outcome: tuple[int, str, ReleaseStats, ReleaseStats] | None = None
 
@@ -249,6 +316,7 @@ class ReleaseOffer:
         if outcome[0] == _ETIMEDOUT and Client.release_offer_state(self._offer) != "ended":
             raise SubletTimeoutError(outcome[1], _ETIMEDOUT)
         self._outcome = outcome
+        self._hold.let_go()  # ended: resumed, or never released
         return outcome
 
     def withdraw(self) -> None:
@@ -276,3 +344,8 @@ class ReleaseOffer:
         name = f"{self.name!r}, " if self.name else ""
         return (f"<sublet.ReleaseOffer {name}offer {self.offer_id} of {self.what}: "
                 f"{self.state}, {human(self.released_bytes)} released>")
+
+
+def _offer_free(offer, hold: _Hold) -> None:
+    Client.release_offer_free(offer)  # withdraws, or waits for the end
+    hold.let_go()
