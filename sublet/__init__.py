@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal, overload
 
 from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
-                   DaemonPermissionError, DaemonUnavailableError, LeakError, LoanStats,
+                   DaemonPermissionError, DaemonUnavailableError, InvalidArgumentError,
+                   LeakError, LoanStats,
                    NeedTooLargeError, NoOfferError, OwnerGoneError, ProtocolError, ReleaseStats,
                    SubletError, SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
 
@@ -49,7 +50,7 @@ __all__ = [
     "take", "Taken",
     "LeakedBlock", "SubletError", "LeakError", "NoOfferError", "OwnerGoneError",
     "BorrowerDiedError", "DaemonUnavailableError", "DaemonPermissionError", "DaemonDiedError",
-    "ProtocolError", "BusyError",
+    "ProtocolError", "BusyError", "InvalidArgumentError",
     "SubletTimeoutError", "SubletOutOfMemoryError", "NeedTooLargeError", "VerifyError", "info",
     "pin_ahead",
 ]

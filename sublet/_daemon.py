@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import _lib
-from ._lib import DaemonPermissionError, DaemonUnavailableError
+from ._lib import DaemonPermissionError, DaemonUnavailableError, format_uuid
 
 SYSTEM_SOCKET_DIR = Path("/run/sublet")
 START_TIMEOUT_S = float(os.environ.get("SUBLET_DAEMON_START_TIMEOUT", "30"))
@@ -80,7 +80,7 @@ def _system_daemon(device: int) -> _lib.Client | None:
             continue
         if client is None:
             continue
-        if uuid is None or client.info.device_uuid == uuid:
+        if uuid is None or client.info.device_uuid == format_uuid(uuid):
             return client
         client.close()
     if denied is not None:
@@ -111,12 +111,6 @@ def _cuda_uuid(device: int) -> bytes | None:
 
 
 # --------------------------------------------------------------------------- the user's daemon
-
-def format_uuid(uuid: bytes) -> str:
-    """GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi and `sublet status` write it."""
-    h = uuid.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
 
 def device_uuid(device: int, backend: str) -> bytes | None:
     """The UUID the daemon of this device will report: the GPU's, or the memfd backend's fixed

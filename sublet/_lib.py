@@ -84,6 +84,11 @@ class LeakError(SubletError):
         self.stats = stats
 
 
+class InvalidArgumentError(SubletError, ValueError):
+    """An argument subletd or libsublet refused (EINVAL): a size, a range, a name, an id of the
+    wrong kind. A ValueError too, as PyTorch's own argument checks raise."""
+
+
 class NoOfferError(SubletError):
     """No loan is on offer (by that name) on this device."""
 
@@ -183,7 +188,14 @@ _EXCEPTION_FOR_CODE: dict[int, type[SubletError]] = {
     ERROR_CODES["ENOMEM"]: SubletOutOfMemoryError,
     ERROR_CODES["ENOHOSTMEM"]: SubletOutOfMemoryError,
     ERROR_CODES["ENEED"]: NeedTooLargeError,
+    ERROR_CODES["EINVAL"]: InvalidArgumentError,
 }
+
+
+def format_uuid(uuid: bytes) -> str:
+    """GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi and `sublet status` write it."""
+    h = uuid.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def error_for(code: int, message: str) -> SubletError:
@@ -420,7 +432,7 @@ class DaemonInfo:
     daemon_version: str
     backend: str
     device_name: str
-    device_uuid: bytes
+    device_uuid: str            # GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, as nvidia-smi writes it
     device_ordinal: int
     page_size: int
     total_bytes: int
@@ -597,8 +609,8 @@ class Client:
         check(lib().sublet_get_info(self.handle, ctypes.byref(info)))
         return DaemonInfo(
             text(info.daemon_version), text(info.backend), text(info.device_name),
-            bytes(info.device_uuid), info.device_ordinal, info.page_size, info.total_bytes,
-            info.free_bytes, info.client_id)
+            format_uuid(bytes(info.device_uuid)), info.device_ordinal, info.page_size,
+            info.total_bytes, info.free_bytes, info.client_id)
 
     @property
     def connected(self) -> bool:

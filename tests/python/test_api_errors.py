@@ -205,11 +205,12 @@ def test_error_codes_match_the_header():
     ("EOWNERGONE", sublet.OwnerGoneError), ("EBORROWERDIED", sublet.BorrowerDiedError),
     ("ECONNREFUSED", sublet.DaemonUnavailableError), ("EPIPE", sublet.DaemonUnavailableError),
     ("EPROTO", sublet.ProtocolError), ("EVERSION", sublet.ProtocolError),
-    ("EBUSY", sublet.BusyError), ("EINVAL", sublet.SubletError),
+    ("EBUSY", sublet.BusyError), ("EINVAL", sublet.InvalidArgumentError),
 ])
 def test_codes_map_to_exceptions(name, cls):
     error = error_for(_lib.ERROR_CODES[name], "what to do")
     assert type(error) is cls and isinstance(error, RuntimeError)
+    assert isinstance(error, ValueError) == (name == "EINVAL")  # PyTorch's argument errors
     assert error.code == _lib.ERROR_CODES[name] and error.code_name == name
     assert "what to do" in str(error)
 

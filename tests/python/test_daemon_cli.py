@@ -130,11 +130,6 @@ def test_device_takes_a_gpu_uuid(native, tmp_path):
         assert "a device number or a GPU UUID (GPU-xxxxxxxx-...)" in r.stderr
 
 
-def gpu_uuid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
-
-
 @pytest.mark.gpu
 def test_device_by_uuid_serves_that_gpu(native, tmp_path):
     import torch
@@ -142,7 +137,7 @@ def test_device_by_uuid_serves_that_gpu(native, tmp_path):
     last = torch.cuda.device_count() - 1
     uuid = bytes(torch.cuda.get_device_properties(last).uuid.bytes)
     sock = tmp_path / "d.sock"
-    proc = subprocess.Popen([str(native.subletd), "--device", gpu_uuid_text(uuid), "--socket",
+    proc = subprocess.Popen([str(native.subletd), "--device", _lib.format_uuid(uuid), "--socket",
                              str(sock), "--reserve", "0"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
@@ -154,12 +149,12 @@ def test_device_by_uuid_serves_that_gpu(native, tmp_path):
                 break
             except _lib.SubletError:
                 time.sleep(0.05)
-        assert client.info.device_uuid == uuid
+        assert client.info.device_uuid == _lib.format_uuid(uuid)
         client.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
-    wrong = subprocess.run([str(native.subletd), "--device", gpu_uuid_text(bytes(16)),
+    wrong = subprocess.run([str(native.subletd), "--device", _lib.format_uuid(bytes(16)),
                             "--socket", str(tmp_path / "w.sock")], capture_output=True, text=True,
                            timeout=60)
     assert wrong.returncode == 1 and "nvidia-smi -L" in wrong.stderr

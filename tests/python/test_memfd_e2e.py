@@ -549,7 +549,7 @@ def test_system_daemon_is_found_by_gpu_uuid(native, tmp_path, monkeypatch):
         theirs = b"sublet-memfd" + (3).to_bytes(4, "big")
         monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: theirs)
         client = _daemon._system_daemon(0)
-        assert client is not None and client.info.device_uuid == theirs
+        assert client is not None and client.info.device_uuid == _daemon.format_uuid(theirs)
         client.close()
         monkeypatch.setattr(_daemon, "_cuda_uuid", lambda device: bytes(16))
         assert _daemon._system_daemon(0) is None

@@ -19,6 +19,10 @@ pytestmark = pytest.mark.daemon
 
 EVIL = "kv\x1b[2J\x1b]0;owned\x07\nGPU 9: forged\u202etxt.exe\\x1b \x85\u2028 é 🙂"
 SHOWN = "kv\\x1b[2J\\x1b]0;owned\\x07\\nGPU 9: forged\\u202etxt.exe\\\\x1b \\x85\\u2028 é 🙂"
+# What subletd lets through in a name (no C0, DEL or C1: EVIL is refused) still acts on a
+# terminal: bidirectional overrides and the line separator. `sublet status` escapes them.
+NAME = "kv\u202etxt.exe\\x1b \u2028 é 🙂"
+NAME_SHOWN = "kv\\u202etxt.exe\\\\x1b \\u2028 é 🙂"
 BIDI = set("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
@@ -35,23 +39,26 @@ def raw_controls(text: str) -> list[str]:
 
 @pytest.fixture
 def offer(daemon):  # noqa: F811 (the fixture imported above)
-    """A loan on offer at the daemon, named EVIL."""
+    """A loan on offer at the daemon, named NAME."""
     from sublet import _lib
     client = _lib.Client.open(daemon)
     region = client.region_create(client.get_info().page_size)
-    loan_id, _ = client.lend(region, None, EVIL)
+    loan_id, _ = client.lend(region, None, NAME)
     yield daemon, client, loan_id
     client.withdraw(loan_id)
     client.close()
 
 
-def test_control_characters_in_a_name_are_escaped(offer):
-    sock, _, loan_id = offer
+def test_control_characters_in_a_name_are_refused_and_the_rest_escaped(offer):
+    import sublet
+    sock, client, loan_id = offer
+    region = client.region_create(client.get_info().page_size)
+    with pytest.raises(sublet.InvalidArgumentError, match="1 to 63 bytes"):
+        client.lend(region, None, EVIL)  # escape sequences, a newline forging a GPU line
     r = sublet_status("--socket", sock)
     assert r.returncode == 0, r.stderr
     assert raw_controls(r.stdout) == [], r.stdout
-    assert f'  loan {loan_id} "{SHOWN}": offered' in r.stdout
-    assert not any(line.startswith("GPU 9") for line in r.stdout.splitlines())
+    assert f'  loan {loan_id} "{NAME_SHOWN}": offered' in r.stdout
     as_json = sublet_status("--json", "--socket", sock)  # JSON escapes them itself
     assert as_json.returncode == 0 and raw_controls(as_json.stdout) == []
 
