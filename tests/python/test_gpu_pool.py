@@ -20,24 +20,14 @@ import pytest
 import torch
 
 import sublet
-from sublet import _pool as sublet_pool
 from sublet._pool import arena_of
 
 from conftest import CHILD_ENV
+from pool_helpers import fill_until_full, pools_emptied  # noqa: F401 (fixture, autouse)
 from test_gpu import cuda_daemon, free_memory_left, random_fill  # noqa: F401 (fixture)
 
 GiB, MiB = 1024 ** 3, 1024 ** 2
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
-
-
-@pytest.fixture(autouse=True)
-def pools_emptied():
-    """Each test's pool memory goes back after it (the other GPU tests need the device)."""
-    yield
-    gc.collect()
-    for pool in list(sublet_pool._pools.values()):
-        pool.empty_cache()
-    torch.cuda.empty_cache()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -88,12 +78,8 @@ def train_steps(steps: int = 3) -> float:
 
 def fill_memory(chunk: int = 256 * MiB) -> int:
     """Takes all the loan can give, writing it; returns the bytes."""
-    held = []
-    while True:
-        try:
-            held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda").fill_(0xEE))
-        except torch.OutOfMemoryError:
-            break
+    held = fill_until_full(lambda size: torch.empty(size, dtype=torch.uint8, device="cuda"),
+                           [chunk], torch.OutOfMemoryError, lambda t: t.fill_(0xEE))
     torch.cuda.synchronize()
     n = len(held) * chunk
     del held

@@ -20,8 +20,8 @@ engines' progress; no time is asserted.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -30,35 +30,15 @@ import torch
 
 import sublet
 from sublet import _lib
-from sublet import _pool as sublet_pool
 
+from pool_helpers import (Engine, Engines, Losses, host_noise, just_before,  # noqa: F401 (fixture)
+                          made_or_refused, on_host, pools_emptied, some_rows)
 from test_gpu import cuda_daemon  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
 RELEASES = 100
 LAYERS, BLOCKS, BLOCK = 4, 64, 64 * 1024     # the cache: 4 layers of (2, 64, 64 KiB) bytes
-
-
-@pytest.fixture(autouse=True)
-def pools_emptied():
-    """Each test's pool memory goes back after it (the other GPU tests need the device)."""
-    yield
-    gc.collect()
-    for pool in list(sublet_pool._pools.values()):
-        pool.empty_cache()
-    torch.cuda.empty_cache()
-
-
-def host_noise(nbytes: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).pin_memory()
-
-
-def on_host(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
-    out.copy_(t.reshape(-1).view(torch.uint8))
-    return out
 
 
 def kv_layers(pool: sublet.Pool, seed: int) -> list[torch.Tensor]:
@@ -81,20 +61,14 @@ def test_a_tensor_of_another_tag_made_as_the_release_goes_out_is_refused(cuda_da
     rows = torch.tensor([1, 5, 9], device="cuda")
     kept = kept_of(caches, rows)
     outcome: dict[str, object] = {}
-    send = _lib.Client.release
 
-    def die_and_allocate_then_send(*args, **kwargs):
+    def die_and_allocate():
         nonlocal victim
         victim = None
         gc.collect()
-        try:
-            late = w.empty(page, dtype=torch.uint8).fill_(0x5A)
-            outcome["late"] = late
-        except sublet.BusyError as error:
-            outcome["refused"] = str(error)
-        return send(*args, **kwargs)
+        made_or_refused(outcome, lambda: {"late": w.empty(page, dtype=torch.uint8).fill_(0x5A)})
 
-    monkeypatch.setattr(_lib.Client, "release", staticmethod(die_and_allocate_then_send))
+    just_before(monkeypatch, _lib.Client, "release", die_and_allocate)
     rel = sublet.release("rr-one-kv", keep=sublet.blocks(caches, rows, dim=1))
     monkeypatch.undo()
     rel.resume()
@@ -104,72 +78,36 @@ def test_a_tensor_of_another_tag_made_as_the_release_goes_out_is_refused(cuda_da
     del caches
 
 
-class Engine(threading.Thread):
+class Writer(Engine):
     """Makes tensors (`make`), writes its own bytes into each (with `noise`), keeps the last
-    6, until stopped; a refusal (BusyError) is counted and tried again."""
+    6, until stopped, on a stream of its own; a refusal (BusyError) is counted and tried
+    again."""
 
     def __init__(self, name: str, make: Callable[[int], torch.Tensor], page: int,
                  noise: torch.Tensor | None):
-        super().__init__(name=name, daemon=True)
+        super().__init__(name, np.random.default_rng(len(name)), pauses=(0.001, 0.001),
+                         check_dropped=False)
         self.make, self.page, self.noise = make, page, noise
-        self.rng = np.random.default_rng(len(name))
-        self.halt = threading.Event()
-        self.progress = threading.Condition()
-        self.live: list[tuple[torch.Tensor, int]] = []
-        self.made = self.refused = 0
-        self.error: BaseException | None = None
 
-    def run(self) -> None:
+    @contextlib.contextmanager
+    def running(self):
         torch.cuda.set_device(torch.cuda.current_device())
-        stream = torch.cuda.Stream()
-        try:
-            with torch.cuda.stream(stream):
-                while not self.halt.is_set():
-                    self.step()
-        except BaseException as error:  # noqa: BLE001 - the test raises it
-            self.error = error
-            with self.progress:
-                self.progress.notify_all()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            yield
+
+    def holds(self, t: torch.Tensor, at: int) -> bool:
+        return self.noise is None or torch.equal(on_host(t), self.noise[at:at + t.numel()])
 
     def step(self) -> None:
-        try:
-            t = self.make(int(self.rng.integers(1, 4)) * self.page)
-        except sublet.BusyError:
-            self.refused += 1
-            self.halt.wait(0.001)  # a pause, not a bound
+        t = self.attempt(self.make, int(self.rng.integers(1, 4)) * self.page)
+        if t is None:
             return
         at = int(self.rng.integers(0, 4096))
         if self.noise is not None:
             t.copy_(self.noise[at:at + t.numel()])
             torch.cuda.current_stream().synchronize()
-        with self.progress:
-            self.live = (self.live + [(t, at)])[-6:]
-            self.made += 1
-            self.progress.notify_all()
+        self.keep(t, at)
         self.halt.wait(0.0002)
-
-    def wait_past(self, made: int) -> int:
-        with self.progress:
-            self.progress.wait_for(lambda: self.made > made or self.error is not None,
-                                   timeout=120)
-            if self.error is not None:
-                raise self.error
-            assert self.made > made, f"{self.name} made no tensor in 120 s"
-            return self.made
-
-    def overwritten(self) -> int:
-        if self.noise is None:
-            return 0
-        with self.progress:
-            live = list(self.live)
-        return sum(not torch.equal(on_host(t), self.noise[at:at + t.numel()]) for t, at in live)
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-        self.live.clear()
 
 
 def test_threads_allocating_while_the_main_thread_releases_and_resumes_lose_nothing(
@@ -179,33 +117,25 @@ def test_threads_allocating_while_the_main_thread_releases_and_resumes_lose_noth
     page = kv.arena.client.info.page_size
     caches = kv_layers(kv, seed=2)
     noise = host_noise(4 * page + 4096, seed=3)
-    engines = [Engine("rr-w-engine", lambda n: w.empty(n, dtype=torch.uint8), page, noise),
-               Engine("rr-kv-churn", lambda n: kv.empty(n, dtype=torch.uint8), page, None)]
-    for e in engines:
-        e.start()
+    engines = Engines(
+        [Writer("rr-w-engine", lambda n: w.empty(n, dtype=torch.uint8), page, noise),
+         Writer("rr-kv-churn", lambda n: kv.empty(n, dtype=torch.uint8), page, None)])
     rng = np.random.default_rng(4)
-    seen = [0] * len(engines)
-    lost: list[tuple[int, int]] = []
+    lost = Losses(engines)
     try:
         for i in range(RELEASES):
-            rows = torch.from_numpy(np.sort(rng.choice(BLOCKS, int(rng.integers(0, 24)),
-                                                       replace=False))).cuda()
+            rows = torch.from_numpy(some_rows(rng, BLOCKS, 24)).cuda()
             kept = kept_of(caches, rows)
-            seen = [e.wait_past(n) for e, n in zip(engines, seen)]
+            engines.moved_on()
             rel = sublet.release("rr-kv", keep=sublet.blocks(caches, rows, dim=1),
                                  stay=[None, 0, page][i % 3])
-            seen = [e.wait_past(n) for e, n in zip(engines, seen)]
+            engines.moved_on()
             rel.resume()
             assert all(torch.equal(a, b) for a, b in zip(kept_of(caches, rows), kept)), \
                 f"release {i}: kept blocks lost"
-            overwritten = sum(e.overwritten() for e in engines)
-            if overwritten:
-                lost.append((i, overwritten))
+            lost.check(i)
     finally:
-        for e in engines:
-            e.stop()
-    print(f"\n{RELEASES} releases: " + ", ".join(f"{e.name} made {e.made}, refused "
-                                                  f"{e.refused}" for e in engines))
-    assert not lost, (f"{lost[-1][1]} tensors of another tag lost their bytes in {RELEASES} "
-                      f"releases, first seen after release {lost[0][0]}")
+        made = engines.stop()
+    print(f"\n{RELEASES} releases: {made}")
+    assert not lost.seen, lost.report(RELEASES, "release", how="lost their bytes")
     del caches

@@ -22,12 +22,8 @@ GPU.
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
-import sys
 import textwrap
-import threading
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -35,11 +31,13 @@ import pytest
 import torch
 
 import sublet
-from sublet import _lib, _wait
-from sublet._memory import wrap
+from sublet import _wait
 
-from conftest import CHILD_ENV, PAGE
-from pool_helpers import bits, layers, random_bytes
+from conftest import PAGE
+from pool_helpers import (Engine, Engines, Losses, all_equal, bits,  # noqa: F401 (fixture)
+                          borrower as borrower_on, fill_until_full, finished, just_before,
+                          layers, little_free_memory, made_or_refused, random_bytes, routed,
+                          rows_of, some_rows)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
@@ -61,7 +59,7 @@ def kv_caches(tag: str, seed: int) -> tuple[sublet.Pool, list[torch.Tensor]]:
 
 def live_rows(rng: np.random.Generator) -> torch.Tensor:
     """Rows (dim 1 of a cache layer) kept by one loan: a new set each time."""
-    return torch.from_numpy(np.sort(rng.choice(16, int(rng.integers(0, 12)), replace=False)))
+    return torch.from_numpy(some_rows(rng, 16, 12))
 
 
 NOISE = torch.randint(0, 256, (CHUNKS[0] + 4096,), dtype=torch.uint8,
@@ -73,13 +71,8 @@ def overwrite_loan(loan: sublet.Loan, seed: int) -> int:
     down to a page), every byte written with noise (other noise for each seed); returns the
     bytes. Nothing it made survives it."""
     noise = NOISE[seed * 17 % 4096:]
-    held = []
-    for size in CHUNKS:
-        while True:
-            try:
-                held.append(loan.empty(size, dtype=torch.uint8).copy_(noise[:size]))
-            except sublet.SubletOutOfMemoryError:
-                break
+    held = fill_until_full(lambda size: loan.empty(size, dtype=torch.uint8), CHUNKS,
+                           sublet.SubletOutOfMemoryError, lambda t: t.copy_(noise[:t.numel()]))
     n = sum(t.numel() for t in held)
     del held
     return n
@@ -134,9 +127,7 @@ BORROW_ONCE = textwrap.dedent("""
 def borrower(script: str, *args: str) -> subprocess.Popen:
     """A borrower process on the module's memfd daemon."""
     from sublet import _client
-    env = dict(os.environ, SUBLET_SOCKET=_client.client_for("memfd", 0).path, **CHILD_ENV)
-    return subprocess.Popen([sys.executable, "-c", script, *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return borrower_on(script, *args, socket=_client.client_for("memfd", 0).path)
 
 
 @pytest.mark.parametrize("how", ["lend", "offer"])
@@ -151,18 +142,12 @@ def test_another_tags_allocation_while_the_loan_is_being_made_is_refused(how, mo
     early_before = bits(early)
     outcome: dict[str, object] = {}
 
-    def allocate_then(send: Callable) -> Callable:
-        def lend(*args, **kwargs):
-            try:
-                outcome["late"] = random_bytes(w.empty(PAGE, dtype=torch.uint8), seed=22)
-                outcome["late_bits"] = bits(outcome["late"])
-            except sublet.BusyError as error:
-                outcome["refused"] = str(error)
-            return send(*args, **kwargs)
-        return lend
+    def another_tag() -> dict:
+        late = random_bytes(w.empty(PAGE, dtype=torch.uint8), seed=22)
+        return {"late": late, "late_bits": bits(late)}
 
-    name = {"lend": "lend_local", "offer": "lend"}[how]
-    monkeypatch.setattr(_wait, name, allocate_then(getattr(_wait, name)))
+    just_before(monkeypatch, _wait, {"lend": "lend_local", "offer": "lend"}[how],
+                lambda: made_or_refused(outcome, another_tag))
     if how == "lend":
         with sublet.lend(f"made-kv-{how}", keep=[]) as loan:
             overwrite_loan(loan, seed=23)
@@ -208,151 +193,37 @@ ENGINE_NOISE = torch.randint(0, 256, (4 * PAGE + 4096,), dtype=torch.uint8,
                              generator=torch.Generator().manual_seed(43))
 
 
-def holds(t: torch.Tensor, start: int) -> bool:
-    """Does an engine's tensor hold the bytes written into it (uint8: bits, not values)?"""
-    return torch.equal(t, ENGINE_NOISE[start:start + t.numel()])
-
-
-class Engine(threading.Thread):
+class Writer(Engine):
     """An engine thread: makes tensors of another tag (`make`: bytes -> tensor), writes bytes
     of their own into each and keeps it, dropping the oldest (their pages free for the next
     ones, which first fit puts in the gaps a loan lends), until stopped. Every tensor's bits
     are compared when it is dropped too. A refusal (BusyError: a loan is being made or runs)
     is counted and tried again, as an engine waits for memory."""
 
-    KEEP = 6
-
     def __init__(self, name: str, make: Callable[[int], torch.Tensor], seed: int):
-        super().__init__(name=name, daemon=True)
-        self.make, self.rng, self.seed = make, np.random.default_rng(seed), seed
-        self.halt = threading.Event()
-        self.progress = threading.Condition()
-        self.live: list[tuple[torch.Tensor, int]] = []  # (tensor, where its bytes start)
-        self.made = self.refused = self.lost_when_dropped = 0
-        self.backoff = 0.0001  # seconds, doubled at each refusal in a row (the GIL's sake)
-        self.error: BaseException | None = None
+        super().__init__(name, np.random.default_rng(seed))
+        self.make = make
 
-    def run(self) -> None:
-        try:
-            while not self.halt.is_set():
-                self.step()
-        except BaseException as error:  # noqa: BLE001 - the test raises it
-            self.error = error
-            with self.progress:
-                self.progress.notify_all()
+    def holds(self, t: torch.Tensor, start: int) -> bool:
+        """Does the tensor hold the bytes written into it (uint8: bits, not values)?"""
+        return torch.equal(t, ENGINE_NOISE[start:start + t.numel()])
 
     def step(self) -> None:
-        try:
-            t = self.make(int(self.rng.integers(1, 4)) * PAGE)
-        except sublet.BusyError:
-            self.refused += 1
-            self.backoff = min(2 * self.backoff, 0.004)
-            self.halt.wait(self.backoff)  # a pause, not a bound: nothing counts on its length
+        t = self.attempt(self.make, int(self.rng.integers(1, 4)) * PAGE)
+        if t is None:
             return
-        self.backoff = 0.0001
         # Its own bytes (a slice of the noise, at an offset of its own), compared as bytes.
         start = int(self.rng.integers(0, 4096))
         t.copy_(ENGINE_NOISE[start:start + t.numel()])
-        with self.progress:
-            self.live.append((t, start))
-            dropped, self.live = self.live[:-self.KEEP], self.live[-self.KEEP:]
-            self.lost_when_dropped += sum(not holds(d, at) for d, at in dropped)
-            self.made += 1
-            self.progress.notify_all()
-
-    def wait_past(self, made: int) -> int:
-        """Waits until the engine has made a tensor after its `made`th (or failed); returns
-        its count then."""
-        with self.progress:
-            self.progress.wait_for(lambda: self.made > made or self.error is not None
-                                   or not self.is_alive(), timeout=120)
-            if self.error is not None:
-                raise self.error
-            assert self.made > made, f"{self.name} made no tensor in 120 s"
-            return self.made
-
-    def overwritten(self) -> int:
-        """How many of its tensors no longer held the bytes written into them: the live ones
-        now, and those dropped so far."""
-        with self.progress:
-            live = list(self.live)
-            dropped = self.lost_when_dropped
-        return dropped + sum(not holds(t, at) for t, at in live)
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-        with self.progress:
-            self.live.clear()
+        self.keep(t, start)
 
 
-@pytest.fixture
-def little_free_memory():
-    """All but 8 MiB of the daemon's memory held by a tensor no loan lends, for the test: a
-    borrower's fill is then the loan's pages and a few fresh ones, not 64 MiB of fresh pages
-    mapped at every loan (which took most of the time, with nothing to find there)."""
-    gc.collect()
-    hog = sublet.empty(sublet.info("cpu").free_bytes - (8 << 20), dtype=torch.uint8,
-                       device="cpu")
-    yield
-    del hog
-
-
-class _Block:
-    """Owner of one allocation made through the torch hooks: its death frees it there, as
-    PyTorch frees a segment."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        weakref.finalize(self, _lib.lib().sublet_torch_free, ptr, nbytes, SLOT, None)
-
-
-def routed(pool: sublet.Pool) -> Callable[[int], torch.Tensor]:
-    """Allocations as PyTorch's allocator asks for them inside `with sublet.pool(tag)`:
-    sublet_torch_alloc on a device index bound to the pool's tag. A NULL it returns is what
-    PyTorch turns into torch.OutOfMemoryError; its reason is the thread's last error."""
-    pool.arena.client.torch_bind_pool(SLOT, pool.tag_id)
-
-    def make(nbytes: int) -> torch.Tensor:
-        ptr = _lib.lib().sublet_torch_alloc(nbytes, SLOT, None)
-        if not ptr:
-            message = _lib.last_error()
-            if "is lent" in message:  # the arena is held or lent: EBUSY
-                raise sublet.BusyError(message, _lib.ERROR_CODES["EBUSY"])
-            raise RuntimeError(message)
-        return wrap(ptr, nbytes, torch.device("cpu"), _Block(ptr, nbytes), (nbytes,),
-                    torch.uint8)
-    return make
-
-
-class Engines:
+def engines(tag: str) -> Engines:
     """Two engine threads making tensors of tag: by Pool.empty() and through the hooks."""
-
-    def __init__(self, tag: str):
-        w = sublet.pool(tag, device="cpu")
-        self.client = w.arena.client
-        self.threads = [Engine("pool-empty", lambda n: w.empty(n, dtype=torch.uint8), seed=1000),
-                        Engine("pool-routed", routed(w), seed=2000)]
-        self.seen = [0] * len(self.threads)
-        for engine in self.threads:
-            engine.start()
-
-    def moved_on(self) -> None:
-        """Waits until every engine has made a tensor since the last call: each loan then
-        starts while they allocate, whatever the machine's load."""
-        self.seen = [e.wait_past(n) for e, n in zip(self.threads, self.seen)]
-
-    def overwritten(self) -> int:
-        return sum(e.overwritten() for e in self.threads)
-
-    def stop(self) -> str:
-        try:
-            for engine in self.threads:
-                engine.stop()
-        finally:
-            self.client.torch_bind_pool(SLOT, 0)
-        return ", ".join(f"{e.name} made {e.made}, refused {e.refused}" for e in self.threads)
+    w = sublet.pool(tag, device="cpu")
+    return Engines([Writer("pool-empty", lambda n: w.empty(n, dtype=torch.uint8), seed=1000),
+                    Writer("pool-routed", routed(w, SLOT, busy="is lent"), seed=2000)],
+                   unbind=lambda: w.arena.client.torch_bind_pool(SLOT, 0))
 
 
 def test_threads_making_another_tag_while_the_main_thread_lends_lose_nothing(little_free_memory):
@@ -362,26 +233,22 @@ def test_threads_making_another_tag_while_the_main_thread_lends_lose_nothing(lit
     kept row and every "thr-w" tensor holds its bits."""
     kv, caches = kv_caches("thr-kv", seed=30)
     rng = np.random.default_rng(31)
-    running = Engines("thr-w")
-    lost: list[tuple[int, int]] = []
+    running = engines("thr-w")
+    lost = Losses(running)
     try:
         for i in range(LOANS):
             rows = live_rows(rng)
-            kept_before = [bits(c[:, rows]) for c in caches]
+            kept_before = rows_of(caches, rows)
             loan = sublet.lend("thr-kv", keep=sublet.blocks(caches, rows, dim=1))
             running.moved_on()      # tensors of "thr-w" made after the Loan, before its `with`
             with loan:
                 overwrite_loan(loan, seed=i)
-            assert all(np.array_equal(bits(c[:, rows]), b)
-                       for c, b in zip(caches, kept_before)), f"loan {i}: kept rows lost"
-            overwritten = running.overwritten()
-            if overwritten:
-                lost.append((i, overwritten))
+            assert all_equal(rows_of(caches, rows), kept_before), f"loan {i}: kept rows lost"
+            lost.check(i)
     finally:
         made = running.stop()
     print(f"\n{LOANS} loans: {made}")
-    assert not lost, (f"{lost[-1][1]} tensors of another tag overwritten in {LOANS} loans, "
-                      f"first seen after loan {lost[0][0]}")
+    assert not lost.seen, lost.report(LOANS, "loan")
     del caches
 
 
@@ -406,30 +273,24 @@ def test_threads_making_another_tag_while_the_main_thread_offers_lose_nothing(li
     everything it gets; the engines allocate as each offer is made."""
     kv, caches = kv_caches("off-kv", seed=40)
     rng = np.random.default_rng(41)
-    running = Engines("off-w")
+    running = engines("off-w")
     child = borrower(BORROW_MANY, "race-offer", str(LOANS))
-    lost: list[tuple[int, int]] = []
+    lost = Losses(running)
     try:
         for i in range(LOANS):
             rows = live_rows(rng)
-            kept_before = [bits(c[:, rows]) for c in caches]
+            kept_before = rows_of(caches, rows)
             running.moved_on()
             with sublet.offer("off-kv", keep=sublet.blocks(caches, rows, dim=1),
                               name="race-offer") as offer:
                 offer.wait(timeout=60)
-            assert all(np.array_equal(bits(c[:, rows]), b)
-                       for c, b in zip(caches, kept_before)), f"offer {i}: kept rows lost"
-            overwritten = running.overwritten()
-            if overwritten:
-                lost.append((i, overwritten))
-        out, err = child.communicate(timeout=60)
-        assert child.returncode == 0, err
-        assert out.split() == ["borrowed", str(LOANS)]
+            assert all_equal(rows_of(caches, rows), kept_before), f"offer {i}: kept rows lost"
+            lost.check(i)
+        assert finished(child, timeout=60) == ["borrowed", str(LOANS)]
     finally:
         child.kill()
         child.wait()
         made = running.stop()
     print(f"\n{LOANS} offers: {made}")
-    assert not lost, (f"{lost[-1][1]} tensors of another tag overwritten in {LOANS} offers, "
-                      f"first seen after offer {lost[0][0]}")
+    assert not lost.seen, lost.report(LOANS, "offer")
     del caches

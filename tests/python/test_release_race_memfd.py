@@ -26,8 +26,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
-import threading
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -36,10 +34,11 @@ import torch
 
 import sublet
 from sublet import _lib
-from sublet._memory import wrap
 
 from conftest import PAGE
-from pool_helpers import bits, layers, random_bytes
+from pool_helpers import (Engine, Engines, Losses, all_equal, bits,  # noqa: F401 (fixture)
+                          just_before, layers, little_free_memory, made_or_refused,
+                          random_bytes, routed, rows_of, some_rows)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
 
@@ -103,10 +102,6 @@ def kv_layers(tag: str, seed: int) -> tuple[sublet.Pool, list[torch.Tensor]]:
     return kv, layers(kv, 8, (2, 16, 1024), seed)
 
 
-def rows_of(caches, rows) -> list[np.ndarray]:
-    return [bits(c[:, rows]) for c in caches]
-
-
 # --------------------------------------------------------------------------- one thread
 
 def test_a_tensor_of_another_tag_made_as_the_release_goes_out_is_refused(monkeypatch):
@@ -126,22 +121,18 @@ def test_a_tensor_of_another_tag_made_as_the_release_goes_out_is_refused(monkeyp
     rows = torch.tensor([1, 5, 9])
     kept = rows_of(caches, rows)
     outcome: dict[str, object] = {}
-    send = _lib.Client.release
 
-    def die_and_allocate_then_send(*args, **kwargs):
+    def another_tag() -> dict:
+        late = random_bytes(w.empty(PAGE, dtype=torch.uint8), seed=3)
+        return {"late": late, "late_bits": bits(late), "page": page_of(late, w)}
+
+    def die_and_allocate():
         nonlocal victim
         victim = None  # the tag's tensor dies: its page is free, in the release's set
         gc.collect()
-        try:
-            late = w.empty(PAGE, dtype=torch.uint8)
-            outcome["late"] = random_bytes(late, seed=3)
-            outcome["late_bits"] = bits(late)
-            outcome["page"] = page_of(late, w)
-        except sublet.BusyError as error:
-            outcome["refused"] = str(error)
-        return send(*args, **kwargs)
+        made_or_refused(outcome, another_tag)
 
-    monkeypatch.setattr(_lib.Client, "release", staticmethod(die_and_allocate_then_send))
+    just_before(monkeypatch, _lib.Client, "release", die_and_allocate)
     rel = sublet.release("one-rel-kv", keep=sublet.blocks(caches, rows, dim=1))
     monkeypatch.undo()
     late = outcome.get("late")
@@ -155,7 +146,7 @@ def test_a_tensor_of_another_tag_made_as_the_release_goes_out_is_refused(monkeyp
             "a tensor of another tag made as the Release went out lost its bytes"
     assert "being lent or released" in str(outcome.get("refused")), outcome
     assert np.array_equal(bits(early), early_bits)
-    assert all(np.array_equal(a, b) for a, b in zip(rows_of(caches, rows), kept))
+    assert all_equal(rows_of(caches, rows), kept)
     after = w.empty(PAGE, dtype=torch.uint8)               # served again after it
     del caches, early, fillers, after, outcome, late
 
@@ -188,7 +179,7 @@ def test_while_live_a_new_tensor_takes_no_page_of_the_release():
     rel.resume()
     assert not landed, f"tensors made while the release was live took its pages {landed}"
     assert all(np.array_equal(bits(t), b) for t, b in zip(made, made_bits))
-    assert all(np.array_equal(a, b) for a, b in zip(rows_of(survivors, rows), kept)), \
+    assert all_equal(rows_of(survivors, rows), kept), \
         "the kept rows moved into the page that stayed were overwritten"
     del survivors, made, fillers
 
@@ -215,118 +206,34 @@ def test_a_release_of_the_arena_without_the_hold_is_refused_by_libsublet():
 ENGINE_NOISE = np.random.default_rng(43).integers(0, 256, 4 * PAGE + 4096, dtype=np.uint8)
 
 
-class Engine(threading.Thread):
+class Writer(Engine):
     """A thread making tensors (`make`: bytes -> tensor), keeping the last KEEP and dropping
     the oldest (their pages free for the next, first fit), until stopped. With `write`, each
-    gets bytes of its own, compared when it is dropped and by check(); a page released under
-    one shows as a failed write or read (counted, never touched). A refusal (BusyError) is
-    counted and tried again, as an engine waits for memory."""
-
-    KEEP = 6
+    gets bytes of its own, compared when it is dropped and by overwritten(); a page released
+    under one shows as a failed write or read (counted, never touched). A refusal (BusyError)
+    is counted and tried again, as an engine waits for memory."""
 
     def __init__(self, name: str, make: Callable[[int], torch.Tensor], seed: int,
                  write: bool = True):
-        super().__init__(name=name, daemon=True)
-        self.make, self.rng, self.write = make, np.random.default_rng(seed), write
-        self.halt = threading.Event()
-        self.progress = threading.Condition()
-        self.live: list[tuple[torch.Tensor, int]] = []
-        self.made = self.refused = self.lost = 0
-        self.backoff = 0.0001
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.halt.is_set():
-                self.step()
-        except BaseException as error:  # noqa: BLE001 - the test raises it
-            self.error = error
-            with self.progress:
-                self.progress.notify_all()
+        super().__init__(name, np.random.default_rng(seed), check_dropped=write)
+        self.make, self.write = make, write
 
     def holds(self, t: torch.Tensor, start: int) -> bool:
+        if not self.write:
+            return True  # its bytes are nobody's: not compared
         got = safe_bits(t)
         return got is not None and np.array_equal(got, ENGINE_NOISE[start:start + got.size])
 
     def step(self) -> None:
-        try:
-            t = self.make(int(self.rng.integers(1, 4)) * PAGE)
-        except sublet.BusyError:
-            self.refused += 1
-            self.backoff = min(2 * self.backoff, 0.004)
-            self.halt.wait(self.backoff)  # a pause, not a bound: nothing counts on its length
+        t = self.attempt(self.make, int(self.rng.integers(1, 4)) * PAGE)
+        if t is None:
             return
-        self.backoff = 0.0001
         start = int(self.rng.integers(0, 4096))
         with self.progress:
             if self.write and not safe_write(t, ENGINE_NOISE[start:start + t.numel()]):
                 self.lost += 1  # released as it was made
-            self.live.append((t, start))
-            dropped, self.live = self.live[:-self.KEEP], self.live[-self.KEEP:]
-            if self.write:
-                self.lost += sum(not self.holds(d, at) for d, at in dropped)
-            self.made += 1
-            self.progress.notify_all()
+            self.keep(t, start)
         self.halt.wait(0.0002)  # the GIL's turn for the main thread: a pause, not a bound
-
-    def wait_past(self, made: int) -> int:
-        with self.progress:
-            self.progress.wait_for(lambda: self.made > made or self.error is not None
-                                   or not self.is_alive(), timeout=120)
-            if self.error is not None:
-                raise self.error
-            assert self.made > made, f"{self.name} made no tensor in 120 s"
-            return self.made
-
-    def overwritten(self) -> int:
-        """Its tensors that lost their bytes: the live ones now, and those dropped so far."""
-        with self.progress:
-            return self.lost + sum(not self.holds(t, at) for t, at in self.live) \
-                if self.write else 0
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=60)
-        if self.error is not None:
-            raise self.error
-        with self.progress:
-            self.live.clear()
-
-
-class _Block:
-    """Owner of one allocation made through the torch hooks: its death frees it there."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        weakref.finalize(self, _lib.lib().sublet_torch_free, ptr, nbytes, SLOT, None)
-
-
-def routed(pool: sublet.Pool) -> Callable[[int], torch.Tensor]:
-    """Allocations as PyTorch's allocator asks for them inside `with sublet.pool(tag)`:
-    sublet_torch_alloc on a device index bound to the tag (NULL: PyTorch's OutOfMemoryError;
-    the reason is the thread's last error)."""
-    pool.arena.client.torch_bind_pool(SLOT, pool.tag_id)
-
-    def make(nbytes: int) -> torch.Tensor:
-        ptr = _lib.lib().sublet_torch_alloc(nbytes, SLOT, None)
-        if not ptr:
-            message = _lib.last_error()
-            if "being lent or released" in message:  # held: EBUSY
-                raise sublet.BusyError(message, _lib.ERROR_CODES["EBUSY"])
-            raise RuntimeError(message)
-        return wrap(ptr, nbytes, torch.device("cpu"), _Block(ptr, nbytes), (nbytes,),
-                    torch.uint8)
-    return make
-
-
-@pytest.fixture
-def little_free_memory():
-    """All but 8 MiB of the daemon's memory held by a tensor no release touches: the engines'
-    tensors then stay in a small arena, where first fit reuses the pages the tag frees."""
-    gc.collect()
-    hog = sublet.empty(sublet.info("cpu").free_bytes - (8 << 20), dtype=torch.uint8,
-                       device="cpu")
-    yield
-    del hog
 
 
 def test_threads_allocating_while_the_main_thread_releases_and_resumes_lose_nothing(
@@ -339,36 +246,26 @@ def test_threads_allocating_while_the_main_thread_releases_and_resumes_lose_noth
     kv, caches = kv_layers("thr-rel-kv", seed=30)
     w = sublet.pool("thr-rel-w", device="cpu")
     rng = np.random.default_rng(31)
-    engines = [Engine("pool-empty", lambda n: w.empty(n, dtype=torch.uint8), seed=1000),
-               Engine("pool-routed", routed(w), seed=2000),
-               Engine("kv-churn", lambda n: kv.empty(n, dtype=torch.uint8), seed=3000,
-                      write=False)]
-    for e in engines:
-        e.start()
-    seen = [0] * len(engines)
-    lost: list[tuple[int, int]] = []
+    engines = Engines(
+        [Writer("pool-empty", lambda n: w.empty(n, dtype=torch.uint8), seed=1000),
+         Writer("pool-routed", routed(w, SLOT, busy="being lent or released"), seed=2000),
+         Writer("kv-churn", lambda n: kv.empty(n, dtype=torch.uint8), seed=3000, write=False)],
+        unbind=lambda: w.arena.client.torch_bind_pool(SLOT, 0))
+    lost = Losses(engines)
     try:
         for i in range(CYCLES):
-            rows = torch.from_numpy(np.sort(rng.choice(16, int(rng.integers(0, 12)),
-                                                       replace=False)))
+            rows = torch.from_numpy(some_rows(rng, 16, 12))
             stay = [None, 0, PAGE][i % 3]
             kept = rows_of(caches, rows)
-            seen = [e.wait_past(n) for e, n in zip(engines, seen)]  # they allocate meanwhile
+            engines.moved_on()      # they allocate meanwhile
             rel = sublet.release("thr-rel-kv", keep=sublet.blocks(caches, rows, dim=1),
                                  stay=stay)
-            seen = [e.wait_past(n) for e, n in zip(engines, seen)]  # ... and while it is live
+            engines.moved_on()      # ... and while it is live
             rel.resume()
-            assert all(np.array_equal(a, b) for a, b in zip(rows_of(caches, rows), kept)), \
-                f"cycle {i}: kept rows lost"
-            overwritten = sum(e.overwritten() for e in engines)
-            if overwritten:
-                lost.append((i, overwritten))
+            assert all_equal(rows_of(caches, rows), kept), f"cycle {i}: kept rows lost"
+            lost.check(i)
     finally:
-        for e in engines:
-            e.stop()
-        w.arena.client.torch_bind_pool(SLOT, 0)
-    print(f"\n{CYCLES} releases: " + ", ".join(f"{e.name} made {e.made}, refused {e.refused}"
-                                                for e in engines))
-    assert not lost, (f"{lost[-1][1]} tensors of another tag lost their bytes in {CYCLES} "
-                      f"releases, first seen after release {lost[0][0]}")
+        made = engines.stop()
+    print(f"\n{CYCLES} releases: {made}")
+    assert not lost.seen, lost.report(CYCLES, "release", how="lost their bytes")
     del caches
