@@ -1,6 +1,6 @@
 """Helpers of the GPU tests whose borrower is another user (test_gpu_fresh.py,
 test_gpu_fresh_full.py): a cuda subletd that uid MEMBER (in group GROUP) may reach, and the
-start of that borrower's script.
+start of that borrower's script; the owner and borrower processes of a test, and their end.
 
 The borrower runs no torch (whose lazy imports another uid may not read): libsublet and the
 driver through ctypes, loaded as root, then it becomes the member of the allowed group. Its
@@ -13,11 +13,14 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Iterator
+
+from conftest import CHILD_ENV
 
 MEMBER, GROUP = 3000, 4242
 
@@ -53,6 +56,39 @@ BORROWER_HEAD = textwrap.dedent("""
 def borrower_args(script: str, page: int, name: str) -> list[str]:
     """The borrower's command line (after the interpreter): BORROWER_HEAD + script."""
     return ["-c", BORROWER_HEAD + script, str(MEMBER), str(GROUP), str(page), name]
+
+
+PIPES = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_owner(script: str, sock: Path) -> tuple[subprocess.Popen, dict[str, str]]:
+    """The owner process (`script`, on the daemon at sock, its stdio piped) and its
+    environment."""
+    env = dict(os.environ, **CHILD_ENV, SUBLET_SOCKET=str(sock))
+    return subprocess.Popen([sys.executable, "-c", script], env=env, **PIPES), env
+
+
+def offered(owner: subprocess.Popen) -> list[str]:
+    """The words of the owner's first line, which says it offered."""
+    line = owner.stdout.readline()
+    assert line.startswith("offered"), owner.stderr.read()
+    return line.split()
+
+
+def start_borrower(script: str, page: int, name: str, env: dict[str, str],
+                   libsublet: Path) -> subprocess.Popen:
+    """The other user's borrower (BORROWER_HEAD + script), its stdio piped."""
+    return subprocess.Popen([sys.executable, *borrower_args(script, page, name)],
+                            env=dict(env, HOME="/tmp", SUBLET_LIB=str(libsublet)),
+                            cwd="/", **PIPES)
+
+
+def end(*processes: subprocess.Popen | None) -> None:
+    """Kills those of the processes that still run."""
+    for p in processes:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 @contextlib.contextmanager

@@ -10,9 +10,12 @@ import contextlib
 import gc
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -25,7 +28,7 @@ from sublet import _lib
 from sublet import _pool as sublet_pool
 from sublet._memory import wrap
 
-from conftest import CHILD_ENV, PAGE
+from conftest import CHILD_ENV, PAGE, REPO, memfd_free_bytes
 
 
 def random_bytes(t: torch.Tensor, seed: int) -> torch.Tensor:
@@ -87,6 +90,35 @@ def rows_of(caches, rows) -> list[np.ndarray]:
 def all_equal(these, those) -> bool:
     """Every array of `these` holds the bits of its peer in `those`."""
     return all(np.array_equal(a, b) for a, b in zip(these, those))
+
+
+def owner_process(script: str, *args: str) -> subprocess.Popen:
+    """An owner process running `script` with args (this checkout's sublet), its stdout read
+    by the test."""
+    return subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def free_after_kill(child: subprocess.Popen, free0: int, tries: int) -> int:
+    """Kills the owner process (SIGKILL), then waits for the memfd daemon's free bytes to come
+    back to free0, `tries` times 20 ms at the most (a hang guard, not a timing); returns them."""
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    for _ in range(tries):
+        if memfd_free_bytes() == free0:
+            break
+        time.sleep(0.02)
+    return memfd_free_bytes()
+
+
+def resume_without_daemon(daemon, rel: sublet.Release) -> tuple[sublet.ReleaseStats, list]:
+    """Kills the test's own subletd, then resumes rel (the library puts the kept bytes back by
+    itself); returns the stats and the warnings the resume gave."""
+    daemon.kill()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stats = rel.resume()
+    return stats, caught
 
 
 # --------------------------------------------------------------------------- races

@@ -16,16 +16,13 @@ the owner fresh pages. Skipped without CUDA, or without root (to become another 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 import torch
 
-from conftest import CHILD_ENV
-from gpu_other_user import borrower_args, other_user_daemon
+from gpu_other_user import end, offered, other_user_daemon, start_borrower, start_owner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
@@ -92,17 +89,11 @@ def shared_daemon(native):
 
 
 def test_other_users_borrower_cannot_write_the_owner_after_the_loan(shared_daemon, native):
-    env = dict(os.environ, **CHILD_ENV, SUBLET_SOCKET=str(shared_daemon))
-    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], env=env, **pipes)
+    owner, env = start_owner(OWNER, shared_daemon)
     borrower = None
     try:
-        offered = owner.stdout.readline()
-        assert offered.startswith("offered"), owner.stderr.read()
-        borrower = subprocess.Popen([sys.executable,
-                                     *borrower_args(BORROWER, int(offered.split()[-1]), "fresh")],
-                                    env=dict(env, HOME="/tmp", SUBLET_LIB=str(native.libsublet)),
-                                    cwd="/", **pipes)
+        page = int(offered(owner)[-1])
+        borrower = start_borrower(BORROWER, page, "fresh", env, native.libsublet)
         held = borrower.stdout.readline()
         returned = time.monotonic()
         assert held.startswith("returned holding"), borrower.stderr.read()
@@ -122,7 +113,4 @@ def test_other_users_borrower_cannot_write_the_owner_after_the_loan(shared_daemo
         print(f"  borrower: {wrote.strip()}\n  owner: {after.strip()}")
         assert after.strip() == "after the write intact True", owner.stderr.read()
     finally:
-        for p in (owner, borrower):
-            if p is not None:
-                p.kill()
-                p.wait()
+        end(owner, borrower)

@@ -20,15 +20,12 @@ another user).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from conftest import CHILD_ENV
-from gpu_other_user import borrower_args, other_user_daemon
+from gpu_other_user import end, offered, other_user_daemon, start_borrower, start_owner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.daemon]
 
@@ -87,17 +84,12 @@ def shared_daemon(native):
 def test_whole_device_borrower_returns_and_exits_kept_bytes_at_first_reclaim(shared_daemon,
                                                                              native):
     sock, log = shared_daemon
-    env = dict(os.environ, **CHILD_ENV, SUBLET_SOCKET=str(sock))
-    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    owner = subprocess.Popen([sys.executable, "-c", OWNER], env=env, **pipes)
+    owner, env = start_owner(OWNER, sock)
     borrower = None
     try:
-        offered = owner.stdout.readline()
-        assert offered.startswith("offered"), owner.stderr.read()
-        size, page = int(offered.split()[1]), int(offered.split()[-1])
-        borrower = subprocess.Popen([sys.executable, *borrower_args(BORROWER, page, "full")],
-                                    env=dict(env, HOME="/tmp", SUBLET_LIB=str(native.libsublet)),
-                                    cwd="/", **pipes)
+        words = offered(owner)
+        size, page = int(words[1]), int(words[-1])
+        borrower = start_borrower(BORROWER, page, "full", env, native.libsublet)
         out, err = borrower.communicate(timeout=300)
         assert borrower.returncode == 0 and out.startswith("returned"), err
         taken = int(out.split()[1]) * page
@@ -115,7 +107,4 @@ def test_whole_device_borrower_returns_and_exits_kept_bytes_at_first_reclaim(sha
         assert "its kept bytes wait" in log.read_text(), "the end never waited for memory"
         assert intact == "True", reclaimed
     finally:
-        for p in (owner, borrower):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        end(owner, borrower)

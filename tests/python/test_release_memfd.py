@@ -11,21 +11,17 @@ test_gpu_release.py does the same with real CUDA memory and plain consumers.
 from __future__ import annotations
 
 import gc
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import sublet
-from conftest import PAGE, REPO, memfd_free_bytes as free_bytes
-from pool_helpers import bits, fill_loan, layers, random_bytes
+from conftest import PAGE, memfd_free_bytes as free_bytes
+from pool_helpers import (bits, fill_loan, free_after_kill, layers, owner_process, random_bytes,
+                          resume_without_daemon)
 from test_survive import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -259,19 +255,11 @@ time.sleep(60)
 
 def test_owner_killed_while_released_gives_everything_back():
     free0 = free_bytes()
-    child = subprocess.Popen([sys.executable, "-c", OWNER, str(16 * PAGE)],
-                             stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    child = owner_process(OWNER, str(16 * PAGE))
     try:
         assert child.stdout.readline().startswith("released")
         assert free_bytes() == free0 - PAGE        # all but the page that stays is back
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        for _ in range(200):
-            if free_bytes() == free0:
-                break
-            time.sleep(0.02)
-        assert free_bytes() == free0
+        assert free_after_kill(child, free0, tries=200) == free0
     finally:
         child.kill()
         child.wait()
@@ -286,10 +274,7 @@ def test_daemon_killed_while_released_the_library_resumes(daemon, stay):
     before = [v.clone() for v in keep]
     rel = sublet.release(cache, keep=keep, stay=stay)
     assert rel.stats.released_pages > 0
-    daemon.kill()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        stats = rel.resume()
+    stats, caught = resume_without_daemon(daemon, rel)
     assert stats.daemon_died and any("put the kept bytes back" in str(w.message)
                                      for w in caught)
     assert all(torch.equal(v, b) for v, b in zip(keep, before))
@@ -401,10 +386,7 @@ def test_daemon_killed_while_groups_are_released(daemon):
     before = [bits(v) for v in keep]
     rel = sublet.release(t, keep=keep, stay=None)
     assert rel.released_bytes > 0
-    daemon.kill()
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        stats = rel.resume()
+    stats, _ = resume_without_daemon(daemon, rel)
     assert stats.daemon_died
     assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before))
     t.fill_(3)                                           # every page is mapped and writable

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import subprocess
 import sys
-import time
-import warnings
 
 import numpy as np
 import pytest
@@ -26,7 +23,8 @@ import torch
 
 import sublet
 from conftest import PAGE, REPO, memfd_free_bytes as free_bytes
-from pool_helpers import bits, random_bytes
+from pool_helpers import (bits, free_after_kill, owner_process, random_bytes,
+                          resume_without_daemon)
 from test_survive import daemon  # noqa: F401 (the fixture: a subletd of the test's own)
 
 pytestmark = [pytest.mark.daemon, pytest.mark.usefixtures("memfd_daemon")]
@@ -223,19 +221,11 @@ time.sleep(60)
 def test_owner_killed_while_released_by_need_gives_everything_back():
     gc.collect()
     free0 = free_bytes()
-    child = subprocess.Popen([sys.executable, "-c", OWNER, str(16 * PAGE), str(5 * PAGE)],
-                             stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    child = owner_process(OWNER, str(16 * PAGE), str(5 * PAGE))
     try:
         assert child.stdout.readline().split() == ["released", "5"]
         assert free_bytes() == free0 - 11 * PAGE        # its 16 pages less the 5 released
-        child.send_signal(signal.SIGKILL)
-        child.wait()
-        for _ in range(500):                            # a hang guard, not a timing
-            if free_bytes() == free0:
-                break
-            time.sleep(0.02)
-        assert free_bytes() == free0
+        assert free_after_kill(child, free0, tries=500) == free0
     finally:
         child.kill()
         child.wait()
@@ -249,10 +239,7 @@ def test_daemon_killed_while_released_by_need_the_library_resumes(daemon):  # no
     rel = sublet.release(cache, keep=keep, need=sublet.info("cpu").free_bytes + 20 * PAGE)
     assert rel.stats.released_pages == 20
     assert rel.moved_bytes > 0 and rel.copied_bytes > 0   # 12 pages cannot hold 20 pages' bytes
-    daemon.kill()
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        stats = rel.resume()
+    stats, _ = resume_without_daemon(daemon, rel)
     assert stats.daemon_died
     assert all(np.array_equal(bits(v), b) for v, b in zip(keep, before))
     cache.fill_(1)                                  # the memory is this process's own now

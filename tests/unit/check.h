@@ -42,4 +42,52 @@ static inline int check_report(const char *name) {
   return check_failed != 0;
 }
 
+/* The books' tests (books.h included before this header). */
+#ifdef SL_BOOKS_H
+#include <stdlib.h>
+
+/* BOOKS_OK: the books pass sl_books_check(); why not, printed under the failure. */
+static inline void books_ok_at(const struct sl_books *b, const char *file, int line) {
+  char why[256] = "";
+  int rc = sl_books_check(b, why, sizeof(why));
+
+  check_at(rc == 0, "sl_books_check", file, line);
+  if (rc != 0 && check_failed <= 30)
+    fprintf(stderr, "    %s\n", why);
+}
+#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
+
+/* A release played on a byte map of npages pages of `page` bytes (byte i holds
+ * i * mul + i / page): the begin's moves and saves applied, the released pages overwritten
+ * (they are the driver's), the undo applied. Is every kept byte back? */
+
+static inline int check_kept_back(const struct sl_release_work *begin,
+                                  const struct sl_release_work *undo,
+                                  const struct sublet_range *keep, size_t n, uint64_t npages,
+                                  uint64_t page, unsigned mul) {
+  uint64_t size = npages * page;
+  uint8_t *dev = malloc(size), *orig = malloc(size), *host = calloc(1, size + 1);
+  int ok = 1;
+
+  for (uint64_t i = 0; i < size; i++)
+    orig[i] = dev[i] = (uint8_t)(i * mul + i / page);
+  for (size_t i = 0; i < begin->nmoves; i++)
+    memmove(dev + begin->moves[i].dst_off, dev + begin->moves[i].src_off, begin->moves[i].len);
+  for (size_t i = 0; i < begin->ncopies; i++)
+    memcpy(host + begin->copies[i].host_off, dev + begin->copies[i].dev_off, begin->copies[i].len);
+  for (size_t i = 0; i < begin->nreleased; i++)
+    memset(dev + begin->released[i] * page, 0xAB, page);
+  for (size_t i = 0; i < undo->ncopies; i++)
+    memcpy(dev + undo->copies[i].dev_off, host + undo->copies[i].host_off, undo->copies[i].len);
+  for (size_t i = 0; i < undo->nmoves; i++)
+    memmove(dev + undo->moves[i].dst_off, dev + undo->moves[i].src_off, undo->moves[i].len);
+  for (size_t i = 0; i < n; i++)
+    ok &= memcmp(dev + keep[i].offset, orig + keep[i].offset, keep[i].length) == 0;
+  free(dev);
+  free(orig);
+  free(host);
+  return ok;
+}
+#endif
+
 #endif

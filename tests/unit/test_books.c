@@ -24,16 +24,6 @@ static const uint8_t WRONG[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
 
 /* ---- fixtures ----------------------------------------------------------------------------- */
 
-static void books_ok_at(const struct sl_books *b, const char *file, int line) {
-  char why[256] = "";
-  int rc = sl_books_check(b, why, sizeof(why));
-
-  check_at(rc == 0, "sl_books_check", file, line);
-  if (rc != 0 && check_failed <= 30)
-    fprintf(stderr, "    %s\n", why);
-}
-#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
-
 /* The daemon's --allow-group: the daemon marks the peers in it (and root) as trusted. */
 static gid_t allow_gid = (gid_t)-1;
 

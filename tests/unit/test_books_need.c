@@ -19,16 +19,6 @@
 
 #define PS 4096u
 
-static void books_ok_at(const struct sl_books *b, const char *file, int line) {
-  char why[256] = "";
-  int rc = sl_books_check(b, why, sizeof(why));
-
-  check_at(rc == 0, "sl_books_check", file, line);
-  if (rc != 0)
-    fprintf(stderr, "    %s\n", why);
-}
-#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
-
 static uint64_t rnd(uint64_t *s) { /* xorshift64: the same cases on every machine */
   *s ^= *s << 13;
   *s ^= *s >> 7;
@@ -102,28 +92,7 @@ static int release_need(struct fixture *f, const struct sl_release_need *need, u
  * every kept byte back? */
 static int kept_back(const struct fixture *f, const struct sl_release_work *w,
                      const struct sl_release_work *u) {
-  uint64_t size = f->npages * PS;
-  uint8_t *dev = malloc(size), *orig = malloc(size), *host = calloc(1, size + 1);
-  int ok = 1;
-
-  for (uint64_t i = 0; i < size; i++)
-    orig[i] = dev[i] = (uint8_t)(i * 13 + i / PS);
-  for (size_t i = 0; i < w->nmoves; i++)
-    memmove(dev + w->moves[i].dst_off, dev + w->moves[i].src_off, w->moves[i].len);
-  for (size_t i = 0; i < w->ncopies; i++)
-    memcpy(host + w->copies[i].host_off, dev + w->copies[i].dev_off, w->copies[i].len);
-  for (size_t i = 0; i < w->nreleased; i++)
-    memset(dev + w->released[i] * PS, 0xAB, PS);
-  for (size_t i = 0; i < u->ncopies; i++)
-    memcpy(dev + u->copies[i].dev_off, host + u->copies[i].host_off, u->copies[i].len);
-  for (size_t i = 0; i < u->nmoves; i++)
-    memmove(dev + u->moves[i].dst_off, dev + u->moves[i].src_off, u->moves[i].len);
-  for (size_t i = 0; i < f->nkeep; i++)
-    ok &= memcmp(dev + f->keep[i].offset, orig + f->keep[i].offset, f->keep[i].length) == 0;
-  free(dev);
-  free(orig);
-  free(host);
-  return ok;
+  return check_kept_back(w, u, f->keep, f->nkeep, f->npages, PS, 13);
 }
 
 static int cmp_u64(const void *a, const void *b) {

@@ -15,16 +15,6 @@
 #define PS 4096u
 #define NONE UINT64_MAX
 
-static void books_ok_at(const struct sl_books *b, const char *file, int line) {
-  char why[256] = "";
-  int rc = sl_books_check(b, why, sizeof(why));
-
-  check_at(rc == 0, "sl_books_check", file, line);
-  if (rc != 0)
-    fprintf(stderr, "    %s\n", why);
-}
-#define BOOKS_OK(b) books_ok_at(b, __FILE__, __LINE__)
-
 static struct sl_books *books_new(void) {
   struct sl_books_config cfg = {.page_size = PS};
   struct sl_books *b = NULL;
@@ -68,28 +58,7 @@ static int release(struct sl_books *b, uint64_t owner, uint64_t rid, const struc
  * overwritten (they are the driver's), the undo applied: is every kept byte back? */
 static int kept_back(const struct sl_release_work *begin, const struct sl_release_work *undo,
                      const struct sublet_range *keep, size_t n, uint64_t npages) {
-  uint64_t size = npages * PS;
-  uint8_t *dev = malloc(size), *orig = malloc(size), *host = calloc(1, size + 1);
-  int ok = 1;
-
-  for (uint64_t i = 0; i < size; i++)
-    orig[i] = dev[i] = (uint8_t)(i * 7 + i / PS);
-  for (size_t i = 0; i < begin->nmoves; i++)
-    memmove(dev + begin->moves[i].dst_off, dev + begin->moves[i].src_off, begin->moves[i].len);
-  for (size_t i = 0; i < begin->ncopies; i++)
-    memcpy(host + begin->copies[i].host_off, dev + begin->copies[i].dev_off, begin->copies[i].len);
-  for (size_t i = 0; i < begin->nreleased; i++)
-    memset(dev + begin->released[i] * PS, 0xAB, PS);
-  for (size_t i = 0; i < undo->ncopies; i++)
-    memcpy(dev + undo->copies[i].dev_off, host + undo->copies[i].host_off, undo->copies[i].len);
-  for (size_t i = 0; i < undo->nmoves; i++)
-    memmove(dev + undo->moves[i].dst_off, dev + undo->moves[i].src_off, undo->moves[i].len);
-  for (size_t i = 0; i < n; i++)
-    ok &= memcmp(dev + keep[i].offset, orig + keep[i].offset, keep[i].length) == 0;
-  free(dev);
-  free(orig);
-  free(host);
-  return ok;
+  return check_kept_back(begin, undo, keep, n, npages, PS, 7);
 }
 
 /* 16 pages; the first 1024 bytes of each of pages 0..7 kept (8 kept pages, 8 unkept). */
