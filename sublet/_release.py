@@ -23,10 +23,11 @@ into it), until the resume.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -69,49 +70,49 @@ class _Hold:
         except SubletError:
             pass  # the client went, and the arena with it
 
-
-def _planned_under_hold(init):
-    """Release.__init__ runs under sublet._pool._lock and the pools' hold: it reads the pages
-    and sends the Release while no pool allocation can take a page (nor another thread's loan
-    or release be made), and the hold goes once the release is made or refused."""
-    @functools.wraps(init)
-    def wrapped(self, what, *args, **kwargs):
-        hold = _Hold(what)
+    @contextlib.contextmanager
+    def making(self, keep: bool = False) -> Iterator[None]:
+        """The body reads the pages and sends the release under sublet._pool._lock and the
+        hold, so that no pool allocation takes a page meanwhile (nor another thread's loan or
+        release is made). The hold goes at the body's end, or (keep: a release offer, made
+        when taken) only if the body fails: then let_go() once the offer has ended."""
         with _pool._lock:
-            hold.take()
+            self.take()
             try:
-                init(self, what, *args, **kwargs)
-            finally:
-                hold.let_go()
-    return wrapped
+                yield
+            except BaseException:
+                self.let_go()
+                raise
+            if not keep:
+                self.let_go()
 
 
 class Release:
     """A live release (sublet.release): resume() ends it; as a context manager, leaving the
     block resumes."""
 
-    @_planned_under_hold
     def __init__(self, what: _lent.Lendable, keep: _keep.Keep = None,
                  stay: int | None = None, need: int | None = None):
         _check_need(need)
-        lent = _lent.resolve(what, free=False)
-        region = lent.region
-        page = region.client.info.page_size
-        if stay is not None and stay < 0:
-            raise ValueError(f"stay is bytes of GPU memory the kept bytes may keep (0: all of "
-                             f"them go to the host; None: as many pages as they need), not "
-                             f"{stay}")
-        self.what = lent.what
-        self._region = region
-        self._device = lent.device
-        ranges = _lent.keep_ranges(lent, keep)
-        stay_pages = STAY_ANY if stay is None else stay // page
-        self._handle = region.handle  # the region as it is now (an arena's may go and come)
-        self._stats = region.client.release(self._handle, _lent.touched_pages(lent), ranges,
-                                            stay_pages, need)
-        self._released = self._stats
-        self.need_bytes = need
-        self._active = True
+        with _Hold(what).making():
+            lent = _lent.resolve(what, free=False)
+            region = lent.region
+            page = region.client.info.page_size
+            if stay is not None and stay < 0:
+                raise ValueError(f"stay is bytes of GPU memory the kept bytes may keep (0: all of "
+                                 f"them go to the host; None: as many pages as they need), not "
+                                 f"{stay}")
+            self.what = lent.what
+            self._region = region
+            self._device = lent.device
+            ranges = _lent.keep_ranges(lent, keep)
+            stay_pages = STAY_ANY if stay is None else stay // page
+            self._handle = region.handle  # the region as it is now (an arena's may go and come)
+            self._stats = region.client.release(self._handle, _lent.touched_pages(lent), ranges,
+                                                stay_pages, need)
+            self._released = self._stats
+            self.need_bytes = need
+            self._active = True
 
     @property
     def active(self) -> bool:
@@ -208,7 +209,7 @@ def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = No
     stay: the most bytes of GPU memory the kept bytes may keep (whole pages): None (default)
     as many pages as they fill, so nothing crosses the host link; 0 sends every kept byte to
     the host (torch_memory_saver's CPU backup). Kept pages beyond `stay` are saved and released.
-    need: bytes of device memory the taker needs (issue 42), or None (default) to release every
+    need: bytes of device memory the taker needs, or None (default) to release every
     page that `stay` allows. subletd counts the device's free bytes first and releases only the
     pages the rest of the need takes, ceil((need - free) / page) of them (at least those beyond
     `stay`; a region made again by a resume gives back whole page groups, so up to a group
@@ -246,22 +247,17 @@ class ReleaseOffer:
         # An arena's pools are held from before its pages are read until the offer has ended:
         # the release is made when a scheduler takes it, from the pages read now.
         self._hold = hold = _Hold(what)
-        with _pool._lock:
-            hold.take()
-            try:
-                self._lent = _lent.resolve(what, free=False)  # held: its tensors keep the region
-                region = self._lent.region
-                stay_pages = _stay_pages(stay, region.client.info.page_size)
-                self.what = self._lent.what
-                self.name = name
-                self._region = region
-                ranges = _lent.keep_ranges(self._lent, keep)
-                self._handle = region.handle
-                self._offer = Client.offer_release(self._handle, _lent.touched_pages(self._lent),
-                                                   ranges, stay_pages, name)
-            except BaseException:
-                hold.let_go()
-                raise
+        with hold.making(keep=True):
+            self._lent = _lent.resolve(what, free=False)  # held: its tensors keep the region
+            region = self._lent.region
+            stay_pages = _stay_pages(stay, region.client.info.page_size)
+            self.what = self._lent.what
+            self.name = name
+            self._region = region
+            ranges = _lent.keep_ranges(self._lent, keep)
+            self._handle = region.handle
+            self._offer = Client.offer_release(self._handle, _lent.touched_pages(self._lent),
+                                               ranges, stay_pages, name)
         self.offer_id = Client.release_offer_id(self._offer)
         # The library's thread outlives nothing: freeing withdraws, or waits for the end; the
         # hold goes after it.
