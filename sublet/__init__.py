@@ -18,13 +18,16 @@ MemPools nested in the loan. The owner must not use the lent tensor during the l
 
 from __future__ import annotations
 
+# Floor: the top of the package: it serves every public name, from the modules below it
+# (_errors, _lib, and the lending modules on first use); only the CLI (_status, __main__)
+# stands above it (tests/python/test_import_floors.py keeps it so).
 from typing import TYPE_CHECKING, Literal, overload
 
-from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonInfo,
-                   DaemonPermissionError, DaemonUnavailableError, InvalidArgumentError,
-                   LeakError, LoanStats,
-                   NeedTooLargeError, NoOfferError, OwnerGoneError, ProtocolError, ReleaseStats,
-                   SubletError, SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
+from ._errors import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonPermissionError,
+                      DaemonUnavailableError, InvalidArgumentError, LeakError, NeedTooLargeError,
+                      NoOfferError, OwnerGoneError, ProtocolError, SubletError,
+                      SubletOutOfMemoryError, SubletTimeoutError, VerifyError)
+from ._lib import DaemonInfo, LoanStats, ReleaseStats
 
 if TYPE_CHECKING:
     import torch

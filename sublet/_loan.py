@@ -12,6 +12,12 @@ are decided under the one lock of the process's pools and loans, sublet._pool._l
 taken before libsublet's (its pools' lock, then the client's), never inside them. A loan of
 the pools holds them (libsublet refuses pool allocations from then on) before it reads which
 pages it lends and pins: a tensor made before that is pinned, one asked for after it refused.
+The loans borrowed, by device, are _pool.loans: kept one floor down, where a pool about to be
+entered reads them.
+
+Floor: the top of the lending side, beside _release: imports _errors, _lib, _client, _memory,
+_torch, _keep, _pool, _lent, _verify, _wait and _units, all below it; only the package's
+__init__ imports it (tests/python/test_import_floors.py keeps it so).
 """
 
 from __future__ import annotations
@@ -24,9 +30,8 @@ import torch
 
 from . import _keep, _lent, _lib, _pool, _verify, _wait
 from ._client import Client, LoanStats, ReturnResult
-from ._lib import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
-                   LeakError,
-                   NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
+from ._errors import (BorrowerDiedError, BusyError, DaemonDiedError, DaemonUnavailableError,
+                      LeakError, NoOfferError, OwnerGoneError, SubletError, SubletTimeoutError)
 from ._memory import Region, as_dtype, nbytes_of, parse_size, resolve_device, wrap
 from ._torch import LeakedBlock, PoolRouter, prepare_routing, release_cached
 from ._units import human
@@ -35,10 +40,6 @@ _ELEAK = _lib.ERROR_CODES["ELEAK"]
 _EOWNERGONE = _lib.ERROR_CODES["EOWNERGONE"]
 _EBORROWERDIED = _lib.ERROR_CODES["EBORROWERDIED"]
 _EDAEMONDIED = _lib.ERROR_CODES["EDAEMONDIED"]
-
-# Loans this process borrows, by device: one per device at a time; under _pool._lock, from
-# before the Lend or Borrow goes out (no pool is entered on the device from then on) to the end.
-_active: dict[torch.device, "Loan"] = {}
 
 
 class Loan:
@@ -164,12 +165,12 @@ class Loan:
         with _pool._lock:
             _check_device_free(device)
             _check_no_pool_entered(device)
-            _active[device] = self
+            _pool.loans[device] = self
 
     def _drop_device(self, device: torch.device) -> None:
         with _pool._lock:
-            if _active.get(device) is self:
-                del _active[device]
+            if _pool.loans.get(device) is self:
+                del _pool.loans[device]
 
     def _start(self, client: Client, device: torch.device) -> None:
         """Starts routing PyTorch into the loan (CUDA); the device is claimed already."""
@@ -256,7 +257,7 @@ def _check_entered_pool_pinned(arena: _pool.Arena) -> None:
 
 
 def _check_device_free(device: torch.device) -> None:
-    if device in _active:
+    if device in _pool.loans:
         raise BusyError(f"a loan is already active on {device} in this process: one loan per "
                         f"device at a time; end it before starting another")
 

@@ -28,6 +28,10 @@ pinned) and raises torch.OutOfMemoryError when it asks libsublet for a new segme
 waits, and no tensor is placed in a page the loan lends. The pages a loan lends and pins are
 read once libsublet refuses allocations: a tensor made after sublet.lend() returned and before
 its `with` is the owner's, pinned like any other.
+
+Floor: above _keep, _lib, _errors, _client, _memory, _torch and _units, the modules of sublet
+it imports; below _lent, _release and _loan, which it never imports: the loans borrowed are
+kept here (loans) for _loan to fill in (tests/python/test_import_floors.py keeps it so).
 """
 
 from __future__ import annotations
@@ -42,17 +46,21 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from . import _keep, _lib
+from . import _errors, _keep, _lib
 from ._client import Client
 from ._memory import as_dtype, nbytes_of, parse_size, resolve_device, wrap
 from ._units import human
 
 # The one lock of the process's pools and loans, on the Python side: the pools, the pool
-# entered on each device, the loans borrowed (_loan._active) and the arenas lent are read and
+# entered on each device, the loans borrowed (loans) and the arenas lent are read and
 # changed under it, so that a pool entered and a loan started are never decided apart. Taken
 # before libsublet's locks (its pools' lock, then the client's), never while one is held
 # (libsublet never calls Python).
 _lock = threading.RLock()
+# Loans this process borrows (_loan's Loan objects), by device: one per device at a time; under
+# _lock, from before the Lend or Borrow goes out (no pool is entered on the device from then
+# on) to the end. Kept here, below _loan, so that a pool reads them without importing it.
+loans: dict[torch.device, object] = {}
 _pools: dict[tuple[str, torch.device], "Pool"] = {}
 _tag_ids: dict[str, int] = {}
 _entered: dict[torch.device, "Pool"] = {}  # the pool routing each device now
@@ -82,7 +90,7 @@ class Arena:
         self.pinned = None
         try:
             self.client.pool_unhold()
-        except _lib.SubletError:
+        except _errors.SubletError:
             pass  # the library is gone with the client: nothing is held
 
     def spares(self, tag: int) -> bool:
@@ -269,8 +277,7 @@ class Pool:
             self._client.torch_bind_pool(self.device.index, outer._tag_id if outer else 0)
 
     def _check_can_enter(self) -> None:
-        from ._loan import _active  # the loans of this process
-        if self.device in _active:
+        if self.device in loans:
             raise RuntimeError(f"a loan is active on {self.device}: no pool is entered inside "
                                f"a loan (its allocations belong to the loan); enter "
                                f"sublet.pool({self.tag!r}) before or after it")
@@ -287,11 +294,11 @@ class Pool:
         one in a page the loan lends or keeps would be the borrower's memory too. (New
         segments are refused, any tag's: libsublet holds the arena.) The caller holds _lock."""
         if self._arena.lent and not self._arena.spares(self._tag_id):
-            raise _lib.BusyError(
+            raise _errors.BusyError(
                 f"the pools on {self.device} are being lent or are lent, and the loan lends or "
                 f"keeps pages of tag {self.tag!r}: its cached blocks are the borrower's until "
                 f"the loan is back; enter sublet.pool({self.tag!r}) after it",
-                _lib.ERROR_CODES["EBUSY"])
+                _errors.ERROR_CODES["EBUSY"])
 
     def _begin(self) -> None:
         from ._torch import check_routing_possible, pluggable_allocator
@@ -358,14 +365,14 @@ def _free_segment(client: Client, ptr: int, direct: dict[int, int]) -> None:
     direct.pop(ptr, None)
     try:
         client.pool_free(ptr)
-    except _lib.SubletError:
+    except _errors.SubletError:
         pass  # the client went, and the arena with it
 
 
 def _retry_after_empty_cache(call, device: torch.device) -> int:
     try:
         return call()
-    except _lib.SubletOutOfMemoryError:
+    except _errors.SubletOutOfMemoryError:
         if device.type != "cuda":
             raise
         with torch.cuda.device(device):

@@ -7,6 +7,9 @@ came back as the same NaN is unchanged), and of where each byte lies. A differen
 VerifyError naming the ranges that changed.
 
 On with verify=True, or for every loan of the process with SUBLET_VERIFY=1.
+
+Floor: above _errors and _memory, the modules of sublet it imports; below _loan, which calls
+it (tests/python/test_import_floors.py keeps it so).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import numpy as np
 import torch
 
-from ._lib import VerifyError
+from ._errors import VerifyError
 from ._memory import Region
 
 _SHOWN = 10  # changed ranges spelled out in the message
