@@ -511,3 +511,117 @@ def test_pause_all_is_all_or_nothing(tms):
     finally:
         taken.resume()
     del a, b
+
+
+# ------------------------------------------------------------------ need= (issue 42)
+
+def _need_tag(tms, tag: str, plain_bytes: int, backed_bytes: int, seed: int):
+    """A tag of a plain tensor and a CPU-backup one; (plain, backed)."""
+    with tms.region(tag):
+        plain = alloc(tms, plain_bytes, seed=seed)
+    with tms.region(tag, enable_cpu_backup=True):
+        backed = alloc(tms, backed_bytes, seed=seed + 1)
+    return plain, backed
+
+
+@needs_release
+def test_pause_by_need_releases_only_the_pages_the_need_takes(tms):
+    """pause(tag, need=N): one release of the tag's pools by need. The free bytes count first;
+    of the rest, the pages with no kept byte (the plain pool's) go first; the backup bytes are
+    kept by the release and never cross the host link; status shows the need. Without need the
+    same tag gives back every page (the backup bytes to the host)."""
+    from sublet import _memory
+    plain, backed = _need_tag(tms, "nd-one", MiB, MiB, seed=40)
+    before = bits(backed)
+    gc.collect()
+    free0 = free_bytes()
+    tms.pause("nd-one", need=free0 + 5 * PAGE)
+    (rel,) = releases(tms, "nd-one")
+    assert rel.need_bytes == free0 + 5 * PAGE
+    assert rel.stats.released_pages == 5 and free_bytes() == free0 + 5 * PAGE
+    assert rel.moved_bytes == rel.copied_bytes == 0     # plain pages: nothing kept in them
+    mine = [r for r in _memory.resolve_device("cpu")[1].status()["releases"]
+            if r["id"] == rel.stats.release_id]
+    assert (mine[0]["need_bytes"], mine[0]["free_bytes"]) == (free0 + 5 * PAGE, free0)
+    tms.resume("nd-one")
+    assert np.array_equal(bits(backed), before)
+    tms.pause("nd-one")                                 # the original's call: everything
+    everything = sum(r.released_bytes for r in releases(tms, "nd-one"))
+    assert everything >= 2 * MiB > 5 * PAGE
+    tms.resume("nd-one")
+    assert np.array_equal(bits(backed), before)
+    del plain, backed
+
+
+@needs_release
+def test_pause_keep_and_need_move_the_kept_bytes_into_pages_that_stay(tms):
+    """pause(tag, keep=..., need=N): one release by need with that keep. A quarter of each of 8
+    pages kept, 4 pages needed: those 4 pages' kept bytes (a page) move on the device into the
+    holes of the 4 that stay, nothing to the host; every kept bit comes back. Without need 6
+    go (as few pages stay as hold the kept bytes)."""
+    with tms.region("nd-keep"):
+        t = alloc(tms, 8 * PAGE, seed=42).view(8, PAGE)
+    kept = t[:, :PAGE // 4]
+    before = bits(kept)
+    gc.collect()
+    free0 = free_bytes()
+    tms.pause("nd-keep", keep=kept, need=free0 + 4 * PAGE)
+    (rel,) = releases(tms, "nd-keep")
+    assert (rel.stats.released_pages, rel.stats.stayed_pages) == (4, 4)
+    assert (rel.moved_bytes, rel.copied_bytes) == (PAGE, 0)
+    tms.resume("nd-keep")
+    assert np.array_equal(bits(kept), before)
+    tms.pause("nd-keep", keep=kept)                     # without need
+    assert releases(tms, "nd-keep")[0].stats.released_pages == 6
+    tms.resume("nd-keep")
+    del t, kept
+
+
+@needs_release
+def test_sglangs_pauses_under_one_need_from_the_environment(tms, monkeypatch):
+    """$SUBLET_RELEASE_NEED (a human size) is read at each pause, as SGLang calls them
+    (kv_cache, weights, cuda_graph): the KV cache cannot give the need alone, so it goes whole
+    (as without need); the weights then give only the rest (their other pages stay on the
+    device, bytes and all); the graph tag, the need met, gives nothing."""
+    with tms.region("nd-kv"):
+        kv = alloc(tms, 6 * PAGE, seed=44)
+    with tms.region("nd-w", enable_cpu_backup=True):
+        weights = alloc(tms, 8 * PAGE, seed=45)
+    with tms.region("nd-g"):
+        graph = alloc(tms, 2 * PAGE, seed=46)
+    before = bits(weights)
+    gc.collect()
+    free0 = free_bytes()
+    kv_pages = sublet.pool("nd-kv", device="cpu").nbytes // PAGE
+    need = free0 + (kv_pages + 3) * PAGE
+    monkeypatch.setenv("SUBLET_RELEASE_NEED", f"{need // 1024}KiB")
+    for tag in ("nd-kv", "nd-w", "nd-g"):
+        tms.pause(tag)
+    (kv_rel,) = releases(tms, "nd-kv")
+    (w_rel,) = releases(tms, "nd-w")
+    (g_rel,) = releases(tms, "nd-g")
+    assert kv_rel.need_bytes is None and kv_rel.stats.released_pages == kv_pages
+    assert w_rel.need_bytes == need and w_rel.stats.released_pages == 3
+    assert w_rel.copied_bytes == 3 * PAGE               # the weights fill their pages: only
+    assert w_rel.stayed_bytes == 5 * PAGE               # the 3 taken went to the host
+    assert g_rel.need_bytes == need and g_rel.stats.released_pages == 0
+    assert free_bytes() == need
+    for tag in ("nd-g", "nd-w", "nd-kv"):
+        tms.resume(tag)
+    assert np.array_equal(bits(weights), before)
+    del kv, weights, graph
+
+
+@needs_release
+def test_a_malformed_need_is_refused_naming_the_fix_before_anything_is_paused(tms, monkeypatch):
+    with tms.region("nd-bad"):
+        t = alloc(tms, MiB, seed=48)
+    monkeypatch.setenv("SUBLET_RELEASE_NEED", "24 gigs")
+    with pytest.raises(ValueError, match=r"\$SUBLET_RELEASE_NEED='24 gigs'.*24GiB.*unset it"):
+        tms.pause("nd-bad")
+    monkeypatch.delenv("SUBLET_RELEASE_NEED")
+    for bad in (-1, 1.5, True, "lots"):
+        with pytest.raises(ValueError, match="need="):
+            tms.pause("nd-bad", need=bad)
+    assert not tms._impl._paused
+    del t

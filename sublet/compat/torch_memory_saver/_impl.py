@@ -319,27 +319,33 @@ class _TorchMemorySaverImpl:
                 yield
 
     # ------------------------------------------------------------ pause and resume
-    def pause(self, tag: Optional[str], keep=None, stay: Optional[int] = None) -> None:
-        tag = tag or None  # "" means every tag, as in the original
+    def pause(self, tag: Optional[str], keep=None, stay: Optional[int] = None,
+              need: Optional[int] = None) -> None:
+        tag = tag or None
         with self._lock:
             done: list[str] = []
             try:
-                for t in self._tags_to_pause(tag, keep):
-                    self._paused[t] = self._release_tag(t, keep, stay)
+                for t in self._tags_to_pause(tag, keep, need):
+                    self._paused[t] = self._release_tag(t, keep, stay, need)
                     done.append(t)
             except BaseException:
                 for t in reversed(done):  # all or nothing: the ones paused come back
                     self._resume_tag(t)
                 raise
 
-    def _tags_to_pause(self, tag: Optional[str], keep) -> list[str]:
+    def _tags_to_pause(self, tag: Optional[str], keep, need: Optional[int] = None) -> list[str]:
         """The tags pause(tag) releases: those holding memory; a tag holding nothing is a
-        no-op, as in the original (SGLang pauses "cuda_graph" with or without graphs)."""
+        no-op, as in the original (SGLang pauses "cuda_graph" with or without graphs). By
+        need, every tag's: those whose release keeps fewest bytes (no backup) first."""
         if tag is None:
             if keep is not None:
                 raise ValueError("pause(keep=...) needs the tag whose tensors keep names: "
                                  "pause(tag, keep=...)")
-            return [t for t in self.tags() if t not in self._paused and self._live_pools(t)]
+            tags = [t for t in self.tags() if t not in self._paused and self._live_pools(t)]
+            if need is not None:
+                tags.sort(key=lambda t: sum(p.nbytes for key, p in self._live_pools(t)
+                                            if key[1]))
+            return tags
         if tag in self._paused:
             raise RuntimeError(f"tag {tag!r} is paused already: resume({tag!r}) first "
                                f"(torch_memory_saver would exit(1) here)")
@@ -350,16 +356,17 @@ class _TorchMemorySaverImpl:
             pools = [(key, p) for key, p in self._pools.items() if key[0] == tag]
         return [(key, p) for key, p in pools if len(p.segments())]
 
-    def _release_tag(self, tag: str, keep, stay: Optional[int]) -> list:
+    def _release_tag(self, tag: str, keep, stay: Optional[int],
+                     need: Optional[int] = None) -> list:
         """sublet.release of the tag's pools; returns the live Releases."""
         pools = self._live_pools(tag)
         release = _release_api()
+        if need is not None:
+            by_need = self._release_by_need(release, tag, pools, keep, stay, need)
+            if by_need is not None:
+                return [by_need]
         if keep is not None:
-            devices = {p.device for _, p in pools}
-            if len(devices) != 1:
-                where = "no memory" if not devices else f"memory on {len(devices)} devices"
-                raise ValueError(f"pause({tag!r}, keep=...): the tag holds {where}; keep "
-                                 f"speaks of one device's tensors: pause without keep=")
+            _one_device(tag, pools, "keep")
             return [release([p for _, p in pools], keep=keep, stay=stay)]
         releases: list = []
         try:
@@ -371,6 +378,49 @@ class _TorchMemorySaverImpl:
             raise
         return releases
 
+    def _release_by_need(self, release, tag: str, pools: list, keep, stay: Optional[int],
+                         need: int):
+        """One sublet.release of the tag's pools by need (_need.py): the taker needs `need`
+        bytes of device memory; subletd releases only the pages that takes beyond the free
+        bytes, those holding the fewest kept bytes. What is kept: keep= if given; else every
+        byte of the backup pools (they stay on the device where the pages that stay hold
+        them, the rest in subletd's host memory: get_cpu_backup() is None while paused),
+        unless this process keeps their host copy (retain_cpu_backup): then nothing of them.
+        Returns None when the tag cannot give that much (NeedTooLargeError, nothing moved):
+        the caller releases it as without need, and the next tag goes on by the same need."""
+        import sublet
+        from sublet._keep import Spans
+        if not pools:
+            return None
+        if len({p.device for _, p in pools}) != 1:
+            _env.warn_once("need-devices", f"pause({tag!r}, need=...): the tag holds memory on "
+                                           f"several devices; a need speaks of one: paused "
+                                           f"without it")
+            return None
+        copies: list[_PoolKey] = []
+        if keep is None:
+            spans = []
+            for key, p in pools:
+                if not key[1]:
+                    continue
+                if self.retain_cpu_backup or self._host.has(key):
+                    copies.append(key)
+                    continue
+                base = p.arena.addr
+                spans += [(base + off, n) for off, n in p.segments().tolist()]
+            keep = Spans(spans) if spans else []
+        for key in copies:
+            p = self._pools[key]
+            backend = self._backends.get(key, self.default_backend)
+            self._host.snapshot(key, p, pinned=backend == "pinned")
+        try:
+            rel = release([p for _, p in pools], keep=keep, stay=stay, need=need)
+        except sublet.NeedTooLargeError as exc:
+            logger.info("torch_memory_saver pause(%r, need=%d): %s; released as without need",
+                        tag, need, exc)
+            return None
+        return _Restoring(rel, self, copies) if copies else rel
+
     def _release_pool(self, release, key: _PoolKey, pool, stay: Optional[int]):
         """The plain pool keeps nothing. The backup pool's bytes go to this process's host
         copy (resume() restores from it), unless SUBLET_TMS_BACKUP=daemon or stay= was given:
@@ -380,7 +430,7 @@ class _TorchMemorySaverImpl:
         if self._copies_here(key, stay):
             backend = self._backends.get(key, self.default_backend)
             self._host.snapshot(key, pool, pinned=backend == "pinned")
-            return _Restoring(release(pool, keep=[]), self, key)
+            return _Restoring(release(pool, keep=[]), self, [key])
         return release(pool, keep=None, stay=0 if stay is None else stay)
 
     def _copies_here(self, key: _PoolKey, stay: Optional[int]) -> bool:
@@ -485,20 +535,29 @@ class _TorchMemorySaverImpl:
         self.disk_backup_dir = path
 
 
+def _one_device(tag: str, pools: list, what: str) -> None:
+    devices = {p.device for _, p in pools}
+    if len(devices) != 1:
+        where = "no memory" if not devices else f"memory on {len(devices)} devices"
+        raise ValueError(f"pause({tag!r}, {what}=...): the tag holds {where}; {what} speaks of "
+                         f"one device's tensors: pause without {what}=")
+
+
 def _check_tag(tag: object) -> None:
     if not isinstance(tag, str) or not tag:
         raise TypeError(f"a region's tag is a non-empty str, not {tag!r}")
 
 
 class _Restoring:
-    """A Release whose pool's bytes come back from this process's host copy after resume()."""
+    """A Release whose pools' bytes come back from this process's host copies after resume()."""
 
-    def __init__(self, release, impl: _TorchMemorySaverImpl, key: _PoolKey):
-        self.release, self._impl, self._key = release, impl, key
+    def __init__(self, release, impl: _TorchMemorySaverImpl, keys: list[_PoolKey]):
+        self.release, self._impl, self._keys = release, impl, keys
 
     def resume(self) -> None:
         self.release.resume()
-        self._impl.restore(self._key)
+        for key in self._keys:
+            self._impl.restore(key)
 
     def __getattr__(self, name: str):
         return getattr(self.release, name)

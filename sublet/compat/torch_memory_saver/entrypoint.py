@@ -5,9 +5,10 @@ _ensure_initialized(), which returns None, and then uses self._impl, as the orig
 plug-in may wrap _ensure_initialized or replace _impl (NVIDIA Dynamo's GPU memory service
 does both, with hook_mode = "gms").
 
-sublet adds pause(tag, keep=..., stay=...): keep is what sublet.release takes (views of the
-tag's tensors, sublet.blocks(...)); those bytes come back, staying on the GPU where they fit
-unless stay= (bytes) says otherwise.
+sublet adds pause(tag, keep=..., stay=..., need=...): keep is what sublet.release takes (views
+of the tag's tensors, sublet.blocks(...)); those bytes come back, staying on the GPU where they
+fit unless stay= (bytes) says otherwise. need (or $SUBLET_RELEASE_NEED, for frameworks that
+call pause themselves: compat/_need.py) releases only what a taker needs beyond the free memory.
 """
 
 from __future__ import annotations
@@ -80,16 +81,25 @@ class TorchMemorySaver:
         with impl.disable():
             yield
 
-    def pause(self, tag: Optional[str] = None, *, keep=None, stay: Optional[int] = None):
+    def pause(self, tag: Optional[str] = None, *, keep=None, stay: Optional[int] = None,
+              need=None):
         """Gives the memory of `tag` (None: of every tag not paused) back to the driver.
         Without keep: the enable_cpu_backup tensors' bytes go to the host, the others' are
         lost. sublet adds keep= (views of the tag's tensors, sublet.blocks(...)): those bytes
-        come back, staying on the GPU where they fit unless stay= (bytes) says otherwise."""
+        come back, staying on the GPU where they fit unless stay= (bytes) says otherwise; and
+        need= (bytes, or a size such as "24GiB"; default: $SUBLET_RELEASE_NEED, read now): the
+        device memory a taker needs; only the pages that takes beyond the free memory are
+        released, those holding the fewest kept bytes (a tag that cannot give that much is
+        released whole, and the next pause goes on by the same need)."""
+        from .. import _need
+        need = _need.need_for_call(need)
         impl = self._initialized()
-        if keep is None and stay is None:
+        if keep is None and stay is None and need is None:
             impl.pause(tag=tag)  # the original's call: a plugged-in _impl keeps working
-        else:
+        elif need is None:
             impl.pause(tag=tag, keep=keep, stay=stay)
+        else:
+            impl.pause(tag=tag, keep=keep, stay=stay, need=need)
 
     def resume(self, tag: Optional[str] = None):
         """Maps fresh memory at the same addresses and restores what pause() kept."""
