@@ -1,5 +1,6 @@
 /* daemon.h - subletd's state shared by its modules: server.c (socket, signals), transport.c
- * (connections below the protocol: frames, output queues, bounds), conn.c (one client's
+ * (connections below the protocol: frames, output queues, deadlines), users.c (per-uid
+ * admission and the counts of the bounds shared by connections), conn.c (one client's
  * conversation on its transport), handlers.c (requests; lends.c, allocs.c, regions.c and
  * releases.c the larger ones; release_offers.c release offers), waiters.c (requests answered
  * later), endings.c (how loans end, what a client leaves), retire.c (a region leaves, its
@@ -7,8 +8,8 @@
  * loop).
  *
  * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, retire.c, status.c ->
- * conn.c -> transport.c. The lower ones reach the upper ones only through the callbacks they
- * were given (struct sl_conn_ops, struct sl_transport_ops).
+ * conn.c -> transport.c -> users.c. The lower ones reach the upper ones only through the
+ * callbacks they were given (struct sl_conn_ops, struct sl_transport_ops, users.h's taken).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
@@ -302,6 +303,9 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
 /* Has the books' loan ended, with its kept bytes still on their way back (to this owner;
  * owner_client 0: to anyone)? */
 int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client);
+/* A Reclaim of no wait, of a loan whose end is stalled: answered at once (1), with why. */
+int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
+                           uint64_t loan_id);
 
 /* What lets a loan's owner restore its kept bytes itself if the daemon dies (rescue.c). At
  * Lend: a journal, the owner's save area and a release pipe; fds[3] (journal, save area, the

@@ -275,6 +275,11 @@ static void stall_retry(struct sl_daemon *d, struct end_job *ej) {
   sl_job_submit(d, &ej->job);
 }
 
+#define STILL_LACKS                                                                      \
+  "the device still lacks the memory for fresh pages in place of the pages a borrower of "  \
+  "another user was granted (subletd let go of those; processes that map them, or other "   \
+  "memory, hold it); reclaim again once device memory is free"
+
 static void on_stall_tick(uv_timer_t *t) {
   struct sl_daemon *d = t->data;
   struct sl_region_info ri;
@@ -288,10 +293,7 @@ static void on_stall_tick(uv_timer_t *t) {
       stalled_unlink(d, ej);
       stall_retry(d, ej); /* back here if it fails again */
     } else {
-      tell_owner(d, ej, "the device still lacks the memory for fresh pages in place of the "
-                 "pages a borrower of another user was granted (subletd let go of those; "
-                 "processes that map them, or other memory, hold it); reclaim again once "
-                 "device memory is free");
+      tell_owner(d, ej, STILL_LACKS);
     }
   }
 }
@@ -319,6 +321,27 @@ static int stalled_has(const struct sl_daemon *d, uint64_t loan_id, uint64_t own
        ej = ej->next_stalled)
     if (ej->end.loan_id == loan_id && (owner_client == 0 || ej->end.owner_client == owner_client))
       return 1;
+  return 0;
+}
+
+/* A Reclaim that does not wait (timeout 0: an engine polling in its step loop), of a loan
+ * whose end is stalled, hears why at once, with the fresh pages the end waits for, as a
+ * waiting one hears at the next retry: otherwise a poller hears only "not ended yet", its
+ * library never lets go of the granted pages, and the end waits for ever. Returns 1 when
+ * it answered the request. */
+int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
+                           uint64_t loan_id) {
+  struct sl_err err = {0};
+
+  for (struct end_job *ej = d->stalled != NULL ? d->stalled->first : NULL; ej != NULL;
+       ej = ej->next_stalled) {
+    if (ej->end.loan_id != loan_id || ej->end.owner_client != c->client_id)
+      continue;
+    sl_err_set(&err, SUBLET_ENOMEM, "loan %llu was returned, but its kept bytes are not back "
+               "yet: %s", (unsigned long long)loan_id, STILL_LACKS);
+    sl_conn_send_error_fresh(c, req_id, &err, ej->end.nreplace);
+    return 1;
+  }
   return 0;
 }
 

@@ -91,6 +91,8 @@ static int on_reclaim(struct sl_req *x, const Sublet__Reclaim *m) {
     rc = 0; /* ended, its restore still running: the reply comes when it is done */
   if (rc != 0)
     return rc;
+  if (m->timeout_ms == 0 && sl_loan_stalled_answer(x->d, x->c, x->id, m->loan))
+    return 0;
   if (m->timeout_ms == 0)
     return sl_err_set(&x->err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet",
                       (unsigned long long)m->loan);

@@ -457,6 +457,30 @@ static void test_mapped_borrower_maps_then_exits(void) {
   mapped_wait_case(THEN_EXITS);
 }
 
+/* An owner that polls (Reclaim with no wait, as an engine's step loop does) hears at once that
+ * the end waits for fresh pages, so its library lets go of the granted pages, and a later poll
+ * finds the loan ended: every kept byte back. Before: a poll heard only "not ended yet"
+ * (ETIMEDOUT), the library never let go, and the end waited for ever. */
+static void test_mapped_owner_polls(void) {
+  struct sublet_loan_stats st;
+  struct whole w;
+  int rc = SUBLET_ETIMEDOUT;
+
+  CHECK(whole_start(&w, 0) == 0);
+  for (int i = 0; i < 2000 && rc != 0; i++) { /* 20 s: liveness, not speed */
+    rc = sublet_reclaim(w.owner, w.loan, 0, &st);
+    if (rc != 0)
+      usleep(10 * 1000);
+  }
+  if (rc != 0)
+    fprintf(stderr, "  poll: %s\n", sublet_last_error());
+  CHECK_RC(rc, 0);
+  CHECK(st.replaced_pages == NPAGES);
+  CHECK(sublet_region_addr(w.r) == w.base);
+  CHECK(kept_changed(w.base) == 0);
+  whole_finish(&w, 0);
+}
+
 static void test_mapped_borrower_maps_then_released(void) {
   mapped_wait_case(THEN_RELEASED);
 }
@@ -503,6 +527,7 @@ int main(void) {
   chmod(daemon_.socket, 0666);
   sl_test_run("mapped pages counted: the borrower takes the whole device and exits",
               test_mapped_borrower_exits);
+  sl_test_run("mapped pages counted: the owner polls with no wait", test_mapped_owner_polls);
   sl_test_run("mapped pages counted: the borrower still maps, then exits",
               test_mapped_borrower_maps_then_exits);
   sl_test_run("mapped pages counted: the borrower still maps, the region is released",
