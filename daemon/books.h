@@ -393,6 +393,7 @@ struct sl_release_work {
   uint64_t stayed, kept_bytes, moved_bytes, saved_bytes; /* stayed: held pages too */
   uint64_t held;              /* of those, the pages held with a group that stays */
   int by_need;                /* a release by need (its stayed pages may hold nothing) */
+  int done;                   /* an increment the books hold already: no device work */
 };
 
 struct sl_release_info {
@@ -402,7 +403,8 @@ struct sl_release_info {
   uint64_t pages;             /* its pages: released and stayed, and those holding nothing */
   uint64_t released_pages, stayed_pages, kept_bytes, moved_bytes, saved_bytes;
   int by_need;                /* a release by need, with its figures: */
-  uint64_t need_bytes, free_bytes;
+  uint64_t need_bytes, free_bytes;  /* the latest need (in all) and the free bytes it counted */
+  uint64_t increments;        /* needs after the first */
 };
 
 /* A release by need (Lend.need_bytes, issue 42): the bytes the taker needs, and the device's
@@ -423,6 +425,24 @@ int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t regi
                            const struct sl_release_need *need, struct sl_release_work *w,
                            struct sl_err *err);
 void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok);
+/* More of a live release by need (issue 42): need->need_bytes is the taker's need in all, now;
+ * need->free_bytes the device's free bytes now. A need not above the release's is nothing to
+ * do (w->done). Else the increase beyond the free bytes takes more pages of those that stay,
+ * chosen as the first need chose (fewest kept bytes per page, the bytes moved into it
+ * counted), whose kept bytes move into holes of the pages that still stay, the rest saved
+ * (host offsets after the release's); none needed: w->done, the need noted. SUBLET_ENEED
+ * (nothing changes) when the pages that stay cannot give enough. Else the release is
+ * RELEASING until sl_books_release_done: ok, it has the pages and the new plan; failed, it is
+ * as it was (the work only copied). w: the increment's device work and new pages; its
+ * figures the release's in all (moved_bytes: every step's moves). */
+int sl_books_release_more(struct sl_books *b, uint64_t client_id, uint64_t release_id,
+                          const struct sl_release_need *need, struct sl_release_work *w,
+                          struct sl_err *err);
+/* A live release's plan as a resume without subletd needs it: where each kept byte of its
+ * released pages is (books' arrays, valid until the books change). */
+int sl_books_release_plan(const struct sl_books *b, uint64_t release_id,
+                          const struct sl_move **moves, size_t *nmoves,
+                          const struct sl_copy **saves, size_t *nsaves);
 /* groups: make the released pages again as groups (w->groups), not page by page. */
 int sl_books_resume_begin(struct sl_books *b, uint64_t client_id, uint64_t release_id,
                           int groups, struct sl_release_work *w, struct sl_err *err);

@@ -107,6 +107,26 @@ struct sl_release {
   uint64_t *zone;     /* the plan's kept zone (books_release.c): owned, the plan points in */
   int by_need;        /* a release by need (books.h): its stayed pages may hold nothing */
   struct sl_release_need need;
+  uint64_t moved_total; /* bytes its steps moved on the device, every increment's */
+  uint64_t increments;  /* needs after the first (sl_books_release_more) made */
+  struct sl_release_more *more; /* an increment whose device work runs (RELEASING): owned */
+};
+
+/* An increment of a release by need while its device work runs (books_release.c): what the
+ * release becomes if the work succeeds. Its plan is flat: each move takes a kept byte from
+ * where it was at the release's start (a released page) to where it is now (a hole of a page
+ * that stays), each save from there to the host, so that a resume undoes them in any order. */
+struct sl_release_more {
+  uint64_t *released;  /* every released page then, ascending */
+  size_t nreleased, added;
+  uint64_t *zone;      /* the released pages with kept bytes, then the pages that stay */
+  size_t nzone, reached;
+  struct sl_move *moves;
+  size_t nmoves;
+  struct sl_copy *saves;
+  size_t nsaves;
+  uint64_t moved_bytes, saved_bytes, step_moved;
+  struct sl_release_need need;
 };
 
 struct sl_books {

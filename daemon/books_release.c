@@ -20,6 +20,8 @@
 #include "books_impl.h"
 #include "grow.h"
 
+#define SL_SWAP(a, b) do { void *t_ = (a); (a) = (b); (b) = t_; } while (0)
+
 static const char *const rel_state_names[] = {"", "releasing", "released", "resuming",
                                               "restoring"};
 
@@ -37,7 +39,18 @@ static struct sl_release *release_seen(const struct sl_books *b, uint64_t client
   return r != NULL && sl_books_sees(b, client_id, r->owner.uid) ? rel : NULL;
 }
 
+static void more_free(struct sl_release_more *m) {
+  if (m == NULL)
+    return;
+  free(m->released);
+  free(m->zone);
+  free(m->moves);
+  free(m->saves);
+  free(m);
+}
+
 static void release_free(struct sl_release *rel) {
+  more_free(rel->more);
   sl_books_draft_free(rel->l);
   free(rel->released);
   free(rel->groups);
@@ -330,9 +343,10 @@ static uint64_t stay_count(const struct sl_books *b, const struct sl_loan *l, ui
   return stay < need ? stay : need;
 }
 
-/* The kept bytes of each of pages[0, n) (ascending region pages of page size ps). */
-static uint64_t *kept_per_page(const struct sl_loan *l, const uint64_t *pages, size_t n,
-                               uint64_t ps) {
+/* The bytes of the ascending, disjoint ranges keep[0, nkeep) in each of pages[0, n)
+ * (ascending region pages of page size ps). */
+static uint64_t *bytes_per_page(const struct sublet_range *keep, size_t nkeep,
+                                const uint64_t *pages, size_t n, uint64_t ps) {
   uint64_t *kb = calloc(n + 1, sizeof(*kb));
   size_t k = 0;
 
@@ -340,15 +354,21 @@ static uint64_t *kept_per_page(const struct sl_loan *l, const uint64_t *pages, s
     return NULL;
   for (size_t i = 0; i < n; i++) {
     uint64_t start = pages[i] * ps, end = start + ps;
-    while (k < l->nkeep && l->keep[k].offset + l->keep[k].length <= start)
+    while (k < nkeep && keep[k].offset + keep[k].length <= start)
       k++;
-    for (size_t j = k; j < l->nkeep && l->keep[j].offset < end; j++) {
-      uint64_t lo = l->keep[j].offset > start ? l->keep[j].offset : start;
-      uint64_t hi = l->keep[j].offset + l->keep[j].length;
+    for (size_t j = k; j < nkeep && keep[j].offset < end; j++) {
+      uint64_t lo = keep[j].offset > start ? keep[j].offset : start;
+      uint64_t hi = keep[j].offset + keep[j].length;
       kb[i] += (hi < end ? hi : end) - lo;
     }
   }
   return kb;
+}
+
+/* The kept bytes of each of pages[0, n). */
+static uint64_t *kept_per_page(const struct sl_loan *l, const uint64_t *pages, size_t n,
+                               uint64_t ps) {
+  return bytes_per_page(l->keep, l->nkeep, pages, n, ps);
 }
 
 /* The first of the w consecutive entries of kb[0, n) that hold the most kept bytes; the last
@@ -583,6 +603,7 @@ static int plan_release(struct sl_books *b, struct sl_release *rel, uint64_t sta
     rc = sl_plan_commit(&l->plan, &s);
   if (rc == 0)
     keep_whole_groups(sl_books_find_region(b, rel->region_id), rel);
+  rel->moved_total = l->plan.moved_bytes;
   if (rc == 0)
     rc = begin_work(rel, &s, w);
   sl_plan_step_clear(&s);
@@ -627,13 +648,477 @@ int sl_books_release_begin(struct sl_books *b, uint64_t client_id, uint64_t regi
   return 0;
 }
 
+static void more_done(struct sl_release *rel, int ok);
+
 void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok) {
   struct sl_release *rel = find_release(b, release_id);
 
-  if (rel != NULL && rel->state == SL_REL_RELEASING && ok)
+  if (rel != NULL && rel->state == SL_REL_RELEASING && rel->more != NULL)
+    more_done(rel, ok); /* an increment: the release stays either way */
+  else if (rel != NULL && rel->state == SL_REL_RELEASING && ok)
     rel->state = SL_REL_RELEASED;
   else if (rel != NULL && rel->state == SL_REL_RELEASING)
     release_delete(b, rel);
+}
+
+/* ---- more by need: an increment of a live release by need ---------------------------------
+ *
+ * The first need's plan reached the released pages; the increment plans afresh over the
+ * pages that stay, what they hold now (their kept bytes and the bytes moved into them) as its
+ * keep: the pages it releases (sl_books_release_more says which) are reached, their bytes
+ * moved into holes of the others or saved. Then the release's plan is made flat again (struct
+ * sl_release_more): a byte moved by the first step and again by this one is one move from its
+ * first place to its last; one moved and now saved, one save from its first place. So every
+ * move reads a place nothing writes at the resume and writes a released page, and the resume
+ * runs them in any order, as for one step. */
+
+static int range_cmp(const void *a, const void *b) {
+  const struct sublet_range *x = a, *y = b;
+
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* Where the release's kept bytes are on the device now: its keep and the holes its moves
+ * filled, ascending, neighbours joined (*n ranges). */
+static struct sublet_range *occupancy(const struct sl_loan *l, size_t *n) {
+  const struct sl_plan *p = &l->plan;
+  size_t all = l->nkeep + p->nmoves, m = 0;
+  struct sublet_range *v = malloc((all + 1) * sizeof(*v));
+
+  if (v == NULL)
+    return NULL;
+  for (size_t i = 0; i < l->nkeep; i++)
+    v[i] = l->keep[i];
+  for (size_t i = 0; i < p->nmoves; i++)
+    v[l->nkeep + i] = (struct sublet_range){p->moves[i].dst_off, p->moves[i].len};
+  qsort(v, all, sizeof(*v), range_cmp);
+  for (size_t i = 0; i < all; i++) {
+    if (m > 0 && v[m - 1].offset + v[m - 1].length == v[i].offset)
+      v[m - 1].length += v[i].length;
+    else
+      v[m++] = v[i];
+  }
+  *n = m;
+  return v;
+}
+
+/* The pages of the release's set that stay, ascending (*ns). */
+static uint64_t *staying(const struct sl_release *rel, size_t *ns) {
+  size_t n = 0, m = 0, j = 0;
+  uint64_t *pages = region_pages(rel->l, &n);
+
+  for (size_t i = 0; pages != NULL && i < n; i++) {
+    while (j < rel->nreleased && rel->released[j] < pages[i])
+      j++;
+    if (j == rel->nreleased || rel->released[j] != pages[i])
+      pages[m++] = pages[i];
+  }
+  *ns = m;
+  return pages;
+}
+
+/* The pages the increase of the need takes beyond the free bytes; refused (before anything
+ * moves) when the pages that stay cannot give them. */
+static int more_count(const struct sl_books *b, const struct sl_release *rel,
+                      const struct sl_release_need *need, uint64_t can_give, uint64_t *count,
+                      struct sl_err *err) {
+  uint64_t ps = b->cfg.page_size, had = rel->need.need_bytes, f = need->free_bytes;
+  uint64_t more = need->need_bytes - had, pages = more > f ? sl_books_pages_for(b, more - f) : 0;
+
+  if (pages > can_give)
+    return sl_err_set(err, SUBLET_ENEED, "more of release %" PRIu64 " by need, %" PRIu64
+                      " bytes in all (%" PRIu64 " more than its %" PRIu64 "), was refused, "
+                      "nothing moved: the device has %" PRIu64 " bytes free and the pages that "
+                      "stay can give at most %" PRIu64 " bytes (%" PRIu64 " pages), %" PRIu64
+                      " short. Ask for at most %" PRIu64 " bytes in all, or free memory on the "
+                      "device first", rel->id, need->need_bytes, more, had, f, can_give * ps,
+                      can_give, more - f - can_give * ps, had + f + can_give * ps);
+  *count = pages;
+  return 0;
+}
+
+/* The increment's step: a plan over the pages that stay, the picked ones holding bytes first,
+ * then the others, each ascending, with what they hold (occ) as its keep. */
+static int more_step(const struct sl_books *b, const struct sublet_range *occ, size_t nocc,
+                     const uint64_t *stay, const uint64_t *kb, const uint8_t *pick, size_t ns,
+                     int compact, struct sl_plan_step *s) {
+  uint64_t *zone = malloc((ns + 1) * sizeof(*zone));
+  struct sl_plan p;
+  size_t z = 0, reach;
+  int rc = 0;
+
+  memset(s, 0, sizeof(*s));
+  if (zone == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (size_t i = 0; i < ns; i++)
+    if (pick[i] && kb[i] > 0)
+      zone[z++] = stay[i];
+  reach = z;
+  for (size_t i = 0; i < ns; i++)
+    if (!pick[i])
+      zone[z++] = stay[i];
+  sl_plan_init(&p, b->cfg.page_size, occ, nocc, zone, z, compact);
+  if (reach > 0)
+    rc = sl_plan_reach(&p, 0, reach, s);
+  sl_plan_release(&p);
+  free(zone);
+  return rc;
+}
+
+/* The flat plan being made: moves and saves, neighbours joined (a move within one page). */
+struct flat {
+  uint64_t ps;
+  struct sl_move *moves;
+  size_t nmoves, cap_moves;
+  struct sl_copy *saves;
+  size_t nsaves, cap_saves;
+};
+
+static int flat_move(struct flat *f, uint64_t src, uint64_t dst, uint64_t len) {
+  struct sl_move *last = f->nmoves ? &f->moves[f->nmoves - 1] : NULL, *v;
+
+  if (last && last->src_off + last->len == src && last->dst_off + last->len == dst &&
+      dst % f->ps != 0) {
+    last->len += len;
+    return 0;
+  }
+  if ((v = sl_grow(f->moves, &f->cap_moves, f->nmoves + 1, sizeof(*v))) == NULL)
+    return SUBLET_ENOHOSTMEM;
+  f->moves = v;
+  v[f->nmoves++] = (struct sl_move){src, dst, len};
+  return 0;
+}
+
+static int flat_save(struct flat *f, uint64_t dev, uint64_t host, uint64_t len) {
+  struct sl_copy *last = f->nsaves ? &f->saves[f->nsaves - 1] : NULL, *v;
+
+  if (last && last->dev_off + last->len == dev && last->host_off + last->len == host) {
+    last->len += len;
+    return 0;
+  }
+  if ((v = sl_grow(f->saves, &f->cap_saves, f->nsaves + 1, sizeof(*v))) == NULL)
+    return SUBLET_ENOHOSTMEM;
+  f->saves = v;
+  v[f->nsaves++] = (struct sl_copy){dev, host, len};
+  return 0;
+}
+
+static int move_dst_cmp(const void *a, const void *b) {
+  const struct sl_move *x = a, *y = b;
+
+  return x->dst_off < y->dst_off ? -1 : x->dst_off > y->dst_off;
+}
+
+static int page_listed(const uint64_t *pages, size_t n, uint64_t page) {
+  size_t i = sl_books_lower_bound(pages, n, page);
+
+  return i < n && pages[i] == page;
+}
+
+/* The plan's moves into the pages the increment releases (added), by destination. */
+static struct sl_move *moved_into(const struct sl_plan *p, const uint64_t *added,
+                                  size_t nadded, size_t *n) {
+  struct sl_move *v = malloc((p->nmoves + 1) * sizeof(*v));
+  size_t m = 0;
+
+  for (size_t i = 0; v != NULL && i < p->nmoves; i++)
+    if (page_listed(added, nadded, p->moves[i].dst_off / p->page_size))
+      v[m++] = p->moves[i];
+  if (v != NULL)
+    qsort(v, m, sizeof(*v), move_dst_cmp);
+  *n = m;
+  return v;
+}
+
+/* The first of in[0, n) (by destination, disjoint) ending after x. */
+static size_t move_after(const struct sl_move *in, size_t n, uint64_t x) {
+  size_t lo = 0, hi = n;
+
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (in[mid].dst_off + in[mid].len <= x)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* [cur, cur + len) goes to `to` (a region offset; save: a host offset), in pieces named by
+ * where each byte was at the release's start: one moved there before by its move's source,
+ * any other by itself. */
+static int flat_emit(struct flat *f, const struct sl_move *in, size_t nin, uint64_t cur,
+                     uint64_t len, uint64_t to, int save) {
+  size_t i = move_after(in, nin, cur);
+  int rc = 0;
+
+  while (rc == 0 && len > 0) {
+    uint64_t from = cur, n = len;
+    if (i < nin && in[i].dst_off <= cur) {
+      from = in[i].src_off + (cur - in[i].dst_off);
+      n = sl_min_u64(len, in[i].dst_off + in[i].len - cur);
+    } else if (i < nin) {
+      n = sl_min_u64(len, in[i].dst_off - cur);
+    }
+    rc = save ? flat_save(f, from, to, n) : flat_move(f, from, to, n);
+    cur += n;
+    to += n;
+    len -= n;
+    if (i < nin && cur >= in[i].dst_off + in[i].len)
+      i++;
+  }
+  return rc;
+}
+
+/* The release's plan with the step s over the pages added, made flat (the file's part says
+ * how); host offsets of the step after the plan's. */
+static int flatten(const struct sl_plan *p, const struct sl_plan_step *s, const uint64_t *added,
+                   size_t nadded, struct sl_release_more *m) {
+  struct flat f = {.ps = p->page_size};
+  size_t nin = 0;
+  struct sl_move *in = moved_into(p, added, nadded, &nin);
+  int rc = in == NULL ? SUBLET_ENOHOSTMEM : 0;
+
+  for (size_t i = 0; rc == 0 && i < p->nmoves; i++)
+    if (!page_listed(added, nadded, p->moves[i].dst_off / p->page_size))
+      rc = flat_move(&f, p->moves[i].src_off, p->moves[i].dst_off, p->moves[i].len);
+  for (size_t i = 0; rc == 0 && i < s->nmoves; i++)
+    rc = flat_emit(&f, in, nin, s->moves[i].src_off, s->moves[i].len, s->moves[i].dst_off, 0);
+  for (size_t i = 0; rc == 0 && i < p->nsaves; i++)
+    rc = flat_save(&f, p->saves[i].dev_off, p->saves[i].host_off, p->saves[i].len);
+  for (size_t i = 0; rc == 0 && i < s->nsaves; i++)
+    rc = flat_emit(&f, in, nin, s->saves[i].dev_off, s->saves[i].len,
+                   p->saved_bytes + s->saves[i].host_off, 1);
+  free(in);
+  m->moves = f.moves;
+  m->nmoves = f.nmoves;
+  m->saves = f.saves;
+  m->nsaves = f.nsaves;
+  for (size_t i = 0; i < f.nmoves; i++)
+    m->moved_bytes += f.moves[i].len;
+  m->saved_bytes = p->saved_bytes + s->saved_bytes;
+  return rc;
+}
+
+/* Every released page then (the release's and the added, merged) and the zone: those holding
+ * kept bytes of the keep, then the pages that still stay (stay less pick), each ascending. */
+static int more_pages(const struct sl_release *rel, const uint64_t *added, size_t nadded,
+                      const uint64_t *stay, const uint8_t *pick, size_t ns, uint64_t ps,
+                      struct sl_release_more *m) {
+  size_t n = rel->nreleased + nadded, i = 0, j = 0, z = 0;
+  uint64_t *kb = NULL;
+
+  m->released = malloc((n + 1) * sizeof(*m->released));
+  m->zone = malloc((n + ns + 1) * sizeof(*m->zone));
+  if (m->released == NULL || m->zone == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (size_t o = 0; o < n; o++)
+    m->released[o] = j == nadded || (i < rel->nreleased && rel->released[i] < added[j])
+                         ? rel->released[i++] : added[j++];
+  m->nreleased = n;
+  m->added = nadded;
+  if ((kb = kept_per_page(rel->l, m->released, n, ps)) == NULL)
+    return SUBLET_ENOHOSTMEM;
+  for (i = 0; i < n; i++)
+    if (kb[i] > 0)
+      m->zone[z++] = m->released[i];
+  m->reached = z;
+  for (i = 0; i < ns; i++)
+    if (!pick[i])
+      m->zone[z++] = stay[i];
+  m->nzone = z;
+  free(kb);
+  return 0;
+}
+
+/* What the release becomes with the pages picked of stay and the step s (rel->more). */
+static int more_build(const struct sl_books *b, struct sl_release *rel, const uint64_t *stay,
+                      const uint8_t *pick, size_t ns, const struct sl_plan_step *s,
+                      const struct sl_release_need *need) {
+  struct sl_release_more *m = calloc(1, sizeof(*m));
+  uint64_t *added = malloc((ns + 1) * sizeof(*added));
+  size_t nadded = 0;
+  int rc = m == NULL || added == NULL ? SUBLET_ENOHOSTMEM : 0;
+
+  for (size_t i = 0; rc == 0 && i < ns; i++)
+    if (pick[i])
+      added[nadded++] = stay[i];
+  if (rc == 0)
+    rc = more_pages(rel, added, nadded, stay, pick, ns, b->cfg.page_size, m);
+  if (rc == 0)
+    rc = flatten(&rel->l->plan, s, added, nadded, m);
+  free(added);
+  if (rc != 0) {
+    more_free(m);
+    return rc;
+  }
+  m->need = *need;
+  m->step_moved = s->moved_bytes;
+  rel->more = m;
+  return 0;
+}
+
+/* Chooses and plans the increment (rel->more), or notes a need the free bytes cover. */
+static int more_plan(const struct sl_books *b, struct sl_release *rel,
+                     const struct sl_release_need *need, struct sl_plan_step *s,
+                     struct sl_err *err) {
+  const struct sl_region *r = sl_books_find_region(b, rel->region_id);
+  uint64_t *kb = NULL, can_give = 0, count = 0;
+  size_t ns = 0, nocc = 0, nunits = 0;
+  uint64_t *stay = staying(rel, &ns);
+  struct sublet_range *occ = occupancy(rel->l, &nocc);
+  uint8_t *pick = calloc(ns + 1, 1);
+  struct need_unit *u = NULL;
+  int rc = SUBLET_ENOHOSTMEM;
+
+  if (stay != NULL && occ != NULL && pick != NULL &&
+      (kb = bytes_per_page(occ, nocc, stay, ns, b->cfg.page_size)) != NULL &&
+      (u = need_units(r, stay, kb, ns, &nunits)) != NULL) {
+    for (size_t i = 0; i < nunits; i++)
+      can_give += u[i].size;
+    rc = more_count(b, rel, need, can_give, &count, err);
+  }
+  if (rc == 0 && count > 0) {
+    need_pick(u, nunits, count, pick);
+    rc = more_step(b, occ, nocc, stay, kb, pick, ns, rel->l->plan.compact, s);
+  }
+  if (rc == 0 && count > 0)
+    rc = more_build(b, rel, stay, pick, ns, s, need);
+  free(stay);
+  free(occ);
+  free(pick);
+  free(kb);
+  free(u);
+  return rc;
+}
+
+/* The release's figures in all, as a release's work says them (an increment's: w's lists). */
+static void more_figures(const struct sl_release *rel, struct sl_release_work *w) {
+  const struct sl_release_more *m = rel->more;
+
+  w->release_id = rel->id;
+  w->region_id = rel->region_id;
+  w->kept_bytes = rel->l->kept_bytes;
+  w->by_need = 1;
+  w->stayed = rel->stayed + rel->held - (m != NULL ? m->added : 0);
+  w->moved_bytes = rel->moved_total + (m != NULL ? m->step_moved : 0);
+  w->saved_bytes = m != NULL ? m->saved_bytes : rel->l->plan.saved_bytes;
+  w->done = m == NULL;
+}
+
+/* The increment's device work: the step's moves and saves, its pages. */
+static int more_work(const struct sl_release *rel, const struct sl_plan_step *s,
+                     struct sl_release_work *w) {
+  const struct sl_release_more *m = rel->more;
+  uint64_t base = rel->l->plan.saved_bytes;
+
+  w->moves = sl_dup(s->moves, s->nmoves, sizeof(*s->moves));
+  w->copies = sl_dup(s->saves, s->nsaves, sizeof(*s->saves));
+  w->released = malloc((m->added + 1) * sizeof(*w->released));
+  if ((s->nmoves && w->moves == NULL) || (s->nsaves && w->copies == NULL) || !w->released)
+    return SUBLET_ENOHOSTMEM;
+  w->nmoves = s->nmoves;
+  w->ncopies = s->nsaves;
+  for (size_t i = 0; i < s->nsaves; i++)
+    w->copies[i].host_off += base;
+  for (size_t i = 0; i < m->nreleased; i++)
+    if (!page_listed(rel->released, rel->nreleased, m->released[i]))
+      w->released[w->nreleased++] = m->released[i];
+  return 0;
+}
+
+static int may_more(const struct sl_release *rel, uint64_t client_id, uint64_t release_id,
+                    struct sl_err *err) {
+  if (rel == NULL)
+    return sl_err_set(err, SUBLET_ENOENT, "no release %" PRIu64 " (resumed already, or its "
+                      "region has gone)", release_id);
+  if (rel->owner_client != client_id)
+    return sl_err_set(err, SUBLET_EPERM, "release %" PRIu64 " belongs to another client; only "
+                      "its owner may release more of it", release_id);
+  if (!rel->by_need)
+    return sl_err_set(err, SUBLET_EINVAL, "release %" PRIu64 " was not made by need: it gave "
+                      "back every page it could already", release_id);
+  if (rel->state != SL_REL_RELEASED)
+    return sl_err_set(err, SUBLET_EBUSY, "release %" PRIu64 " is %s: wait for that to finish",
+                      release_id, rel_state_names[rel->state]);
+  return 0;
+}
+
+int sl_books_release_more(struct sl_books *b, uint64_t client_id, uint64_t release_id,
+                          const struct sl_release_need *need, struct sl_release_work *w,
+                          struct sl_err *err) {
+  struct sl_release *rel = release_seen(b, client_id, release_id);
+  struct sl_plan_step s = {0};
+  int rc = may_more(rel, client_id, release_id, err);
+
+  memset(w, 0, sizeof(*w));
+  if (rc != 0)
+    return rc;
+  if (need->need_bytes > rel->need.need_bytes &&
+      (rc = more_plan(b, rel, need, &s, err)) != 0) {
+    sl_plan_step_clear(&s);
+    return rc == SUBLET_ENEED ? rc : sl_err_set(err, rc, "out of host memory planning more "
+                                                "of a release");
+  }
+  if (need->need_bytes > rel->need.need_bytes && rel->more == NULL) {
+    rel->need = *need; /* the free bytes cover it: noted, nothing to do */
+    rel->increments++;
+  }
+  more_figures(rel, w);
+  if (rel->more != NULL && (rc = more_work(rel, &s, w)) != 0) {
+    more_free(rel->more);
+    rel->more = NULL;
+    sl_release_work_clear(w);
+    rc = sl_err_set(err, rc, "out of host memory planning more of a release");
+  }
+  sl_plan_step_clear(&s);
+  if (rc == 0 && rel->more != NULL)
+    rel->state = SL_REL_RELEASING;
+  return rc;
+}
+
+/* An increment's work is over: the release takes what it made (ok), or stays as it was. */
+static void more_done(struct sl_release *rel, int ok) {
+  struct sl_release_more *m = rel->more;
+  struct sl_plan *p = &rel->l->plan;
+
+  rel->more = NULL;
+  rel->state = SL_REL_RELEASED;
+  if (ok) {
+    SL_SWAP(rel->released, m->released);
+    rel->nreleased = m->nreleased;
+    SL_SWAP(rel->zone, m->zone);
+    SL_SWAP(p->moves, m->moves);
+    SL_SWAP(p->saves, m->saves);
+    p->nmoves = p->cap_moves = m->nmoves;
+    p->nsaves = p->cap_saves = m->nsaves;
+    p->moved_bytes = m->moved_bytes;
+    p->saved_bytes = m->saved_bytes;
+    p->pages = rel->zone;
+    p->npages = m->nzone;
+    p->reached = m->reached;
+    p->sink = p->npages > 0 ? p->npages - 1 : 0;
+    p->sink_off = 0;
+    rel->stayed -= m->added;
+    rel->need = m->need;
+    rel->moved_total += m->step_moved;
+    rel->increments++;
+  }
+  more_free(m);
+}
+
+int sl_books_release_plan(const struct sl_books *b, uint64_t release_id,
+                          const struct sl_move **moves, size_t *nmoves,
+                          const struct sl_copy **saves, size_t *nsaves) {
+  const struct sl_release *rel = find_release(b, release_id);
+
+  if (rel == NULL)
+    return SUBLET_ENOENT;
+  *moves = rel->l->plan.moves;
+  *nmoves = rel->l->plan.nmoves;
+  *saves = rel->l->plan.saves;
+  *nsaves = rel->l->plan.nsaves;
+  return 0;
 }
 
 /* ---- resuming ----------------------------------------------------------------------------- */
@@ -752,9 +1237,9 @@ static void fill_info(const struct sl_books *b, const struct sl_release *rel,
       .id = rel->id, .region_id = rel->region_id, .owner_client = rel->owner_client,
       .state = rel->state, .pages = l->unkept + l->kept, .released_pages = rel->nreleased,
       .stayed_pages = rel->stayed + rel->held, .kept_bytes = l->kept_bytes,
-      .moved_bytes = l->plan.moved_bytes, .saved_bytes = l->plan.saved_bytes,
+      .moved_bytes = rel->moved_total, .saved_bytes = l->plan.saved_bytes,
       .by_need = rel->by_need, .need_bytes = rel->need.need_bytes,
-      .free_bytes = rel->need.free_bytes};
+      .free_bytes = rel->need.free_bytes, .increments = rel->increments};
   if (r != NULL)
     ri->owner = r->owner;
 }

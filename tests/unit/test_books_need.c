@@ -225,9 +225,257 @@ static void test_refusal_and_free_enough(void) {
   sl_books_free(f.b);
 }
 
+/* ---- increments: need, need, ..., resume ------------------------------------------------
+ *
+ * The reference of an increment: the taker now needs N' bytes in all, N before; with F free
+ * now, R' = ceil(max(0, N' - N - F) / page) more pages go (N' <= N: nothing), those of the
+ * pages that stay holding the fewest bytes now (their kept bytes and the bytes moved into
+ * them), and the host holds max(0, K - S x page) in all, S the pages that still stay. A byte
+ * map follows the device through every step (moves, then saves, then the released pages
+ * overwritten) and the resume: every kept byte back. */
+
+struct device_map {
+  uint8_t *dev, *orig, *host, *occ; /* occ: 1 where the device holds a kept byte now */
+  uint64_t size;
+};
+
+static void map_new(struct device_map *m, const struct fixture *f) {
+  m->size = f->npages * PS;
+  m->dev = malloc(m->size);
+  m->orig = malloc(m->size);
+  m->host = calloc(1, m->size + 1);
+  m->occ = calloc(1, m->size);
+  for (uint64_t i = 0; i < m->size; i++)
+    m->orig[i] = m->dev[i] = (uint8_t)(i * 29 + i / PS);
+  for (size_t i = 0; i < f->nkeep; i++)
+    memset(m->occ + f->keep[i].offset, 1, f->keep[i].length);
+}
+
+static void map_free(struct device_map *m) {
+  free(m->dev);
+  free(m->orig);
+  free(m->host);
+  free(m->occ);
+}
+
+/* One step's device work on the map: moves, saves, then its released pages overwritten. */
+static void map_step(struct device_map *m, const struct sl_release_work *w) {
+  for (size_t i = 0; i < w->nmoves; i++) {
+    CHECK(w->moves[i].dst_off + w->moves[i].len <= m->size);
+    memmove(m->dev + w->moves[i].dst_off, m->dev + w->moves[i].src_off, w->moves[i].len);
+    memset(m->occ + w->moves[i].dst_off, 1, w->moves[i].len);
+  }
+  for (size_t i = 0; i < w->ncopies; i++)
+    memcpy(m->host + w->copies[i].host_off, m->dev + w->copies[i].dev_off, w->copies[i].len);
+  for (size_t i = 0; i < w->nreleased; i++) {
+    memset(m->dev + w->released[i] * PS, 0xAB, PS);
+    memset(m->occ + w->released[i] * PS, 0, PS);
+  }
+}
+
+/* The resume's undoing on the map: is every kept byte back? */
+static int map_resumed(struct device_map *m, const struct fixture *f,
+                       const struct sl_release_work *u) {
+  int ok = 1;
+
+  for (size_t i = 0; i < u->ncopies; i++)
+    memcpy(m->dev + u->copies[i].dev_off, m->host + u->copies[i].host_off, u->copies[i].len);
+  for (size_t i = 0; i < u->nmoves; i++)
+    memmove(m->dev + u->moves[i].dst_off, m->dev + u->moves[i].src_off, u->moves[i].len);
+  for (size_t i = 0; i < f->nkeep; i++)
+    ok &= memcmp(m->dev + f->keep[i].offset, m->orig + f->keep[i].offset, f->keep[i].length) == 0;
+  return ok;
+}
+
+static uint64_t page_occ(const struct device_map *m, uint64_t page) {
+  uint64_t n = 0;
+
+  for (uint64_t i = page * PS; i < (page + 1) * PS; i++)
+    n += m->occ[i];
+  return n;
+}
+
+/* The pages of the set that stay (not in released[0, n)), and their bytes now. */
+static size_t staying_occ(const struct fixture *f, const struct device_map *m,
+                          const uint8_t *gone, uint64_t *occ) {
+  size_t ns = 0;
+
+  for (uint64_t p = 0; p < f->npages; p++)
+    if (!gone[p])
+      occ[ns++] = page_occ(m, p);
+  return ns;
+}
+
+/* An increment's figures against the reference (exact: no page groups). */
+static void check_increment(const struct fixture *f, const struct device_map *m,
+                            const uint8_t *gone, const struct sl_release_work *w, uint64_t want,
+                            int exact) {
+  uint64_t occ[64], chosen = 0, fewest = 0, stayed;
+  size_t ns = staying_occ(f, m, gone, occ);
+
+  for (size_t i = 0; i < w->nreleased; i++) {
+    CHECK(!gone[w->released[i]]);
+    chosen += page_occ(m, w->released[i]);
+  }
+  qsort(occ, ns, sizeof(*occ), cmp_u64);
+  for (uint64_t i = 0; i < want && i < ns; i++)
+    fewest += occ[i];
+  if (exact) {
+    CHECK_EQ(w->nreleased, want);
+    CHECK_EQ(chosen, fewest);
+  } else {
+    CHECK(w->nreleased >= want && w->nreleased < want + SL_GROUP_PAGES);
+  }
+  stayed = ns - w->nreleased;
+  CHECK_EQ(w->stayed, stayed);
+  CHECK_EQ(w->saved_bytes, f->kept > stayed * PS ? f->kept - stayed * PS : 0);
+}
+
+/* One increment of release id (its need *had, now): refused, nothing to do, or more pages. */
+static void one_increment(struct fixture *f, uint64_t *s, uint64_t id, uint64_t *had,
+                          struct device_map *m, uint8_t *gone, int exact) {
+  struct sl_release_need need = {.need_bytes = *had + rnd(s) % ((f->npages / 2 + 2) * PS),
+                                 .free_bytes = rnd(s) % 3 == 0 ? 0 : rnd(s) % (2 * PS)};
+  uint64_t occ[64], ns = staying_occ(f, m, gone, occ), want, moved0;
+  struct sl_release_work w = {0};
+  struct sl_release_info ri;
+  struct sl_err err = {0};
+  int rc;
+
+  if (rnd(s) % 5 == 0)
+    need.need_bytes = *had - (*had > 0 ? rnd(s) % (*had + 1) : 0); /* not more: a no-op */
+  want = need.need_bytes > *had + need.free_bytes
+             ? (need.need_bytes - *had - need.free_bytes + PS - 1) / PS : 0;
+  CHECK_EQ(sl_books_release_info(f->b, id, &ri), 0);
+  moved0 = ri.moved_bytes;
+  rc = sl_books_release_more(f->b, f->owner, id, &need, &w, &err);
+  BOOKS_OK(f->b);
+  if (exact && want > ns) { /* more than the pages that stay: refused, nothing changed */
+    CHECK_EQ(rc, SUBLET_ENEED);
+    CHECK(strstr(err.msg, "refused, nothing moved") != NULL);
+    CHECK_EQ(sl_books_region_released(f->b, f->region), f->npages - ns);
+    return;
+  }
+  if (rc == SUBLET_ENEED) /* page groups: fewer pages to give than pages that stay */
+    return;
+  CHECK_EQ(rc, 0);
+  CHECK_EQ(w.done, need.need_bytes <= *had || want == 0);
+  if (!w.done) {
+    check_increment(f, m, gone, &w, want, exact);
+    map_step(m, &w);
+    for (size_t i = 0; i < w.nreleased; i++)
+      gone[w.released[i]] = 1;
+    sl_books_release_done(f->b, id, 1);
+    BOOKS_OK(f->b);
+  }
+  CHECK_EQ(sl_books_release_info(f->b, id, &ri), 0);
+  CHECK_EQ(ri.state, SL_REL_RELEASED);
+  CHECK_EQ(ri.moved_bytes, moved0 + (w.done ? 0 : w.moved_bytes - moved0));
+  CHECK_EQ(ri.need_bytes, need.need_bytes > *had ? need.need_bytes : *had);
+  if (need.need_bytes > *had)
+    *had = need.need_bytes;
+  sl_release_work_clear(&w);
+}
+
+/* A release by need, a few increments, the resume: every kept byte back. */
+static void need_sequence(struct fixture *f, uint64_t *s, int groups, int exact) {
+  struct sl_release_need need = {.need_bytes = rnd(s) % ((f->npages / 2 + 1) * PS),
+                                 .free_bytes = rnd(s) % (2 * PS)};
+  struct sl_release_work w = {0}, u = {0};
+  struct device_map m;
+  uint8_t gone[64] = {0};
+  uint64_t had = need.need_bytes;
+
+  random_keep(f, s);
+  CHECK_EQ(release_need(f, &need, UINT64_MAX, &w, NULL), 0);
+  map_new(&m, f);
+  map_step(&m, &w);
+  for (size_t i = 0; i < w.nreleased; i++)
+    gone[w.released[i]] = 1;
+  sl_books_release_done(f->b, w.release_id, 1);
+  BOOKS_OK(f->b);
+  for (int step = 0, steps = 1 + (int)(rnd(s) % 5); step < steps; step++)
+    one_increment(f, s, w.release_id, &had, &m, gone, exact);
+  CHECK_EQ(sl_books_resume_begin(f->b, f->owner, w.release_id, groups, &u, NULL), 0);
+  CHECK(map_resumed(&m, f, &u));
+  sl_books_resume_done(f->b, w.release_id, 1);
+  BOOKS_OK(f->b);
+  map_free(&m);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+}
+
+static void test_increments_against_the_reference(void) {
+  uint64_t s = 0xA0761D6478BD642Full;
+
+  for (int round = 0; round < 400; round++) {
+    struct fixture f;
+    fixture_new(&f, 1 + rnd(&s) % 40);
+    for (int cycle = 0; cycle < 3; cycle++)
+      need_sequence(&f, &s, 0, 1);
+    sl_books_free(f.b);
+  }
+}
+
+static void test_increments_with_groups(void) {
+  uint64_t s = 0xE7037ED1A0B428DBull;
+
+  for (int round = 0; round < 150; round++) {
+    struct fixture f;
+    fixture_new(&f, 16 + rnd(&s) % 48);
+    for (int cycle = 0; cycle < 4; cycle++)
+      need_sequence(&f, &s, 1, 0);
+    sl_books_free(f.b);
+  }
+}
+
+/* The figures of a refused increment; a release not by need, or resuming, is refused too;
+ * a failed increment's work leaves the release as it was. */
+static void test_increment_refusals(void) {
+  struct fixture f;
+  struct sl_release_need need = {.need_bytes = 2 * PS, .free_bytes = 0};
+  struct sl_release_work w = {0}, more = {0};
+  struct sl_err err = {0};
+
+  fixture_new(&f, 8);
+  f.keep[0] = (struct sublet_range){0, 8 * PS};
+  f.nkeep = 1;
+  CHECK_EQ(release_need(&f, &need, UINT64_MAX, &w, NULL), 0);
+  CHECK_EQ(sl_books_release_more(f.b, f.owner, w.release_id, &need, &more, &err), SUBLET_EBUSY);
+  sl_books_release_done(f.b, w.release_id, 1);
+  need = (struct sl_release_need){.need_bytes = 2 * PS + 7 * PS + 1, .free_bytes = PS};
+  CHECK_EQ(sl_books_release_more(f.b, f.owner, w.release_id, &need, &more, &err), SUBLET_ENEED);
+  CHECK(strstr(err.msg, "36865 bytes in all (28673 more than its 8192)") != NULL);
+  CHECK(strstr(err.msg, "4096 bytes free") != NULL);
+  CHECK(strstr(err.msg, "at most 24576 bytes (6 pages)") != NULL);
+  CHECK(strstr(err.msg, " 1 short") != NULL);
+  CHECK(strstr(err.msg, "at most 36864 bytes in all") != NULL);
+  need.need_bytes = 2 * PS + 3 * PS; /* 2 more pages: planned, then the work fails */
+  CHECK_EQ(sl_books_release_more(f.b, f.owner, w.release_id, &need, &more, &err), 0);
+  CHECK_EQ(more.nreleased, 2);
+  BOOKS_OK(f.b);
+  sl_books_release_done(f.b, w.release_id, 0);
+  BOOKS_OK(f.b);
+  CHECK_EQ(sl_books_region_released(f.b, f.region), 2);
+  sl_release_work_clear(&more);
+  CHECK_EQ(sl_books_resume_begin(f.b, f.owner, w.release_id, 0, &more, NULL), 0);
+  sl_books_resume_done(f.b, w.release_id, 1);
+  sl_release_work_clear(&more);
+  sl_release_work_clear(&w);
+  CHECK_EQ(release_need(&f, NULL, UINT64_MAX, &w, NULL), 0); /* not by need */
+  sl_books_release_done(f.b, w.release_id, 1);
+  CHECK_EQ(sl_books_release_more(f.b, f.owner, w.release_id, &need, &more, &err), SUBLET_EINVAL);
+  BOOKS_OK(f.b);
+  sl_release_work_clear(&w);
+  sl_books_free(f.b);
+}
+
 int main(void) {
   test_choice_against_the_reference();
   test_groups();
   test_refusal_and_free_enough();
+  test_increments_against_the_reference();
+  test_increments_with_groups();
+  test_increment_refusals();
   return check_report("books_need");
 }
