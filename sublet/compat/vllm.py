@@ -11,7 +11,9 @@ releases. docs/compat-vllm.md says it for users.
   sleep frees the GPU memory), the others keep nothing; wake_up(tags) resumes them, and the
   tags vLLM does not let a wake defer on every wake. The extension: keep={"kv_cache":
   sublet.blocks(...)} (or keep_on_next_sleep) keeps those bytes of a tag on the GPU where they
-  fit (stay=None: compacted into as few of the tag's pages as hold them).
+  fit (stay=None: compacted into as few of the tag's pages as hold them). And need= (or
+  need_on_next_sleep, or $SUBLET_RELEASE_NEED: compat/_need.py): only what a taker needs
+  beyond the free memory is released, the kept and offloaded bytes staying where they fit.
 - The switch (vllm_switch.py) points vLLM's allocator lookup at it, so that vLLM's own Worker
   and "cumem" backend drive it, whatever their version's interface; vllm_versions.py refuses
   the vLLMs it was not tested with.
@@ -38,6 +40,8 @@ import torch
 import sublet
 from sublet._keep import Spans
 
+from . import _need
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "sublet"
@@ -58,11 +62,13 @@ class SleepStats:
     moved_bytes: int      # kept bytes compacted on the device (and moved back at the wake)
     copied_bytes: int     # kept bytes saved to the host
     copied_in_bytes: int = 0   # restored from the host at the wake
+    need_bytes: int | None = None   # the need the tag was released by (None: all of it)
 
     @classmethod
     def of(cls, release: Any) -> SleepStats:
         return cls(release.released_bytes, release.stayed_bytes, release.stats.kept_bytes,
-                   release.moved_bytes, release.copied_bytes)
+                   release.moved_bytes, release.copied_bytes,
+                   need_bytes=release.need_bytes)
 
 
 @dataclass
@@ -91,6 +97,7 @@ class SubletAllocator:
         self.current_tag: str = DEFAULT_TAG
         self.stats: dict[str, SleepStats] = {}      # tag -> its last sleep
         self._next_keep: dict[str, Any] = {}
+        self._next_need: int | None = None
         # The tags a selective wake_up may leave asleep; None: every tag (vLLM before
         # DEFERRABLE_TAGS, which wakes only the tags named). Set for the installed vLLM by
         # vllm_switch.route_allocator().
@@ -213,36 +220,60 @@ class SubletAllocator:
         self._check_keep_tags(keep)
         self._next_keep = dict(keep)
 
+    def need_on_next_sleep(self, need: int | str | None) -> None:
+        """The need of the next sleep (as sleep(need=...) takes it; None: none): for a caller
+        whose sleep vLLM makes, which passes no need itself. Overrides $SUBLET_RELEASE_NEED
+        for that sleep."""
+        self._next_need = None if need is None else _need.check_need(need)
+
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None,
               discardable: Collection[int] = (),
-              keep: Mapping[str, Any] | None = None) -> None:
+              keep: Mapping[str, Any] | None = None,
+              need: int | str | None = None) -> None:
         """Releases every awake tag's memory to the driver (cumem.py): an offload tag's live
         bytes go to the host (stay=0), the others' are dropped. discardable (vLLM 0.34: the
         storage addresses of the parameters a level-2 sleep rewrites after waking): those
         tensors' bytes are neither saved nor restored. A tag in `keep` (sublet's extension, or
         keep_on_next_sleep's) keeps keep[tag] (views, sublet.blocks(...)) on the GPU where it
-        fits, the rest of it dropped. A tag asleep already keeps its policy."""
+        fits, the rest of it dropped. A tag asleep already keeps its policy.
+
+        need (sublet's extension; else need_on_next_sleep's, else $SUBLET_RELEASE_NEED's,
+        read now): the bytes of device memory a taker needs. Each tag is then released by
+        need, the dropped tags first, then the kept, then the offloaded: only the pages the
+        rest of the need takes beyond the free memory, those holding the fewest kept bytes,
+        whose kept bytes (an offload tag's live blocks too) stay on the device where the
+        pages that stay hold them, the rest to the host. A tag that cannot give that much is
+        released as without need, and the next goes on."""
         offload = _as_tags(offload_tags, (DEFAULT_TAG,))
         keep = {**self._next_keep, **(keep or {})}
         self._next_keep = {}
+        next_need, self._next_need = self._next_need, None
+        need = _need.need_for_call(need if need is not None else next_need)
         self._check_keep_tags(keep)
         drop = frozenset(int(a) for a in discardable)
         conflict, freed = False, 0
+        awake = []
         for tag in self._tags:
             if tag in self._asleep:
                 conflict |= (tag in offload) != self._asleep[tag].offloaded or tag in keep
                 continue
+            awake.append(tag)
+        if need is not None:   # the cheapest first: what keeps nothing, then keep=, then offload
+            awake.sort(key=lambda tag: 2 if tag in offload and tag not in keep else
+                       1 if tag in keep else 0)
+        for tag in awake:
             if tag in keep:
-                freed += self._release(tag, keep[tag], stay=None, offloaded=False)
+                freed += self._release(tag, keep[tag], stay=None, offloaded=False, need=need)
             elif tag in offload:
                 live = Spans(self.pool(tag).live_blocks(drop))
-                freed += self._release(tag, live, stay=0, offloaded=True)
+                freed += self._release(tag, live, stay=0, offloaded=True, need=need)
             else:
-                freed += self._release(tag, [], stay=0, offloaded=False)
+                freed += self._release(tag, [], stay=0, offloaded=False, need=need)
         if conflict:
             logger.warning("sublet: sleep cannot change the policy of tags already asleep; "
                            "theirs was kept (wake them first)")
-        logger.info("sublet: sleep released %.2f GiB", freed / 1024**3)
+        logger.info("sublet: sleep released %.2f GiB%s", freed / 1024**3,
+                    f" (need {need} bytes)" if need is not None else "")
         self._empty_torch_cache()
 
     def _check_keep_tags(self, keep: Mapping[str, Any]) -> None:
@@ -299,12 +330,23 @@ class SubletAllocator:
         of every pool, even while they sleep, gives it back, the releases with it."""
         return self.pool(tag).arena.client.pool_region() is not None
 
-    def _release(self, tag: str, keep: Any, stay: int | None, offloaded: bool) -> int:
-        """One sublet.release of the tag's pool; returns the bytes given to the driver."""
+    def _release(self, tag: str, keep: Any, stay: int | None, offloaded: bool,
+                 need: int | None = None) -> int:
+        """One sublet.release of the tag's pool; returns the bytes given to the driver. By
+        need: every kept byte may stay (stay=None), and a tag that cannot give the need's
+        rest (NeedTooLargeError, nothing moved) is released as without need."""
         pool = self.pool(tag)
         if pool.nbytes == 0:
             return 0   # nothing allocated (or all given back): nothing sleeps
-        release = sublet.release(pool, keep=keep, stay=stay)
+        release = None
+        if need is not None:
+            try:
+                release = sublet.release(pool, keep=keep, stay=None, need=need)
+            except sublet.NeedTooLargeError as exc:
+                logger.info("sublet: sleep of tag %r by need: %s; released as without need",
+                            tag, exc)
+        if release is None:
+            release = sublet.release(pool, keep=keep, stay=stay)
         self._asleep[tag] = _Asleep(release, offloaded)
         self.stats[tag] = SleepStats.of(release)
         return self.stats[tag].released_bytes
@@ -370,6 +412,15 @@ def keep_kv_blocks(worker: Any, block_ids: Any) -> None:
     caches = [t for t in runner.kv_caches if t is not None]
     keep = kv_blocks_keep(caches, block_ids, runner.kv_cache_config.num_blocks)
     SubletAllocator.get_instance().keep_on_next_sleep({"kv_cache": keep})
+
+
+def sleep_need(worker: Any, need: int | str | None) -> None:
+    """The need of a vLLM worker's next sleep (SubletAllocator.need_on_next_sleep), through
+    vLLM, on every worker, before the sleep: llm.collective_rpc(sublet.compat.vllm.sleep_need,
+    args=(24 << 30,)) (or the method name "sublet_sleep_need" with SubletWorker). For a
+    caller that cannot pass sleep(need=...); $SUBLET_RELEASE_NEED sets one for every sleep."""
+    del worker   # the allocator is the process's
+    SubletAllocator.get_instance().need_on_next_sleep(need)
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:

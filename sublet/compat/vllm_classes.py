@@ -13,7 +13,7 @@ from typing import Any
 from vllm.v1.worker.gpu_worker import Worker
 
 from . import vllm_switch, vllm_versions
-from .vllm import BACKEND_NAME, SubletAllocator, keep_kv_blocks
+from .vllm import BACKEND_NAME, SubletAllocator, keep_kv_blocks, sleep_need
 
 try:   # vLLM 0.25 on; before, the switch alone (no backends)
     from vllm.device_allocator.sleep_mode_backend import CuMemBackend
@@ -49,6 +49,11 @@ class SubletBackend(CuMemBackend or object):   # type: ignore[misc]
         """What the next suspend keeps of each tag named (tag -> keep, as sublet.release), on
         the GPU where it fits."""
         self.allocator.keep_on_next_sleep(keep)
+
+    def need_on_next_suspend(self, need: int | str | None) -> None:
+        """The need of the next suspend (bytes a taker needs: only those beyond the free
+        memory are released), as SubletAllocator.sleep(need=...) takes it."""
+        self.allocator.need_on_next_sleep(need)
 
     @classmethod
     def preserves_communicators(cls) -> bool:
@@ -95,6 +100,12 @@ class SubletWorker(Worker):
         """sublet.compat.vllm.keep_kv_blocks on this worker: call it on every worker before
         sleeping, with llm.collective_rpc("sublet_keep_kv_blocks", args=(ids,))."""
         keep_kv_blocks(self, block_ids)
+
+    def sublet_sleep_need(self, need: Any) -> None:
+        """sublet.compat.vllm.sleep_need on this worker: the next sleep releases only what a
+        taker needing `need` bytes lacks; llm.collective_rpc("sublet_sleep_need",
+        args=(need,)) on every worker before sleeping."""
+        sleep_need(self, need)
 
 
 def use_sublet_backend(model_config: Any) -> None:

@@ -384,3 +384,73 @@ def test_without_vllm_the_allocator_imports_and_the_classes_say_why():
     assert sv.SubletAllocator and sv.register
     with pytest.raises(ImportError, match="pip install vllm"):
         sv.SubletWorker
+
+
+# --------------------------------------------------------------------------- need= (issue 42)
+
+def released_pages(alloc: sv.SubletAllocator) -> dict[str, int]:
+    return {tag: s.released_bytes // PAGE for tag, s in alloc.stats.items()}
+
+
+def test_sleep_by_need_releases_the_dropped_tags_first_and_only_what_it_takes(alloc, engine):
+    """sleep(offload_tags, need=N) at level 1: the tags that keep nothing go first, each by
+    need (workspace, 4 pages, cannot give 10: released whole, as without need; the KV cache
+    then gives the other 6), and the offloaded tags, the need met, give nothing: no weight
+    byte crosses the host link. The same sleep without need releases every page."""
+    before = engine.snapshot()
+    gc.collect()
+    free0 = free_bytes()
+    alloc.sleep(offload_tags=LEVEL_OFFLOAD[1], need=free0 + 10 * PAGE)
+    got = released_pages(alloc)
+    assert (got["workspace"], got["kv_cache"]) == (4, 6)
+    assert got["weights"] == got["runtime"] == 0 and free_bytes() == free0 + 10 * PAGE
+    assert alloc.stats["workspace"].need_bytes is None
+    assert alloc.stats["kv_cache"].need_bytes == free0 + 10 * PAGE
+    assert sum(s.copied_bytes for s in alloc.stats.values()) == 0
+    assert all(alloc.is_asleep(t) for t in ("weights", "runtime", "kv_cache", "workspace"))
+    alloc.wake_up(["weights"])
+    alloc.wake_up(["kv_cache"])
+    assert engine.same_bits("weights", before) and engine.same_bits("runtime", before)
+    alloc.sleep(offload_tags=LEVEL_OFFLOAD[1])            # without need: everything
+    assert sum(released_pages(alloc).values()) > 80 and alloc.stats["kv_cache"].need_bytes is None
+    alloc.wake_up(None)
+    assert engine.same_bits("weights", before)
+
+
+def test_sleep_need_from_the_environment_reaches_the_offloaded_tags(alloc, engine, monkeypatch):
+    """$SUBLET_RELEASE_NEED, read at vLLM's own sleep call (no argument): the dropped tags go
+    whole, then 2 pages of the offloaded ones, their live bytes only those 2 pages' to the
+    host; every offloaded bit back at the wake."""
+    before = engine.snapshot()
+    gc.collect()
+    free0 = free_bytes()
+    dropped = sum(alloc.tag_usage(t) for t in ("workspace", "kv_cache")) // PAGE
+    need = free0 + (dropped + 2) * PAGE
+    monkeypatch.setenv("SUBLET_RELEASE_NEED", str(need))
+    alloc.sleep(offload_tags=LEVEL_OFFLOAD[1])
+    got = released_pages(alloc)
+    assert got["weights"] + got["runtime"] == 2 and sum(got.values()) == dropped + 2
+    assert sum(s.copied_bytes for s in alloc.stats.values()) == 2 * PAGE
+    alloc.wake_up(None)
+    assert engine.same_bits("weights", before) and engine.same_bits("runtime", before)
+
+
+def test_sleep_need_for_a_sleep_vllm_makes_and_a_malformed_value(alloc, engine, monkeypatch):
+    """sleep_need (llm.collective_rpc's route) sets the next sleep's need, over the
+    environment's; a malformed $SUBLET_RELEASE_NEED is refused naming the fix, nothing
+    asleep."""
+    monkeypatch.setenv("SUBLET_RELEASE_NEED", "lots")
+    with pytest.raises(ValueError, match=r"\$SUBLET_RELEASE_NEED='lots'.*24GiB.*unset it"):
+        alloc.sleep(offload_tags=LEVEL_OFFLOAD[1])
+    assert not any(alloc.is_asleep(t) for t in alloc.tags)
+    with pytest.raises(ValueError, match="need="):
+        sv.sleep_need(None, -1)
+    gc.collect()
+    sv.SubletAllocator.instance, saved = alloc, sv.SubletAllocator.instance
+    try:
+        sv.sleep_need(None, f"{(free_bytes() + 3 * PAGE) // 1024}KiB")
+    finally:
+        sv.SubletAllocator.instance = saved
+    alloc.sleep(offload_tags=LEVEL_OFFLOAD[1])            # the environment's is not read
+    assert sum(released_pages(alloc).values()) == 3
+    alloc.wake_up(None)
