@@ -471,6 +471,7 @@ static int hello(sublet_client *c) {
     c->early_resume_ok = rep->welcome->early_resume;
     c->pin_ahead_ok = rep->welcome->pin_ahead;
     c->release_need_ok = rep->welcome->release_need;
+    c->release_more_ok = rep->welcome->release_more;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

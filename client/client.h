@@ -55,6 +55,7 @@ struct sublet_client {
   int early_resume_ok;  /* Welcome.early_resume: Resume.early, ResumeEnd */
   int pin_ahead_ok;     /* Welcome.pin_ahead: PinAhead */
   int release_need_ok;  /* Welcome.release_need: Lend.need_bytes */
+  int release_more_ok;  /* Welcome.release_more: ReleaseMore */
   struct sl_keepwire_tx keep; /* Welcome.keep_ranges, .keep_fd and the keep memfd (keepwire.h) */
   struct sl_wire_rx rx;
   uint64_t next_id;

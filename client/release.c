@@ -18,6 +18,8 @@
 #include "clock.h"
 #include "msg.h"
 
+#define SL_SWAP_PTR(a, b) do { void *t_ = (a); (a) = (b); (b) = t_; } while (0)
+
 /* A live release, as its owner's library keeps it. */
 struct sl_release_rec {
   uint64_t id;
@@ -419,6 +421,106 @@ SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_rang
   free(pinned);
   if (!live)
     rec_free(rec);
+  return rc;
+}
+
+/* ---- more by need ------------------------------------------------------------------------ */
+
+/* An increment's Released into rec: the release's whole plan now (it replaces rec's), its
+ * new runs after rec's, its area's fd (the same area) in place of rec's. */
+static int rec_more(const struct sublet_region *r, const Sublet__ReleaseStats *m, int fd,
+                    struct sl_release_rec *rec) {
+  struct sl_release_rec got = {.area_fd = -1};
+  uint64_t *runs;
+  int rc = rec_fill(r, m, &got);
+
+  runs = rc == 0 ? realloc(rec->runs, (rec->nruns + got.nruns + 1) * sizeof(*runs)) : NULL;
+  if (rc == 0 && runs == NULL)
+    rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
+  if (rc == 0) {
+    if (got.nruns > 0)
+      memcpy(runs + rec->nruns, got.runs, got.nruns * sizeof(*runs));
+    rec->runs = runs;
+    rec->nruns += got.nruns;
+    SL_SWAP_PTR(rec->saves, got.saves);
+    SL_SWAP_PTR(rec->moves, got.moves);
+    rec->nsaves = got.nsaves;
+    rec->nmoves = got.nmoves;
+    close(rec->area_fd);
+    rec->area_fd = fd;
+    sl_release_stats_from(m, &rec->stats);
+  }
+  free(got.runs);
+  free(got.saves);
+  free(got.moves);
+  return rc;
+}
+
+/* The connection went before the increment's answer: nothing more was released here (this
+ * process unmapped nothing of it; subletd's work only copied), and the release resumes as
+ * any when subletd is gone. */
+static int died_before_more(const struct sublet_region *r, uint64_t id) {
+  return sl_client_fail(SUBLET_EDAEMONDIED, "subletd went before it answered more of release "
+                        "%llu of region %llu: nothing more was released; resume it (this "
+                        "library puts every kept byte back by itself)", (unsigned long long)id,
+                        (unsigned long long)r->id);
+}
+
+static int more_locked(struct sublet_region *r, struct sl_release_rec *rec, uint64_t need) {
+  sublet_client *c = r->client;
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__ReleaseMore m = SUBLET__RELEASE_MORE__INIT;
+  Sublet__Reply *rep = NULL;
+  size_t nfds = 1, before = rec->nruns;
+  int fd = -1, rc;
+
+  if (!c->release_more_ok)
+    return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot release more of a release by "
+                          "need (it is older than this library): update subletd");
+  m.release = rec->id;
+  m.need_bytes = need;
+  req.body_case = SUBLET__REQUEST__BODY_RELEASE_MORE;
+  req.release_more = &m;
+  sl_device_synchronize(c->dev, NULL); /* the owner's last writes, before subletd moves them */
+  rc = sl_client_call_fd_meanwhile(c, &req, -1, SUBLET__REPLY__BODY_RELEASED, &rep, &fd, &nfds,
+                                   work_ms(r), NULL);
+  if (rc == 0 && nfds != 1) {
+    sl_wire_close_fds(&fd, nfds);
+    rc = sl_client_fail(SUBLET_EPROTO, "subletd answered more of a release with %zu fds, not 1",
+                        nfds);
+  } else if (rc == 0 && (rc = rec_more(r, rep->released, fd, rec)) != 0) {
+    close(fd);
+  }
+  if (rc == 0)
+    unmap_runs(c, r, rec->runs + before, rec->nruns - before);
+  if (rc == SUBLET_EPIPE && sl_client_gone(c))
+    rc = died_before_more(r, rec->id);
+  if (rep != NULL)
+    sublet__reply__free_unpacked(rep, NULL);
+  return rc;
+}
+
+SUBLET_EXPORT int sublet_release_more(sublet_region *r, uint64_t release_id,
+                                      uint64_t need_bytes, struct sublet_release_stats *stats) {
+  sublet_client *c = r->client;
+  struct sl_release_rec *rec;
+  double t0 = sl_clock_now();
+  int rc;
+
+  pthread_mutex_lock(&c->lock);
+  rec = *rec_link(r, release_id);
+  if (rec == NULL)
+    rc = sl_client_fail(SUBLET_ENOENT, "region %llu has no live release %llu (resumed "
+                        "already?)", (unsigned long long)r->id, (unsigned long long)release_id);
+  else if (sl_client_gone(c))
+    rc = died_before_more(r, release_id);
+  else
+    rc = more_locked(r, rec, need_bytes);
+  if (rec != NULL && rc == 0)
+    rec->stats.seconds = sl_clock_now() - t0;
+  if (rec != NULL && stats != NULL)
+    *stats = rec->stats;
+  pthread_mutex_unlock(&c->lock);
   return rc;
 }
 

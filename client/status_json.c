@@ -99,11 +99,12 @@ static json_t *region_json(const void *item, uint64_t page_size) {
 }
 
 /* A live release: its pages given back to the driver until resumed (ReleaseStatus); a
- * release by need's need and the free bytes counted first (null for a release by tag). */
+ * release by need's need, the free bytes counted for it and the needs after the first that
+ * changed it (null for a release by tag; the need and the free bytes: the latest's). */
 static json_t *release_json(const void *item, uint64_t page_size) {
   const Sublet__ReleaseStatus *r = item;
 
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
                    "id", count_json(r->release),
                    "region", count_json(r->region), "state", text_json(r->state),
                    "released_bytes", count_json(r->released_pages * page_size),
@@ -112,7 +113,9 @@ static json_t *release_json(const void *item, uint64_t page_size) {
                    "copied_out_bytes", count_json(r->copied_out_bytes),
                    "moved_bytes", count_json(r->moved_bytes),
                    "need_bytes", r->has_need_bytes ? count_json(r->need_bytes) : json_null(),
-                   "free_bytes", r->has_free_bytes ? count_json(r->free_bytes) : json_null());
+                   "free_bytes", r->has_free_bytes ? count_json(r->free_bytes) : json_null(),
+                   "need_increments",
+                   r->has_need_increments ? count_json(r->need_increments) : json_null());
 }
 
 /* A release offer a scheduler may take, or took (ReleaseOfferStatus). */

@@ -354,6 +354,10 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err);
 int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
                            struct sl_err *err);
+/* ReleaseMore: more of a live release by need (issue 42), answered Released once its device
+ * work is done (at once when there is none). */
+int sl_releases_more(struct sl_conn *c, uint64_t id, const Sublet__ReleaseMore *m,
+                     struct sl_err *err);
 void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
 /* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,

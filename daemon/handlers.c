@@ -61,6 +61,7 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_early_resume = w.early_resume = 1;
   w.has_pin_ahead = w.pin_ahead = 1;
   w.has_release_need = w.release_need = 1;
+  w.has_release_more = w.release_more = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -246,6 +247,8 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
       return sl_releases_resume(x->c, x->id, r->resume, &x->err);
     case SUBLET__REQUEST__BODY_RESUME_END:
       return sl_releases_resume_end(x->c, x->id, r->resume_end, &x->err);
+    case SUBLET__REQUEST__BODY_RELEASE_MORE:
+      return sl_releases_more(x->c, x->id, r->release_more, &x->err);
     case SUBLET__REQUEST__BODY_RELEASE_OFFER:
       return sl_release_offers_offer(x, r->release_offer);
     case SUBLET__REQUEST__BODY_OFFER_STEP: return sl_release_offers_step(x, r->offer_step);

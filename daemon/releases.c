@@ -31,6 +31,7 @@ struct release_job;
 struct sl_live_release {
   uint64_t id;
   struct sl_pool_area *area;
+  int area_fd;                 /* the area's (not owned): an increment sends it again */
   struct release_job *resuming;
   struct sl_live_release *next;
 };
@@ -160,7 +161,18 @@ static uint64_t *triples(const void *v, size_t n) {
   return t;
 }
 
-static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int fd) {
+/* The plan a Released carries: the release's own moves and saves (a release's work; an
+ * increment's reply: the release's whole plan, books.h sl_books_release_plan). */
+struct reply_plan {
+  const struct sl_move *moves;
+  size_t nmoves;
+  const struct sl_copy *saves;
+  size_t nsaves;
+  uint64_t released_pages;     /* the release's in all (w->released: the increment's) */
+};
+
+static int reply_plan_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int fd,
+                            const struct reply_plan *plan) {
   const struct sl_release_work *w = &rj->work;
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__ReleaseStats m = SUBLET__RELEASE_STATS__INIT;
@@ -170,8 +182,8 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
 
   runs = page_runs(w->released, w->nreleased, &nruns);
   if (save) {
-    moves = triples(w->moves, w->nmoves);
-    saves = triples(w->copies, w->ncopies);
+    moves = triples(plan->moves, plan->nmoves);
+    saves = triples(plan->saves, plan->nsaves);
   }
   if (runs == NULL || (save && (moves == NULL || saves == NULL))) {
     free(runs);
@@ -184,7 +196,7 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
   m.released = runs;
   m.n_released = nruns;
   m.has_released_pages = m.has_stayed_pages = m.has_kept_bytes = m.has_moved_bytes = 1;
-  m.released_pages = w->nreleased;
+  m.released_pages = plan->released_pages;
   m.stayed_pages = w->stayed;
   m.has_held_pages = 1;
   m.held_pages = w->held;
@@ -197,9 +209,9 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
     m.has_copy_out_seconds = 1;
     m.copy_out_seconds = rj->job.seconds;
     m.moves = moves;
-    m.n_moves = 3 * w->nmoves;
+    m.n_moves = 3 * plan->nmoves;
     m.saves = saves;
-    m.n_saves = 3 * w->ncopies;
+    m.n_saves = 3 * plan->nsaves;
   } else {
     m.groups = w->groups;
     m.n_groups = 2 * w->ngroups;
@@ -222,6 +234,13 @@ static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int
   free(moves);
   free(saves);
   return 0;
+}
+
+static int reply_stats(struct release_job *rj, Sublet__Reply__BodyCase body, int fd) {
+  const struct sl_release_work *w = &rj->work;
+  struct reply_plan plan = {w->moves, w->nmoves, w->copies, w->ncopies, w->nreleased};
+
+  return reply_plan_stats(rj, body, fd, &plan);
 }
 
 /* ---- releasing ---------------------------------------------------------------------------- */
@@ -273,7 +292,8 @@ static void release_done(struct sl_job *j) {
   if (fd >= 0)
     close(fd);
   if (lr != NULL) {
-    *lr = (struct sl_live_release){.id = rj->work.release_id, .area = rj->area, .next = d->releases};
+    *lr = (struct sl_live_release){.id = rj->work.release_id, .area = rj->area,
+                                   .area_fd = rj->area_fd, .next = d->releases};
     d->releases = lr;
     rj->area = NULL;
   }
@@ -371,6 +391,107 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
     return err->code;
   }
   return 0;
+}
+
+/* ---- more by need ----------------------------------------------------------------------- */
+
+/* An increment is in the books (and, with device work, done): its owner hears Released, the
+ * pages this request released, the release's whole plan and figures, and the area again. */
+static int more_reply(struct release_job *rj, struct sl_live_release *lr) {
+  struct sl_daemon *d = rj->job.d;
+  struct reply_plan plan;
+  struct sl_release_info ri;
+  int fd, rc;
+
+  if (lr == NULL || sl_books_release_info(d->books, rj->work.release_id, &ri) != 0 ||
+      sl_books_release_plan(d->books, rj->work.release_id, &plan.moves, &plan.nmoves,
+                            &plan.saves, &plan.nsaves) != 0)
+    return SUBLET_ENOENT;
+  plan.released_pages = ri.released_pages;
+  if ((fd = sl_rescue_read_only_fd(lr->area_fd)) < 0)
+    return SUBLET_ENOHOSTMEM;
+  rc = reply_plan_stats(rj, SUBLET__REPLY__BODY_RELEASED, fd, &plan);
+  close(fd);
+  return rc;
+}
+
+/* The increment's device work is over: the books take it (or, failed, it is as it was). */
+static void more_done(struct sl_job *j) {
+  struct release_job *rj = (struct release_job *)j;
+  struct sl_daemon *d = j->d;
+
+  sl_pool_transfer_free(rj->transfer);
+  rj->transfer = NULL;
+  /* Its pages were let go of once the run succeeded, owner or not. */
+  sl_books_release_done(d->books, rj->work.release_id, j->rc == 0);
+  sl_check_books(d, rj->req_id);
+  if (j->rc != 0 || j->conn == NULL) {
+    if (j->rc != 0)
+      sl_error("more of release %llu failed: %s", (unsigned long long)rj->work.release_id,
+               j->err.msg);
+    sl_releases_prune(d);
+    job_fail(rj, &j->err);
+    return;
+  }
+  if (more_reply(rj, *live_link(d, rj->work.release_id)) != 0) {
+    sl_error("more of release %llu: no reply", (unsigned long long)rj->work.release_id);
+    sl_conn_close(j->conn); /* the pages are the driver's: the owner resumes all the same */
+  }
+  log_release(rj, "made larger");
+  sl_conn_resume(j->conn);
+  job_free(rj);
+}
+
+/* The increment's device work into the release's own area, as a release's. */
+static int more_job(struct sl_conn *c, struct release_job *rj, struct sl_err *err) {
+  struct sl_daemon *d = c->d;
+  struct sl_live_release *lr = *live_link(d, rj->work.release_id);
+  const struct sl_release_work *w = &rj->work;
+  int rc;
+
+  if (lr == NULL)
+    rc = sl_err_set(err, SUBLET_ENOENT, "internal error: release %llu has no save area",
+                    (unsigned long long)w->release_id);
+  else
+    rc = sl_pool_transfer_new_in(d->pool, lr->area, SL_COPY_TO_HOST, w->region_id, w->copies,
+                                 w->ncopies, w->moves, w->nmoves, &rj->transfer, err);
+  if (rc != 0) {
+    sl_books_release_done(d->books, w->release_id, 0);
+    return rc;
+  }
+  rj->job.run = release_run;
+  rj->job.done = more_done;
+  rj->job.conn = c;
+  sl_job_submit(d, &rj->job);
+  return 0;
+}
+
+int sl_releases_more(struct sl_conn *c, uint64_t id, const Sublet__ReleaseMore *m,
+                     struct sl_err *err) {
+  struct sl_daemon *d = c->d;
+  struct sl_release_need need = {.need_bytes = m->need_bytes};
+  struct release_job *rj = calloc(1, sizeof(*rj));
+  int rc = rj == NULL ? sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory")
+                      : release_free_bytes(d, &need.free_bytes, err);
+
+  if (rc == 0) {
+    rj->lists.keep_fd = -1;
+    rj->req_id = id;
+    rj->t0 = sl_clock_now();
+    rc = sl_books_release_more(d->books, c->client_id, m->release, &need, &rj->work, err);
+    sl_check_books(d, id);
+  }
+  if (rc == 0 && !rj->work.done)
+    return more_job(c, rj, err) == 0 ? 0 : (job_free(rj), err->code);
+  if (rc == 0) { /* nothing for the device: answered now */
+    rj->job.conn = c;
+    rj->job.d = d;
+    if (more_reply(rj, *live_link(d, rj->work.release_id)) != 0)
+      rc = sl_err_set(err, SUBLET_ENOHOSTMEM, "out of host memory for the reply");
+  }
+  if (rj != NULL)
+    job_free(rj);
+  return rc;
 }
 
 /* ---- resuming ----------------------------------------------------------------------------- */

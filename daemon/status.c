@@ -77,6 +77,8 @@ static int status_releases(struct sl_conn *c, Sublet__Status *st, Sublet__Releas
     r->has_need_bytes = r->has_free_bytes = ri.by_need;
     r->need_bytes = ri.need_bytes;
     r->free_bytes = ri.free_bytes;
+    r->has_need_increments = ri.by_need;
+    r->need_increments = ri.increments;
     st->releases[n++] = r;
   }
   st->n_releases = n;

@@ -370,6 +370,20 @@ SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_rang
                                       size_t nkeep, int keep_all, uint64_t stay_pages,
                                       uint64_t need_bytes, uint64_t *release_id,
                                       struct sublet_release_stats *stats);
+/* More of a live release made by need (issue 42; PROTOCOL.md, "Releases by need"): the
+ * taker now needs need_bytes in all (not in addition). A need not above the release's is
+ * nothing to do (0, stats as they were). Else subletd counts the device's free bytes again
+ * and releases only the pages the increase takes beyond them, of the pages that stayed, those
+ * holding the fewest bytes (their kept bytes and those moved into them); their bytes move into
+ * holes of the pages that still stay, only the rest goes to the host; nothing released before
+ * is resumed. stats: the release's in all (released_pages, stayed_pages, moved_bytes: every
+ * step's moves, copied_out_bytes). SUBLET_ENEED, nothing moved and the release as it was, when
+ * the pages that stay cannot give it (the message gives the figures); SUBLET_EINVAL for a
+ * release not made by need; SUBLET_ENOTSUP from a subletd that cannot (nothing sent);
+ * SUBLET_EDAEMONDIED when subletd went before it answered (nothing more released: the resume
+ * puts every kept byte back by itself). sublet_resume() then ends all of it at once. */
+SUBLET_EXPORT int sublet_release_more(sublet_region *r, uint64_t release_id,
+                                      uint64_t need_bytes, struct sublet_release_stats *stats);
 /* Makes the released pages again at their addresses and puts the kept bytes back. All or
  * none: SUBLET_ENOMEM while the device lacks the memory (whoever took it must free it; the
  * release goes on: call again). If subletd has died, this library does it itself (the save

@@ -154,6 +154,7 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_release_need": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                     c_uint64, c_uint64, POINTER(c_uint64),
                                     POINTER(CReleaseStats)]),
+    "sublet_release_more": (c_int, [c_void_p, c_uint64, c_uint64, POINTER(CReleaseStats)]),
     "sublet_resume": (c_int, [c_void_p, c_uint64, c_int, POINTER(CReleaseStats)]),
     "sublet_offer_release": (c_int, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t, c_int,
                                      c_uint64, c_char_p, POINTER(c_void_p)]),
@@ -533,6 +534,14 @@ class Client:
                                         ranges.ctypes.data if n else None, n, int(keep_all),
                                         stay_pages, NEED_ALL if need is None else need, None,
                                         ctypes.byref(stats)))
+        return ReleaseStats.from_c(stats)
+
+    @staticmethod
+    def release_more(region: RegionHandle, release_id: int, need: int) -> ReleaseStats:
+        """More of a live release made by need: the taker now needs `need` bytes in all
+        (sublet_release_more); returns the release's stats in all."""
+        stats = CReleaseStats()
+        check(lib().sublet_release_more(region.handle, release_id, need, ctypes.byref(stats)))
         return ReleaseStats.from_c(stats)
 
     @staticmethod

@@ -144,6 +144,34 @@ class Release:
         """Kept bytes moved on the GPU into the pages that stay (and back at the resume)."""
         return self._released.moved_bytes
 
+    def need(self, nbytes: int) -> ReleaseStats:
+        """More of a release made by need (sublet.release(..., need=N)): the taker now needs
+        `nbytes` of device memory in all, not in addition. Not more than the release's need
+        (need_bytes): nothing happens. Else subletd counts the device's free bytes again and
+        releases only the pages the increase takes beyond them, of those that stayed, the ones
+        holding the fewest bytes (their kept bytes and those moved into them); their bytes move
+        into holes of the pages that still stay, only the rest goes to the host. Nothing
+        released before comes back: resume() brings everything back at once. Returns the
+        release's stats in all (released_bytes and the others say the same).
+        NeedTooLargeError, the release as it was, when the pages that stay cannot give it;
+        DaemonDiedError when subletd went first (nothing more released: resume() puts every
+        kept byte back by itself)."""
+        _check_need(nbytes)
+        if not self._active:
+            raise BusyError(f"the release of {self.what} was resumed already")
+        if self.need_bytes is None:
+            raise ValueError(f"the release of {self.what} was not made by need: it gave back "
+                             f"every page it could already")
+        if nbytes <= self.need_bytes:
+            return self._stats
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        self._stats = self._region.client.release_more(self._handle, self._released.release_id,
+                                                       nbytes)
+        self._released = self._stats
+        self.need_bytes = nbytes
+        return self._stats
+
     def resume(self, groups: bool = True) -> ReleaseStats:
         """Makes the released memory again at the same addresses and puts the kept bytes back.
         SubletOutOfMemoryError while the device lacks the memory (whoever took it must free
@@ -217,7 +245,8 @@ def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = No
     into the unkept bytes of the pages that stay, and only what those cannot hold goes to the
     host. A need beyond the free bytes and every page of `what` raises NeedTooLargeError
     (a SubletOutOfMemoryError) with the figures, before anything moves. Release.need_bytes
-    says what was asked; stats.released_pages what went.
+    says what was asked; stats.released_pages what went. Release.need(N) asks for more later
+    (N the taker's need in all), without resuming anything.
     """
     return Release(what, keep, stay, need)
 

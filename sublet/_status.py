@@ -142,8 +142,10 @@ def text_status(s: dict[str, Any]) -> str:
                      f"pid {h['holder_pid']} (uid {h['holder_uid']}), which kept its window")
     lines += text_loan(s["loan"]) if s["loan"] else ["  loan     none"]
     for r in s.get("releases", []):
-        need = (f" by need of {human(r['need_bytes'])} ({human(r['free_bytes'])} free before)"
-                if r.get("need_bytes") is not None else "")
+        more = r.get("need_increments") or 0  # needs after the first (Release.need)
+        after = f", {more} more need{'s' if more > 1 else ''} since" if more else ""
+        need = (f" by need of {human(r['need_bytes'])} ({human(r['free_bytes'])} free before"
+                f"{after})" if r.get("need_bytes") is not None else "")
         lines.append(f"  release  {r['id']} of region {r['region']}{need}: {shown(r['state'])}, "
                      f"{human(r['released_bytes'])} given back to the driver, "
                      f"{human(r['stayed_bytes'])} stayed holding {human(r['kept_bytes'])} kept "
