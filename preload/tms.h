@@ -41,7 +41,7 @@ struct tms_alloc_config {
 };
 
 /* tms_hooks.c: what the library exports, torch_memory_saver's symbols (csrc/entrypoint.cpp of
- * 0.0.10, same signatures) and sublet's two. */
+ * 0.0.10, same signatures) and sublet's three. */
 TMS_EXPORT int cudaMalloc(void **ptr, size_t size);
 TMS_EXPORT int cudaFree(void *ptr);
 TMS_EXPORT void tms_set_interesting_region(bool value);
@@ -63,12 +63,16 @@ TMS_EXPORT int tms_resume(const char *tag);
 TMS_EXPORT uint8_t *tms_get_cpu_backup_pointer(const uint8_t *gpu_ptr, uint64_t size);
 TMS_EXPORT const char *tms_sublet_last_error(void);
 TMS_EXPORT const char *tms_sublet_version(void);
+/* sublet's tms_pause by need (issue 42): each tag releases only the pages the need takes beyond
+ * the device's free memory, or all of it when it cannot give that much. */
+TMS_EXPORT int tms_sublet_pause_need(const char *tag, uint64_t need);
 
 /* tms_saver.c */
 int tms_saver_malloc(void **ptr, int device, size_t size, const struct tms_alloc_config *cfg);
 /* 1: ptr was one of ours and is freed (*rc its cudaError_t); 0: not ours. */
 int tms_saver_free(void *ptr, int *rc);
 int tms_saver_pause(const char *tag);
+int tms_saver_pause_need(const char *tag, uint64_t need);
 int tms_saver_resume(const char *tag);
 uint8_t *tms_saver_backup_pointer(const uint8_t *ptr, uint64_t size);
 void tms_saver_set_margin(uint64_t bytes);

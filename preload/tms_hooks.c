@@ -151,6 +151,14 @@ TMS_EXPORT int tms_pause(const char *tag) {
   return rc;
 }
 
+TMS_EXPORT int tms_sublet_pause_need(const char *tag, uint64_t need) {
+  int rc = tms_saver_pause_need(tag, need);
+
+  if (rc != 0)
+    report("pause");
+  return rc;
+}
+
 TMS_EXPORT int tms_resume(const char *tag) {
   int rc = tms_saver_resume(tag);
 

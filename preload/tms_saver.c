@@ -225,7 +225,23 @@ failed:
 }
 
 
-static int release_tag(uint32_t tag, int device) {
+/* By need (issue 42): subletd releases only the pages the need takes beyond the free memory;
+ * a tag that cannot give that much alone (SUBLET_ENEED, nothing moved) is released whole, and
+ * the next tag goes on by the same need. The backups were copied to the host above, so the
+ * release keeps nothing either way. */
+static int release_pages(sublet_client *c, const struct sublet_range *pages, size_t n,
+                         uint64_t need, uint64_t *release_id) {
+  int rc = SUBLET_ENEED;
+
+  if (need != SUBLET_NEED_ALL)
+    rc = sublet_release_need(sublet_pool_region(c), pages, n, NULL, 0, 0, SUBLET_STAY_ANY, need,
+                             release_id, NULL);
+  if (rc == SUBLET_ENEED)
+    rc = sublet_release(sublet_pool_region(c), pages, n, NULL, 0, 0, 0, release_id, NULL);
+  return rc;
+}
+
+static int release_tag(uint32_t tag, int device, uint64_t need) {
   sublet_client *c = tms_daemon_connected(device);
   struct sublet_range *pages = NULL;
   size_t n = 0, m = 0;
@@ -249,8 +265,7 @@ static int release_tag(uint32_t tag, int device) {
   }
   if (n > 0) {
     sublet_pool_segments(c, tag, pages, n, &m);
-    rc = sublet_release(sublet_pool_region(c), pages, m < n ? m : n, NULL, 0, 0, 0,
-                        &tags[tag - 1].release[device], NULL);
+    rc = release_pages(c, pages, m < n ? m : n, need, &tags[tag - 1].release[device]);
   }
   sublet_pool_unhold(c);
   free(pages);
@@ -302,21 +317,22 @@ static int select_tags(const char *tag, int pausing, uint32_t *out, size_t *n) {
   return 0;
 }
 
-static int each_device(uint32_t tag, int pausing) {
+static int each_device(uint32_t tag, int pausing, uint64_t need) {
   for (int d = 0; d < TMS_MAX_DEVICES; d++) {
     int rc;
     if (tms_daemon_connected(d) == NULL || tags[tag - 1].paused[d] != !pausing)
       continue;
     if (pausing && !holds(tag, d))
       continue;
-    if ((rc = pausing ? release_tag(tag, d) : resume_tag(tag, d)) != 0)
+    if ((rc = pausing ? release_tag(tag, d, need) : resume_tag(tag, d)) != 0)
       return rc;
   }
   return 0;
 }
 
-/* All or nothing: a pause that fails resumes what it paused. */
-static int pause_or_resume(const char *tag, int pausing) {
+/* All or nothing: a pause that fails resumes what it paused. need: a pause's (SUBLET_NEED_ALL:
+ * none), the same for each tag: subletd counts the free memory at each. */
+static int pause_or_resume(const char *tag, int pausing, uint64_t need) {
   uint32_t *chosen;
   size_t n, done;
   int rc;
@@ -325,21 +341,25 @@ static int pause_or_resume(const char *tag, int pausing) {
   chosen = calloc(ntags + 1, sizeof *chosen);
   rc = chosen == NULL ? TMS_CUDA_OUT_OF_MEMORY : select_tags(tag, pausing, chosen, &n);
   for (done = 0; rc == 0 && done < n; done++)
-    rc = each_device(chosen[done], pausing);
+    rc = each_device(chosen[done], pausing, need);
   if (rc != 0 && pausing)
     for (size_t i = 0; i < done; i++)
-      each_device(chosen[i], 0);
+      each_device(chosen[i], 0, SUBLET_NEED_ALL);
   free(chosen);
   pthread_mutex_unlock(&saver_lock);
   return rc;
 }
 
 int tms_saver_pause(const char *tag) {
-  return pause_or_resume(tag, 1);
+  return tms_saver_pause_need(tag, SUBLET_NEED_ALL);
+}
+
+int tms_saver_pause_need(const char *tag, uint64_t need) {
+  return pause_or_resume(tag, 1, need);
 }
 
 int tms_saver_resume(const char *tag) {
-  return pause_or_resume(tag, 0);
+  return pause_or_resume(tag, 0, SUBLET_NEED_ALL);
 }
 
 /* ------------------------------------------------------------------ settings, backups */

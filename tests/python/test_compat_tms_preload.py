@@ -63,10 +63,14 @@ def pages(n: int) -> int:
 
 
 def test_memory_made_before_any_call_is_paused_and_comes_back(child_env):
+    """And by need (issue 42): $SUBLET_RELEASE_NEED reaches the library's pause
+    (tms_sublet_pause_need): one page, not the tag's 4; a need beyond everything releases it
+    all, as without need."""
     found = run_child(child_env, "before_any_call", TMS_INIT_ENABLE="1",
                       TMS_INIT_ENABLE_CPU_BACKUP="1")
     assert found == {"freed": pages(SIZE), "backup_while_paused": True, "same": True,
-                     "impl": "PreloadImpl", "deep_ep_get": True}
+                     "impl": "PreloadImpl", "deep_ep_get": True,
+                     "freed_by_need": [PAGE, pages(SIZE)], "same_by_need": [True, True]}
 
 
 def test_without_backup_the_memory_is_freed_all_the_same(child_env):

@@ -50,20 +50,39 @@ def free_bytes() -> int:
 
 def before_any_call(size: int) -> dict:
     """TMS_INIT_ENABLE=1 (+ CPU_BACKUP): memory made before torch_memory_saver is imported is
-    paused by its first call, pause(), and comes back bit for bit."""
+    paused by its first call, pause(), and comes back bit for bit. That first pause is by need
+    (issue 42: slime's pause() under $SUBLET_RELEASE_NEED, read at the call): a need of one
+    page beyond the free memory releases one page of the tag; a plain pause then all of it,
+    and a need beyond all of it all of it too, as without need."""
+    import os
     ptr = alloc(size)
     data = fill(ptr, size, 3)
     import torch_memory_saver
     saver = torch_memory_saver.torch_memory_saver
+    freed_by_need, same_by_need = [], []
+
+    def pause_by_need(extra: int) -> None:
+        free_before = free_bytes()
+        os.environ["SUBLET_RELEASE_NEED"] = str(free_before + extra)
+        saver.pause()
+        del os.environ["SUBLET_RELEASE_NEED"]
+        freed_by_need.append(free_bytes() - free_before)
+        saver.resume()
+        same_by_need.append(read(ptr, size) == data)
+
+    pause_by_need(64 * 1024)              # the memfd daemon's page
     free_before = free_bytes()
     saver.pause()
     freed = free_bytes() - free_before
     backup = PROCESS.tms_get_cpu_backup_pointer(ptr, size)
     backed = read(backup, size) == data if backup else None
     saver.resume()
-    return {"freed": freed, "backup_while_paused": backed, "same": read(ptr, size) == data,
+    same = read(ptr, size) == data
+    pause_by_need(1 << 40)                # more than there is
+    return {"freed": freed, "backup_while_paused": backed, "same": same,
             "impl": type(saver._impl).__name__,
-            "deep_ep_get": saver._impl._binary_wrapper.cdll.tms_get_interesting_region()}
+            "deep_ep_get": saver._impl._binary_wrapper.cdll.tms_get_interesting_region(),
+            "freed_by_need": freed_by_need, "same_by_need": same_by_need}
 
 
 def tags_and_threads(size: int) -> dict:

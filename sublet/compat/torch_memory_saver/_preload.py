@@ -50,6 +50,7 @@ _PROTOTYPES: dict[str, tuple[Any, list[Any]]] = {
                                    [ctypes.POINTER(ctypes.c_uint8), ctypes.c_uint64]),
     "tms_sublet_last_error": (ctypes.c_char_p, []),
     "tms_sublet_version": (ctypes.c_char_p, []),
+    "tms_sublet_pause_need": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_uint64]),
 }
 
 
@@ -187,13 +188,20 @@ class PreloadImpl:
             self._binary_wrapper.set_config(**saved)
 
     # ------------------------------------------------------------ pause, resume
-    def pause(self, tag: Optional[str], keep=None, stay: Optional[int] = None) -> None:
+    def pause(self, tag: Optional[str], keep=None, stay: Optional[int] = None,
+              need: Optional[int] = None) -> None:
+        """need: each tag released by need (the library's tms_sublet_pause_need): only the
+        pages the need takes beyond the free memory, or all of a tag that cannot give that
+        much; the backups are this library's host copies, as without need."""
         if keep is not None or stay is not None:
             raise NotImplementedError(
                 "pause(keep=..., stay=...) takes sublet pools: with sublet's preload library "
                 "regions are the original's; set torch_memory_saver.hook_mode = 'torch' "
                 "before the first region to pause with keep=")
-        self._check("pause", tag, self._cdll.tms_pause(_text(tag)))
+        if need is None:
+            self._check("pause", tag, self._cdll.tms_pause(_text(tag)))
+        else:
+            self._check("pause", tag, self._cdll.tms_sublet_pause_need(_text(tag), need))
 
     def resume(self, tag: Optional[str]) -> None:
         self._check("resume", tag, self._cdll.tms_resume(_text(tag)))
