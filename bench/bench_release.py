@@ -48,11 +48,36 @@ Targets (PASS/MISS): at 30% kept, sublet (stay=None) 5 x faster than tms backing
 everything (later cycles); at 100% kept, sublet (stay=0, which frees everything as tms does)
 never slower than tms, first and later cycles; nothing over the host link with stay=None.
 
+By need (--need, issue 42): the taker needs N = 10, 25, 50 and 100 % of S (--need PCTS), with
+the device's free memory F as the run finds it. Three contenders, each a process of its own
+per keep (100 % all; 30 % as blocks and as rows), running every need in turn:
+
+  tms all      torch_memory_saver pausing everything (as above)
+  sublet all   sublet.release("kv", keep=..., stay=0): every page released, every kept byte to
+               the host and back
+  sublet need  sublet.release("kv", keep=..., need=N + 256 MiB): subletd counts F and
+               releases only the pages the rest of the need takes, those with the fewest kept
+               bytes; their kept bytes move on the device into holes of the pages that stay,
+               only what those cannot hold crosses the link
+
+A cycle: pause, the taker allocates N (torch.empty, written, given back), resume; timed:
+release + allocation + resume. Beside each figure the physical limit of that need:
+bytes over the link each way = max(0, N + slack - F - (S - K)) (what the released pages
+cannot give without their kept bytes K), the least bytes moved on the GPU (the kept bytes of
+the pages with the fewest, less those), and seconds = link bytes / the link bandwidth each way
++ the moves there and back / the device-to-device bandwidth, measured in the same run. Pages
+made again by a resume come back as page groups (release.md), which a later release by need
+gives back whole: up to a group (256 MiB) more than the limit's pages. Targets (issue 42):
+link bytes equal the limit's; later cycles within 1.25 x the limit; at 100 % kept and a 25 %
+need, sublet need 3 x faster than tms all.
+
     python3 bench/bench_release.py                 # S = 64 GiB, kept 30% and 100%
     python3 bench/bench_release.py --quick         # S = 4 GiB, 2 cycles: a smoke run
     python3 bench/bench_release.py --size max --kept 0.3 --json out.json
     python3 bench/bench_release.py --contenders sublet --kept 1.0
     python3 bench/bench_release.py --contenders sublet --kept 1.0 --pin-ahead  # pinned first
+    python3 bench/bench_release.py --need          # by need: 10,25,50,100 % of S = 64 GiB
+    python3 bench/bench_release.py --need 25 --size 16GiB --kept 1.0 --cycles 1
 
 The parent process never creates a CUDA context: every GPU measurement runs in a child.
 """
@@ -87,7 +112,11 @@ HOST_SHARE = 0.9               # host copies of S may take 90% of MemAvailable
 TAKE_MARGIN = GiB              # the plain allocation between pause and resume leaves this
 MARK = "BENCH-RELEASE "
 TARGET_SPEEDUP = 5.0           # at 30% kept, x faster than tms backing up everything
-CONTENDERS = ("tms-all", "tms-best", "sublet")
+CONTENDERS = ("tms-all", "tms-best", "sublet", "sublet-need")
+NEEDS = "10,25,50,100"         # --need's default: percent of S
+NEED_SLACK = 256 * MiB         # a release by need asks N + this: PyTorch's and the driver's own
+NEED_TARGET_LIMIT = 1.25       # later cycles within this x the limit (issue 42)
+NEED_TARGET_SPEEDUP = 3.0      # at 100% kept and a 25% need, x faster than tms all
 CHILD_TIMEOUT_S = 1800
 DIGEST_CHUNK = 256 * MiB
 
@@ -118,11 +147,21 @@ def parse_kept(text: str) -> list[float]:
     return out
 
 
+def size_bytes(size: str) -> int:
+    """--size: GiB as a number ('64'), or with its unit ('64GiB', '16 GiB', '1TiB')."""
+    import re
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*(gib|g|tib|t)?\s*", size, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"--size {size!r}: GiB (64, 64GiB) or 'max'")
+    unit = 1024 * GiB if (m.group(2) or "g").lower().startswith("t") else GiB
+    return int(float(m.group(1)) * unit)
+
+
 def plan_size(size: str, free_bytes: int) -> int:
-    """The cache's bytes: --size GiB, or 'max' (all free memory but HEADROOM), rounded down
-    to LAYERS whole rows; SystemExit when it does not fit."""
+    """The cache's bytes: --size GiB (64, 64GiB), or 'max' (all free memory but HEADROOM),
+    rounded down to LAYERS whole rows; SystemExit when it does not fit."""
     unit = LAYERS * ROW
-    want = free_bytes - HEADROOM if size == "max" else int(float(size) * GiB)
+    want = free_bytes - HEADROOM if size == "max" else size_bytes(size)
     want = want // unit * unit
     if want <= 0:
         raise SystemExit(f"--size {size}: nothing fits ({gib(free_bytes)} free)")
@@ -216,6 +255,82 @@ def plan_cases(fractions: list[float], contenders: list[str], size: int, host_by
         if any(f >= 1 for f in fractions):
             notes.append("sublet all 100% stay=None: not run (every page holds kept bytes and "
                          "stays: nothing is released)")
+    return cases, notes
+
+
+
+def parse_need(text: str) -> list[float]:
+    """--need '10,25,50,100' (percent of S, '%' allowed) -> [0.1, 0.25, 0.5, 1.0]."""
+    out = []
+    for part in text.split(","):
+        try:
+            pct = float(part.strip().removesuffix("%"))
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 100:
+            raise argparse.ArgumentTypeError(f"--need {part}: a percent of the cache in (0, 100]")
+        out.append(pct / 100)
+    return out
+
+
+def page_kept(ids, per_layer: int, layers: int = LAYERS) -> list[list[int]]:
+    """[[kept bytes, pages], ...] of the cache's pages for a keep (ids None: all kept): what
+    benchmark.least_displaced takes. Each layer starts on a page."""
+    import numpy as np
+    per_page = PAGE // BLOCK
+    npages = -(-per_layer // per_page)
+    if ids is None:
+        return [[PAGE, npages * layers]]
+    kept = np.bincount(np.asarray(ids) // per_page, minlength=npages) * BLOCK
+    values, counts = np.unique(kept, return_counts=True)
+    return [[int(v), int(c) * layers] for v, c in zip(values, counts)]
+
+
+def need_limit(kept_pages: list[list[int]], need: int, free: int, bw: dict) -> dict:
+    """The physical limit of a release by need: the least bytes over the link each way,
+    max(0, need - free - what the released pages can give without their kept bytes), and the
+    least moved on the GPU (benchmark.least_displaced: the pages with the fewest kept bytes
+    go, their kept bytes into the holes of those that stay); seconds at the measured speeds."""
+    moved, host = bench_module().least_displaced(kept_pages, PAGE, need, free)
+    seconds = host / bw["d2h"] + host / bw["h2d"] + 2 * moved / bw["d2d"]
+    return {"host_bytes": host, "moved_bytes": moved, "seconds": seconds}
+
+
+def plan_need_cases(fractions: list[float], contenders: list[str], needs: list[float],
+                    size: int, host_bytes: int, tms_ok: bool, cycles: int, tms_cycles: int,
+                    taker: str = "same") -> tuple[list[dict], list[str]]:
+    """The children of a run by need: tms all once (its pause does not depend on the keep),
+    then per keep (100 %: all; less: blocks and rows) sublet all and sublet need, each
+    running every need; notes on what is skipped and why."""
+    host_cap = int(host_bytes * HOST_SHARE)
+    base = {"size": size, "per_layer": size // LAYERS // BLOCK, "taker": taker,
+            "needs": needs}
+    cases, notes = [], []
+    if "tms-best" in contenders:
+        notes.append("tms best: not run by need (tms all is torch_memory_saver's pause)")
+    if "tms-all" in contenders:
+        if not tms_ok:
+            notes.append("torch_memory_saver: skipped, not importable here (pip install "
+                         "torch_memory_saver==0.0.10)")
+        elif size > host_cap:
+            notes.append(f"tms all: skipped, its {gib(size)} of host copies do not fit in 90% "
+                         f"of MemAvailable ({gib(host_cap)})")
+        else:
+            cases.append({**base, "mode": "tms", "label": "tms all", "split": None,
+                          "cycles": tms_cycles, "fraction": 1.0, "pattern": "all"})
+    for f in fractions:
+        for pattern in (("all",) if f >= 1 else ("blocks", "rows")):
+            for contender, stay in (("sublet", 0), ("sublet-need", None)):
+                if contender not in contenders:
+                    continue
+                label = f"sublet {'need' if stay is None else 'all'} {pattern} {f:.0%}"
+                if stay == 0 and int(size * f) > host_cap:
+                    notes.append(f"{label}: skipped, its {gib(size * f)} of host copies do not "
+                                 f"fit in 90% of MemAvailable ({gib(host_cap)})")
+                    continue
+                cases.append({**base, "mode": "sublet", "label": label, "pattern": pattern,
+                              "fraction": f, "stay": stay, "by_need": stay is None,
+                              "cycles": cycles, "pin_ahead": False})
     return cases, notes
 
 
@@ -330,6 +445,118 @@ def report(doc: dict) -> int:
     return 1 if any(r.get("error") for r in results) else 0
 
 
+
+def median_of(cycles: list[dict], key: str) -> float:
+    return statistics.median(c[key] for c in cycles)
+
+
+def need_rows(doc: dict) -> list[dict]:
+    """One row per (keep, need, contender) of a run by need, with its limit: the keep's pages
+    (from the pattern, as the child made them), the need asked and the free memory the row's
+    last cycle found."""
+    bw, rows = doc["bandwidth"], []
+    results = [r for r in doc["results"] if not r.get("error")]
+    keeps = sorted({(r["fraction"], r["pattern"]) for r in results if r["mode"] == "sublet"},
+                   key=lambda k: (k[0], k[1]))
+    if not keeps and results:
+        keeps = [(1.0, "all")]
+    for fraction, pattern in keeps:
+        group = [r for r in results if r["mode"] == "tms" or
+                 (r["fraction"], r["pattern"]) == (fraction, pattern)]
+        per_layer = doc["size"] // LAYERS // BLOCK
+        kept_pages = page_kept(kept_ids(pattern, per_layer, fraction), per_layer)
+        for r in group:
+            for entry in r["needs"]:
+                last = entry["cycles"][-1]
+                rows.append({"fraction": fraction, "pattern": pattern, "label": r["label"],
+                             "need": entry["fraction"], "need_bytes": entry["need_bytes"],
+                             "take_bytes": entry["take_bytes"], "free_bytes": last["free_bytes"],
+                             "cycles": entry["cycles"], "first": r["first"],
+                             "limit": need_limit(kept_pages, entry["need_bytes"],
+                                                 last["free_bytes"], bw)})
+    return rows
+
+
+def need_row_line(row: dict) -> str:
+    c, limit = row["cycles"], row["limit"]
+    last = c[-1]
+    handoff = median_of(c, "seconds")
+    return (f"    {row['label']:24s} {median_of(c, 'total_s'):7.3f} s (release "
+            f"{median_of(c, 'pause_s'):.3f} + take {median_of(c, 'take_s'):.3f} + resume "
+            f"{median_of(c, 'resume_s'):.3f}); link {gib(last['out_bytes'])} out + "
+            f"{gib(last['in_bytes'])} in, moved {gib(last['moved_bytes'])}; release + resume "
+            f"{handoff / max(limit['seconds'], 1e-9):.1f} x the limit")
+
+
+def report_need(doc: dict) -> int:
+    """The table of a run by need and its targets; returns the exit status (1 when a case
+    failed)."""
+    bw = doc["bandwidth"]
+    print(f"GPU {doc['probe']['gpu']}, torch {doc['probe']['torch']}; S = {gib(doc['size'])}"
+          f" in {LAYERS} layers; pinned link {bw['d2h'] / 1e9:.1f} GB/s out, "
+          f"{bw['h2d'] / 1e9:.1f} GB/s in; device-to-device {bw['d2d'] / 1e9:.0f} GB/s; "
+          f"free {gib(doc['probe']['free_bytes'])} before the cache")
+    for note in doc.get("notes", []):
+        print(f"note: {note}")
+    rows = need_rows(doc)
+    for (fraction, pattern) in dict.fromkeys((r["fraction"], r["pattern"]) for r in rows):
+        print(f"kept {fraction:.0%} ({pattern}):")
+        mine = [r for r in rows if (r["fraction"], r["pattern"]) == (fraction, pattern)]
+        for need in dict.fromkeys(r["need"] for r in mine):
+            same = [r for r in mine if r["need"] == need]
+            lim = same[0]["limit"]
+            print(f"  need {need:.0%}: {gib(same[0]['take_bytes'])} taken ({gib(same[0]['need_bytes'])}"
+                  f" asked), {gib(same[0]['free_bytes'])} free; limit: link "
+                  f"{gib(lim['host_bytes'])} each way, moved {gib(lim['moved_bytes'])}, "
+                  f"{lim['seconds']:.3f} s")
+            for r in same:
+                print(need_row_line(r))
+        firsts = {r["label"]: r["first"]["total_s"] for r in mine}
+        print("  first cycles: " + ", ".join(f"{k} {v:.3f} s" for k, v in firsts.items()))
+    for r in doc["results"]:
+        if r.get("error"):
+            print(f"  {r['label']:24s} FAILED: {r['error']}")
+    print("targets:")
+    for name, met, text in need_targets(rows, doc["size"]):
+        verdict = "PASS" if met else ("MISS" if met is False else "n/a ")
+        print(f"  {verdict} {name}: {text}")
+    return 1 if any(r.get("error") for r in doc["results"]) else 0
+
+
+def need_targets(rows: list[dict], size: int) -> list[tuple[str, bool | None, str]]:
+    """Issue 42's: link bytes equal the limit's, later cycles within NEED_TARGET_LIMIT x the
+    limit (judged at 64 GiB and more), and at 100 % kept and a 25 % need sublet need
+    NEED_TARGET_SPEEDUP x faster than tms all (release + allocation + resume)."""
+    out: list[tuple[str, bool | None, str]] = []
+    for r in rows:
+        if not r["label"].startswith("sublet need"):
+            continue
+        where = f"{r['label']}, need {r['need']:.0%}"
+        host = r["limit"]["host_bytes"]
+        got = max(max(c["out_bytes"], c["in_bytes"]) for c in r["cycles"])
+        out.append((f"{where}: link bytes = the limit's", got == host,
+                    f"{got} vs {host} bytes each way ({(got - host) / MiB:+.0f} MiB)"))
+        handoff, limit = median_of(r["cycles"], "seconds"), r["limit"]["seconds"]
+        judged = size >= 64 * GiB or None
+        out.append((f"{where}: within {NEED_TARGET_LIMIT} x the limit",
+                    judged and handoff <= NEED_TARGET_LIMIT * limit,
+                    f"{handoff:.3f} s vs {limit:.3f} s" + ("" if judged else
+                                                          " (judged at 64 GiB)")))
+    for r in rows:
+        if r["label"] != "sublet need all 100%" or abs(r["need"] - 0.25) > 1e-9:
+            continue
+        tms = next((t for t in rows if t["label"] == "tms all" and
+                    (t["fraction"], t["pattern"], t["need"]) == (1.0, "all", 0.25)), None)
+        name = f"sublet need 100% kept, need 25%: {NEED_TARGET_SPEEDUP:.0f} x faster than tms all"
+        if tms is None:
+            out.append((name, None, "tms did not run"))
+            continue
+        a, b = median_of(r["cycles"], "total_s"), median_of(tms["cycles"], "total_s")
+        out.append((name, b >= NEED_TARGET_SPEEDUP * a, f"{b:.3f} s / {a:.3f} s = "
+                    f"{b / max(a, 1e-9):.1f} x"))
+    return out
+
+
 # --------------------------------------------------------------------------- children: GPU
 
 def free_gpu() -> int:
@@ -374,6 +601,18 @@ def take_freed(freed: int) -> int:
     return n
 
 
+def take_exact(n: int) -> int:
+    """A plain PyTorch allocation of n bytes (down to a page), written, then given back."""
+    import torch
+    n = n // PAGE * PAGE
+    if n > 0:
+        x = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xA5)
+        torch.cuda.synchronize()
+        del x
+        torch.cuda.empty_cache()
+    return max(0, n)
+
+
 class Taker:
     """Who takes the freed memory between pause and resume: this process (--taker same, a
     trainer colocated with the engine) or a process of its own (--taker other, a trainer
@@ -387,11 +626,12 @@ class Taker:
                                          text=True)
             self.take(-1)
 
-    def take(self, freed: int) -> int:
+    def take(self, freed: int, exact: int | None = None) -> int:
+        """What the pause freed less TAKE_MARGIN, or (by need) exactly `exact` bytes."""
         if self.proc is None:
-            return take_freed(freed)
+            return take_freed(freed) if exact is None else take_exact(exact)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{freed}\n")
+        self.proc.stdin.write(f"{freed}\n" if exact is None else f"={exact}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -411,6 +651,10 @@ def child_taker(_: dict) -> dict:
     import torch
     torch.empty(1, device="cuda")
     for line in sys.stdin:
+        if line.startswith("="):
+            sys.stdout.write(f"{take_exact(int(line[1:]))}\n")
+            sys.stdout.flush()
+            continue
         freed = int(line)
         sys.stdout.write(f"{take_freed(freed) if freed >= 0 else 0}\n")
         sys.stdout.flush()
@@ -419,9 +663,11 @@ def child_taker(_: dict) -> dict:
 
 def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
                check: Callable[[int], None], label: str, taker: str = "same",
-               observe: Callable[[Any], Any] = lambda handle: None) -> list[dict]:
-    """n cycles of pause, a plain allocation of what it freed (by the taker), resume; timed
-    pause + resume. observe(handle) runs after the pause, untimed (reading its stats);
+               observe: Callable[[Any], Any] = lambda handle: None,
+               take: int | None = None) -> list[dict]:
+    """n cycles of pause, a plain allocation of what it freed (by the taker; `take`: exactly
+    that many bytes, a need), resume; timed pause + resume (seconds) and pause + allocation +
+    resume (total_s). observe(handle) runs after the pause, untimed (reading its stats);
     resume(handle) returns the cycle's bytes (out_bytes, in_bytes, moved_bytes, stats)."""
     import torch
     cycles = []
@@ -435,18 +681,45 @@ def run_cycles(n: int, pause: Callable[[], Any], resume: Callable[[Any], dict],
         t1 = now()
         observe(handle)
         freed = free_gpu() - free0
-        taken = takes.take(freed)
+        ta = now()
+        taken = takes.take(freed, take)
         t2 = now()
         moved = resume(handle)
         torch.cuda.synchronize()
         t3 = now()
         check(i)
         cycles.append({"pause_s": t1 - t0, "resume_s": t3 - t2, "seconds": (t1 - t0) + (t3 - t2),
-                       "freed_bytes": freed, "taken_bytes": taken, **moved})
+                       "take_s": t2 - ta, "total_s": (t1 - t0) + (t2 - ta) + (t3 - t2),
+                       "free_bytes": free0, "freed_bytes": freed, "taken_bytes": taken,
+                       **moved})
         log(f"{label}: cycle {i}: pause {t1 - t0:.3f} s, resume {t3 - t2:.3f} s, freed "
             f"{gib(freed)}, kept bits intact")
     takes.close()
     return cycles
+
+
+def need_bytes(fraction: float, size: int) -> int:
+    """The bytes the taker allocates for a need of `fraction` of S (whole pages)."""
+    return int(size * fraction) // PAGE * PAGE
+
+
+def run_needs(spec: dict, pause: Callable[[int], Any], resume: Callable[[Any], dict],
+              check: Callable[[int], None], observe: Callable[[Any], Any]) -> dict:
+    """By need: one first cycle (the process's first pause, at the first need), then
+    spec["cycles"] cycles of each need; pause(need) is given N + NEED_SLACK, the taker
+    allocates N."""
+    label, size, taker = spec["label"], spec["size"], spec["taker"]
+    n0 = need_bytes(spec["needs"][0], size)
+    first = run_cycles(1, lambda: pause(n0 + NEED_SLACK), resume, check, f"{label} first",
+                       taker, observe, take=n0)[0]
+    needs = []
+    for f in spec["needs"]:
+        n = need_bytes(f, size)
+        cycles = run_cycles(spec["cycles"], lambda: pause(n + NEED_SLACK), resume, check,
+                            f"{label} need {f:.0%}", taker, observe, take=n)
+        needs.append({"fraction": f, "take_bytes": n, "need_bytes": n + NEED_SLACK,
+                      "cycles": cycles})
+    return {"first": first, "needs": needs}
 
 
 def checker(layers, ids, expected: int, label: str) -> Callable[[int], None]:
@@ -501,9 +774,16 @@ def child_sublet(spec: dict) -> dict:
         return {"out_bytes": figures["copied_bytes"], "in_bytes": figures["copied_in_bytes"],
                 "moved_bytes": figures["moved_bytes"], "stats": figures}
 
+    check = checker(layers, ids, expected, label)
+    if spec.get("needs"):
+        by_need = spec.get("by_need")
+        found = run_needs(spec, lambda need: sublet.release(
+            "kv", keep=keep, stay=spec["stay"], need=need if by_need else None),
+            resume, check, observe)
+        return {**found, "kept_bytes": kept_bytes}
     cycles = run_cycles(1 + spec["cycles"],
                         lambda: sublet.release("kv", keep=keep, stay=spec["stay"]), resume,
-                        checker(layers, ids, expected, label), label, spec["taker"], observe)
+                        check, label, spec["taker"], observe)
     return {"cycles": cycles, "kept_bytes": kept_bytes, "pin_ahead_s": pinned_s,
             "must_move_bytes": must_move(ids_np, per_layer),
             "handles": int(cycles[-1]["stats"].get("released_bytes", 0)) // PAGE,
@@ -540,8 +820,12 @@ def child_tms(spec: dict) -> dict:
         tms.resume()
         return {"out_bytes": kept_bytes, "in_bytes": kept_bytes, "moved_bytes": 0}
 
-    cycles = run_cycles(1 + spec["cycles"], tms.pause, resume,
-                        checker(kept, None, expected, label), label, spec["taker"])
+    check = checker(kept, None, expected, label)
+    if spec.get("needs"):
+        _NEVER_FREED.extend(kept + rest)
+        found = run_needs(spec, lambda need: tms.pause(), resume, check, lambda handle: None)
+        return {**found, "kept_bytes": kept_bytes}
+    cycles = run_cycles(1 + spec["cycles"], tms.pause, resume, check, label, spec["taker"])
     handles = [[LAYERS, -(-kept[0].nbytes // PAGE) * PAGE]]
     if rest:
         handles.append([LAYERS, -(-rest[0].nbytes // PAGE) * PAGE])
@@ -792,8 +1076,12 @@ def floor_specs(results: list[dict]) -> dict[str, list]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default=None, help="GiB of cache, or 'max': all free memory but "
-                                                f"{HEADROOM // GiB} GiB (default 64)")
+    p.add_argument("--size", default=None, help="GiB of cache (64, 64GiB), or 'max': all free "
+                                                f"memory but {HEADROOM // GiB} GiB (default 64GiB)")
+    p.add_argument("--need", type=parse_need, nargs="?", const=parse_need(NEEDS), default=None,
+                   metavar="PCTS", help="by need (issue 42): the taker needs these percents of "
+                   f"the cache, comma-separated (--need alone: {NEEDS}); contenders tms all, "
+                   "sublet all (stay=0) and sublet need")
     p.add_argument("--kept", type=parse_kept, default=None,
                    help="kept fractions, comma-separated (default 0.3,1.0)")
     p.add_argument("--cycles", type=int, default=None,
@@ -801,7 +1089,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tms-cycles", type=int, default=None,
                    help="later cycles of torch_memory_saver (default 2; --quick 1)")
     p.add_argument("--contenders", default=",".join(CONTENDERS),
-                   help=f"comma-separated, of {', '.join(CONTENDERS)} (default all)")
+                   help=f"comma-separated, of {', '.join(CONTENDERS)} (default all; "
+                   f"sublet-need runs with --need only, tms-best without it)")
     p.add_argument("--daemon-pin", type=float, default=0, metavar="GiB",
                    help="host memory subletd pins ahead (default 0: it pins at its first "
                         "save, as the package's own daemon does)")
@@ -838,6 +1127,8 @@ def main() -> int:
         print("bench_release.py needs a CUDA GPU", file=sys.stderr)
         return 2
     size_arg = a.size or ("4" if a.quick else "64")
+    if a.need:
+        return main_need(a, size_arg)
     cycles = a.cycles if a.cycles is not None else (1 if a.quick else 4)
     tms_cycles = a.tms_cycles if a.tms_cycles is not None else (1 if a.quick else 2)
     contenders = [c for c in a.contenders.split(",") if c]
@@ -875,6 +1166,42 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1))
     return report(doc)
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def main_need(a: argparse.Namespace, size_arg: str) -> int:
+    """A run by need (--need): the probe, tms all, then the sublet children against one
+    subletd; the table and the targets."""
+    cycles = a.cycles if a.cycles is not None else (1 if a.quick else 2)
+    tms_cycles = a.tms_cycles if a.tms_cycles is not None else cycles
+    contenders = [c for c in a.contenders.split(",") if c]
+    if set(contenders) - set(CONTENDERS):
+        raise SystemExit(f"--contenders: use {', '.join(CONTENDERS)}")
+    env = child_env()
+    probe = run_child("probe", {}, env)
+    if "error" in probe:
+        raise SystemExit(f"the probe failed: {probe['error']}")
+    size = plan_size(size_arg, probe["free_bytes"])
+    ok_tms, version = tms_available()
+    cases, notes = plan_need_cases(a.kept or [0.3, 1.0], contenders, a.need, size,
+                                   probe["host_bytes"], ok_tms, cycles, tms_cycles, a.taker)
+    if ok_tms and version != "0.0.10":
+        notes.append(f"torch_memory_saver {version}, not the 0.0.10 this benchmark is for")
+    log(f"S = {gib(size)} by need, {len(cases)} cases; {'; '.join(notes) or 'nothing skipped'}")
+    results = [{**spec, **run_child("tms", spec, env)} for spec in cases
+               if spec["mode"] == "tms"]
+    sublet_cases = [spec for spec in cases if spec["mode"] == "sublet"]
+    if sublet_cases:
+        results += run_sublet(sublet_cases, env, a.daemon_pin, a.daemon_log)
+    doc = {"size": size, "probe": probe, "bandwidth": probe["bandwidth"], "notes": notes,
+           "results": results, "by_need": True}
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1))
+    return report_need(doc)
 
 
 def run_sublet(cases: list[dict], env: dict, pin_gib: float,

@@ -196,3 +196,119 @@ def test_main_runs_probe_cases_and_floor_in_order(br, monkeypatch, tmp_path, cap
     doc = json.loads(out_json.read_text())
     assert doc["size"] == 4 * GiB and len(doc["floors"]) == len(doc["results"])
     assert "targets:" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ by need (issue 42)
+
+def test_need_and_size_arguments(br):
+    assert br.parse_need("10,25,50,100") == [0.1, 0.25, 0.5, 1.0]
+    assert br.parse_need("25%") == [0.25]
+    for bad in ("0", "101", "x", "-5"):
+        with pytest.raises(Exception, match="percent"):
+            br.parse_need(bad)
+    assert br.plan_size("64GiB", 139 * GiB) == br.plan_size("64", 139 * GiB) == 64 * GiB
+    assert br.plan_size("16 GiB", 79 * GiB) == 16 * GiB
+    with pytest.raises(Exception, match="GiB"):
+        br.size_bytes("64 MB")
+    a = br.build_parser().parse_args(["--need", "--size", "16GiB"])
+    assert a.need == [0.1, 0.25, 0.5, 1.0] and a.size == "16GiB"
+    assert br.build_parser().parse_args(["--need", "25"]).need == [0.25]
+    assert br.build_parser().parse_args([]).need is None
+
+
+def test_the_limit_of_a_need_is_what_the_released_pages_cannot_give(br):
+    """Link bytes = max(0, need - free - (S - K)); moves: the kept bytes of the pages with the
+    fewest, less those. At 100 % kept nothing moves and everything beyond free crosses; with
+    whole-page rows the released pages are empty ones first."""
+    bw = {"d2h": 50e9, "h2d": 50e9, "d2d": 2e12}
+    per_layer = 1024                                          # 64 MiB a layer, 32 pages
+    full = br.page_kept(None, per_layer)
+    assert full == [[br.PAGE, 32 * br.LAYERS]]
+    size = per_layer * br.BLOCK * br.LAYERS                   # 4 GiB
+    lim = br.need_limit(full, size // 4 + GiB, GiB, bw)
+    assert (lim["host_bytes"], lim["moved_bytes"]) == (size // 4, 0)
+    assert lim["seconds"] == pytest.approx(2 * (size // 4) / 50e9)
+    assert br.need_limit(full, GiB, 2 * GiB, bw)["host_bytes"] == 0   # free covers it
+    rows = br.page_kept(br.row_ids(per_layer, 0.3), per_layer)
+    kept = sum(k * n for k, n in rows)
+    empty = sum(n for k, n in rows if k == 0)
+    lim = br.need_limit(rows, empty * br.PAGE, 0, bw)          # only the empty pages go
+    assert (lim["host_bytes"], lim["moved_bytes"]) == (0, 0)
+    lim = br.need_limit(rows, size, 0, bw)                     # all of it: every kept byte out
+    assert (lim["host_bytes"], lim["moved_bytes"]) == (kept, 0)
+    blocks = br.page_kept(br.block_ids(per_layer, 0.3), per_layer)
+    lim = br.need_limit(blocks, size // 2, 0, bw)              # half: the lighter half moves
+    assert lim["host_bytes"] == max(0, sum(k * n for k, n in blocks) - size // 2)
+    assert lim["moved_bytes"] > 0
+
+
+def test_need_cases_one_tms_then_sublet_all_and_need_per_keep(br):
+    cases, notes = br.plan_need_cases([0.3, 1.0], list(br.CONTENDERS), [0.25, 1.0],
+                                      64 * GiB, 118 * GiB, tms_ok=True, cycles=2, tms_cycles=2)
+    assert [c["label"] for c in cases] == [
+        "tms all", "sublet all blocks 30%", "sublet need blocks 30%", "sublet all rows 30%",
+        "sublet need rows 30%", "sublet all all 100%", "sublet need all 100%"]
+    assert all(c["needs"] == [0.25, 1.0] for c in cases)
+    assert [c["stay"] for c in cases[1:3]] == [0, None] and cases[2]["by_need"]
+    assert any("tms best" in n for n in notes)
+    cases, notes = br.plan_need_cases([1.0], ["tms-all", "sublet", "sublet-need"], [0.25],
+                                      100 * GiB, 100 * GiB, tms_ok=True, cycles=1, tms_cycles=1)
+    assert [c["label"] for c in cases] == ["sublet need all 100%"]
+    assert sum("do not fit" in n for n in notes) == 2
+
+
+def need_doc(br, need_out: int) -> dict:
+    """A synthetic run by need at 64 GiB, 100 % kept, a 25 % need, 14 GiB free."""
+    size, free = 64 * GiB, 14 * GiB
+    take = br.need_bytes(0.25, size)
+    limit_host = take + br.NEED_SLACK - free
+
+    def cycle(total: float, out: int) -> dict:
+        return {"pause_s": total / 3, "take_s": total / 3, "resume_s": total / 3,
+                "seconds": 2 * total / 3, "total_s": total, "free_bytes": free,
+                "freed_bytes": out, "taken_bytes": take, "out_bytes": out, "in_bytes": out,
+                "moved_bytes": 0}
+
+    def result(label: str, mode: str, total: float, out: int) -> dict:
+        return {"label": label, "mode": mode, "fraction": 1.0, "pattern": "all",
+                "first": cycle(10 * total, out),
+                "needs": [{"fraction": 0.25, "take_bytes": take,
+                           "need_bytes": take + br.NEED_SLACK,
+                           "cycles": [cycle(total, out), cycle(total, out)]}]}
+
+    return {"size": size, "bandwidth": {"d2h": 55e9, "h2d": 55e9, "d2d": 2e12},
+            "probe": {"gpu": "NVIDIA H100 (synthetic)", "torch": "2.15.0",
+                      "free_bytes": 78 * GiB},
+            "notes": [], "results": [result("tms all", "tms", 2.9, size),
+                                     result("sublet all all 100%", "sublet", 2.8, size),
+                                     result("sublet need all 100%", "sublet", 0.5, need_out)],
+            "limit_host": limit_host}
+
+
+def test_report_by_need_prints_limits_and_judges_the_targets(br, capsys):
+    doc = need_doc(br, need_out=0)
+    doc["results"][2]["needs"][0]["cycles"] = [
+        {**c, "out_bytes": doc["limit_host"], "in_bytes": doc["limit_host"]}
+        for c in doc["results"][2]["needs"][0]["cycles"]]
+    assert br.report_need(doc) == 0
+    out = capsys.readouterr().out
+    assert "kept 100% (all):" in out and "need 25%: 16.00 GiB taken (16.25 GiB asked)" in out
+    assert f"limit: link {br.gib(doc['limit_host'])} each way, moved 0.00 GiB" in out
+    for label in ("tms all", "sublet all all 100%", "sublet need all 100%"):
+        assert label in out
+    assert "take 0.167" in out and "x the limit" in out and "first cycles:" in out
+    assert "PASS sublet need all 100%, need 25%: link bytes = the limit's" in out
+    assert "PASS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
+    assert "(judged at 64 GiB)" not in out
+
+
+def test_report_by_need_misses(br, capsys):
+    doc = need_doc(br, need_out=GiB)
+    doc["results"][2]["needs"][0]["cycles"][0]["total_s"] = 5.0
+    doc["results"][2]["needs"][0]["cycles"][1]["total_s"] = 5.0
+    doc["results"].append({"label": "sublet need rows 30%", "error": "exit status 1"})
+    assert br.report_need(doc) == 1
+    out = capsys.readouterr().out
+    assert "MISS sublet need all 100%, need 25%: link bytes = the limit's" in out
+    assert "MISS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
+    assert "FAILED: exit status 1" in out
