@@ -30,7 +30,7 @@ def parse_bytes(text: str) -> int:
     ValueError naming the accepted forms otherwise."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).lower() if m else None
-    if unit not in _UNITS:
+    if m is None or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size: write bytes (24000000000) or a number and a "
                          f"unit (24GiB, 1.5GiB, 512MiB, 24G; KB, MB, GB, TB: powers of 1000)")
     number = m.group(1)
