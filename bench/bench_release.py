@@ -705,11 +705,12 @@ def need_bytes(fraction: float, size: int) -> int:
 
 def run_needs(spec: dict, pause: Callable[[int], Any], resume: Callable[[Any], dict],
               check: Callable[[int], None], observe: Callable[[Any], Any]) -> dict:
-    """By need: one first cycle (the process's first pause, at the first need), then
-    spec["cycles"] cycles of each need; pause(need) is given N + NEED_SLACK, the taker
-    allocates N."""
+    """By need: one first cycle (the process's first pause, at the largest need: it pays for
+    what a first pause pays, pinning the save area included, which a later need's cycle would
+    otherwise pay), then spec["cycles"] cycles of each need; pause(need) is given N +
+    NEED_SLACK, the taker allocates N."""
     label, size, taker = spec["label"], spec["size"], spec["taker"]
-    n0 = need_bytes(spec["needs"][0], size)
+    n0 = need_bytes(max(spec["needs"]), size)
     first = run_cycles(1, lambda: pause(n0 + NEED_SLACK), resume, check, f"{label} first",
                        taker, observe, take=n0)[0]
     needs = []
