@@ -183,11 +183,11 @@ static int parse_args(int argc, char **argv, struct sl_daemon_config *cfg, int *
           return usage_error("--pin-keep takes a number of seconds from 0, not '%s'", optarg);
         break;
       case 'M':
-        if (parse_count(optarg, &cfg->limits.conns) != 0)
+        if (parse_count(optarg, &cfg->limits.users.conns) != 0)
           return usage_error("--max-connections takes a count from 1, not '%s'", optarg);
         break;
       case 'N':
-        if (parse_count(optarg, &cfg->limits.conns_per_user) != 0)
+        if (parse_count(optarg, &cfg->limits.users.conns_per_user) != 0)
           return usage_error("--max-user-connections takes a count from 1, not '%s'", optarg);
         break;
       case 'l':

@@ -1,5 +1,6 @@
 /* transport.c - client connections below the protocol: a receive buffer, an output queue
- * flushed when the socket is writable, the bounds of transport.h, and deferred closes.
+ * flushed when the socket is writable, the bounds of transport.h, and deferred closes. What
+ * each connection holds of its uid's bounds and the daemon's is counted by users.c.
  *
  * libuv cannot pass fds over its streams, so each socket is watched with a uv_poll_t and
  * read and written with recvmsg/sendmsg (common/wire.c). One uv_timer_t per connection serves
@@ -15,14 +16,12 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <grp.h>
 #include <linux/sockios.h>
-#include <pwd.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -34,25 +33,8 @@
  * in its buffer for the next turn (the timer at 0 ms). */
 #define READS_PER_WAKEUP 16
 #define FRAMES_PER_TURN 16
-/* Supplementary groups read for --allow-group; a peer in more (the kernel allows 65536) is
- * judged by its first ones. */
-#define NGROUPS_MAX_READ 1024
 /* How often a lingering connection's socket is looked at: has its client taken its fds? */
 #define LINGER_MS 100
-/* A user with fewer connections than this may take the last ones kept (reserve_of). */
-#define RESERVE_FEW 4
-
-struct sl_transport_user {
-  struct sl_transport_user *next;
-  uid_t uid;
-  unsigned conns;           /* lingering ones too */
-  size_t rx_bytes;
-  unsigned fds_in_flight;   /* of all its connections */
-  struct sl_transport *list; /* its connections (t->user_next) */
-};
-
-/* Why a frame's fds wait (tx_item's head), for the message of a cut-off. */
-enum fds_wait { FDS_GO, FDS_CONN, FDS_USER, FDS_ALL };
 
 /* A queued frame; payload and fds are the item's until written. */
 struct tx_item {
@@ -65,8 +47,7 @@ struct tx_item {
 
 struct sl_transport {
   struct sl_transports *set;
-  struct sl_transport_user *user;
-  struct sl_transport *user_next;
+  struct sl_users_conn share; /* its part in its uid's counts and the daemon's (users.c) */
   int fd;
   struct ucred peer;
   uv_poll_t poll;
@@ -74,11 +55,9 @@ struct sl_transport {
   int handles;              /* open libuv handles: t is freed when the last one has closed */
   int events;               /* what poll watches now */
   struct sl_wire_rx rx;
-  size_t rx_charged;        /* rx.cap as counted in user->rx_bytes */
   struct tx_item *head, **tail;
   size_t tx_bytes;
-  unsigned fds_in_flight;   /* sent since the socket was last seen empty */
-  int fds_wait;             /* enum fds_wait: the head frame's fds wait for earlier ones */
+  int fds_wait;             /* enum sl_users_fds: the head frame's fds wait for earlier ones */
   int refs_wait;            /* the head frame met ETOOMANYREFS */
   uint64_t refs_since;      /* loop ms when it first did */
   int lingering;            /* closed, its fds still in the client's socket */
@@ -95,21 +74,28 @@ static void update(struct sl_transport *t);
 static void teardown(struct sl_transport *t, int may_linger);
 static void release(struct sl_transport *t);
 
-/* ------------------------------------------------------------------ the set, per-uid counts */
+/* ------------------------------------------------------------------ the set */
 
-/* The kernel refuses fds in flight (ETOOMANYREFS) once the daemon's user has more than its
- * open-files limit in flight, over all its processes (a daemon per GPU, the same user): this
- * daemon takes half, and one uid at most a quarter of that (never less than one frame's). */
-static void fds_budget_init(struct sl_transports *s) {
-  struct rlimit rl;
-  rlim_t half = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur / 2 : 512;
-  unsigned quarter;
+static struct sl_transport *of_share(struct sl_users_conn *c) {
+  return (struct sl_transport *)((char *)c - offsetof(struct sl_transport, share));
+}
 
-  s->fds_budget = half > SL_WIRE_MAX_FDS ? (half < UINT32_MAX ? (unsigned)half : UINT32_MAX)
-                                         : SL_WIRE_MAX_FDS;
-  quarter = s->fds_budget / 4 > SL_WIRE_MAX_FDS ? s->fds_budget / 4 : SL_WIRE_MAX_FDS;
-  if (s->lim.fds_per_user > quarter)
-    s->lim.fds_per_user = quarter;
+/* Bytes still in the socket that the client has not taken (for a Unix socket, SIOCOUTQ
+ * counts what the receiver has not consumed yet, its fds included). */
+static int socket_drained(const struct sl_transport *t) {
+  int n = 0;
+
+  return ioctl(t->fd, SIOCOUTQ, &n) == 0 && n == 0;
+}
+
+/* users.c asks: once its socket is empty the client has taken every fd sent on it. */
+static int fds_taken(struct sl_users_conn *c) {
+  struct sl_transport *t = of_share(c);
+
+  if (!socket_drained(t))
+    return 0;
+  t->progress = uv_now(t->set->loop);
+  return 1;
 }
 
 int sl_transports_init(struct sl_transports *s, uv_loop_t *loop,
@@ -120,49 +106,26 @@ int sl_transports_init(struct sl_transports *s, uv_loop_t *loop,
   s->lim = *lim;
   s->ops = ops;
   s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-  fds_budget_init(s);
+  sl_users_init(&s->users, &lim->users, fds_taken);
   return 0;
 }
 
 /* Ends the lingering connections: at shutdown, their clients' fds are the kernel's to count. */
 void sl_transports_destroy(struct sl_transports *s) {
-  struct sl_transport_user *u = s->users, *next;
+  struct sl_users_uid *u = s->users.list, *next;
 
   for (; u != NULL; u = next) {
-    struct sl_transport *t = u->list, *t_next;
+    struct sl_users_conn *c = u->list, *c_next;
     next = u->next; /* u goes with its last connection */
-    for (; t != NULL; t = t_next) {
-      t_next = t->user_next;
-      if (t->lingering)
-        release(t);
+    for (; c != NULL; c = c_next) {
+      c_next = c->next;
+      if (of_share(c)->lingering)
+        release(of_share(c));
     }
   }
   if (s->spare_fd >= 0)
     close(s->spare_fd);
   s->spare_fd = -1;
-}
-
-static struct sl_transport_user *user_of(struct sl_transports *s, uid_t uid) {
-  for (struct sl_transport_user *u = s->users; u != NULL; u = u->next)
-    if (u->uid == uid)
-      return u;
-  return NULL;
-}
-
-/* t leaves its user's connections; the user goes with its last one. */
-static void user_drop(struct sl_transports *s, struct sl_transport *t) {
-  struct sl_transport_user *u = t->user, **link = &s->users;
-  struct sl_transport **tl = &u->list;
-
-  while (*tl != t)
-    tl = &(*tl)->user_next;
-  *tl = t->user_next;
-  if (--u->conns > 0)
-    return;
-  while (*link != u)
-    link = &(*link)->next;
-  *link = u->next;
-  free(u);
 }
 
 /* ------------------------------------------------------------------ accepting */
@@ -197,58 +160,13 @@ static int accept_without_fds(struct sl_transports *s, int listen_fd, struct sl_
   return fd >= 0 ? err->code : -EAGAIN;
 }
 
-/* The last connections of --max-connections (an eighth) are kept for users with fewer than
- * RESERVE_FEW: one user, or a few, cannot take them all from the others. */
-static unsigned reserve_of(const struct sl_transport_limits *lim) {
-  return lim->conns >= 2 ? (lim->conns + 7) / 8 : 0;
-}
-
-static int admit(struct sl_transports *s, const struct ucred *peer, struct sl_err *err) {
-  struct sl_transport_user *u = user_of(s, peer->uid);
-  unsigned held = u != NULL ? u->conns : 0, reserve = reserve_of(&s->lim);
-
-  if (s->nconns >= s->lim.conns)
-    return sl_err_set(err, SUBLET_EBUSY, "subletd serves %u connections, its limit: try again "
-                      "later (its administrator may raise --max-connections)", s->nconns);
-  if (s->nconns >= s->lim.conns - reserve && held >= RESERVE_FEW)
-    return sl_err_set(err, SUBLET_EBUSY, "subletd serves %u connections; the last %u of its "
-                      "limit are kept for users with fewer than %d and uid %u has %u: close "
-                      "some (or its administrator may raise --max-connections)", s->nconns,
-                      reserve, RESERVE_FEW, (unsigned)peer->uid, held);
-  if (u != NULL && u->conns >= s->lim.conns_per_user)
-    return sl_err_set(err, SUBLET_EBUSY, "uid %u has %u connections to subletd, the limit per "
-                      "user: close some (or raise --max-user-connections)", (unsigned)peer->uid,
-                      u->conns);
-  return 0;
-}
-
-static struct sl_transport_user *user_add(struct sl_transports *s, uid_t uid) {
-  struct sl_transport_user *u = user_of(s, uid);
-
-  if (u == NULL && (u = calloc(1, sizeof(*u))) != NULL) {
-    u->uid = uid;
-    u->next = s->users;
-    s->users = u;
-  }
-  if (u != NULL)
-    u->conns++;
-  return u;
-}
-
 static void on_io(uv_poll_t *h, int status, int events);
-
-static void user_link(struct sl_transport_user *u, struct sl_transport *t) {
-  t->user = u;
-  t->user_next = u->list;
-  u->list = t;
-}
 
 static int transport_new(struct sl_transports *s, int fd, const struct ucred *peer,
                          struct sl_transport **out, struct sl_err *err) {
   struct sl_transport *t = calloc(1, sizeof(*t));
-  struct sl_transport_user *u = t != NULL ? user_add(s, peer->uid) : NULL;
 
-  if (u == NULL) {
+  if (t == NULL || sl_users_join(&s->users, &t->share, peer->uid) != 0) {
     free(t);
     return sl_err_set(err, SUBLET_ENOHOSTMEM, "subletd is out of host memory");
   }
@@ -261,8 +179,6 @@ static int transport_new(struct sl_transports *s, int fd, const struct ucred *pe
   uv_timer_init(s->loop, &t->timer);
   t->poll.data = t->timer.data = t;
   t->handles = 2;
-  user_link(u, t);
-  s->nconns++;
   update(t);
   *out = t;
   return 0;
@@ -286,7 +202,7 @@ int sl_transports_accept(struct sl_transports *s, int listen_fd, struct sl_trans
     close(fd);
     return sl_err_set(err, SUBLET_EIO, "SO_PEERCRED: %s", strerror(errno));
   }
-  rc = admit(s, &peer, err);
+  rc = sl_users_admit(&s->users, peer.uid, err);
   if (rc == 0)
     rc = transport_new(s, fd, &peer, out, err);
   if (rc != 0)
@@ -313,31 +229,8 @@ void sl_transport_pause(struct sl_transport *t, int on) {
   update(t);
 }
 
-/* The peer's supplementary groups; returns their count (0 when none can be read). */
-static size_t peer_groups(const struct sl_transport *t, gid_t *groups, size_t max) {
-  socklen_t len = (socklen_t)(max * sizeof(gid_t));
-  struct passwd *pw;
-  int n = (int)max;
-
-  if (getsockopt(t->fd, SOL_SOCKET, SO_PEERGROUPS, groups, &len) == 0)
-    return len / sizeof(gid_t);
-  if (errno != ENOPROTOOPT || (pw = getpwuid(t->peer.uid)) == NULL ||
-      getgrouplist(pw->pw_name, t->peer.gid, groups, &n) < 0)
-    return 0;
-  return (size_t)n;
-}
-
 int sl_transport_peer_in_group(const struct sl_transport *t, gid_t gid) {
-  gid_t groups[NGROUPS_MAX_READ];
-  size_t n;
-
-  if (t->peer.gid == gid)
-    return 1;
-  n = peer_groups(t, groups, NGROUPS_MAX_READ);
-  for (size_t i = 0; i < n; i++)
-    if (groups[i] == gid)
-      return 1;
-  return 0;
+  return sl_users_peer_in_group(t->fd, &t->peer, gid);
 }
 
 /* ------------------------------------------------------------------ sending */
@@ -348,71 +241,10 @@ static void item_free(struct tx_item *it) {
   free(it);
 }
 
-/* Bytes still in the socket that the client has not taken (for a Unix socket, SIOCOUTQ
- * counts what the receiver has not consumed yet, its fds included). */
-static int socket_drained(const struct sl_transport *t) {
-  int n = 0;
-
-  return ioctl(t->fd, SIOCOUTQ, &n) == 0 && n == 0;
-}
-
-static void fds_sent(struct sl_transport *t, unsigned n) {
-  t->fds_in_flight += n;
-  t->user->fds_in_flight += n;
-  t->set->fds_in_flight += n;
-}
-
-/* Once its socket is empty the client has taken every fd sent on it. */
-static void fds_refresh(struct sl_transport *t) {
-  if (t->fds_in_flight == 0 || !socket_drained(t))
-    return;
-  t->user->fds_in_flight -= t->fds_in_flight;
-  t->set->fds_in_flight -= t->fds_in_flight;
-  t->fds_in_flight = 0;
-  t->progress = uv_now(t->set->loop);
-}
-
-static void fds_refresh_user(struct sl_transport_user *u) {
-  for (struct sl_transport *t = u->list; t != NULL; t = t->user_next)
-    fds_refresh(t);
-}
-
-/* Every holder's socket, once a loop tick at most (a waiting frame retries every RETRY_MS). */
-static void fds_refresh_all(struct sl_transports *s) {
-  if (s->fds_scanned == uv_now(s->loop))
-    return;
-  s->fds_scanned = uv_now(s->loop);
-  for (struct sl_transport_user *u = s->users; u != NULL; u = u->next)
-    if (u->fds_in_flight > 0)
-      fds_refresh_user(u);
-}
-
-/* Which bound n more fds of t's would cross (FDS_GO: none). A frame goes whatever its size
- * when nothing is in flight at that level: a frame of 253 fds is never held for ever. */
-static enum fds_wait fds_over(const struct sl_transport *t, size_t n) {
-  const struct sl_transports *s = t->set;
-
-  if (t->fds_in_flight > 0 && t->fds_in_flight + n > s->lim.fds_in_flight)
-    return FDS_CONN;
-  if (t->user->fds_in_flight > 0 && t->user->fds_in_flight + n > s->lim.fds_per_user)
-    return FDS_USER;
-  if (s->fds_in_flight > 0 && s->fds_in_flight + n > s->fds_budget)
-    return FDS_ALL;
-  return FDS_GO;
-}
-
 /* May a frame with n fds go now? Sets t->fds_wait to the bound it waits for. */
 static int fds_may_go(struct sl_transport *t, size_t n) {
-  enum fds_wait w = fds_over(t, n);
-
-  if (w == FDS_CONN)
-    fds_refresh(t);
-  else if (w == FDS_USER)
-    fds_refresh_user(t->user);
-  else if (w == FDS_ALL)
-    fds_refresh_all(t->set);
-  t->fds_wait = w == FDS_GO ? FDS_GO : fds_over(t, n);
-  return t->fds_wait == FDS_GO;
+  t->fds_wait = sl_users_fds_may_go(&t->set->users, &t->share, n, uv_now(t->set->loop));
+  return t->fds_wait == SL_USERS_FDS_GO;
 }
 
 /* Writes the head frame once; returns 1 to go on with the next one, 0 to stop. */
@@ -424,13 +256,13 @@ static int write_head(struct sl_transport *t) {
 
   if (before == 0 && it->nfds > 0 && !fds_may_go(t, it->nfds))
     return 0;
-  t->fds_wait = FDS_GO;
+  t->fds_wait = SL_USERS_FDS_GO;
   t->refs_wait = 0;
   rc = sl_wire_out_write(&it->out, t->fd, &err);
   if (it->out.done > before) {
     t->progress = uv_now(t->set->loop);
     t->tx_bytes -= it->out.done - before;
-    fds_sent(t, (unsigned)it->nfds);
+    sl_users_fds_sent(&t->set->users, &t->share, (unsigned)it->nfds);
     sl_wire_close_fds(it->fds, it->nfds); /* sent: the kernel holds its own references */
     it->nfds = 0;
   }
@@ -503,7 +335,7 @@ static void drop_unbegun(struct sl_transport *t) {
     item_free(it);
   }
   t->tail = link;
-  t->fds_wait = FDS_GO;
+  t->fds_wait = SL_USERS_FDS_GO;
   t->refs_wait = 0;
 }
 
@@ -527,37 +359,21 @@ static void cut_off(struct sl_transport *t, int code, const char *why) {
   protocol_error(t, &err);
 }
 
-static void rx_uncharge(struct sl_transport *t) {
-  t->user->rx_bytes -= t->rx_charged;
-  t->rx_charged = 0;
-}
-
-/* The uid's open connection with the largest receive buffer. */
-static struct sl_transport *rx_holder(struct sl_transport_user *u) {
-  struct sl_transport *best = NULL;
-
-  for (struct sl_transport *t = u->list; t != NULL; t = t->user_next)
-    if (!t->closing && (best == NULL || t->rx_charged > best->rx_charged))
-      best = t;
-  return best;
-}
-
 /* Counts the receive buffer against the uid's cap. Over it, the uid's connection that holds
  * the most is cut off (its buffer no longer counts), until under: the one that read last is
  * often a small one. Returns nonzero when t itself was cut off. */
 static int charge_rx(struct sl_transport *t) {
-  struct sl_transport_user *u = t->user;
+  const struct sl_users *users = &t->set->users;
+  struct sl_users_conn *h;
   char why[160], a[32];
 
-  u->rx_bytes = u->rx_bytes - t->rx_charged + t->rx.cap;
-  t->rx_charged = t->rx.cap;
-  while (u->rx_bytes > t->set->lim.rx_per_user) {
-    struct sl_transport *h = rx_holder(u);
+  sl_users_rx_set(&t->share, t->rx.cap);
+  while ((h = sl_users_rx_over(users, &t->share)) != NULL) {
     snprintf(why, sizeof(why), "the receive buffers of uid %u's connections are over their cap "
              "(%s) and this one held the most: send large requests one at a time",
-             (unsigned)u->uid, sl_format_size(a, t->set->lim.rx_per_user));
-    cut_off(h, SUBLET_ENOHOSTMEM, why);
-    if (h == t)
+             (unsigned)t->peer.uid, sl_format_size(a, users->lim.rx_per_user));
+    cut_off(of_share(h), SUBLET_ENOHOSTMEM, why);
+    if (h == &t->share)
       return 1;
   }
   return 0;
@@ -657,16 +473,16 @@ static uint64_t deadline_of(const struct sl_transport *t) {
 static void stall_message(const struct sl_transport *t, char *why, size_t size) {
   const struct sl_transports *s = t->set;
 
-  if (t->fds_wait == FDS_USER)
+  if (t->fds_wait == SL_USERS_FDS_USER)
     snprintf(why, size, "uid %u's connections hold %u fds sent by subletd and not yet "
              "received (the limit per user is %u), and this one's reply waited %u ms for "
              "them: a process of this uid does not read its replies", (unsigned)t->peer.uid,
-             t->user->fds_in_flight, s->lim.fds_per_user, s->lim.stall_ms);
-  else if (t->fds_wait == FDS_ALL)
+             t->share.uid->fds_in_flight, s->users.lim.fds_per_user, s->lim.stall_ms);
+  else if (t->fds_wait == SL_USERS_FDS_ALL)
     snprintf(why, size, "clients hold %u fds sent by subletd and not yet received (its "
              "budget is %u, half its open-files limit), and this one's reply waited %u ms for "
-             "them: its administrator may raise LimitNOFILE", s->fds_in_flight, s->fds_budget,
-             s->lim.stall_ms);
+             "them: its administrator may raise LimitNOFILE", s->users.fds_in_flight,
+             s->users.fds_budget, s->lim.stall_ms);
   else
     snprintf(why, size, "the client took no reply%s for %u ms",
              t->fds_wait ? " (nor the fds sent before)" : "", s->lim.stall_ms);
@@ -747,21 +563,15 @@ void sl_transport_close(struct sl_transport *t, const char *why) {
     return;
   t->closing = 1;
   snprintf(t->why, sizeof(t->why), "%s", why);
-  rx_uncharge(t); /* it reads nothing more: its buffer is not its uid's to count now */
+  sl_users_rx_set(&t->share, 0); /* it reads nothing more: not its uid's to count now */
   uv_poll_stop(&t->poll);
   uv_timer_start(&t->timer, on_timer, 0, 0);
 }
 
 /* The transport is gone for good: its fds in flight no longer count, nor it for its user. */
 static void release(struct sl_transport *t) {
-  struct sl_transports *s = t->set;
-
-  s->fds_in_flight -= t->fds_in_flight;
-  t->user->fds_in_flight -= t->fds_in_flight;
-  t->fds_in_flight = 0;
   t->lingering = 0;
-  user_drop(s, t);
-  s->nconns--;
+  sl_users_leave(&t->set->users, &t->share);
   uv_close((uv_handle_t *)&t->poll, on_handle_closed);
   uv_close((uv_handle_t *)&t->timer, on_handle_closed);
 }
@@ -769,8 +579,8 @@ static void release(struct sl_transport *t) {
 static void on_linger(uv_timer_t *h) {
   struct sl_transport *t = h->data;
 
-  fds_refresh(t);
-  if (t->fds_in_flight == 0) {
+  sl_users_fds_refresh(&t->set->users, &t->share);
+  if (t->share.fds_in_flight == 0) {
     uv_timer_stop(&t->timer);
     release(t);
   }
@@ -788,7 +598,7 @@ static void linger(struct sl_transport *t) {
 static void teardown(struct sl_transport *t, int may_linger) {
   struct sl_transports *s = t->set;
 
-  t->fds_wait = FDS_GO;
+  t->fds_wait = SL_USERS_FDS_GO;
   t->refs_wait = 0;
   if (t->head != NULL && t->head->out.done == 0)
     flush(t); /* one last try, never waiting: often the Error that says why */
@@ -800,10 +610,10 @@ static void teardown(struct sl_transport *t, int may_linger) {
     t->head = it->next;
     item_free(it);
   }
-  rx_uncharge(t);
+  sl_users_rx_set(&t->share, 0);
   sl_wire_rx_destroy(&t->rx);
-  fds_refresh(t);
-  if (may_linger && t->fds_in_flight > 0)
+  sl_users_fds_refresh(&s->users, &t->share);
+  if (may_linger && t->share.fds_in_flight > 0)
     linger(t);
   else
     release(t);

@@ -21,6 +21,9 @@
  * Closing is deferred to the loop: sl_transport_close() from anywhere (another connection's
  * handler included) only marks the connection; its closed callback runs later, from the loop.
  *
+ * Who holds what of the per-uid and shared bounds, and whether a connection is admitted, is
+ * counted by users.c, below this file.
+ *
  * The layer above (conn.c) gives its callbacks at creation: this file calls nothing above it.
  */
 #ifndef SL_TRANSPORT_H
@@ -33,6 +36,7 @@
 #include <uv.h>
 
 #include "error.h"
+#include "users.h"
 #include "wire.h"
 
 struct sl_transport;
@@ -40,20 +44,14 @@ struct sl_transport;
 struct sl_transport_limits {
   size_t tx_high;           /* queued output bytes over which requests are not read */
   size_t tx_max;            /* queued output bytes over which the client is cut off */
-  unsigned fds_in_flight;   /* fds of one connection sent and not yet taken */
-  unsigned fds_per_user;    /* of one uid's connections (at most a quarter of the budget) */
   unsigned stall_ms;        /* output pending, nothing taken this long: cut off */
   unsigned frame_ms;        /* a partial frame older than this: cut off */
-  unsigned conns;           /* connections at once, all users */
-  unsigned conns_per_user;  /* connections at once, one uid (root's too) */
-  size_t rx_per_user;       /* receive buffer bytes of one uid's connections */
+  struct sl_users_limits users; /* connections, receive buffers and fds, per uid and in all */
 };
 
 #define SL_TRANSPORT_LIMITS_DEFAULT                                                          \
   {.tx_high = 64u << 10, .tx_max = 2 * (SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD),               \
-   .fds_in_flight = SL_WIRE_MAX_FDS, .fds_per_user = 4 * SL_WIRE_MAX_FDS, .stall_ms = 2000,  \
-   .frame_ms = 2000, .conns = 1024, .conns_per_user = 128,                                   \
-   .rx_per_user = 4 * (SL_WIRE_HEADER + SL_WIRE_MAX_PAYLOAD)}
+   .stall_ms = 2000, .frame_ms = 2000, .users = SL_USERS_LIMITS_DEFAULT}
 
 struct sl_transport_ops {
   /* A whole frame: payload valid during the call, the h->nfds fds are the callee's. */
@@ -69,14 +67,10 @@ struct sl_transport_ops {
 /* All connections of one daemon: their loop, limits and per-uid counts. */
 struct sl_transports {
   uv_loop_t *loop;
-  struct sl_transport_limits lim;
+  struct sl_transport_limits lim; /* lim.users as given; users.lim is the one in force */
   const struct sl_transport_ops *ops;
-  unsigned nconns;
-  struct sl_transport_user *users; /* uids with connections, and their counts */
+  struct sl_users users;    /* the connections' counts, per uid and in all */
   int spare_fd;             /* kept open to accept (and refuse) when the fd table is full */
-  unsigned fds_in_flight;   /* sent by all connections, not yet taken */
-  unsigned fds_budget;      /* the most of them: half the open-files limit */
-  uint64_t fds_scanned;     /* loop ms when every holder's socket was last looked at */
   uint64_t cut_off;         /* connections cut off for exceeding a bound, since start */
 };
 
