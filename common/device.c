@@ -146,9 +146,9 @@ int sl_device_unmap_idle(struct sl_device *d, void *addr, uint64_t size) {
   return d->ops->unmap_idle(d, addr, size);
 }
 
-/* Per page, one call over adjacent mappings costs what a call per mapping does on an H200
- * (0.009 s per GiB of 2 MiB pages either way, sublet_bench_map): the driver's work is per page.
- * One call is fewer trips into the driver all the same. */
+/* Per page, one call over adjacent mappings costs what a call per mapping does: the driver's
+ * work is per page (the figure, from sublet_bench_map: docs/benchmarks.md). One call is fewer
+ * trips into the driver all the same. */
 void sl_device_unmap_pages(struct sl_device *d, void *addr, uint64_t npages) {
   uint64_t ps = d->info.page_size;
 

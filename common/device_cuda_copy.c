@@ -207,9 +207,9 @@ static unsigned int grid_blocks(struct cuda_device *d, uint64_t work, unsigned i
 #define ARGS_BYTES_PER_MOVE 32        /* (src, dst, len) and the running count of tiles */
 
 /* Pinned host memory of at least `bytes` for launch arguments, kept from one transfer to the
- * next (its caller holds args_lock): 200,000 moves are 6.4 MB, which a copy from pageable
- * memory carries at about 1.2 GB/s, 5 ms a launch. NULL where it cannot be had: pageable
- * memory of the caller's then. The context is current. */
+ * next (its caller holds args_lock): a launch of many moves carries megabytes of them, which a
+ * copy from pageable memory takes milliseconds to cross (docs/benchmarks.md). NULL where it
+ * cannot be had: pageable memory of the caller's then. The context is current. */
 static uint64_t *pinned_args(struct cuda_device *d, size_t bytes) {
   size_t want = (size_t)1 << 20;
   void *p = NULL;
@@ -247,8 +247,8 @@ static uint64_t *launch_args(struct cuda_device *d, size_t bytes, uint64_t **own
   return host;
 }
 
-/* Compiles the module now rather than at the first move (the driver JIT-compiles the PTX:
- * 0.17 s on an H200, which the first loan that moves kept bytes paid), and pins the launch
+/* Compiles the module now rather than at the first move (the driver JIT-compiles the PTX,
+ * which the first loan that moves kept bytes paid: docs/benchmarks.md), and pins the launch
  * arguments of a whole launch (32 MiB, a few ms): grown at a first move of many pieces, they
  * were registered while the borrower filled the GPU. A failure is remembered as at first use;
  * arguments that cannot be pinned now are tried again then. */
@@ -364,7 +364,8 @@ int cuda_move(struct sl_device *dev, void *base, const struct sl_move *moves, si
 
 /* Scattered on the device but one run in host memory (saves and restores are), and many
  * small pieces: then a gather (or scatter) on the device and one long copy over the link beat
- * a batch of small copies (about 37 against 54 GB/s for 64 KiB pieces on an H200). */
+ * a batch of small copies, which the copy engines carry below the link's speed
+ * (docs/benchmarks.md). */
 static int stage_worth(const struct sl_copy *c, size_t n) {
   uint64_t bytes = 0;
 
@@ -525,13 +526,12 @@ static int copy_staged(struct cuda_device *d, enum sl_copy_dir dir, void *dev_ba
 /* --- copies into pages just made: SMs read the pinned host memory */
 
 /* Into pages just made, a copy engine shares the link with the driver clearing memory freed
- * just before: on an H200, a host-to-device copy into new pages after a process had written
- * and freed 100 GiB ran at 32 to 34 GB/s, and at 52 to 54 into the same pages a moment later,
- * while SMs reading the pinned host memory ran at 49.5 GB/s both times (.device-style micro,
- * 16 GiB). A resume's copies back therefore run as moves (sl_move_ranges) whose sources are
- * host addresses, which kernels may read there (sm_copies; the save area is registered
- * DEVICEMAP). A piece whose ends disagree modulo 16 would cross the link a byte at a time:
- * then, or without the kernel, the copy engines take the call (COPY_ELSEWHERE). */
+ * just before, and runs well below the speed it has into the same pages a moment later, while
+ * SMs reading the pinned host memory run at one speed both times (the figures:
+ * docs/benchmarks.md). A resume's copies back therefore run as moves (sl_move_ranges) whose
+ * sources are host addresses, which kernels may read there (sm_copies; the save area is
+ * registered DEVICEMAP). A piece whose ends disagree modulo 16 would cross the link a byte at
+ * a time: then, or without the kernel, the copy engines take the call (COPY_ELSEWHERE). */
 
 static int copy_by_sms(struct cuda_device *d, char *dev_mem, char *host_mem,
                        const struct sl_copy *c, size_t n, struct sl_err *err) {

@@ -14,8 +14,8 @@
  * daemon serve others during a long copy, and to kill it in the middle of one.
  * $SUBLET_MEMFD_PIN (bytes per second) does the same for pinning host memory (host_map), which
  * takes seconds per 10 GiB on a GPU machine: tests use it to signal subletd while --pin runs.
- * $SUBLET_MEMFD_CREATE (bytes per second) paces creating handles likewise (2 s for the 64 GiB
- * of a region on an H200): tests use it to watch the daemon serve others meanwhile.
+ * $SUBLET_MEMFD_CREATE (bytes per second) paces creating handles likewise (a large region's
+ * take seconds on a GPU): tests use it to watch the daemon serve others meanwhile.
  * $SUBLET_MEMFD_MAPPED=1 keeps a handle this device created counted after its release for as
  * long as any process still maps it, as a GPU's memory lives until every process has let go
  * (by default the bytes are free at the release). The kernel says whether one does: adding

@@ -20,8 +20,8 @@
 /* One range in keep_ranges and in the memfd: offset, then length, each a little-endian u64. */
 #define SL_KEEPWIRE_RANGE_BYTES 16
 /* Keep lists of more ranges than this are long: the client library sends one in a memfd when
- * subletd reads them so (through the socket, 220,000 ranges took 3 to 4 ms of a Lend on an
- * H200 host), and subletd drafts its loan off the loop. */
+ * subletd reads them so (through the socket, a long list holds the Lend milliseconds on the
+ * loop: docs/benchmarks.md), and subletd drafts its loan off the loop. */
 #define SL_KEEPWIRE_SHORT_RANGES 65536
 /* The most ranges a keep memfd may hold (Lend.keep_fd_ranges, PROTOCOL.md): 64 MiB, what
  * subletd reads of it into its own memory. Longer lists go through the socket, within the

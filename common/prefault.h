@@ -1,9 +1,9 @@
 /* prefault.h - host memory's pages made before it is pinned, by several threads at once.
  *
- * Pinning touched memory costs a tenth of what cuMemHostAlloc does, but touching is the slow
- * part for shared memory: a memfd's pages are made, zeroed and filed one by one, about 1.6 GB/s
- * from one thread (a 64 GiB save area took 34 to 42 s to make at a release's first save on an
- * H200's host). Threads making disjoint parts of it scale with the cores.
+ * Pinning touched memory costs a fraction of what cuMemHostAlloc does, but touching is the
+ * slow part for shared memory: a memfd's pages are made, zeroed and filed one by one, tens of
+ * seconds for a large save area from one thread (docs/benchmarks.md). Threads making disjoint
+ * parts of it scale with the cores.
  */
 #ifndef SL_PREFAULT_H
 #define SL_PREFAULT_H

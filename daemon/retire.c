@@ -5,9 +5,10 @@
  * counted (free memory, Status.held) on every backend: on a GPU the pages a borrower imported
  * stay allocated while it holds them whatever the daemon does.
  *
- * Releasing the pages of a large region (unmapping and releasing every one: about 1 s for 64
- * GiB on an H200) is a job, off the loop; a RegionRelease is answered when it is done, so that
- * the memory is back by the time the client hears so. A small region is freed on the loop.
+ * Releasing the pages of a large region (unmapping and releasing every one, a driver call
+ * each: docs/benchmarks.md) is a job, off the loop; a RegionRelease is answered when it is
+ * done, so that the memory is back by the time the client hears so. A small region is freed
+ * on the loop.
  */
 #include <stdlib.h>
 
@@ -36,7 +37,7 @@ static void free_done(struct sl_job *j) {
 
 /* Regions up to this size are freed on the loop when no job is queued (a few ms on a GPU):
  * then the memory is back before anything that follows is answered, the end of a dead owner's
- * loan included. Larger ones go to a job (1 s for 64 GiB on an H200). */
+ * loan included. Larger ones go to a job (their release holds the loop too long). */
 #define FREE_INLINE_BYTES (256ull << 20)
 
 /* Frees r, off the loop unless small (or where not even the job can be had); answers c's

@@ -66,7 +66,7 @@ _LAZY = {"empty": "._memory", "pool": "._pool", "Pool": "._pool", "Loan": "._loa
          "Blocks": "._keep", "release": "._release", "Release": "._release",
          "ReleaseOffer": "._release", "take": "._take", "Taken": "._take"}
 # A process that makes sublet memory is about to lend it: the lending modules load with
-# sublet.empty, not in the first loan's time (13 to 19 ms of imports, on the H200 and here).
+# sublet.empty, not in the first loan's time (their imports' figure: docs/benchmarks.md).
 _LOADED_WITH = {"empty": ("._loan",), "pool": ("._loan",)}
 
 
@@ -185,8 +185,9 @@ def pin_ahead(nbytes: int, device: torch.device | str | int | None = None,
     """Pins host memory for the saves of this user's loans on `device` ahead of the first
     lend, in the background: an owner that knows how much it will keep (nbytes, at most its
     regions' bytes together) calls it once its memory is made, so that a loan's first save
-    finds the host memory made instead of waiting for the kernel to make it (about 5 GB/s; a
-    lend starts the same pin, but a borrower that fills the GPU at once outruns it). Returns
+    finds the host memory made instead of waiting for the kernel to make it (slower than the
+    link: docs/benchmarks.md; a lend starts the same pin, but a borrower that fills the GPU at
+    once outruns it). Returns
     at once; `sublet status` shows the pin. What is pinned stays for later loans and goes when
     the user has had no region for the daemon's --pin-keep. BusyError while the loans' save
     area is another user's. release=True: for this user's next sublet.release instead
