@@ -4,8 +4,8 @@ fewest kept bytes; their kept bytes move on the GPU into the holes of the pages 
 only what those cannot hold goes to the host. A plain PyTorch process and a cudaMalloc process
 (ctypes on libcudart), neither knowing sublet, allocate their stated need during the release
 of a 100 %-kept tensor and of a 30 %-kept pool tag; kept bits compared over cycles whose keeps
-and needs change. Skipped without CUDA. (The incremental need, Release.need(), is not built
-yet: issue 42.)
+and needs change; an incremental need (Release.need) releases more while the taker holds what
+it got. Skipped without CUDA.
 
     python3 -m pytest tests/python/test_gpu_release_need.py -m gpu -s    # -s: the figures
 """
@@ -134,3 +134,37 @@ def test_cycles_with_changing_keeps_and_needs_keep_every_bit(what, page):
             assert all(same_bits(a, b) for a, b in zip(kept_now(), before)), cycle
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("what", ["tensor", "pool"])
+def test_an_incremental_need_releases_more_while_the_taker_holds_the_first(what, page):
+    """The taker (cudaMalloc, no sublet) needs an eighth of the subject beyond what is free and
+    allocates it; then it needs a quarter more, which does not fit until Release.need (the need
+    in all) gives more pages, nothing resumed meanwhile; the host gets the limit after each
+    step; one resume brings every kept bit back."""
+    target, keep, kept_now, kept, total = subject(what)
+    before = kept_now()
+    consumer = Consumer("cudart")
+    try:
+        filler = torch.empty(settled_free_memory() - 512 * MiB, dtype=torch.uint8,
+                             device="cuda")
+        torch.cuda.synchronize()
+        first, more = free_now() + total // 8, total // 4
+        rel = release(target, keep=keep, need=first)
+        released_first = rel.released_bytes
+        assert consumer.ask(f"alloc {first}") == "ok"
+        assert consumer.ask(f"alloc {more}") == "oom", "the second need fits before it is asked"
+        rel.need(first + more)
+        assert released_first < rel.released_bytes < total
+        assert rel.copied_bytes == host_limit(kept, rel.stayed_bytes)
+        assert consumer.ask(f"alloc {more}") == "ok", \
+            f"released {rel.released_bytes / GiB:.2f} GiB, free {free_now() / GiB:.2f}"
+        assert consumer.ask("free") == "freed"
+        rel.resume()
+        del filler
+    finally:
+        consumer.close()
+    assert all(same_bits(a, b) for a, b in zip(kept_now(), before)), what
+    print(f"\n{what}: needs {first / GiB:.2f} then {(first + more) / GiB:.2f} GiB; released "
+          f"{released_first / GiB:.2f} then {rel.released_bytes / GiB:.2f} GiB, moved "
+          f"{rel.moved_bytes / GiB:.2f}, to the host {rel.copied_bytes / GiB:.2f}")
