@@ -20,7 +20,7 @@ struct sublet_region {
   uint64_t npages;
   uint64_t page_size;
   sl_handle *handles;  /* imported at creation; this process's references to the pages */
-  uint32_t *span;      /* page groups (a resume's, daemon/books.h): handles[p] backs span[p]
+  uint32_t *span;      /* page groups (a resume's, daemon/books/books.h): handles[p] backs span[p]
                           pages; inside a group span 0 and handles[p] the group's (not owned
                           twice). NULL while every page is its own */
   void *base;          /* all pages mapped contiguously: the tensor's memory */
@@ -56,6 +56,7 @@ struct sublet_client {
   int pin_ahead_ok;     /* Welcome.pin_ahead: PinAhead */
   int release_need_ok;  /* Welcome.release_need: Lend.need_bytes */
   int release_more_ok;  /* Welcome.release_more: ReleaseMore */
+  int take_need_ok;     /* Welcome.take_need: Take.need_bytes, TakeMore, ReleaseOffer.by_need */
   struct sl_keepwire_tx keep; /* Welcome.keep_ranges, .keep_fd and the keep memfd (keepwire.h) */
   struct sl_wire_rx rx;
   uint64_t next_id;
@@ -181,7 +182,7 @@ int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_rang
  * place of the old ones (released, for a release: none). */
 int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n);
 /* Groups ((first, count) pairs of released pages, a resume's) fetched as one handle each and
- * mapped at their addresses (daemon/books.h, "Page groups"). */
+ * mapped at their addresses (daemon/books/books.h, "Page groups"). */
 int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
                          size_t n);
 /* Unmaps pages [first, first+count) of r's own mapping (the device idle), whole groups, and

@@ -29,7 +29,7 @@ __device__ __forceinline__ u64 piece_of_tile(const u64 *__restrict__ tile_end, u
   return lo;
 }
 
-/* ---- moves (daemon/plan.h: compaction): many (src, dst, len) pieces in one launch */
+/* ---- moves (daemon/books/plan.h: compaction): many (src, dst, len) pieces in one launch */
 
 /* One block copies len bytes from src to dst: 16-byte words, UNROLL of them in flight per
  * thread, where src and dst agree modulo 16 (kept ranges of whole elements do), single bytes

@@ -12,7 +12,7 @@
  * callbacks they were given (struct sl_conn_ops, struct sl_transport_ops, users.h's taken).
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
- * books (daemon/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
+ * books (daemon/books/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).
  * Everything runs on the loop's thread, except the copies of jobs.c, which touch only their
  * transfer and the device.
  */

@@ -1,6 +1,14 @@
 /* books.h - subletd's ledger: clients, regions, loans and allocations. Plain C: no I/O, no
  * device, no clock, so that every path can be unit-tested exhaustively on any machine.
  *
+ * The floor: daemon/books/ is the bottom floor of subletd, and calls nothing of the daemon above
+ * it. Its files (books.c, books_alloc.c, books_release.c, books_space.c, kept.c, check.c over
+ * the family's private books_impl.h; plan.c over plan.h; grow.h's array helpers, which the pool
+ * shares) are pure C: they call the C library and common/error.c's sl_err_set and
+ * sl_format_size, and include no header of daemon/ (no libuv, no pool, no transport, no
+ * handlers). The daemon calls down into the books through books.h (and plan.h); the books never
+ * call up. tests/unit/test_books*.c and tests/fuzz/fuzz_books.c drive them alone (sl_books).
+ *
  * Vocabulary
  *   page      the unit of lending: info.page_size bytes (2 MiB on an H200), one device handle.
  *   region    the memory of one tensor: npages pages, made by its owner client.

@@ -1,4 +1,4 @@
-/* fuzz_books.c - fuzzes the books (daemon/books.h) with scripts of hostile clients: the input is
+/* fuzz_books.c - fuzzes the books (daemon/books/books.h) with scripts of hostile clients: the input is
  * a script of operations, each made by one of 8 clients with arguments the script chooses
  * (small numbers that name real ids and pages, or the values that break arithmetic:
  * UINT64_MAX, 2^63, ...), and sl_books_check must hold after every step. Whatever a client

@@ -92,7 +92,7 @@ def test_every_environment_variable_sublet_reads_is_in_the_readme():
     """Each SUBLET_* name the package or the C code reads (a string literal there) has a row in
     the README's table, and each row names something the code reads."""
     code = [*(REPO / "sublet").rglob("*.py"), *(REPO / "client").glob("*.c"),
-            *(REPO / "daemon").glob("*.c"), *(REPO / "common").glob("*.c"),
+            *(REPO / "daemon").rglob("*.c"), *(REPO / "common").glob("*.c"),
             *(REPO / "preload").glob("*.c")]
     read = set()
     for path in code:

@@ -1,4 +1,4 @@
-"""Loans in order (daemon/books.h): after a region's first loan no loan maps a page, whatever
+"""Loans in order (daemon/books/books.h): after a region's first loan no loan maps a page, whatever
 its keep and however it changes from one loan to the next, in the owner's process and in
 another one; and the borrower is served from the region's pages first (kept bytes moved out of
 the way on the device), then from free memory, and only then at the cost of host copies.

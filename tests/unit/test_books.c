@@ -1,4 +1,4 @@
-/* test_books.c - unit tests of subletd's books (daemon/books.c).
+/* test_books.c - unit tests of subletd's books (daemon/books/books.c).
  *
  * Every path of books.h: lending order, first fit, fresh chunks, the exact kept bytes saved and
  * restored (checked against a byte map), leaks, every error, client removal in every state, a

@@ -1,4 +1,4 @@
-/* test_books_need.c - releases by need in the books (daemon/books_release.c, issue 42): a
+/* test_books_need.c - releases by need in the books (daemon/books/books_release.c, issue 42): a
  * property test of the page choice against a reference, and the refusal.
  *
  * The reference, for a region without page groups: a need of N bytes with F free takes

@@ -1,4 +1,4 @@
-/* test_books_release.c - unit tests of the books' releases (daemon/books_release.c).
+/* test_books_release.c - unit tests of the books' releases (daemon/books/books_release.c).
  *
  * What a release gives back and where its kept bytes go (into the holes of the pages that
  * stay, the host only past `stay`), the exact bytes against a byte map, releases side by side
