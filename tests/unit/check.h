@@ -9,9 +9,15 @@
 #include <stdio.h>
 #include <string.h>
 
-static int check_passed, check_failed;
+/* The tally, one a test program: a test of several files defines SL_CHECK_SHARED before this
+ * header in each file but its main's, and they count into main's (books_fixtures.c). */
+extern int check_passed, check_failed;
 /* When set, printed under each failure: the test's last error message (test_device.c). */
-static const char *check_note;
+extern const char *check_note;
+#ifndef SL_CHECK_SHARED
+int check_passed, check_failed;
+const char *check_note;
+#endif
 
 static inline void check_at(int ok, const char *what, const char *file, int line) {
   if (ok) {

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "books_fixtures.h"
 
 #define PS 4096u
 
@@ -78,14 +79,7 @@ static void random_keep(struct fixture *f, uint64_t *s) {
 
 static int release_need(struct fixture *f, const struct sl_release_need *need, uint64_t stay,
                         struct sl_release_work *w, struct sl_err *err) {
-  struct sl_loan *draft = NULL;
-  int rc = sl_books_draft(sl_books_cfg(f->b), f->npages, f->keep, f->nkeep, 0, NULL, 0, &draft,
-                          err);
-
-  if (rc == 0 && (rc = sl_books_release_begin(f->b, f->owner, f->region, draft, stay, need, w,
-                                              err)) != 0)
-    sl_books_draft_free(draft);
-  return rc;
+  return release(f->b, f->owner, f->region, f->keep, f->nkeep, NULL, 0, stay, need, w, err);
 }
 
 /* The begin's moves and saves on a byte map, the released pages overwritten, the undo: is

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "books_fixtures.h"
 
 #define PS 4096u
 #define NONE UINT64_MAX
@@ -24,34 +25,11 @@ static struct sl_books *books_new(void) {
   return b;
 }
 
-static uint64_t client(struct sl_books *b, uid_t uid) {
-  struct sl_peer peer = {.pid = 100 + (pid_t)uid, .uid = uid, .gid = uid};
-  uint64_t id = 0;
-
-  CHECK_EQ(sl_books_client_add(b, &peer, &id), 0);
-  return id;
-}
-
 static uint64_t region(struct sl_books *b, uint64_t owner, uint64_t npages, int growable) {
   uint64_t id = 0;
 
   CHECK_EQ(sl_books_region_new(b, owner, npages, growable, &id, NULL), 0);
   return id;
-}
-
-/* Releases region pages outside `pinned` ((first, count) pairs), keeping keep[0..n). */
-static int release(struct sl_books *b, uint64_t owner, uint64_t rid, const struct sublet_range *keep,
-                   size_t n, const uint64_t *pinned, size_t npinned, uint64_t stay,
-                   struct sl_release_work *w, struct sl_err *err) {
-  struct sl_region_info ri;
-  struct sl_loan *draft = NULL;
-  int rc;
-
-  sl_books_region_info(b, rid, &ri);
-  rc = sl_books_draft(sl_books_cfg(b), ri.npages, keep, n, 0, pinned, npinned, &draft, err);
-  if (rc == 0 && (rc = sl_books_release_begin(b, owner, rid, draft, stay, NULL, w, err)) != 0)
-    sl_books_draft_free(draft);
-  return rc;
 }
 
 /* The byte map of a region: the begin's moves and saves applied, the released pages
@@ -68,11 +46,11 @@ static const struct sublet_range KEEP8[] = {{0 * PS, 1024}, {1 * PS, 1024}, {2 *
 
 static void check_round_trip(uint64_t stay, uint64_t want_stayed, uint64_t want_saved) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 16, 0);
   struct sl_release_work w = {0}, u = {0};
   struct sl_release_info ri;
 
-  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, stay, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, stay, NULL, &w, NULL), 0);
   BOOKS_OK(b);
   CHECK_EQ(w.stayed, want_stayed);
   CHECK_EQ(w.nreleased, 16 - want_stayed);
@@ -110,11 +88,11 @@ static void test_where_kept_bytes_go(void) {
  * that holds the most of them (the highest on ties); every other page is released, ascending. */
 static void test_the_pages_that_stay_are_one_window(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 16, 0);
   struct sl_release_work w = {0};
   const struct sublet_range keep[] = {{3 * PS, 4096}, {9 * PS + 100, 10}, {12 * PS, 4096}};
 
-  CHECK_EQ(release(b, o, r, keep, 3, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, keep, 3, NULL, 0, NONE, NULL, &w, NULL), 0);
   /* B = 8202 bytes fill 3 pages: 12..14 hold 4096 of them, as many as any window */
   CHECK_EQ(w.stayed, 3);
   CHECK_EQ(w.nreleased, 13);
@@ -144,13 +122,13 @@ static size_t released_runs(const struct sl_release_work *w) {
 static void test_rows_are_gathered(void) {
   enum { N = 32 };
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, N, 0);
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, N, 0);
   struct sl_release_work w = {0}, u = {0};
   struct sublet_range rows[N / 2];
 
   for (size_t i = 0; i < N / 2; i++)
     rows[i] = (struct sublet_range){2 * i * PS, 3072};
-  CHECK_EQ(release(b, o, r, rows, N / 2, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, rows, N / 2, NULL, 0, NONE, NULL, &w, NULL), 0);
   BOOKS_OK(b);
   CHECK_EQ(w.stayed, 12); /* 16 x 3 KiB fill 12 pages */
   CHECK(released_runs(&w) <= 2);
@@ -170,16 +148,16 @@ static void test_rows_are_gathered(void) {
 /* Two tags of one arena: disjoint releases live at once; an overlap is refused. */
 static void test_side_by_side(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 16, 1);
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 16, 1);
   const uint64_t pin_hi[] = {8, 8}, pin_lo[] = {0, 8}, pin_mid[] = {0, 4, 12, 4};
   struct sl_release_work w1 = {0}, w2 = {0}, w3 = {0}, u = {0};
   struct sl_err err = {0};
 
-  CHECK_EQ(release(b, o, r, NULL, 0, pin_hi, 1, NONE, &w1, NULL), 0); /* pages 0..7 */
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_hi, 1, NONE, NULL, &w1, NULL), 0); /* pages 0..7 */
   sl_books_release_done(b, w1.release_id, 1);
-  CHECK_EQ(release(b, o, r, NULL, 0, pin_mid, 2, NONE, &w3, &err), SUBLET_EBUSY);
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_mid, 2, NONE, NULL, &w3, &err), SUBLET_EBUSY);
   CHECK_MSG(err, "released already");
-  CHECK_EQ(release(b, o, r, NULL, 0, pin_lo, 1, NONE, &w2, NULL), 0); /* pages 8..15 */
+  CHECK_EQ(release(b, o, r, NULL, 0, pin_lo, 1, NONE, NULL, &w2, NULL), 0); /* pages 8..15 */
   sl_books_release_done(b, w2.release_id, 1);
   CHECK_EQ(sl_books_region_released(b, r), 16);
   BOOKS_OK(b);
@@ -198,17 +176,17 @@ static void test_side_by_side(void) {
 /* What a live release refuses: lending the region, its released pages' fds, others' hands. */
 static void test_refusals(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), same = client(b, 1000), other = client(b, 1001);
+  uint64_t o = client(b, 1000, 1000), same = client(b, 1000, 1000), other = client(b, 1001, 1001);
   uint64_t r = region(b, o, 16, 0), loan;
   struct sl_release_work w = {0}, u = {0};
   struct sl_err err = {0};
   const uint8_t token[16] = {1};
 
-  CHECK_EQ(release(b, same, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EPERM);
+  CHECK_EQ(release(b, same, r, KEEP8, 8, NULL, 0, NONE, NULL, &w, &err), SUBLET_EPERM);
   /* another user's region is refused as a missing one, word for word (issue 41) */
-  CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
-  CHECK_EQ(release(b, o, r + 99, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_ENOENT);
-  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, other, r, KEEP8, 8, NULL, 0, NONE, NULL, &w, &err), SUBLET_ENOENT);
+  CHECK_EQ(release(b, o, r + 99, KEEP8, 8, NULL, 0, NONE, NULL, &w, &err), SUBLET_ENOENT);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, NULL, &w, NULL), 0);
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, &err), SUBLET_EBUSY); /* releasing */
   CHECK_MSG(err, "releasing");
   sl_books_release_done(b, w.release_id, 1);
@@ -227,7 +205,7 @@ static void test_refusals(void) {
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 0, &u, NULL), 0);
   sl_books_resume_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_lend(b, o, r, NULL, 0, 1, "x", token, &loan, NULL), 0);
-  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, &err), SUBLET_EBUSY); /* lent */
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, NULL, &w, &err), SUBLET_EBUSY); /* lent */
   BOOKS_OK(b);
   sl_release_work_clear(&w);
   sl_release_work_clear(&u);
@@ -237,16 +215,16 @@ static void test_refusals(void) {
 /* A failed begin leaves nothing; an owner that goes takes its releases along. */
 static void test_failure_and_owner_gone(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 16, 0);
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 16, 0);
   struct sl_release_work w = {0}, w2 = {0};
   struct sl_release_info ri;
   struct sl_client_gone gone;
 
-  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, NONE, NULL, &w, NULL), 0);
   sl_books_release_done(b, w.release_id, 0); /* the device work failed */
   CHECK_EQ(sl_books_release_info(b, w.release_id, &ri), SUBLET_ENOENT);
   CHECK_EQ(sl_books_region_released(b, r), 0);
-  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, 0, &w2, NULL), 0);
+  CHECK_EQ(release(b, o, r, KEEP8, 8, NULL, 0, 0, NULL, &w2, NULL), 0);
   sl_books_release_done(b, w2.release_id, 1);
   BOOKS_OK(b);
   CHECK_EQ(sl_books_client_remove(b, o, &gone), 0);
@@ -263,7 +241,7 @@ static void test_failure_and_owner_gone(void) {
  * or without groups; the kept bytes come back; w is the release's work. */
 static void cycle(struct sl_books *b, uint64_t o, uint64_t r, const struct sublet_range *keep,
                   size_t n, int groups, struct sl_release_work *w, struct sl_release_work *u) {
-  CHECK_EQ(release(b, o, r, keep, n, NULL, 0, NONE, w, NULL), 0);
+  CHECK_EQ(release(b, o, r, keep, n, NULL, 0, NONE, NULL, w, NULL), 0);
   BOOKS_OK(b);
   sl_books_release_done(b, w->release_id, 1);
   CHECK_EQ(sl_books_resume_begin(b, o, w->release_id, groups, u, NULL), 0);
@@ -279,7 +257,7 @@ static void cycle(struct sl_books *b, uint64_t o, uint64_t r, const struct suble
  * groups; a resume page by page undoes them. */
 static void test_page_groups(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 64, 0), loan;
   struct sl_release_work w = {0}, u = {0};
   static const struct sublet_range keep5[] = {{5 * PS + 100, 200}};
   uint8_t token[SUBLET_TOKEN_SIZE] = {1};
@@ -335,11 +313,11 @@ static void test_page_groups(void) {
 /* A resume that fails leaves the region as it was: no spans made for nothing. */
 static void test_groups_resume_fails(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 64, 0), loan;
   struct sl_release_work w = {0}, u = {0};
   uint8_t token[SUBLET_TOKEN_SIZE] = {2};
 
-  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, NULL, &w, NULL), 0);
   sl_books_release_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 1, &u, NULL), 0);
   sl_books_resume_done(b, w.release_id, 0);
@@ -359,13 +337,13 @@ static void test_groups_resume_fails(void) {
  * its end deletes it whatever the copies did (the owner holds the pages). */
 static void test_early_resume(void) {
   struct sl_books *b = books_new();
-  uint64_t o = client(b, 1000), r = region(b, o, 64, 0), loan;
+  uint64_t o = client(b, 1000, 1000), r = region(b, o, 64, 0), loan;
   struct sl_release_work w = {0}, u = {0}, v = {0};
   struct sl_release_info ri;
   uint8_t token[SUBLET_TOKEN_SIZE] = {3};
   struct sl_err err = {0};
 
-  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, &w, NULL), 0);
+  CHECK_EQ(release(b, o, r, NULL, 0, NULL, 0, NONE, NULL, &w, NULL), 0);
   sl_books_release_done(b, w.release_id, 1);
   CHECK_EQ(sl_books_resume_made(b, w.release_id), SUBLET_EBUSY); /* not resuming */
   CHECK_EQ(sl_books_resume_begin(b, o, w.release_id, 1, &u, NULL), 0);
