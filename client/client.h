@@ -149,31 +149,11 @@ int sl_client_read_notices(sublet_client *c);
 /* Is the connection gone (the daemon died or closed it, or it was shut as broken)? */
 int sl_client_gone(const sublet_client *c);
 
-/* ------------------------------------------------------------------ region.c */
+/* ------------------------------------------------------------------ pages.c */
 
 /* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
 int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
                           sl_handle *handles);
-/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
-struct sl_lend_args {
-  const struct sublet_range *keep;
-  size_t nkeep;
-  int keep_all;
-  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
-  size_t npinned;   /* pairs */
-  int local;        /* borrowed by this client in the same step (borrow.c) */
-  const char *name;
-  int timeout_ms;
-  uint64_t known_layout; /* local: the layout id of the window this client holds (0: none) */
-};
-/* Sends Lend (the caller holds c->lock) and takes Lent's fds: the three of the rescue (kept in
- * r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
-int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
-                   int *release_fd);
-/* An offer of r (not local): pinned converted, then the Lend under c->lock. */
-int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
-                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
-                    uint8_t token[SUBLET_TOKEN_SIZE]);
 /* Byte ranges of whole pages of r, any order and overlap, as sorted merged (first page,
  * count) pairs in *out (malloc'd, *nout pairs). */
 int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *ranges,
@@ -200,11 +180,37 @@ void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t 
 int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped);
 /* The window of a loan of r that maps r's own pages goes (before they change). */
 void sl_region_drop_window(sublet_client *c, const struct sublet_region *r);
+
+/* ------------------------------------------------------------------ region.c */
+
 /* This client's region with that id, or NULL. */
 struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
 /* Unmaps and releases this process's side of every region (the daemon's side goes with the
  * connection). */
 void sl_region_forget_all(sublet_client *c);
+
+/* ------------------------------------------------------------------ lend.c */
+
+/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
+struct sl_lend_args {
+  const struct sublet_range *keep;
+  size_t nkeep;
+  int keep_all;
+  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
+  size_t npinned;   /* pairs */
+  int local;        /* borrowed by this client in the same step (borrow.c) */
+  const char *name;
+  int timeout_ms;
+  uint64_t known_layout; /* local: the layout id of the window this client holds (0: none) */
+};
+/* Sends Lend (the caller holds c->lock) and takes Lent's fds: the three of the rescue (kept in
+ * r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
+int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
+                   int *release_fd);
+/* An offer of r (not local): pinned converted, then the Lend under c->lock. */
+int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
+                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
+                    uint8_t token[SUBLET_TOKEN_SIZE]);
 
 /* ------------------------------------------------------------------ rescue.c */
 
