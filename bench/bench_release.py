@@ -55,7 +55,8 @@ per keep (100 % all; 30 % as blocks and as rows), running every need in turn:
   tms all      torch_memory_saver pausing everything (as above)
   sublet all   sublet.release("kv", keep=..., stay=0): every page released, every kept byte to
                the host and back
-  sublet need  sublet.release("kv", keep=..., need=N + 256 MiB): subletd counts F and
+  sublet need  sublet.release("kv", keep=..., need=N): subletd counts F (less the 256 MiB
+               the driver keeps back from a taker's allocation, common/device_cuda.h) and
                releases only the pages the rest of the need takes, those with the fewest kept
                bytes; their kept bytes move on the device into holes of the pages that stay,
                only what those cannot hold crosses the link
@@ -114,7 +115,7 @@ MARK = "BENCH-RELEASE "
 TARGET_SPEEDUP = 5.0           # at 30% kept, x faster than tms backing up everything
 CONTENDERS = ("tms-all", "tms-best", "sublet", "sublet-need")
 NEEDS = "10,25,50,100"         # --need's default: percent of S
-NEED_SLACK = 256 * MiB         # a release by need asks N + this: PyTorch's and the driver's own
+NEED_SLACK = 256 * MiB         # SL_CUDA_ALLOC_HEADROOM: a need of N leaves N + this free
 NEED_TARGET_LIMIT = 1.25       # later cycles within this x the limit (issue 42)
 NEED_TARGET_SPEEDUP = 3.0      # at 100% kept and a 25% need, x faster than tms all
 CHILD_TIMEOUT_S = 1800
@@ -707,16 +708,16 @@ def run_needs(spec: dict, pause: Callable[[int], Any], resume: Callable[[Any], d
               check: Callable[[int], None], observe: Callable[[Any], Any]) -> dict:
     """By need: one first cycle (the process's first pause, at the largest need: it pays for
     what a first pause pays, pinning the save area included, which a later need's cycle would
-    otherwise pay), then spec["cycles"] cycles of each need; pause(need) is given N +
-    NEED_SLACK, the taker allocates N."""
+    otherwise pay), then spec["cycles"] cycles of each need; pause(need) is given N, the taker
+    allocates N; the limit counts N + NEED_SLACK, what subletd leaves free for it."""
     label, size, taker = spec["label"], spec["size"], spec["taker"]
     n0 = need_bytes(max(spec["needs"]), size)
-    first = run_cycles(1, lambda: pause(n0 + NEED_SLACK), resume, check, f"{label} first",
+    first = run_cycles(1, lambda: pause(n0), resume, check, f"{label} first",
                        taker, observe, take=n0)[0]
     needs = []
     for f in spec["needs"]:
         n = need_bytes(f, size)
-        cycles = run_cycles(spec["cycles"], lambda: pause(n + NEED_SLACK), resume, check,
+        cycles = run_cycles(spec["cycles"], lambda: pause(n), resume, check,
                             f"{label} need {f:.0%}", taker, observe, take=n)
         needs.append({"fraction": f, "take_bytes": n, "need_bytes": n + NEED_SLACK,
                       "cycles": cycles})

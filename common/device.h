@@ -46,6 +46,10 @@ struct sl_device_info {
   int ordinal;
   uint64_t page_size;   /* the allocation granularity: 2 MiB on an H200 */
   uint64_t total_bytes;
+  /* Free bytes a taker cannot have: the driver keeps some back from an allocation of all
+   * that is free (cuda: SL_CUDA_ALLOC_HEADROOM; memfd: 0). A release by need counts the free
+   * bytes less this. */
+  uint64_t alloc_headroom;
 };
 
 /* A UUID as nvidia-smi -L and `sublet status` write it: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-..."

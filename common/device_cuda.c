@@ -269,6 +269,7 @@ static int setup_allocations(struct cuda_device *d, struct sl_err *err) {
                                                          CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
                   err, "cuMemGetAllocationGranularity", "check the driver");
   d->base.info.page_size = granularity;
+  d->base.info.alloc_headroom = SL_CUDA_ALLOC_HEADROOM;
   return rc;
 }
 

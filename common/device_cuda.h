@@ -109,6 +109,11 @@ typedef struct CUmemcpyAttributes_st {
 /* --- entry points, with their signatures at API version 12000 (cudaTypedefs.h's PFN_*) */
 
 #define SL_CUDA_API_VERSION 12000
+/* What the driver keeps back from an allocation of all its free bytes (page tables, its own
+ * bookkeeping): a release by need leaves this much free beyond the need. An estimate with a
+ * margin, checked by test_gpu_release_need.py (a cudaMalloc and a PyTorch taker each get
+ * their need): a need counted against every free byte fell short. */
+#define SL_CUDA_ALLOC_HEADROOM (256ull << 20)
 
 #define SL_CUDA_CALLS(X)                                                                      \
   X(cuInit, (unsigned int flags))                                                             \

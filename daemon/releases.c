@@ -303,12 +303,15 @@ static void release_done(struct sl_job *j) {
 }
 
 /* The device's free bytes for a release by need: what the driver has, less what subletd is
- * making meanwhile (a region or fresh pages half made are not free to a taker). */
+ * making meanwhile (a region or fresh pages half made are not free to a taker) and less what
+ * the driver keeps back from a taker's allocation (a cudaMalloc of every free byte fails: a
+ * need counted against all of them left the taker short). */
 static int release_free_bytes(struct sl_daemon *d, uint64_t *free_bytes, struct sl_err *err) {
+  uint64_t withheld = d->building_bytes + sl_device_info(d->dev)->alloc_headroom;
   int rc = sl_device_free_bytes(d->dev, free_bytes, err);
 
   if (rc == 0)
-    *free_bytes = *free_bytes > d->building_bytes ? *free_bytes - d->building_bytes : 0;
+    *free_bytes = *free_bytes > withheld ? *free_bytes - withheld : 0;
   return rc;
 }
 
