@@ -472,6 +472,7 @@ static int hello(sublet_client *c) {
     c->pin_ahead_ok = rep->welcome->pin_ahead;
     c->release_need_ok = rep->welcome->release_need;
     c->release_more_ok = rep->welcome->release_more;
+    c->take_need_ok = rep->welcome->take_need;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);

@@ -5,7 +5,9 @@
  * (the owner's client may be busy with anything meanwhile, and a waiting request holds a
  * connection), steps the offer: it waits for a task (OfferStep), does it with the owner's own
  * client, and reports. Taken: it releases (sublet_release, with the lists copied at the
- * offer). Given back, or the taker gone: it resumes (sublet_resume). If subletd dies while the
+ * offer; taken by need: sublet_release_need, with the taker's need). Asked for more (the task
+ * MORE, a taker's TakeMore): sublet_release_more on the live release, nothing resumed. Given
+ * back, or the taker gone: it resumes (sublet_resume). If subletd dies while the
  * memory is released, the thread resumes alone (release.c: from the save area and the plan),
  * so the owner gets its kept bytes back whatever happens to the daemon or the taker.
  *
@@ -42,6 +44,8 @@ struct sublet_release_offer {
   int rc;
   char msg[sizeof(((struct sl_err *)0)->msg)];
   int taker_gone;
+  int task_by_need;             /* the last task came with the taker's need (OfferState) */
+  uint64_t task_need;           /* ... that need, in all */
   uint64_t release_id;          /* the live release (the thread's), 0: none */
   int resume_failures;          /* in a row, out of memory: the thread waits before the next */
   struct sublet_release_stats released, resumed;
@@ -149,6 +153,8 @@ static int step_once(struct sublet_release_offer *o, struct report *rp, int *tas
   if (rc == 0) {
     *task = rep->offer->phase;
     o->taker_gone = rep->offer->taker_gone;
+    o->task_by_need = rep->offer->has_need_bytes;
+    o->task_need = rep->offer->need_bytes;
   }
   if (rep != NULL)
     sublet__reply__free_unpacked(rep, NULL);
@@ -169,17 +175,24 @@ static void failed(struct report *rp, int rc) {
   snprintf(rp->failure, sizeof(rp->failure), "%s", sublet_last_error());
 }
 
-/* Taken: the release, as sublet_release. */
+/* Taken: the release, as sublet_release (taken by need: as sublet_release_need). A need the
+ * offer cannot give (ENEED, nothing released) puts it back on offer: subletd does the same. */
 static void do_release(struct sublet_release_offer *o, struct report *rp) {
   struct sublet_release_stats st;
   uint64_t id = 0;
   int rc;
 
   set_state(o, SUBLET_OFFER_TAKEN);
-  rc = sublet_release(o->r, o->pages, o->npages, o->keep, o->nkeep, o->keep_all, o->stay, &id,
-                      &st);
+  if (o->task_by_need)
+    rc = sublet_release_need(o->r, o->pages, o->npages, o->keep, o->nkeep, o->keep_all, o->stay,
+                             o->task_need, &id, &st);
+  else
+    rc = sublet_release(o->r, o->pages, o->npages, o->keep, o->nkeep, o->keep_all, o->stay,
+                        &id, &st);
   if (rc != 0) {
     failed(rp, rc);
+    if (rc == SUBLET_ENEED && o->task_by_need)
+      set_state(o, SUBLET_OFFER_OFFERED);
     return;
   }
   pthread_mutex_lock(&o->mu);
@@ -187,6 +200,24 @@ static void do_release(struct sublet_release_offer *o, struct report *rp) {
   o->released = st;
   o->state = SUBLET_OFFER_RELEASED;
   pthread_cond_broadcast(&o->cond);
+  pthread_mutex_unlock(&o->mu);
+  rp->reached = PH(RELEASED);
+  rp->stats = st;
+}
+
+/* The taker needs more: more of the live release (sublet_release_more), nothing resumed. Its
+ * failure (ENEED with the figures, or another) leaves the release as it was: reported, the
+ * offer stays released. */
+static void do_more(struct sublet_release_offer *o, struct report *rp) {
+  struct sublet_release_stats st;
+  int rc = sublet_release_more(o->r, o->release_id, o->task_need, &st);
+
+  if (rc != 0) {
+    failed(rp, rc);
+    return;
+  }
+  pthread_mutex_lock(&o->mu);
+  o->released = st;
   pthread_mutex_unlock(&o->mu);
   rp->reached = PH(RELEASED);
   rp->stats = st;
@@ -301,6 +332,8 @@ static void *run(void *arg) {
       break;
     if (task == PH(TAKEN))
       do_release(o, &rp);
+    else if (task == PH(MORE))
+      do_more(o, &rp);
     else if (task == PH(RETURNING))
       do_resume(o, &rp);
   }
@@ -333,6 +366,9 @@ static int offer_request(struct sublet_release_offer *o, const char *name) {
   m.has_name = name != NULL; /* "" too: subletd refuses it (LoanName is 1 to 63 bytes) */
   m.name.data = (uint8_t *)name;
   m.name.len = m.has_name ? strlen(name) : 0;
+  /* A taker's need reaches this library (Take.need_bytes, TakeMore): it releases by need. */
+  m.has_by_need = m.by_need = o->ev->take_need_ok && o->r->client->release_need_ok &&
+                              o->r->client->release_more_ok;
   req.body_case = SUBLET__REQUEST__BODY_RELEASE_OFFER;
   req.release_offer = &m;
   pthread_mutex_lock(&o->ev->lock);

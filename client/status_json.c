@@ -118,11 +118,12 @@ static json_t *release_json(const void *item, uint64_t page_size) {
                    r->has_need_increments ? count_json(r->need_increments) : json_null());
 }
 
-/* A release offer a scheduler may take, or took (ReleaseOfferStatus). */
+/* A release offer a scheduler may take, or took (ReleaseOfferStatus); taken by need: the
+ * taker's need in all (null otherwise). */
 static json_t *release_offer_json(const void *item, uint64_t page_size) {
   const Sublet__ReleaseOfferStatus *r = item;
 
-  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
+  return json_pack("{s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}",
                    "id", count_json(r->offer), "state", text_json(r->state),
                    "name", text_json(r->name), "region", count_json(r->region),
                    "owner_pid", count_json(r->owner_pid), "owner_uid", count_json(r->owner_uid),
@@ -131,7 +132,8 @@ static json_t *release_offer_json(const void *item, uint64_t page_size) {
                    "released_bytes", count_json(r->released_pages * page_size),
                    "kept_bytes", count_json(r->kept_bytes),
                    "copied_out_bytes", count_json(r->copied_out_bytes),
-                   "trouble", text_json(r->trouble));
+                   "trouble", text_json(r->trouble),
+                   "need_bytes", r->has_need_bytes ? count_json(r->need_bytes) : json_null());
 }
 
 /* A list of the message's items, each made by item_json. */

@@ -149,6 +149,8 @@ struct sl_waiter {
   int rescue;               /* Borrow.rescue */
   uint64_t known_layout;    /* Borrow's or Lend's: the layout id of the client's window */
   char name[SL_LOAN_NAME_SIZE];
+  int has_need;             /* SL_WAIT_TAKE: Take.need_bytes, */
+  uint64_t need_bytes;      /* ... the taker's need */
   uv_timer_t timer;
   struct sl_waiter *next;
 };
@@ -371,6 +373,7 @@ int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m);
 int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m);
 int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m);
 int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m);
+int sl_release_offers_take_more(struct sl_req *x, const Sublet__TakeMore *m);
 void sl_release_offers_gone(struct sl_conn *c);
 void sl_release_offers_timed_out(const struct sl_waiter *w, struct sl_err *err);
 int sl_release_offers_status(struct sl_conn *c, Sublet__Status *st);

@@ -62,6 +62,7 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   w.has_pin_ahead = w.pin_ahead = 1;
   w.has_release_need = w.release_need = 1;
   w.has_release_more = w.release_more = 1;
+  w.has_take_need = w.take_need = 1;
   rep.id = x->id;
   rep.body_case = SUBLET__REPLY__BODY_WELCOME;
   rep.welcome = &w;
@@ -255,6 +256,7 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
     case SUBLET__REQUEST__BODY_TAKE: return sl_release_offers_take(x, r->take);
     case SUBLET__REQUEST__BODY_TAKE_WAIT: return sl_release_offers_take_wait(x, r->take_wait);
     case SUBLET__REQUEST__BODY_GIVE_BACK: return sl_release_offers_give_back(x, r->give_back);
+    case SUBLET__REQUEST__BODY_TAKE_MORE: return sl_release_offers_take_more(x, r->take_more);
     case SUBLET__REQUEST__BODY_PIN_AHEAD: return on_pin_ahead(x, r->pin_ahead);
     default:
       return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "

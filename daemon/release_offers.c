@@ -5,7 +5,10 @@
  * what, who took it, where each offer is, and the requests that wait on it.
  *
  * An offer goes OFFERED -> (Take) TAKEN -> (the owner reports it released) RELEASED ->
- * (GiveBack, or the taker goes) RETURNING -> (the owner reports it resumed) ENDED. While the
+ * (GiveBack, or the taker goes) RETURNING -> (the owner reports it resumed) ENDED. Taken by
+ * need (Take.need_bytes, only of an offer whose owner said ReleaseOffer.by_need): RELEASED ->
+ * (TakeMore) MORE -> (the owner reports more released, or why not) RELEASED; a need the owner
+ * cannot give (its release fails ENEED) puts the offer back to OFFERED. While the
  * owner has nothing to do, its OfferStep waits (SL_WAIT_OFFER_STEP); the taker's TakeWait
  * waits for RELEASED or ENDED. Nothing here blocks: every wait is a waiter (waiters.c), found
  * again by its kind and the offer's id, and answered when the offer moves.
@@ -29,8 +32,9 @@
  * one per tag it pauses, a handful. */
 #define SL_OFFERS_PER_CONN 64
 /* The bytes of an owner's failure text that reach its taker (PROTOCOL.md, Limits): enough for
- * libsublet's own messages, and the whole error stays within a message's room. */
-#define SL_OWNER_TEXT 200
+ * libsublet's own messages (the longest, a refused need's, has its figures within 300 bytes
+ * whatever they are), and the whole error stays within a message's room. */
+#define SL_OWNER_TEXT 320
 
 struct release_offer_failure {
   int code;
@@ -49,6 +53,13 @@ struct sl_release_offer {
   Sublet__OfferPhase phase;
   int given_back;              /* the taker gave it back or went: resume once released */
   int taker_gone;              /* ... went without giving it back (a give-back stays one) */
+  int by_need;                 /* the owner's library releases by a taker's need */
+  int has_need;                /* taken by need: */
+  uint64_t need;               /* ... the taker's need in all that the release serves */
+  uint64_t more_need;          /* MORE: the taker's need in all that the owner releases for */
+  struct sl_err more_failure;  /* code != 0: why the owner could not release more (once) */
+  struct sl_conn *refused;     /* a taker whose need the owner could not give (hears it once) */
+  struct sl_err refusal;       /* ... what it hears */
   struct sl_err failure;       /* code != 0: how it ended for the taker (owner gone, failure) */
   char trouble[SL_OWNER_TEXT + 1]; /* why the owner's last resume failed (it tries again) */
   Sublet__OfferStats *released, *resumed; /* the owner's reports (owned copies) */
@@ -61,6 +72,7 @@ static const char *phase_name(Sublet__OfferPhase p) {
     case PH(TAKEN): return "taken";
     case PH(RELEASED): return "released";
     case PH(RETURNING): return "returning";
+    case PH(MORE): return "more";
     default: return "ended";
   }
 }
@@ -89,7 +101,7 @@ static void sweep(struct sl_daemon *d) {
   struct sl_release_offer **link = &d->release_offers, *o;
 
   while ((o = *link) != NULL) {
-    if (o->owner_conn != NULL || o->taker != NULL) {
+    if (o->owner_conn != NULL || o->taker != NULL || o->refused != NULL) {
       link = &o->next;
       continue;
     }
@@ -148,15 +160,19 @@ static void send_state(struct sl_conn *c, uint64_t id, const struct sl_release_o
   m.resumed = o->resumed;
   m.has_taker_gone = 1;
   m.taker_gone = o->taker_gone;
+  m.has_need_bytes = o->has_need;
+  m.need_bytes = phase == PH(MORE) ? o->more_need : o->need;
   rep.id = id;
   rep.body_case = SUBLET__REPLY__BODY_OFFER;
   rep.offer = &m;
   sl_conn_send(c, &rep, NULL, 0);
 }
 
-/* The owner's next task (TAKEN: release; RETURNING: resume; ENDED: stop), 0 while none. */
+/* The owner's next task (TAKEN: release; MORE: release more; RETURNING: resume; ENDED:
+ * stop), 0 while none. */
 static Sublet__OfferPhase task_of(const struct sl_release_offer *o) {
-  if (o->phase == PH(TAKEN) || o->phase == PH(RETURNING) || o->phase == PH(ENDED))
+  if (o->phase == PH(TAKEN) || o->phase == PH(MORE) || o->phase == PH(RETURNING) ||
+      o->phase == PH(ENDED))
     return o->phase;
   return 0;
 }
@@ -180,17 +196,22 @@ static void nudge_owner(struct sl_daemon *d, struct sl_release_offer *o) {
   sl_waiter_done(w);
 }
 
-/* Is the taker's wait over: the memory released (not given back yet), or the offer over? */
+/* Is the taker's wait over: the memory released (not given back yet; more of it, if asked),
+ * more refused, or the offer over? */
 static int settled(const struct sl_release_offer *o) {
-  return o->failure.code != 0 || o->phase == PH(ENDED) ||
+  return o->failure.code != 0 || o->more_failure.code != 0 || o->phase == PH(ENDED) ||
          (o->phase == PH(RELEASED) && !o->given_back);
 }
 
 /* Tells the taker where its settled offer is; once it has heard the end, it is done with it. */
 static void answer_taker(struct sl_release_offer *o, struct sl_conn *c, uint64_t id) {
-  if (o->failure.code != 0)
+  if (o->failure.code != 0) {
     sl_conn_send_error(c, id, &o->failure);
-  else
+  } else if (o->more_failure.code != 0) { /* heard once; the taker holds the offer still */
+    sl_conn_send_error(c, id, &o->more_failure);
+    o->more_failure.code = 0;
+    return;
+  } else
     send_state(c, id, o, o->phase);
   if (o->failure.code != 0 || o->phase == PH(ENDED))
     o->taker = NULL;
@@ -220,7 +241,20 @@ static int live(const struct sl_release_offer *o) {
 /* May c hear of o at all: its owner's uid (root, --allow-group), or its taker? Another user
  * is told of an offer it may not see what it is told of a missing one, word for word. */
 static int seen(const struct sl_conn *c, const struct sl_release_offer *o) {
-  return o != NULL && (may_take(c, o) || o->taker == c);
+  return o != NULL && (may_take(c, o) || o->taker == c || o->refused == c);
+}
+
+/* c took o by a need its owner could not give, and has not heard it yet: it hears it now,
+ * whatever it asks of o (TakeWait, TakeMore, GiveBack); o is on offer again. */
+static int refusal_pending(const struct sl_conn *c, const struct sl_release_offer *o) {
+  return o != NULL && o->refused == c && o->taker != c;
+}
+
+static int hear_refusal(struct sl_conn *c, uint64_t id, struct sl_release_offer *o) {
+  sl_conn_send_error(c, id, &o->refusal);
+  o->refused = NULL;
+  sweep(c->d);
+  return 0;
 }
 
 /* The offer is x's connection's own (the owner's side). */
@@ -292,7 +326,7 @@ static int name_free(struct sl_req *x, const char *name) {
 /* ------------------------------------------------------------------ the owner's side */
 
 static int offer_new(struct sl_req *x, const struct sl_region_info *ri, const char *name,
-                     struct sl_release_offer **out) {
+                     int by_need, struct sl_release_offer **out) {
   struct sl_release_offer *o = calloc(1, sizeof(*o)), **link = &x->d->release_offers;
 
   if (o == NULL)
@@ -303,6 +337,7 @@ static int offer_new(struct sl_req *x, const struct sl_region_info *ri, const ch
   o->owner = x->c->peer;
   o->owner_conn = x->c;
   o->phase = PH(OFFERED);
+  o->by_need = by_need;
   while (*link != NULL) /* at the tail: a Take without a name gets the oldest */
     link = &(*link)->next;
   *link = o;
@@ -310,7 +345,8 @@ static int offer_new(struct sl_req *x, const struct sl_region_info *ri, const ch
   return 0;
 }
 
-static int try_take(struct sl_conn *c, uint64_t id, const char *name, struct sl_err *err);
+static int try_take(struct sl_conn *c, uint64_t id, const char *name, int has_need,
+                    uint64_t need, struct sl_err *err);
 
 /* A new offer: the oldest Take waiting for one that it suits takes it. */
 static void offer_posted(struct sl_daemon *d) {
@@ -321,7 +357,7 @@ static void offer_posted(struct sl_daemon *d) {
     next = w->next;
     if (w->kind != SL_WAIT_TAKE || w->conn->closed)
       continue;
-    if (try_take(w->conn, w->req_id, w->name, &err) != 0)
+    if (try_take(w->conn, w->req_id, w->name, w->has_need, w->need_bytes, &err) != 0)
       continue; /* not for it: it goes on waiting */
     sl_waiter_done(w);
     return; /* one offer, one taker */
@@ -341,7 +377,7 @@ int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m) {
   if (rc == 0)
     rc = room_for_one(x);
   if (rc == 0)
-    rc = offer_new(x, &ri, name, &o);
+    rc = offer_new(x, &ri, name, m->has_by_need && m->by_need, &o);
   if (rc != 0)
     return rc;
   sl_info("release offer %llu (\"%s\") of region %llu by pid %d", (unsigned long long)o->id,
@@ -351,19 +387,26 @@ int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m) {
   return 0;
 }
 
+/* Released (TAKEN), or released more (MORE: the stats the release's in all now). */
 static int reached_released(struct sl_req *x, struct sl_release_offer *o,
                             const Sublet__OfferStats *st) {
   struct sl_release_info ri;
+  Sublet__OfferStats *copy;
 
-  if (o->phase != PH(TAKEN) || st == NULL || st->release == NULL ||
+  if ((o->phase != PH(TAKEN) && o->phase != PH(MORE)) || st == NULL || st->release == NULL ||
       sl_books_release_info(x->d->books, st->release->release, &ri) != 0 ||
       ri.region_id != o->region)
     return sl_err_set(&x->err, SUBLET_EINVAL, "OfferStep of release offer %llu (%s) says "
                       "RELEASED without a live release of region %llu taken: release it first",
                       (unsigned long long)o->id, phase_name(o->phase),
                       (unsigned long long)o->region);
-  if ((o->released = stats_copy(st)) == NULL)
+  if ((copy = stats_copy(st)) == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
+  if (o->released != NULL)
+    sublet__offer_stats__free_unpacked(o->released, NULL);
+  o->released = copy;
+  if (o->phase == PH(MORE))
+    o->need = o->more_need;
   o->phase = o->given_back ? PH(RETURNING) : PH(RELEASED);
   nudge_taker(x->d, o);
   return 0;
@@ -399,13 +442,50 @@ static void owner_failure(struct release_offer_failure *f, const Sublet__OfferSt
              (int)m->failed);
 }
 
+/* A need the owner could not give (its release by need failed ENEED, nothing released): the
+ * taker hears why (now, or at its next request) and lets go; the offer is on offer again. */
+static void refuse(struct sl_daemon *d, struct sl_release_offer *o,
+                   const struct release_offer_failure *f) {
+  struct sl_waiter *w;
+
+  sl_err_set(&o->refusal, f->code, "release offer %llu (\"%s\") cannot give what its taker "
+             "needs, and is on offer again%s: %s", (unsigned long long)o->id, o->name, f->as,
+             f->why);
+  sl_info("%s", o->refusal.msg);
+  o->refused = o->taker;
+  o->taker = NULL;
+  o->phase = PH(OFFERED);
+  o->given_back = o->taker_gone = o->has_need = 0;
+  o->need = 0;
+  if (o->refused != NULL && (w = waiter_of(d, SL_WAIT_TAKE_WAIT, o->id)) != NULL) {
+    hear_refusal(w->conn, w->req_id, o);
+    sl_waiter_done(w);
+  }
+  offer_posted(d);
+}
+
 /* The owner's release or resume failed: a resume short of memory is tried again (the taker
- * must free it), anything else ends the offer and the taker hears why. */
+ * must free it), a release by a need the owner cannot give puts the offer back on offer,
+ * more of it that failed leaves it released (the taker hears why), anything else ends the
+ * offer and the taker hears why. */
 static int reached_failure(struct sl_req *x, struct sl_release_offer *o,
                            const Sublet__OfferStep *m) {
   struct release_offer_failure f;
 
   owner_failure(&f, m);
+  if (o->phase == PH(TAKEN) && o->has_need && f.code == SUBLET_ENEED) {
+    refuse(x->d, o, &f);
+    return 0;
+  }
+  if (o->phase == PH(MORE)) {
+    if (!o->given_back)
+      sl_err_set(&o->more_failure, f.code, "the owner of release offer %llu could not release "
+                 "more of it (it stays released as it was)%s: %s", (unsigned long long)o->id,
+                 f.as, f.why);
+    o->phase = o->given_back ? PH(RETURNING) : PH(RELEASED);
+    nudge_taker(x->d, o);
+    return 0;
+  }
   if (o->phase == PH(RETURNING) && f.code == SUBLET_ENOMEM) {
     snprintf(o->trouble, sizeof(o->trouble), "%s", f.why);
     return 0;
@@ -466,17 +546,25 @@ int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m) {
 /* ------------------------------------------------------------------ the taker's side */
 
 /* The offer c may take by that name ("": any), or why none. */
-static struct sl_release_offer *pick(struct sl_conn *c, const char *name, struct sl_err *err) {
-  struct sl_release_offer *o, *taken = NULL;
+static struct sl_release_offer *pick(struct sl_conn *c, const char *name, int has_need,
+                                     struct sl_err *err) {
+  struct sl_release_offer *o, *taken = NULL, *old = NULL;
 
   for (o = c->d->release_offers; o != NULL; o = o->next) {
     if (!live(o) || !may_take(c, o) || (name[0] != '\0' && strcmp(o->name, name) != 0))
       continue;
-    if (o->phase == PH(OFFERED))
+    if (o->phase == PH(OFFERED) && has_need && !o->by_need)
+      old = o;
+    else if (o->phase == PH(OFFERED))
       return o;
-    taken = o;
+    else
+      taken = o;
   }
-  if (taken != NULL && name[0] != '\0')
+  if (old != NULL) /* it would release everything: refused, the offer stays on offer */
+    sl_err_set(err, SUBLET_ENOTSUP, "release offer %llu (\"%s\", pid %d) was made by an owner "
+               "whose sublet predates take(need=): upgrade the owner's sublet, or take without "
+               "a need", (unsigned long long)old->id, old->name, (int)old->owner.pid);
+  else if (taken != NULL && name[0] != '\0')
     sl_err_set(err, SUBLET_EBUSY, "release offer %llu named \"%s\" is taken already (by pid "
                "%d): wait for it to be given back and offered again (take with a timeout)",
                (unsigned long long)taken->id, name, (int)taken->taker_peer.pid);
@@ -489,14 +577,17 @@ static struct sl_release_offer *pick(struct sl_conn *c, const char *name, struct
   return NULL;
 }
 
-static int try_take(struct sl_conn *c, uint64_t id, const char *name, struct sl_err *err) {
-  struct sl_release_offer *o = pick(c, name, err);
+static int try_take(struct sl_conn *c, uint64_t id, const char *name, int has_need,
+                    uint64_t need, struct sl_err *err) {
+  struct sl_release_offer *o = pick(c, name, has_need, err);
 
   if (o == NULL)
     return err->code;
   o->taker = c;
   o->taker_peer = c->peer;
   o->phase = PH(TAKEN);
+  o->has_need = has_need;
+  o->need = has_need ? need : 0;
   sl_info("release offer %llu (\"%s\") taken by pid %d", (unsigned long long)o->id, o->name,
           (int)c->peer.pid);
   send_state(c, id, o, PH(TAKEN));
@@ -510,20 +601,24 @@ int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m) {
   int rc = sl_lends_name(&x->err, "a release offer's name", m->has_name, m->name, name);
 
   if (rc == 0)
-    rc = try_take(x->c, x->id, name, &x->err);
+    rc = try_take(x->c, x->id, name, m->has_need_bytes, m->need_bytes, &x->err);
   if ((rc != SUBLET_ENOOFFER && rc != SUBLET_EBUSY) || m->timeout_ms == 0)
     return rc;
   if ((w = sl_waiter_park(x->c, SL_WAIT_TAKE, x->id, m->timeout_ms)) == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   memcpy(w->name, name, sizeof(w->name));
+  w->has_need = m->has_need_bytes;
+  w->need_bytes = m->need_bytes;
   return 0;
 }
 
 int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m) {
   struct sl_release_offer *o = find(x->d, m->offer);
   struct sl_waiter *w;
-  int rc = taken_by(x, o, m->offer);
+  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
 
+  if (rc == 0 && refusal_pending(x->c, o))
+    return hear_refusal(x->c, x->id, o);
   if (rc != 0)
     return rc;
   if (settled(o)) {
@@ -552,8 +647,10 @@ static void give_back(struct sl_daemon *d, struct sl_release_offer *o) {
 
 int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m) {
   struct sl_release_offer *o = find(x->d, m->offer);
-  int rc = taken_by(x, o, m->offer);
+  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
 
+  if (rc == 0 && refusal_pending(x->c, o))
+    return hear_refusal(x->c, x->id, o);
   if (rc != 0)
     return rc;
   if (o->failure.code == 0)
@@ -563,6 +660,48 @@ int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m) {
   else /* the taker stays: its TakeWait hears the end */
     send_state(x->c, x->id, o, o->phase);
   sweep(x->d);
+  return 0;
+}
+
+/* The taker needs more (need_bytes in all): its owner releases more of it (the task MORE). */
+int sl_release_offers_take_more(struct sl_req *x, const Sublet__TakeMore *m) {
+  struct sl_release_offer *o = find(x->d, m->offer);
+  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
+
+  if (rc == 0 && refusal_pending(x->c, o))
+    return hear_refusal(x->c, x->id, o);
+  if (rc != 0)
+    return rc;
+  if (o->failure.code != 0) { /* over: the taker hears how */
+    answer_taker(o, x->c, x->id);
+    sweep(x->d);
+    return 0;
+  }
+  if (!o->has_need)
+    return sl_err_set(&x->err, SUBLET_EINVAL, "release offer %llu was taken without a need: "
+                      "its owner released every page it could already",
+                      (unsigned long long)o->id);
+  if (o->phase == PH(MORE) && !o->given_back && m->need_bytes == o->more_need) {
+    send_state(x->c, x->id, o, PH(MORE)); /* asked again (a wait that timed out): wait on */
+    return 0;
+  }
+  if (o->phase != PH(RELEASED) || o->given_back)
+    return sl_err_set(&x->err, SUBLET_EBUSY, "release offer %llu is %s%s: ask for more once "
+                      "it is released (TakeWait) and before giving it back",
+                      (unsigned long long)o->id, phase_name(o->phase),
+                      o->given_back ? " (given back)" : "");
+  if (m->need_bytes <= o->need) { /* nothing to do */
+    send_state(x->c, x->id, o, o->phase);
+    return 0;
+  }
+  o->more_need = m->need_bytes;
+  o->more_failure.code = 0;
+  o->phase = PH(MORE);
+  sl_info("release offer %llu: its taker (pid %d) needs %llu bytes in all, %llu before",
+          (unsigned long long)o->id, (int)x->c->peer.pid, (unsigned long long)m->need_bytes,
+          (unsigned long long)o->need);
+  send_state(x->c, x->id, o, PH(MORE));
+  nudge_owner(x->d, o);
   return 0;
 }
 
@@ -610,6 +749,8 @@ void sl_release_offers_gone(struct sl_conn *c) {
       owner_went(c->d, o);
     if (o->taker == c)
       taker_went(c->d, o);
+    if (o->refused == c)
+      o->refused = NULL;
   }
   end_orphans(c->d);
   sweep(c->d);
@@ -654,6 +795,8 @@ static void status_one(const struct sl_release_offer *o, Sublet__ReleaseOfferSta
   s->kept_bytes = rs != NULL ? rs->kept_bytes : 0;
   s->copied_out_bytes = rs != NULL ? rs->copied_out_bytes : 0;
   s->trouble = o->trouble[0] != '\0' ? (char *)o->trouble : NULL;
+  s->has_need_bytes = o->has_need;
+  s->need_bytes = o->need;
 }
 
 /* One block: the pointers, then the messages (freed with sl_release_offers_status_free). */

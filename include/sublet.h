@@ -413,7 +413,8 @@ enum sublet_offer_state {
   SUBLET_OFFER_TAKEN = 2,     /* taken: the owner releases */
   SUBLET_OFFER_RELEASED = 3,  /* the memory is the driver's */
   SUBLET_OFFER_RETURNING = 4, /* given back: the owner resumes */
-  SUBLET_OFFER_ENDED = 5      /* over: resumed, withdrawn, or failed */
+  SUBLET_OFFER_ENDED = 5,     /* over: resumed, withdrawn, or failed */
+  SUBLET_OFFER_MORE = 6       /* the taker needs more (sublet_take_more): the owner releases more */
 };
 
 SUBLET_EXPORT int sublet_offer_release(sublet_region *r, const struct sublet_range *pages,
@@ -452,6 +453,25 @@ SUBLET_EXPORT int sublet_take(sublet_client *c, const char *name, int timeout_ms
 SUBLET_EXPORT int sublet_take_wait(sublet_client *c, uint64_t offer_id, int timeout_ms,
                                    int *state, struct sublet_release_stats *stats);
 SUBLET_EXPORT int sublet_give_back(sublet_client *c, uint64_t offer_id);
+/* By need (issue 42; docs/design/release.md, "Release offers by need"). sublet_take_need takes
+ * as sublet_take, and the owner's library releases only what need_bytes takes beyond the
+ * device's free bytes (as sublet_release_need, with the offer's keep and stay). SUBLET_ENEED
+ * from sublet_take_wait, the message giving the figures, when the offer cannot give it: nothing
+ * was released and the offer is on offer again (this client no longer holds it). SUBLET_ENOTSUP
+ * without sending anything from a subletd older than this (update subletd), and from subletd
+ * when the offer's owner runs a libsublet older than this (update the owner's sublet; the
+ * offer stays on offer). sublet_take_more: the taker now needs need_bytes in all (not in
+ * addition); *state SUBLET_OFFER_RELEASED when that is not above its need (nothing to do), else
+ * SUBLET_OFFER_MORE: the owner's library releases more of it (sublet_release_more, nothing
+ * resumed) and sublet_take_wait returns once it has (*state SUBLET_OFFER_RELEASED, *stats the
+ * release's in all) or with its error (SUBLET_ENEED with the figures, or another; the offer is
+ * as it was and still held). SUBLET_EINVAL for an offer taken without a need, SUBLET_EBUSY
+ * while it is not released (or more is being released, or it was given back). Giving back
+ * resumes everything at once. */
+SUBLET_EXPORT int sublet_take_need(sublet_client *c, const char *name, uint64_t need_bytes,
+                                   int timeout_ms, uint64_t *offer_id);
+SUBLET_EXPORT int sublet_take_more(sublet_client *c, uint64_t offer_id, uint64_t need_bytes,
+                                   int *state);
 
 /* The pair PyTorch's CUDAPluggableAllocator loads. sublet_torch_bind() routes them for a CUDA
  * device index of this process to a client that is borrowing; NULL unbinds. With no loan

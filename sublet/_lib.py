@@ -105,7 +105,8 @@ class CReleaseStats(Structure):
 
 RESUME_PAGES = 1  # SUBLET_RESUME_PAGES
 # enum sublet_offer_state: where a release offer is
-OFFER_STATES = {1: "offered", 2: "taken", 3: "released", 4: "returning", 5: "ended"}
+OFFER_STATES = {1: "offered", 2: "taken", 3: "released", 4: "returning", 5: "ended",
+                6: "more"}
 OFFER_RELEASED, OFFER_ENDED = 3, 5
 STAY_ANY = 2**64 - 1  # SUBLET_STAY_ANY: as many kept pages stay as the kept bytes need
 NEED_ALL = 2**64 - 1  # SUBLET_NEED_ALL: not a release by need
@@ -168,6 +169,8 @@ _PROTOTYPES: dict[str, tuple[object, list]] = {
     "sublet_take_wait": (c_int, [c_void_p, c_uint64, c_int, POINTER(c_int),
                                  POINTER(CReleaseStats)]),
     "sublet_give_back": (c_int, [c_void_p, c_uint64]),
+    "sublet_take_need": (c_int, [c_void_p, c_char_p, c_uint64, c_int, POINTER(c_uint64)]),
+    "sublet_take_more": (c_int, [c_void_p, c_uint64, c_uint64, POINTER(c_int)]),
     "sublet_cancel": (c_int, [c_void_p]),
     "sublet_pin_ahead": (c_int, [c_void_p, c_uint64, c_uint32]),
     "sublet_reclaim": (c_int, [c_void_p, c_uint64, c_int, POINTER(CLoanStats)]),
@@ -601,12 +604,24 @@ class Client:
         lib().sublet_release_offer_free(offer)
 
     # ---- release offers (the scheduler's side)
-    def take(self, name: str | None, timeout_ms: int) -> int:
+    def take(self, name: str | None, timeout_ms: int, need: int | None = None) -> int:
         """Takes a release offer (by name; None: the oldest this user may take), waiting up
-        to timeout_ms (0: at once, NoOfferError or BusyError); returns its id."""
+        to timeout_ms (0: at once, NoOfferError or BusyError); returns its id. need: the
+        taker's need in bytes, which the owner releases by (sublet_take_need)."""
         offer = c_uint64()
-        check(lib().sublet_take(self.handle, _name(name), timeout_ms, ctypes.byref(offer)))
+        if need is None:
+            check(lib().sublet_take(self.handle, _name(name), timeout_ms, ctypes.byref(offer)))
+        else:
+            check(lib().sublet_take_need(self.handle, _name(name), need, timeout_ms,
+                                         ctypes.byref(offer)))
         return offer.value
+
+    def take_more(self, offer: int, need: int) -> str:
+        """The taker of an offer taken by need now needs `need` bytes in all
+        (sublet_take_more): "released" (nothing to do) or "more" (take_wait waits for it)."""
+        state = c_int()
+        check(lib().sublet_take_more(self.handle, offer, need, ctypes.byref(state)))
+        return OFFER_STATES.get(state.value, "ended")
 
     def take_wait(self, offer: int, timeout_ms: int) -> tuple[str, ReleaseStats]:
         """Waits until the taken offer is released (or, given back, over): its state and the

@@ -34,7 +34,7 @@ import torch
 from . import _keep, _lent, _pool
 from ._lib import (ERROR_CODES, STAY_ANY, BorrowerDiedError, BusyError, Client, DaemonDiedError,
                    ReleaseStats, SubletError, SubletTimeoutError, error_for)
-from ._units import human
+from ._units import check_need as _check_need, human
 from ._wait import in_slices
 
 _EDAEMONDIED = ERROR_CODES["EDAEMONDIED"]
@@ -218,12 +218,6 @@ class Release:
         return (f"<sublet.Release of {self.what}: {state}, {human(self.released_bytes)} to the "
                 f"driver, {human(self.stayed_bytes)} stayed on the device, "
                 f"{human(self.copied_bytes)} to the host>")
-
-
-def _check_need(need: int | None) -> None:
-    if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 0):
-        raise ValueError(f"need is the bytes of device memory the taker needs (an int >= 0), "
-                         f"or None to release everything; not {need!r}")
 
 
 def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = None,

@@ -153,8 +153,10 @@ def text_status(s: dict[str, Any]) -> str:
                      f"{human(r['copied_out_bytes'])} on the host)")
     for o in s.get("release_offers", []):  # releases a scheduler starts and ends
         name = f" \"{shown(o['name'])}\"" if o.get("name") else ""
-        taker = (f", taken by pid {o['taker_pid']} (uid {o['taker_uid']})" if o["taker_pid"]
-                 else "")
+        by_need = (f" for a need of {human(o['need_bytes'])}"  # take(need=), Taken.need
+                   if o.get("need_bytes") is not None else "")
+        taker = (f", taken by pid {o['taker_pid']} (uid {o['taker_uid']}){by_need}"
+                 if o["taker_pid"] else "")
         released = (f", {human(o['released_bytes'])} given back to the driver"
                     if o["released_bytes"] else "")
         trouble = f"; resume fails: {shown(o['trouble'])}" if o.get("trouble") else ""

@@ -6,6 +6,10 @@ back. It takes the engine's release offer: the engine's own library releases the
 scheduler maps nothing), and giving it back makes the engine's library resume it. Nothing here
 imports torch: on the memfd backend (and with a device index) a scheduler needs only this
 package; a CUDA device given as None or "cuda" asks torch which one is meant.
+
+By need (issue 42): take(need=N) makes the owner release only what N takes beyond the device's
+free memory (as sublet.release(need=N) would); Taken.need(M) asks for more later, M the
+taker's need in all, without anything resumed; giving back resumes everything at once.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import os
 import time
 
 from ._client import client_for
-from ._lib import Client, NoOfferError, ReleaseStats, SubletError, SubletTimeoutError
-from ._units import human
+from ._lib import (Client, DaemonUnavailableError, NeedTooLargeError, NoOfferError,
+                   OwnerGoneError, ReleaseStats, SubletError, SubletTimeoutError)
+from ._units import check_need, human
 from ._wait import in_slices
 
 
@@ -35,8 +40,11 @@ class Taken:
     leaving gives it back and waits until the owner has resumed it."""
 
     def __init__(self, name: str | None = None, device: object = None,
-                 timeout: float | None = None, give_back_timeout: float | None = None):
+                 timeout: float | None = None, give_back_timeout: float | None = None,
+                 need: int | None = None):
+        check_need(need)
         self.name = name
+        self.need_bytes = need                          # the taker's need in all (None: all)
         self._want_device = device
         self._timeout, self._give_back_timeout = timeout, give_back_timeout
         self._client: Client | None = None
@@ -63,7 +71,8 @@ class Taken:
         client = self._client = _client_of(self._want_device)
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         what = f"named {self.name!r}" if self.name else "(any)"
-        self.offer_id = in_slices(lambda ms: client.take(self.name, ms), self._timeout,
+        self.offer_id = in_slices(lambda ms: client.take(self.name, ms, self.need_bytes),
+                                  self._timeout,
                                   f"no release offer {what} was on offer within "
                                   f"{self._timeout} s", NoOfferError)
         self._holding = True
@@ -72,10 +81,46 @@ class Taken:
             _, self.stats = in_slices(lambda ms: client.take_wait(self.offer_id, ms), left,
                                       f"the owner of release offer {self.offer_id} did not "
                                       f"release within {self._timeout} s")
+        except NeedTooLargeError:  # nothing released: the offer is on offer again, not ours
+            self._holding = False
+            raise
         except BaseException:
             self._abandon()
             raise
         return self
+
+    def need(self, nbytes: int, timeout: float | None = None) -> ReleaseStats:
+        """More of an offer taken by need (sublet.take(..., need=N)): the taker now needs
+        `nbytes` of device memory in all, not in addition. Not more than need_bytes: nothing
+        happens. Else the owner's library releases more of its live release, as
+        Release.need(nbytes) would (subletd counts the free bytes again; only the pages the
+        increase takes beyond them go, of those that stayed, the ones holding the fewest
+        bytes), nothing resumed; giving back resumes everything at once. Waits up to `timeout`
+        seconds (None: as long as it takes; SubletTimeoutError: it goes on, call again with
+        the same need to wait for it). Returns the release's stats in all (as .stats).
+        NeedTooLargeError with the figures when the pages that stay cannot give it, the
+        release as it was and still held; OwnerGoneError: the owner went (nothing held)."""
+        check_need(nbytes)
+        if self.need_bytes is None:
+            raise ValueError(f"release offer {self.offer_id} was taken without a need: its "
+                             f"owner released every page it could already")
+        if not self._holding:
+            raise RuntimeError("nothing is held: take the offer first (in a `with` block)")
+        assert self.stats is not None
+        if nbytes <= self.need_bytes:
+            return self.stats
+        client = self._held_client()
+        try:
+            if client.take_more(self.offer_id, nbytes) == "more":
+                _, self.stats = in_slices(lambda ms: client.take_wait(self.offer_id, ms),
+                                          timeout, f"the owner of release offer "
+                                          f"{self.offer_id} did not release more within "
+                                          f"{timeout} s: call need({nbytes}) again to wait")
+        except (OwnerGoneError, DaemonUnavailableError):
+            self._holding = False  # the owner or subletd went: nothing is held
+            raise
+        self.need_bytes = nbytes
+        return self.stats
 
     def _abandon(self) -> None:
         """Gives the offer back without waiting (entering failed): the owner resumes."""
@@ -137,12 +182,14 @@ class Taken:
     def __repr__(self) -> str:
         name = f" {self.name!r}" if self.name else ""
         state = "holding" if self._holding else "not holding"
+        need = f" by need of {human(self.need_bytes)}" if self.need_bytes is not None else ""
         return (f"<sublet.Taken{name} offer {self.offer_id}: {state}, "
-                f"{human(self.released_bytes)} released>")
+                f"{human(self.released_bytes)} released{need}>")
 
 
 def take(name: str | None = None, device: object = None,
-         timeout: float | None = None, give_back_timeout: float | None = None) -> Taken:
+         timeout: float | None = None, give_back_timeout: float | None = None,
+         need: int | None = None) -> Taken:
     """Takes, in a `with` block, a release offer (sublet.offer(..., release=True)) of another
     process on `device` (default: the current CUDA device): the one named `name`, or the
     oldest this user may take (the owner's own user, root, or the daemon's --allow-group).
@@ -150,5 +197,12 @@ def take(name: str | None = None, device: object = None,
     (NoOfferError, SubletTimeoutError); inside, the memory is the CUDA driver's, for any
     process; leaving gives it back and waits (give_back_timeout) until the owner has it back.
     Taken.released_bytes and .stats say what the owner released. name: as for
-    sublet.offer() (None: any; `""` is refused, EINVAL)."""
-    return Taken(name, device, timeout, give_back_timeout)
+    sublet.offer() (None: any; `""` is refused, EINVAL).
+
+    need: bytes of device memory the taker needs (None: the owner releases everything). The
+    owner's library releases by it as sublet.release(..., need=need) would: only the pages
+    the need takes beyond the device's free bytes, those holding the fewest kept bytes.
+    NeedTooLargeError (the figures in its message) when the offer cannot give it: nothing
+    released, the offer on offer again. Taken.need(N) asks for more later (N in all). An owner
+    or a subletd older than this: SubletError (ENOTSUP) naming which to upgrade."""
+    return Taken(name, device, timeout, give_back_timeout, need)

@@ -16,6 +16,14 @@ def human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def check_need(need: int | None) -> None:
+    """A taker's need (sublet.release(need=), Release.need, sublet.take(need=), Taken.need):
+    an int of bytes >= 0, or None (release everything)."""
+    if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need < 0):
+        raise ValueError(f"need is the bytes of device memory the taker needs (an int >= 0), "
+                         f"or None to release everything; not {need!r}")
+
+
 
 _UNITS = {"": 1, "b": 1,
           "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,

@@ -21,7 +21,7 @@
 
 #define PAGE (64u * 1024)
 /* PROTOCOL.md, Limits: the bytes of an owner's failure text that reach its taker. */
-#define SL_TEST_OWNER_TEXT 200
+#define SL_TEST_OWNER_TEXT 320
 
 static uint8_t pattern(uint64_t i) {
   return (uint8_t)((i * 2654435761u) >> 13);
@@ -430,6 +430,89 @@ static void test_what_the_daemon_refuses(void) {
   CHECK(sl_test_daemon_stop(&d) == 0); /* --check held, and it stops cleanly */
 }
 
+/* By need (issue 42): a scheduler takes with a need (sublet_take_need) and the owner's library
+ * releases only what it takes beyond the free bytes; sublet_take_more releases more, nothing
+ * resumed; a need beyond what the offer can give is refused (ENEED, its figures reaching the
+ * taker) and the offer is on offer again, or stays released as it was for more; one give back
+ * brings every kept byte back. An owner that predates take(need=) (an offer made by hand,
+ * without by_need) is refused to a taker with a need (ENOTSUP naming the fix), still on offer. */
+static void test_by_need(void) {
+  struct sl_test_daemon d;
+  struct sl_wire_rx rx, rx2;
+  struct sublet_release_stats seen, res;
+  struct sublet_range keep[3] = {{100, 900}, {5 * PAGE, 10}, {9 * PAGE + 7, PAGE}};
+  sublet_client *owner, *sched;
+  sublet_region *r, *first;
+  sublet_release_offer *o;
+  uint64_t id, free0, region, bad = 0;
+  int state, a, b;
+
+  CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
+  CHECK_RC(sublet_connect(d.socket, &owner), 0);
+  CHECK_RC(sublet_connect(d.socket, &sched), 0);
+  CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
+  for (uint64_t i = 0; i < 16 * PAGE; i++)
+    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  free0 = free_bytes(sched);
+  CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "need-kv", &o), 0);
+  CHECK_RC(sublet_take_need(sched, "need-kv", free0 + 16 * PAGE + 1, 5000, &id), 0);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), SUBLET_ENEED);
+  printf("  refused: %s\n", sublet_last_error());
+  CHECK(strstr(sublet_last_error(), "on offer again") != NULL &&
+        strstr(sublet_last_error(), " 1 short") != NULL);
+  CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED && free_bytes(sched) == free0);
+  CHECK_RC(sublet_give_back(sched, id), SUBLET_EPERM); /* not its own any more */
+  CHECK_RC(sublet_take_need(sched, "need-kv", free0 + 4 * PAGE, 5000, &id), 0);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
+  CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 4);
+  CHECK(free_bytes(sched) == free0 + 4 * PAGE);
+  CHECK_RC(sublet_region_create(sched, free0 + 4 * PAGE, &first), 0); /* the taker's need */
+  CHECK(free_bytes(sched) == 0);
+  CHECK_RC(sublet_take_more(sched, id, free0 + 4 * PAGE, &state), 0);
+  CHECK(state == SUBLET_OFFER_RELEASED); /* not more: nothing to do */
+  CHECK_RC(sublet_take_more(sched, id, free0 + 10 * PAGE, &state), 0);
+  CHECK(state == SUBLET_OFFER_MORE);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
+  CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 10);
+  CHECK(free_bytes(sched) == 6 * PAGE);
+  /* 6 pages free (the taker's first need holds the rest) and 6 that stay: 1 byte short */
+  CHECK_RC(sublet_take_more(sched, id, free0 + 22 * PAGE + 1, &state), 0);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), SUBLET_ENEED);
+  CHECK(strstr(sublet_last_error(), "stays released as it was") != NULL &&
+        strstr(sublet_last_error(), " 1 short") != NULL);
+  CHECK(free_bytes(sched) == 6 * PAGE);
+  CHECK_RC(sublet_take_wait(sched, id, 0, &state, &seen), 0); /* still held, as it was */
+  CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 10);
+  CHECK_RC(sublet_region_release(first), 0);
+  CHECK_RC(sublet_give_back(sched, id), 0);
+  CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &res), 0);
+  CHECK(state == SUBLET_OFFER_ENDED);
+  CHECK_RC(sublet_release_offer_wait(o, 5000, NULL, NULL), 0);
+  CHECK(free_bytes(sched) == free0);
+  for (int i = 0; i < 3; i++)
+    for (uint64_t k = keep[i].offset; k < keep[i].offset + keep[i].length; k++)
+      bad += ((uint8_t *)sublet_region_addr(r))[k] != pattern(k);
+  CHECK(bad == 0);
+  sublet_release_offer_free(o);
+
+  a = sl_raw_open(d.socket, &rx);
+  b = sl_raw_open(d.socket, &rx2);
+  CHECK(a >= 0 && b >= 0);
+  region = sl_raw_region(a, &rx, 2, 4 * PAGE);
+  CHECK(region != 0 && offer_raw(b, &rx2, 2, region, "old", 3) == 0); /* no by_need */
+  CHECK_RC(sublet_take_need(sched, "old", PAGE, 0, &id), SUBLET_ENOTSUP);
+  CHECK(strstr(sublet_last_error(), "predates take(need=): upgrade the owner's sublet") != NULL);
+  CHECK_RC(sublet_take(sched, "old", 0, &id), 0);             /* still on offer */
+  CHECK_RC(sublet_take_more(sched, id, PAGE, &state), SUBLET_EINVAL); /* taken without need */
+  close(b);
+  close(a);
+  sl_wire_rx_destroy(&rx);
+  sl_wire_rx_destroy(&rx2);
+  sublet_disconnect(sched);
+  sublet_disconnect(owner);
+  CHECK(sl_test_daemon_stop(&d) == 0);
+}
+
 int main(void) {
   sl_test_run("taken, released, given back", test_taken_released_given_back);
   sl_test_run("withdrawn before anyone takes it", test_withdrawn_before_anyone_takes_it);
@@ -437,5 +520,6 @@ int main(void) {
   sl_test_run("what the daemon refuses", test_what_the_daemon_refuses);
   sl_test_run("the owner's failure checked", test_owner_failure_checked);
   sl_test_run("names follow the rule", test_names_follow_the_rule);
+  sl_test_run("by need", test_by_need);
   return sl_test_summary("test_release_offer");
 }
