@@ -182,7 +182,7 @@ static int fetch_run_handles(sublet_client *c, struct sl_window *w, uint64_t pos
            sl_window_page_at(w, p + len) == first + (int64_t)len &&
            w->handles[first + len] == 0)
       len++;
-    int rc = sl_region_fetch_pages(c, w->region_id, (uint64_t)first, len, w->handles);
+    int rc = sl_pages_fetch(c, w->region_id, (uint64_t)first, len, w->handles);
     if (rc != 0)
       return rc;
     p += len;

@@ -152,34 +152,34 @@ int sl_client_gone(const sublet_client *c);
 /* ------------------------------------------------------------------ pages.c */
 
 /* Imports pages [first, first+count) of a region into handles[first..] (fds closed at once). */
-int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
-                          sl_handle *handles);
+int sl_pages_fetch(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                   sl_handle *handles);
 /* Byte ranges of whole pages of r, any order and overlap, as sorted merged (first page,
  * count) pairs in *out (malloc'd, *nout pairs). */
-int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *ranges,
-                         size_t n, uint64_t **out, size_t *nout);
+int sl_pages_pairs(const struct sublet_region *r, const struct sublet_range *ranges,
+                   size_t n, uint64_t **out, size_t *nout);
 /* New pages for runs ((first, count) pairs) of r fetched and mapped at their addresses, in
  * place of the old ones (released, for a release: none). */
-int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n);
+int sl_pages_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n);
 /* Groups ((first, count) pairs of released pages, a resume's) fetched as one handle each and
  * mapped at their addresses (daemon/books/books.h, "Page groups"). */
-int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
-                         size_t n);
+int sl_pages_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
+                        size_t n);
 /* Unmaps pages [first, first+count) of r's own mapping (the device idle), whole groups, and
- * releases this process's handles of them: sl_region_unmap, then sl_region_drop_handles. */
-void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count);
+ * releases this process's handles of them: sl_pages_unmap, then sl_pages_drop_handles. */
+void sl_pages_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count);
 /* ... the unmapping alone: the handles stay. With unmapped (r->npages marks, or NULL), only
  * the pages not marked yet, and it marks every page whose mapping went. */
-void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
-                     uint8_t *unmapped);
+void sl_pages_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                    uint8_t *unmapped);
 /* ... the handles alone (their pages unmapped already). */
-void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
-                            uint64_t count);
+void sl_pages_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
+                           uint64_t count);
 /* Maps the pages marked in unmapped[] again with the handles this process still holds, and
  * clears the marks: what an unmapping undone leaves intact. */
-int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped);
+int sl_pages_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped);
 /* The window of a loan of r that maps r's own pages goes (before they change). */
-void sl_region_drop_window(sublet_client *c, const struct sublet_region *r);
+void sl_pages_drop_window(sublet_client *c, const struct sublet_region *r);
 
 /* ------------------------------------------------------------------ region.c */
 
@@ -188,29 +188,6 @@ struct sublet_region *sl_region_find(sublet_client *c, uint64_t id);
 /* Unmaps and releases this process's side of every region (the daemon's side goes with the
  * connection). */
 void sl_region_forget_all(sublet_client *c);
-
-/* ------------------------------------------------------------------ lend.c */
-
-/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
-struct sl_lend_args {
-  const struct sublet_range *keep;
-  size_t nkeep;
-  int keep_all;
-  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
-  size_t npinned;   /* pairs */
-  int local;        /* borrowed by this client in the same step (borrow.c) */
-  const char *name;
-  int timeout_ms;
-  uint64_t known_layout; /* local: the layout id of the window this client holds (0: none) */
-};
-/* Sends Lend (the caller holds c->lock) and takes Lent's fds: the three of the rescue (kept in
- * r->rescue) and, local, Borrowed's release pipe (*release_fd, or -1). */
-int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
-                   int *release_fd);
-/* An offer of r (not local): pinned converted, then the Lend under c->lock. */
-int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
-                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
-                    uint8_t token[SUBLET_TOKEN_SIZE]);
 
 /* ------------------------------------------------------------------ rescue.c */
 

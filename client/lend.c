@@ -12,17 +12,21 @@
 
 /* ------------------------------------------------------------------ lending */
 
-/* Local: borrowed by this client in the same step (borrow.c's sublet_lend_pinned). */
-int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
-                   int *release_fd) {
-  sublet_client *c = r->client;
-  Sublet__Request req = SUBLET__REQUEST__INIT;
-  Sublet__Lend m = SUBLET__LEND__INIT;
-  int fds[4], keep_fd;
-  size_t nfds = 4;
-  int rc;
+/* What one Lend asks (sublet_lend_pinned's arguments, pinned converted to page pairs). */
+struct sl_lend_args {
+  const struct sublet_range *keep;
+  size_t nkeep;
+  int keep_all;
+  uint64_t *pinned; /* (first, count) pairs of region pages, ascending, merged */
+  size_t npinned;   /* pairs */
+  int local;        /* borrowed by this client in the same step (lend_local) */
+  const char *name;
+  int timeout_ms;
+  uint64_t known_layout; /* local: the layout id of the window this client holds (0: none) */
+};
 
-  *release_fd = -1;
+/* Why r cannot be lent as a asks (SUBLET_E*, the thread's last error), or 0. */
+static int lend_refused(const sublet_region *r, const struct sl_lend_args *a) {
   /* A plan of a pool arena's pages made while allocations could still take its free pages
    * would lend another tag's new tensor (pool.c, "Loans of the arena"). */
   if (r->torch_blocks && !atomic_load(&r->pool_held))
@@ -31,22 +35,46 @@ int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply
                           "sublet_pool_unhold() once the loan is reclaimed",
                           (unsigned long long)r->id);
   /* An older subletd would ignore the pinned pages and lend them: the owner's bytes. */
-  if (a->npinned > 0 && !c->pinned_ok)
+  if (a->npinned > 0 && !r->client->pinned_ok)
     return sl_client_fail(SUBLET_ENOTSUP, "this subletd cannot pin pages of a loan (it is "
                           "older than this library): update subletd, or lend without pinned");
-  m.region = r->id;
-  sl_keepwire_encode(&c->keep, &m, a->keep, a->nkeep, a->keep_all, &keep_fd);
-  m.pinned = a->pinned;
-  m.n_pinned = 2 * a->npinned;
-  m.has_name = a->name != NULL;
-  m.name.data = (uint8_t *)a->name;
-  m.name.len = a->name != NULL ? strlen(a->name) : 0;
-  m.has_rescue = m.rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
-  m.has_local = m.local = a->local != 0;
-  m.known_layout = a->known_layout;
-  m.has_known_layout = m.known_layout != 0;
-  m.has_timeout_ms = a->timeout_ms != 0;
-  m.timeout_ms = a->timeout_ms < 0 ? -1 : a->timeout_ms;
+  return 0;
+}
+
+/* The Lend for a: its keep ranges in the form r's subletd reads best (*keep_fd: the memfd to
+ * send with it, or -1). */
+static void lend_message(sublet_region *r, const struct sl_lend_args *a, Sublet__Lend *m,
+                         int *keep_fd) {
+  m->region = r->id;
+  sl_keepwire_encode(&r->client->keep, m, a->keep, a->nkeep, a->keep_all, keep_fd);
+  m->pinned = a->pinned;
+  m->n_pinned = 2 * a->npinned;
+  m->has_name = a->name != NULL;
+  m->name.data = (uint8_t *)a->name;
+  m->name.len = a->name != NULL ? strlen(a->name) : 0;
+  m->has_rescue = m->rescue = 1; /* if the daemon dies, this library restores (rescue.c) */
+  m->has_local = m->local = a->local != 0;
+  m->known_layout = a->known_layout;
+  m->has_known_layout = m->known_layout != 0;
+  m->has_timeout_ms = a->timeout_ms != 0;
+  m->timeout_ms = a->timeout_ms < 0 ? -1 : a->timeout_ms;
+}
+
+/* Sends Lend (the caller holds c->lock) and takes Lent's fds: the three of the rescue (kept in
+ * r->rescue) and, local (lend_local), Borrowed's release pipe (*release_fd, or -1). */
+static int lend_request(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply **rep,
+                        int *release_fd) {
+  sublet_client *c = r->client;
+  Sublet__Request req = SUBLET__REQUEST__INIT;
+  Sublet__Lend m = SUBLET__LEND__INIT;
+  int fds[4], keep_fd;
+  size_t nfds = 4;
+  int rc;
+
+  *release_fd = -1;
+  if ((rc = lend_refused(r, a)) != 0)
+    return rc;
+  lend_message(r, a, &m, &keep_fd);
   req.body_case = SUBLET__REQUEST__BODY_LEND;
   req.lend = &m;
   /* The owner's last writes must be in memory before anyone saves or overwrites them. */
@@ -74,7 +102,7 @@ int sl_region_lend(sublet_region *r, const struct sl_lend_args *a, Sublet__Reply
 static int lend_offer(sublet_region *r, const struct sl_lend_args *a, uint64_t *loan_id,
                       uint8_t token[SUBLET_TOKEN_SIZE]) {
   Sublet__Reply *rep = NULL;
-  int release_fd, rc = sl_region_lend(r, a, &rep, &release_fd);
+  int release_fd, rc = lend_request(r, a, &rep, &release_fd);
 
   if (rc == 0) {
     *loan_id = rep->lent->loan;
@@ -86,11 +114,12 @@ static int lend_offer(sublet_region *r, const struct sl_lend_args *a, uint64_t *
   return rc;
 }
 
-int sl_region_offer(sublet_region *r, const struct sl_lend_args *a,
-                    const struct sublet_range *pinned, size_t npinned, uint64_t *loan_id,
-                    uint8_t token[SUBLET_TOKEN_SIZE]) {
+/* An offer of r (not local): pinned converted, then the Lend under c->lock. */
+static int lend_pinned_offer(sublet_region *r, const struct sl_lend_args *a,
+                             const struct sublet_range *pinned, size_t npinned,
+                             uint64_t *loan_id, uint8_t token[SUBLET_TOKEN_SIZE]) {
   struct sl_lend_args own = *a;
-  int rc = sl_region_page_pairs(r, pinned, npinned, &own.pinned, &own.npinned);
+  int rc = sl_pages_pairs(r, pinned, npinned, &own.pinned, &own.npinned);
 
   if (rc != 0)
     return rc;
@@ -113,7 +142,7 @@ SUBLET_EXPORT int sublet_lend_wait(sublet_region *r, const struct sublet_range *
   struct sl_lend_args a = {.keep = keep, .nkeep = n, .keep_all = keep_all, .name = name,
                           .timeout_ms = timeout_ms};
 
-  return sl_region_offer(r, &a, NULL, 0, loan_id, token);
+  return lend_pinned_offer(r, &a, NULL, 0, loan_id, token);
 }
 
 /* ------------------------------------------------------------------ local lends */
@@ -126,7 +155,7 @@ static int lend_local(sublet_region *r, struct sl_lend_args *a, uint64_t *lent) 
 
   a->known_layout = sl_borrow_known_layout(r->client);
   if (rc == 0)
-    rc = sl_region_lend(r, a, &rep, &release_fd);
+    rc = lend_request(r, a, &rep, &release_fd);
   if (rc == 0) {
     *lent = rep->lent->loan;
     rc = sl_borrow_take(r->client, rep->lent->borrowed, release_fd);
@@ -143,7 +172,7 @@ static int lend_here(sublet_region *r, struct sl_lend_args *a, const struct subl
                      size_t npinned, uint64_t *loan_id) {
   sublet_client *c = r->client;
   uint64_t lent = 0;
-  int rc = sl_region_page_pairs(r, pinned, npinned, &a->pinned, &a->npinned);
+  int rc = sl_pages_pairs(r, pinned, npinned, &a->pinned, &a->npinned);
 
   if (rc != 0)
     return rc;
@@ -161,7 +190,6 @@ static int lend_here(sublet_region *r, struct sl_lend_args *a, const struct subl
   return rc;
 }
 
-/* Here, above region.c, since a local lend borrows: region.c makes offers only. */
 SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range *keep,
                                      size_t n, int keep_all, const struct sublet_range *pinned,
                                      size_t npinned, int local, const char *name,
@@ -172,7 +200,7 @@ SUBLET_EXPORT int sublet_lend_pinned(sublet_region *r, const struct sublet_range
 
   if (local)
     return lend_here(r, &a, pinned, npinned, loan_id);
-  return sl_region_offer(r, &a, pinned, npinned, loan_id, token);
+  return lend_pinned_offer(r, &a, pinned, npinned, loan_id, token);
 }
 
 SUBLET_EXPORT int sublet_lend_local(sublet_region *r, const struct sublet_range *keep, size_t n,
@@ -213,7 +241,7 @@ static int replaced_pages(sublet_client *c, uint64_t loan_id, const Sublet__Loan
   if (r == NULL)
     return sl_client_fail(SUBLET_EPROTO, "subletd replaced pages of loan %llu, whose region "
                           "this client does not know", (unsigned long long)loan_id);
-  return sl_region_remap(c, r, m->replaced, m->n_replaced);
+  return sl_pages_remap(c, r, m->replaced, m->n_replaced);
 }
 
 /* *awaits_fresh: subletd said the loan's end waits for memory for fresh pages
@@ -269,7 +297,7 @@ static int reclaim_fresh(sublet_client *c, uint64_t loan_id, int timeout_ms,
   if (r == NULL)
     return rc;
   first = *sl_client_last_error();
-  sl_region_drop_window(c, r); /* it would map the pages let go of (none for another user) */
+  sl_pages_drop_window(c, r); /* it would map the pages let go of (none for another user) */
   if (sl_rescue_let_go_granted(r) != 1) {
     *sl_client_last_error() = first; /* the ENOMEM, with subletd's why: reclaim again */
     return rc;

@@ -38,8 +38,8 @@ static int fetch_batch(sublet_client *c, uint64_t region, uint64_t first, uint32
 }
 
 /* Imports pages [first, first+count) of a region into handles[first..]. */
-int sl_region_fetch_pages(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
-                          sl_handle *handles) {
+int sl_pages_fetch(sublet_client *c, uint64_t region, uint64_t first, uint64_t count,
+                   sl_handle *handles) {
   while (count > 0) {
     uint32_t n = count < SL_WIRE_MAX_FDS ? (uint32_t)count : SL_WIRE_MAX_FDS;
     int rc = fetch_batch(c, region, first, n, &handles[first]);
@@ -129,8 +129,8 @@ static void unmap_run(sublet_client *c, struct sublet_region *r, uint64_t first,
       memset(unmapped + p, 1, span_at(r, p));
 }
 
-void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
-                     uint8_t *unmapped) {
+void sl_pages_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count,
+                    uint8_t *unmapped) {
   uint64_t p = first, end = first + count, from;
 
   if (unmapped == NULL) {
@@ -147,7 +147,7 @@ void sl_region_unmap(sublet_client *c, struct sublet_region *r, uint64_t first, 
   }
 }
 
-int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped) {
+int sl_pages_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unmapped) {
   uint64_t ps = r->page_size, p = 0, from;
   struct sl_err err = {0};
   int rc = 0;
@@ -170,8 +170,8 @@ int sl_region_map_again(sublet_client *c, struct sublet_region *r, uint8_t *unma
   return 0;
 }
 
-void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
-                            uint64_t count) {
+void sl_pages_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t first,
+                           uint64_t count) {
   for (uint64_t p = first; p < first + count; p++) {
     if (owns_handle(r, p))
       sl_device_release(c->dev, r->handles[p]);
@@ -181,9 +181,9 @@ void sl_region_drop_handles(sublet_client *c, struct sublet_region *r, uint64_t 
   }
 }
 
-void sl_region_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
-  sl_region_unmap(c, r, first, count, NULL);
-  sl_region_drop_handles(c, r, first, count);
+void sl_pages_let_go(sublet_client *c, struct sublet_region *r, uint64_t first, uint64_t count) {
+  sl_pages_unmap(c, r, first, count, NULL);
+  sl_pages_drop_handles(c, r, first, count);
 }
 
 static int spans_ensure(struct sublet_region *r) {
@@ -265,8 +265,8 @@ static int map_group_batch(sublet_client *c, struct sublet_region *r, const uint
   return rc;
 }
 
-int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
-                         size_t n) {
+int sl_pages_map_groups(sublet_client *c, struct sublet_region *r, const uint64_t *groups,
+                        size_t n) {
   int rc = spans_ensure(r);
 
   for (size_t i = 0; i < n && rc == 0; i++)
@@ -274,7 +274,7 @@ int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64
         groups[2 * i + 1] > r->npages - groups[2 * i])
       rc = sl_client_fail(SUBLET_EPROTO, "subletd sent a group outside region %llu",
                           (unsigned long long)r->id);
-  sl_region_drop_window(c, r);
+  sl_pages_drop_window(c, r);
   for (size_t i = 0, j; rc == 0 && i < n; i = j) {
     uint64_t pages = groups[2 * i + 1];
     for (j = i + 1; j < n && j - i < SL_WIRE_MAX_FDS &&
@@ -288,7 +288,7 @@ int sl_region_map_groups(sublet_client *c, struct sublet_region *r, const uint64
 
 /* The window of a loan of r in this process (r's owner) maps r's pages with r's own handles:
  * it goes before those pages or handles change. */
-void sl_region_drop_window(sublet_client *c, const struct sublet_region *r) {
+void sl_pages_drop_window(sublet_client *c, const struct sublet_region *r) {
   if (c->win != NULL && c->win->region_id == r->id && !c->win->owns_handles) {
     sl_window_free(c->win);
     c->win = NULL;
@@ -299,10 +299,10 @@ void sl_region_drop_window(sublet_client *c, const struct sublet_region *r) {
  * pages, with the kept bytes restored into them, so that it cannot reach this memory again:
  * they take the old ones' place in this process's mapping, at the same addresses (the
  * tensor's pointers stay valid). runs: n (first, count) pairs of region pages. */
-int sl_region_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n) {
+int sl_pages_remap(sublet_client *c, struct sublet_region *r, const uint64_t *runs, size_t n) {
   int rc = 0;
 
-  sl_region_drop_window(c, r); /* it maps the old pages */
+  sl_pages_drop_window(c, r); /* it maps the old pages */
   sl_device_synchronize(c->dev, NULL);
   for (size_t i = 0; rc == 0 && i + 1 < n; i += 2) {
     if (runs[i] >= r->npages || runs[i + 1] > r->npages - runs[i])
@@ -331,8 +331,8 @@ static int pinned_bad(const struct sublet_region *r, size_t i, const struct subl
 
 /* The pinned byte ranges as the daemon wants them: (first page, count) pairs, sorted and
  * merged (any order and overlap is fine here; empty ranges pin nothing). *out: malloc'd. */
-int sl_region_page_pairs(const struct sublet_region *r, const struct sublet_range *pinned,
-                         size_t n, uint64_t **out, size_t *nout) {
+int sl_pages_pairs(const struct sublet_region *r, const struct sublet_range *pinned,
+                   size_t n, uint64_t **out, size_t *nout) {
   uint64_t ps = r->page_size, *v = n > 0 ? malloc(2 * n * sizeof(*v)) : NULL;
   size_t m = 0;
 

@@ -18,7 +18,7 @@ static void release_local(struct sublet_region *r) {
 
   if (r->base != NULL && r->handles != NULL) {
     sl_device_synchronize(dev, NULL);
-    sl_region_let_go(r->client, r, 0, r->npages); /* a failed map_region() left holes */
+    sl_pages_let_go(r->client, r, 0, r->npages); /* a failed map_region() left holes */
   }
   if (r->base != NULL)
     sl_device_unreserve(dev, r->reserved, reserved_pages(r) * r->page_size);
@@ -117,7 +117,7 @@ static int region_create(sublet_client *c, uint64_t size, int growable, sublet_r
   if (rc == 0 && (r->handles = calloc(r->cap_pages, sizeof(sl_handle))) == NULL)
     rc = sl_client_fail(SUBLET_ENOHOSTMEM, "out of host memory");
   if (rc == 0)
-    rc = sl_region_fetch_pages(c, r->id, 0, r->npages, r->handles);
+    rc = sl_pages_fetch(c, r->id, 0, r->npages, r->handles);
   if (rc == 0)
     rc = map_region(c, r);
   if (rc == 0) {
@@ -193,7 +193,7 @@ static int region_grow_request(sublet_client *c, struct sublet_region *r, uint64
 static int map_new_pages(sublet_client *c, struct sublet_region *r, uint64_t npages) {
   uint64_t ps = r->page_size, from = r->npages, mapped = from;
   struct sl_err err = {0};
-  int rc = sl_region_fetch_pages(c, r->id, from, npages - from, r->handles);
+  int rc = sl_pages_fetch(c, r->id, from, npages - from, r->handles);
 
   for (; rc == 0 && mapped < npages; mapped++)
     if (sl_device_map(c->dev, (char *)r->base + mapped * ps, ps, r->handles[mapped], &err) != 0)
@@ -221,7 +221,7 @@ SUBLET_EXPORT int sublet_region_grow(sublet_region *r, uint64_t size) {
   pthread_mutex_lock(&c->lock);
   rc = grow_check(c, r);
   if (rc == 0) {
-    sl_region_drop_window(c, r); /* it was laid out for the old pages, in the trail the new ones take */
+    sl_pages_drop_window(c, r); /* it was laid out for the old pages, in the trail the new ones take */
     rc = region_grow_request(c, r, size, &npages);
   }
   if (rc == 0)
@@ -256,7 +256,7 @@ SUBLET_EXPORT int sublet_region_release(sublet_region *r) {
   if (rc != 0 && sl_client_gone(c))
     rc = 0; /* the daemon is gone, and its side of the region with it: ours goes too */
   if (rc == 0) {
-    sl_region_drop_window(c, r); /* before the handles it borrows */
+    sl_pages_drop_window(c, r); /* before the handles it borrows */
     sl_device_synchronize(c->dev, NULL);
     for (link = &c->regions; *link != r; link = &(*link)->next)
       ;

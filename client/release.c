@@ -111,7 +111,7 @@ static int pinned_for(const struct sublet_region *r, const struct sublet_range *
   *npinned = 0;
   if (pages == NULL || n == 0)
     return 0;
-  if ((rc = sl_region_page_pairs(r, pages, n, &pairs, &npairs)) != 0)
+  if ((rc = sl_pages_pairs(r, pages, n, &pairs, &npairs)) != 0)
     return rc;
   if (npairs == 0)
     rc = sl_client_fail(SUBLET_EINVAL, "the pages to release hold no page: give ranges of "
@@ -204,10 +204,10 @@ void sl_release_stats_from(const Sublet__ReleaseStats *m, struct sublet_release_
 /* This process lets go of the released pages: then nothing holds them. */
 static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t *runs,
                        size_t n) {
-  sl_region_drop_window(c, r); /* a local loan's window maps these very handles */
+  sl_pages_drop_window(c, r); /* a local loan's window maps these very handles */
   sl_device_synchronize(c->dev, NULL);
   for (size_t i = 0; i + 1 < n; i += 2)
-    sl_region_let_go(c, r, runs[i], runs[i + 1]);
+    sl_pages_let_go(c, r, runs[i], runs[i + 1]);
 }
 
 /* ---- a release that keeps nothing: this process unmaps beside subletd ---------------------
@@ -223,7 +223,7 @@ struct early_unmap {
   struct sublet_region *r;
   const uint64_t *pinned; /* (first, count) pairs, ascending: the pages not in the set */
   size_t npinned;
-  uint8_t *unmapped;      /* r->npages marks, of sl_region_unmap; NULL: nothing unmapped */
+  uint8_t *unmapped;      /* r->npages marks, of sl_pages_unmap; NULL: nothing unmapped */
 };
 
 static int borrowing(const struct sublet_region *r) {
@@ -237,11 +237,11 @@ static void unmap_meanwhile(void *arg) {
   uint64_t *set;
   size_t n;
 
-  sl_region_drop_window(eu->c, eu->r); /* a local loan's window maps these very handles */
+  sl_pages_drop_window(eu->c, eu->r); /* a local loan's window maps these very handles */
   if (complement(eu->r, eu->pinned, eu->npinned, &set, &n) != 0)
     return; /* out of host memory: unmapped after the reply, as a release that keeps bytes */
   for (size_t i = 0; i < n; i++)
-    sl_region_unmap(eu->c, eu->r, set[2 * i], set[2 * i + 1], eu->unmapped);
+    sl_pages_unmap(eu->c, eu->r, set[2 * i], set[2 * i + 1], eu->unmapped);
   free(set);
 }
 
@@ -251,11 +251,11 @@ static int early_unmap_end(struct early_unmap *eu, const uint64_t *runs, size_t 
   int rc;
 
   for (size_t i = 0; i + 1 < n; i += 2) {
-    sl_region_unmap(eu->c, eu->r, runs[i], runs[i + 1], eu->unmapped); /* what is still mapped */
-    sl_region_drop_handles(eu->c, eu->r, runs[i], runs[i + 1]);
+    sl_pages_unmap(eu->c, eu->r, runs[i], runs[i + 1], eu->unmapped); /* what is still mapped */
+    sl_pages_drop_handles(eu->c, eu->r, runs[i], runs[i + 1]);
     memset(eu->unmapped + runs[i], 0, runs[i + 1]);
   }
-  rc = sl_region_map_again(eu->c, eu->r, eu->unmapped);
+  rc = sl_pages_map_again(eu->c, eu->r, eu->unmapped);
   free(eu->unmapped);
   eu->unmapped = NULL;
   return rc;
@@ -655,9 +655,9 @@ static int resume_request(sublet_client *c, struct sublet_region *r, int flags,
     if (rep->resumed->n_groups % 2 != 0)
       rc = sl_client_fail(SUBLET_EPROTO, "subletd sent a malformed Resumed");
     else if (rep->resumed->n_groups > 0)
-      rc = sl_region_map_groups(c, r, rep->resumed->groups, rep->resumed->n_groups / 2);
+      rc = sl_pages_map_groups(c, r, rep->resumed->groups, rep->resumed->n_groups / 2);
     else
-      rc = sl_region_remap(c, r, rep->resumed->released, rep->resumed->n_released);
+      rc = sl_pages_remap(c, r, rep->resumed->released, rep->resumed->n_released);
     rec->stats.map_seconds = sl_clock_now() - t0;
     if (m.early) /* after every early Resumed, as PROTOCOL.md says: else it stays restoring */
       rc = resume_end(c, r, rec, rc);

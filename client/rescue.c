@@ -146,7 +146,7 @@ static int drop_granted(struct sublet_region *reg, struct sl_rescue *r,
   for (uint64_t i = 0, first, count; i < v->committed; i++) {
     granted_run(reg, &v->e[i], &first, &count);
     if (count > 0)
-      sl_region_let_go(reg->client, reg, first, count);
+      sl_pages_let_go(reg->client, reg, first, count);
   }
   r->dropped = 1;
   return 1;
