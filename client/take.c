@@ -3,8 +3,9 @@
  *
  * A scheduler takes an offer (Take; with a need: Take.need_bytes), waits until the owner has
  * released it (TakeWait), lets anyone use the memory, asks for more of it (TakeMore, then
- * TakeWait), gives it back (GiveBack) and waits until the owner has resumed (TakeWait). It maps nothing: the memory is the driver's, for any process. Each call is one
- * request on the caller's client, its lock held.
+ * TakeWait), gives it back (GiveBack) and waits until the owner has resumed (TakeWait). It
+ * maps nothing: the memory is the driver's, for any process. Each call is one request on the
+ * caller's client, its lock held.
  */
 #include "client.h"
 
