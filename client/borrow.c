@@ -1,6 +1,7 @@
-/* borrow.c - libsublet: borrowing a loan, allocating from it and returning it; a local lend
- * (the region lent to its own client and borrowed in the same step); the windows' side of the
- * watch thread (watch_ops). */
+/* borrow.c - libsublet: the borrower's side: borrowing a loan, allocating from it and
+ * returning it; the regions RegionGone named let go of; the windows' side of the watch thread
+ * (watch_ops). A local lend (lend.c) borrows through sl_borrow_take.
+ * Floor 5 (client.h's floors). */
 #include "client.h"
 
 #include <stdlib.h>

@@ -1,7 +1,6 @@
-/* client.c - libsublet's lowest layer: errors, the conversation with subletd (connecting, the
- * one request path), the device this process maps with. Above it: region.c (regions and
- * lending), borrow.c (borrowing), torch.c (PyTorch's pair), and connect.c at the top, which
- * makes a client and tears it down through every layer. */
+/* client.c - libsublet's lowest floor: errors, the conversation with subletd (connecting, the
+ * one request path), the device this process maps with.
+ * Floor 1 (client.h's floors): it calls no other file of client/. */
 #include "client.h"
 
 #include <errno.h>

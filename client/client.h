@@ -1,6 +1,30 @@
-/* client.h - libsublet's internals: the client and region structs and each layer's functions
- * for the layers above it (client.c at the bottom, then region.c, borrow.c, pool.c, torch.c;
- * connect.c on top). */
+/* client.h - libsublet's internals: the client and region structs, and each file's functions
+ * for the files above it.
+ *
+ * The files stand on floors, lowest first: a file calls functions of files on lower floors
+ * only, never of a file on its own floor or above; a lower file reaches an upper one only
+ * through a callback it was given (struct sl_watch_ops: watch.c -> borrow.c's windows). Each
+ * file's opening comment names its floor. tests/check-floors reads the floor lines below and
+ * checks them against nm of the built objects (ctest: check_floors_client); a new file takes
+ * the floor above the highest one it calls.
+ *
+ *   floor 1: client.c window.c status_json.c   the connection, its one request path, errors;
+ *            a borrower's address window (the device only); a Status as JSON
+ *   floor 2: keep.c status.c watch.c pages.c   keep ranges; sublet_status; the watch thread;
+ *            a region's pages mapped, remapped and let go of in the owner's process
+ *   floor 3: release.c rescue.c                a region's releases; the owner's rescue when
+ *            subletd died mid-loan
+ *   floor 4: region.c                          regions created, grown and released (their
+ *            releases and rescue go with them)
+ *   floor 5: borrow.c pool.c                   the borrower's side; pools (tags' segments of
+ *            one growable region)
+ *   floor 6: lend.c torch.c                    the owner's lending (a local lend borrows
+ *            through borrow.c) and the loan's end; PyTorch's alloc/free pair
+ *   floor 7: connect.c                         a client made, and torn down floor by floor
+ *   floor 8: release_offer.c                   release offers (each with a connection of its
+ *            own, closed through connect.c)
+ *   floor 9: take.c                            a scheduler's takes of release offers
+ */
 #ifndef SL_CLIENT_H
 #define SL_CLIENT_H
 
@@ -36,7 +60,7 @@ struct sublet_region {
                           window never hands out their addresses, or PyTorch would see two
                           live blocks at one address (it aborts: "invalid device pointer") */
   atomic_int pool_held; /* an arena's: held for a loan (sublet_pool_hold), without which its
-                          Lend is refused (set by pool.c under its lock, read by region.c) */
+                          Lend is refused (set by pool.c under its lock, read by lend.c) */
   struct sublet_region *next;
 };
 

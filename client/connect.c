@@ -1,6 +1,7 @@
-/* connect.c - the top of libsublet: making a client and tearing it down, layer by layer from
- * the top (torch.c, the connection, borrow.c's windows, pool.c's arena, region.c's mappings,
- * client.c). */
+/* connect.c - libsublet: making a client and tearing it down, floor by floor from the top
+ * (torch.c, the connection, borrow.c's windows, pool.c's arena, region.c's mappings,
+ * client.c).
+ * Floor 7 (client.h's floors). */
 #include "client.h"
 
 SUBLET_EXPORT int sublet_connect(const char *path, sublet_client **out) {

@@ -8,6 +8,7 @@
  * whose live rows are the same block ids: sublet_blocks_ranges finds the runs of the id list
  * once, at the lowest table, and the other tables' ranges are that template shifted, a
  * streaming copy at memory speed, split between threads when it is large.
+ * Floor 2 (client.h's floors).
  */
 #include <sched.h>
 #include <stdlib.h>

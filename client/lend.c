@@ -1,6 +1,7 @@
 /* lend.c - libsublet: the owner's lending: the Lend itself, offers, a local lend (the region
  * lent to its own client and borrowed in the same step), and the loan's end (Reclaim,
- * Withdraw, and the rescue when subletd died). */
+ * Withdraw, and the rescue when subletd died).
+ * Floor 6 (client.h's floors). */
 #include "client.h"
 
 #include <stdlib.h>

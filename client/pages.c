@@ -1,7 +1,8 @@
 /* pages.c - libsublet: a region's pages in the owner's process: fetched (PagesGet) and mapped,
  * remapped when fresh pages replace them, mapped as groups at a resume, unmapped and let go of
  * (releases, rescues); byte ranges as page pairs; the loan's window that maps the region's own
- * handles dropped before they change. */
+ * handles dropped before they change.
+ * Floor 2 (client.h's floors). */
 #include "client.h"
 
 #include <stdlib.h>

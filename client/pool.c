@@ -18,7 +18,7 @@
  * and the loan's end, or a tensor of another tag could land in a free page the loan lends.
  * sublet_pool_hold() switches the refusal of allocations on (SUBLET_EBUSY) under pool_lock
  * before the caller reads the segments it plans with, and the Lend of the arena's region is
- * refused without it (region.c); sublet_pool_unhold() after the loan is reclaimed. The layout
+ * refused without it (lend.c); sublet_pool_unhold() after the loan is reclaimed. The layout
  * id, bumped under pool_lock at every segment made, tells a plan made before the hold whether
  * it still holds (nothing was allocated since).
  *
@@ -35,6 +35,7 @@
  * Lock order, for every pool and loan of a process: pool_lock, then the client's lock
  * (c->lock: region growth, the lent check, every request), then c->send_lock; never the
  * reverse. (The Python package takes sublet._pool._lock before any of them.)
+ * Floor 5 (client.h's floors).
  */
 #include "client.h"
 
@@ -337,7 +338,7 @@ SUBLET_EXPORT int sublet_pool_owns(sublet_client *c, const void *ptr) {
   return owns;
 }
 
-/* The region's own mark (region.c refuses a Lend of an arena without it), set with the
+/* The region's own mark (lend.c refuses a Lend of an arena without it), set with the
  * arena's: a region made while held cannot be (no segment is made then). */
 static void mark_held(struct sl_arena *a, int held) {
   a->held = held;

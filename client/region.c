@@ -1,5 +1,6 @@
 /* region.c - libsublet: regions (a tensor's memory, mapped in the owner's process): created,
- * grown, checksummed and released; this process's side of them let go of when they go. */
+ * grown, checksummed and released; this process's side of them let go of when they go.
+ * Floor 4 (client.h's floors). */
 #include "client.h"
 
 #include <stdlib.h>

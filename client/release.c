@@ -6,6 +6,7 @@
  * driver's. The reply carries the release's save area (an fd, read-only) and its plan, kept
  * here until the resume: if subletd dies meanwhile, the resume is done by this library alone
  * (pages made by this process, the saved bytes copied back, the moves undone).
+ * Floor 3 (client.h's floors).
  */
 #include "client.h"
 

@@ -13,6 +13,7 @@
  *
  * The owner waits on o->cond for the end; withdrawing cancels the thread's waiting step
  * (sublet_cancel) until the thread has sent a step that withdraws, or the offer was taken.
+ * Floor 8 (client.h's floors).
  */
 #include "client.h"
 

@@ -22,6 +22,7 @@
  * A journal marked ended needs none of it: the daemon had put everything back, into pages no
  * borrower of another user was granted, before it died (the owner had not asked yet).
  * The fds are the region's (owned by struct sl_rescue) until the loan ends either way.
+ * Floor 3 (client.h's floors).
  */
 #include "client.h"
 

@@ -1,5 +1,6 @@
 /* status.c - sublet_status_json: asks the daemon for its Status and gives it as JSON text
- * (status_json.c writes it). */
+ * (status_json.c writes it).
+ * Floor 2 (client.h's floors). */
 #include <stdlib.h>
 
 #include "client.h"

@@ -7,6 +7,7 @@
  * refuses such names, an older one may not) gets U+FFFD for each bad byte, a count above
  * jansson's integers (2^63 - 1) becomes a real, a time that is not finite, or that would print
  * as one (next to DBL_MAX: see real_json), is null. Every number reads back (issue 25).
+ * Floor 1 (client.h's floors).
  */
 #include "status_json.h"
 

@@ -6,6 +6,7 @@
  * TakeWait), gives it back (GiveBack) and waits until the owner has resumed (TakeWait). It
  * maps nothing: the memory is the driver's, for any process. Each call is one request on the
  * caller's client, its lock held.
+ * Floor 9 (client.h's floors).
  */
 #include "client.h"
 

@@ -9,6 +9,7 @@
  * and sublet_last_error() (thread-local) tells the Python side why. PyTorch does not
  * synchronise before free; the pages stay mapped in the window until the loan ends, and the
  * loan's end synchronises before anything is unmapped.
+ * Floor 6 (client.h's floors).
  */
 #include <stdatomic.h>
 

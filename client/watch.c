@@ -15,6 +15,7 @@
  *
  * The watch sits below borrow.c: what it does to the windows, it does through the callbacks
  * borrow.c starts it with (struct sl_watch_ops).
+ * Floor 2 (client.h's floors).
  */
 #include "client.h"
 

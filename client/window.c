@@ -1,4 +1,5 @@
-/* window.c - the borrower's address window (see window.h). */
+/* window.c - the borrower's address window (see window.h).
+ * Floor 1 (client.h's floors). */
 #include "window.h"
 
 #include <stdlib.h>
