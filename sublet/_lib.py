@@ -209,8 +209,12 @@ _lib_path: str | None = None
 
 
 def native_candidates(name: str, env: str) -> list[Path]:
-    """Where to look for a native file: $env, the package's _native/, then ./build of the repo."""
+    """Where to look for a native file: $env, beside $SUBLET_LIB (a build of one's own: its
+    preload library and subletd are of the same build, not the repo's older one), the package's
+    _native/, then ./build of the repo."""
     found = [Path(os.environ[env])] if os.environ.get(env) else []
+    if env != "SUBLET_LIB" and os.environ.get("SUBLET_LIB"):
+        found.append(Path(os.environ["SUBLET_LIB"]).parent / name)
     return found + [_PACKAGE_DIR / "_native" / name, _REPO_ROOT / "build" / name]
 
 

@@ -264,6 +264,17 @@ def test_missing_native_file_names_the_fix(monkeypatch, tmp_path):
         _lib.find_native("libsublet.so", "SUBLET_LIB")
 
 
+def test_a_native_file_beside_sublet_lib_is_of_the_same_build(monkeypatch, tmp_path):
+    """$SUBLET_LIB names a build of one's own: its preload library and subletd are found
+    there, not in the repo's build/, which may be older (a stale preload library lacked a
+    symbol the Python side called)."""
+    beside = tmp_path / "torch_memory_saver_hook_mode_preload.abi3.so"
+    beside.write_bytes(b"")
+    monkeypatch.setenv("SUBLET_LIB", str(tmp_path / "libsublet.so"))
+    monkeypatch.delenv("SUBLET_TMS_PRELOAD", raising=False)
+    assert _lib.find_native(beside.name, "SUBLET_TMS_PRELOAD") == beside.resolve()
+
+
 def test_status_without_any_daemon_exits_3_and_names_the_fix(capsys, monkeypatch, tmp_path):
     from sublet import _status
     monkeypatch.delenv("SUBLET_SOCKET", raising=False)
