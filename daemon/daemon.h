@@ -387,19 +387,20 @@ struct sl_req {
   struct sl_err err;
   int keep_fd; /* a Lend's keep memfd: the request's until a Lend takes it (-1: none) */
 };
-/* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
- * in x->err for the caller to send. A Lend may take x->keep_fd. */
-/* A request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes without
- * control characters) into out, "" when absent (has not set); what names it in the refusal. */
+/* daemon.c: a request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes
+ * without control characters) into out, "" when absent (has not set); what names it in the
+ * refusal. */
 int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
                   ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
+/* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
+ * in x->err for the caller to send. A Lend may take x->keep_fd. */
 int sl_lends_lend(struct sl_req *x, Sublet__Lend *m);
 int sl_lends_borrow(struct sl_req *x, const Sublet__Borrow *m);
 /* Called when an offer appears: wakes borrowers waiting for one. */
 void sl_lends_offer_posted(struct sl_daemon *d);
 /* allocs.c: Alloc, the same way (answered later when kept bytes are saved off the loop). */
 int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m);
-/* lends.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
+/* lend_lists.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
  * own arrays (protobuf-c malloc'd them), or (keep_fd_ranges) the keep memfd, which the draft
  * reads into the daemon's own buffer (the client could change it meanwhile). take: on the
  * loop (*keep_fd is taken, -1 after); draft: any thread, the lists stay the owner's; clear
@@ -422,8 +423,8 @@ int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err);
 int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
                         uint64_t npages, struct sl_loan **draft, struct sl_err *err);
 void sl_lend_lists_clear(struct sl_lend_lists *l);
-/* Pages of free device memory, less those of regions being made (and, keep_reserve, the
- * --reserve left to others: loans take fresh memory within it, a resume takes back the
+/* daemon.c: pages of free device memory, less those of regions being made (and, keep_reserve,
+ * the --reserve left to others: loans take fresh memory within it, a resume takes back the
  * owner's own pages and does not). */
 uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve);
 /* --check: the books checked after a step, abort if broken. */

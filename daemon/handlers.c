@@ -115,15 +115,6 @@ static int on_withdraw(struct sl_req *x, const Sublet__Withdraw *m) {
   return rc;
 }
 
-uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve) {
-  uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
-  uint64_t taken = d->building_bytes + (keep_reserve ? d->cfg.reserve_bytes : 0);
-
-  if (sl_device_free_bytes(d->dev, &free_bytes, NULL) != 0 || free_bytes <= taken)
-    return 0;
-  return (free_bytes - taken) / ps;
-}
-
 static int on_free(struct sl_req *x, const Sublet__Free *m) {
   uint64_t size;
   int rc = sl_books_free_alloc(x->d->books, x->c->client_id, m->alloc, &size, &x->err);
@@ -295,15 +286,6 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
   /* Where a loan's time goes, for --log-level debug: the loop's share of each request. */
   sl_debug("pid %d: request %llu (body %d) took %.3f ms on the loop", (int)c->peer.pid,
            (unsigned long long)req->id, (int)req->body_case, 1e3 * (sl_clock_now() - t0));
-}
-
-void sl_check_books(struct sl_daemon *d, uint64_t req_id) {
-  char why[256];
-
-  if (d->cfg.check_books && sl_books_check(d->books, why, sizeof(why)) != 0) {
-    sl_error("books inconsistent after request %llu: %s", (unsigned long long)req_id, why);
-    abort(); /* --check is for tests: fail loudly */
-  }
 }
 
 /* A connection went: its part in the books, then in the release offers (an owner's or a

@@ -1,7 +1,8 @@
 /* lends.c - a loan's two requests in subletd: Lend, the owner's (its keep list decoded, its
  * loan drafted on the loop or, when the list is long, off it, then waiting its turn for the
  * device, lent and announced), and Borrow, the borrower's (taken now, or when the next offer
- * is posted). handlers.c dispatches them here; releases.c shares the Lend's lists.
+ * is posted). handlers.c dispatches them here; the Lend's lists are lend_lists.c's, shared
+ * with releases.c's release.
  *
  * Every Lend parks a waiter (waiters.c) at the tail, served when the device is free and its
  * turn comes; a Borrow with a timeout parks one that the next offer may answer.
@@ -16,33 +17,6 @@
 #include "daemon.h"
 #include "keepwire.h"
 #include "log.h"
-#include "utf8.h"
-
-/* ------------------------------------------------------------------ loan names */
-
-int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
-                  ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]) {
-  size_t len;
-
-  out[0] = '\0';
-  if (!has)
-    return 0;
-  if (name.len == 0 || name.len >= SL_LOAN_NAME_SIZE)
-    return sl_err_set(err, SUBLET_EINVAL, "%s is 1 to %d bytes, not %zu: leave the name out "
-                      "for none, or use another", what, SL_LOAN_NAME_SIZE - 1, name.len);
-  for (size_t i = 0; i < name.len; i += len) {
-    len = sl_utf8_sequence(name.data + i, name.len - i);
-    /* Names go into status and the log: a control character (an escape) must not */
-    if (len == 0 || sl_utf8_is_control(name.data + i, len))
-      return sl_err_set(err, SUBLET_EINVAL, "%s is UTF-8 text of 1 to %d bytes without "
-                        "control characters (C0, DEL, C1: NUL and ESC among them); byte %zu of "
-                        "this one (0x%02x) is not: use another name", what,
-                        SL_LOAN_NAME_SIZE - 1, i, name.data[i]);
-  }
-  memcpy(out, name.data, name.len);
-  out[name.len] = '\0';
-  return 0;
-}
 
 /* ------------------------------------------------------------------ borrowing */
 
@@ -270,46 +244,6 @@ struct draft_job {
   struct sl_loan *draft;
   double read_s, draft_s; /* of the run: the keep memfd read, then the draft */
 };
-
-void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd) {
-  *l = (struct sl_lend_lists){.keep_fd = *keep_fd, .keep_all = m->keep_all,
-                              .pinned = m->pinned, .npinned = m->n_pinned / 2};
-  *keep_fd = -1;
-  m->pinned = NULL;
-  m->n_pinned = 0;
-  if (l->keep_fd >= 0) { /* read in the job (sl_keepwire_read) */
-    l->nkeep = m->keep_fd_ranges;
-  } else {
-    l->keep = m->keep;
-    l->nkeep = m->n_keep / 2;
-    m->keep = NULL;
-    m->n_keep = 0;
-  }
-}
-
-int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err) {
-  if (l->keep_fd >= 0 && l->keep == NULL)
-    return sl_keepwire_read(l->keep_fd, l->nkeep, &l->keep, err);
-  return 0;
-}
-
-int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
-                        uint64_t npages, struct sl_loan **draft, struct sl_err *err) {
-  int rc = sl_lend_lists_read(l, err);
-
-  if (rc != 0)
-    return rc;
-  return sl_books_draft(cfg, npages, (const struct sublet_range *)l->keep, l->nkeep,
-                        l->keep_all, l->pinned, l->npinned, draft, err);
-}
-
-void sl_lend_lists_clear(struct sl_lend_lists *l) {
-  if (l->keep_fd >= 0)
-    close(l->keep_fd);
-  free(l->keep);
-  free(l->pinned);
-  *l = (struct sl_lend_lists){.keep_fd = -1};
-}
 
 static void draft_run(struct sl_job *j) {
   struct draft_job *dj = (struct draft_job *)j;

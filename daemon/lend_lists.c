@@ -1,0 +1,49 @@
+/* lend_lists.c - a Lend's keep and pinned lists, taken over from the request for a draft off
+ * the loop (daemon.h's struct sl_lend_lists): lends.c's Lend and releases.c's release share
+ * them. Floor 2 (daemon.h lists the floors): calls only the books and common/'s keepwire.c.
+ */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "keepwire.h"
+
+void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd) {
+  *l = (struct sl_lend_lists){.keep_fd = *keep_fd, .keep_all = m->keep_all,
+                              .pinned = m->pinned, .npinned = m->n_pinned / 2};
+  *keep_fd = -1;
+  m->pinned = NULL;
+  m->n_pinned = 0;
+  if (l->keep_fd >= 0) { /* read in the job (sl_keepwire_read) */
+    l->nkeep = m->keep_fd_ranges;
+  } else {
+    l->keep = m->keep;
+    l->nkeep = m->n_keep / 2;
+    m->keep = NULL;
+    m->n_keep = 0;
+  }
+}
+
+int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err) {
+  if (l->keep_fd >= 0 && l->keep == NULL)
+    return sl_keepwire_read(l->keep_fd, l->nkeep, &l->keep, err);
+  return 0;
+}
+
+int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
+                        uint64_t npages, struct sl_loan **draft, struct sl_err *err) {
+  int rc = sl_lend_lists_read(l, err);
+
+  if (rc != 0)
+    return rc;
+  return sl_books_draft(cfg, npages, (const struct sublet_range *)l->keep, l->nkeep,
+                        l->keep_all, l->pinned, l->npinned, draft, err);
+}
+
+void sl_lend_lists_clear(struct sl_lend_lists *l) {
+  if (l->keep_fd >= 0)
+    close(l->keep_fd);
+  free(l->keep);
+  free(l->pinned);
+  *l = (struct sl_lend_lists){.keep_fd = -1};
+}
