@@ -84,6 +84,7 @@ struct sl_daemon {
   uv_poll_t parent_watch;
   uv_timer_t idle_timer;    /* --idle-exit (idle.c) */
   double idle_since;
+  void (*idle_exit)(struct sl_daemon *d); /* how to leave (server.c's sl_server_stop) */
   struct sl_conn *conns;
   struct sl_waiter *waiters;
   struct sl_drain *drains;
@@ -151,6 +152,8 @@ struct sl_waiter {
   char name[SL_LOAN_NAME_SIZE];
   int has_need;             /* SL_WAIT_TAKE: Take.need_bytes, */
   uint64_t need_bytes;      /* ... the taker's need */
+  /* The text of its timeout, given by the file that parked it (NULL: waiters.c's own). */
+  void (*timed_out)(const struct sl_waiter *w, struct sl_err *err);
   uv_timer_t timer;
   struct sl_waiter *next;
 };
@@ -242,8 +245,9 @@ int sl_pins_progress(const struct sl_daemon *d, uint64_t *target, uint64_t *done
 void sl_pins_regions_changed(struct sl_daemon *d);
 void sl_pins_init(struct sl_daemon *d);
 void sl_pins_stop(struct sl_daemon *d);
-/* --idle-exit (idle.c): watch for idleness from the start; stop watching at shutdown. */
-void sl_idle_start(struct sl_daemon *d);
+/* --idle-exit (idle.c): watch for idleness from the start, leaving through leave (server.c's
+ * stop, given from above); stop watching at shutdown. */
+void sl_idle_start(struct sl_daemon *d, void (*leave)(struct sl_daemon *d));
 void sl_idle_stop(struct sl_daemon *d);
 
 extern const struct sl_transport_ops sl_conn_transport_ops;
@@ -316,7 +320,8 @@ int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_
  * owner did not ask). emptied: entries for the moves, then the saves, of kept pages emptied
  * for a grant (in the order they ran), before their pages are lent. end:
  * everything is back (restored) or the loan is gone; prune: drops the loans that ended
- * without a restore (withdrawn, or the owner left). */
+ * without a restore (withdrawn, or the owner left), keeping those whose end is under way
+ * (ending: endings.c's sl_loan_ending, given by the caller above it). */
 int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_info *li,
                    uid_t owner_uid, int fds[3], struct sl_err *err);
 int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer *borrower);
@@ -333,7 +338,9 @@ int sl_rescue_emptied_write(struct sl_daemon *d, const struct sl_grant *g, size_
                             struct sl_err *err);
 void sl_rescue_emptied_commit(struct sl_daemon *d, uint64_t loan_id, size_t n);
 void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored);
-void sl_rescue_prune(struct sl_daemon *d);
+typedef int (*sl_rescue_ending_fn)(const struct sl_daemon *d, uint64_t loan_id,
+                                   uint64_t owner_client);
+void sl_rescue_prune(struct sl_daemon *d, sl_rescue_ending_fn ending);
 void sl_rescue_free_all(struct sl_daemon *d);
 int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
 /* The device's loan as a message to c names it: "loan N" where status shows it to c, else as
@@ -348,10 +355,10 @@ void sl_retire_region(struct sl_daemon *d, uint64_t region_id);
 void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_conn *answer,
                           uint64_t req_id);
 
-/* releases.c: Lend.release (takes the Lend's keep and pinned lists, and *keep_fd), Resume,
+/* releases.c: Lend.release (takes the Lend's keep and pinned lists, and x->keep_fd), Resume,
  * ResumeEnd; the areas of releases that left the books go back; what live releases hold pinned. */
-int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
-                      struct sl_err *err);
+struct sl_req;
+int sl_releases_lend(struct sl_req *x, Sublet__Lend *m);
 int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err);
 int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
@@ -364,8 +371,7 @@ void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
 /* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,
  * OfferStep, Take, TakeWait, GiveBack); 0 when answered (now, or later through a waiter),
- * else an error in x->err. gone: a connection went (an owner's or a taker's); timed_out: the
- * text of one of its waiters' timeouts; status: the offers c may see, into st (the arrays
+ * else an error in x->err. gone: a connection went (an owner's or a taker's); status: the offers c may see, into st (the arrays
  * are the caller's to free with sl_release_offers_status_free). */
 struct sl_req;
 int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m);
@@ -375,7 +381,6 @@ int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m);
 int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m);
 int sl_release_offers_take_more(struct sl_req *x, const Sublet__TakeMore *m);
 void sl_release_offers_gone(struct sl_conn *c);
-void sl_release_offers_timed_out(const struct sl_waiter *w, struct sl_err *err);
 int sl_release_offers_status(struct sl_conn *c, Sublet__Status *st);
 void sl_release_offers_status_free(Sublet__Status *st);
 /* One request being handled (handlers.c, and the files it dispatches to that take one):
@@ -423,6 +428,11 @@ int sl_lend_lists_read(struct sl_lend_lists *l, struct sl_err *err);
 int sl_lend_lists_draft(struct sl_lend_lists *l, const struct sl_books_config *cfg,
                         uint64_t npages, struct sl_loan **draft, struct sl_err *err);
 void sl_lend_lists_clear(struct sl_lend_lists *l);
+/* A Lend's checks, a release's as well as a loan's: its name (into name), its keep list, its
+ * pinned pairs, its timeout (sl_lend_lists_timeout: as asked, 0 when not set). */
+int sl_lend_lists_check(Sublet__Lend *m, int keep_fd, char name[SL_LOAN_NAME_SIZE],
+                        struct sl_err *err);
+int sl_lend_lists_timeout(const Sublet__Lend *m);
 /* daemon.c: pages of free device memory, less those of regions being made (and, keep_reserve,
  * the --reserve left to others: loans take fresh memory within it, a resume takes back the
  * owner's own pages and does not). */

@@ -499,7 +499,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
       settle_borrower(c, gone.draining_loans, gone.ndraining);
     sl_client_gone_clear(&gone);
   }
-  sl_rescue_prune(d);
+  sl_rescue_prune(d, sl_loan_ending);
   if (c->pidfd >= 0)
     close(c->pidfd);
   c->pidfd = -1;

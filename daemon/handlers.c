@@ -109,7 +109,7 @@ static int on_withdraw(struct sl_req *x, const Sublet__Withdraw *m) {
   int rc = sl_books_withdraw(x->d->books, x->c->client_id, m->loan, &x->err);
 
   if (rc == 0) {
-    sl_rescue_prune(x->d);
+    sl_rescue_prune(x->d, sl_loan_ending);
     sl_conn_send_ok(x->c, x->id);
   }
   return rc;
@@ -225,7 +225,8 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
       return sl_regions_pages_get(x->c, x->id, r->pages_get, &x->err);
     case SUBLET__REQUEST__BODY_REGION_RELEASE:
       return sl_regions_release(x->c, x->id, r->region_release, &x->err);
-    case SUBLET__REQUEST__BODY_LEND: return sl_lends_lend(x, r->lend); /* may take its keep */
+    case SUBLET__REQUEST__BODY_LEND: /* may take its keep */
+      return r->lend->release ? sl_releases_lend(x, r->lend) : sl_lends_lend(x, r->lend);
     case SUBLET__REQUEST__BODY_RECLAIM: return on_reclaim(x, r->reclaim);
     case SUBLET__REQUEST__BODY_WITHDRAW: return on_withdraw(x, r->withdraw);
     case SUBLET__REQUEST__BODY_BORROW: return sl_lends_borrow(x, r->borrow);

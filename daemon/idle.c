@@ -27,15 +27,16 @@ static void on_idle_tick(uv_timer_t *t) {
     return;
   sl_info("no client and no region for %.0f s (--idle-exit): shutting down",
           d->cfg.idle_exit_seconds);
-  sl_server_stop(d);
+  d->idle_exit(d);
 }
 
-void sl_idle_start(struct sl_daemon *d) {
+void sl_idle_start(struct sl_daemon *d, void (*leave)(struct sl_daemon *d)) {
   double tick = d->cfg.idle_exit_seconds / 4;
 
   if (d->cfg.idle_exit_seconds <= 0)
     return;
   tick = tick < 0.05 ? 0.05 : tick > 5 ? 5 : tick;
+  d->idle_exit = leave;
   d->idle_since = sl_clock_now();
   uv_timer_init(d->loop, &d->idle_timer);
   d->idle_timer.data = d;

@@ -47,3 +47,24 @@ void sl_lend_lists_clear(struct sl_lend_lists *l) {
   free(l->pinned);
   *l = (struct sl_lend_lists){.keep_fd = -1};
 }
+
+int sl_lend_lists_timeout(const Sublet__Lend *m) {
+  return m->has_timeout_ms ? m->timeout_ms : 0;
+}
+
+int sl_lend_lists_check(Sublet__Lend *m, int keep_fd, char name[SL_LOAN_NAME_SIZE],
+                        struct sl_err *err) {
+  int rc;
+
+  if ((rc = sl_lends_name(err, "a loan name", m->has_name, m->name, name)) != 0)
+    return rc;
+  if ((rc = sl_keepwire_decode(m, keep_fd, err)) != 0)
+    return rc;
+  if (m->n_pinned % 2 != 0)
+    return sl_err_set(err, SUBLET_EINVAL, "Lend.pinned holds (first page, count) pairs: "
+                      "an even count, not %zu", m->n_pinned);
+  if (sl_lend_lists_timeout(m) < -1)
+    return sl_err_set(err, SUBLET_EINVAL, "Lend.timeout_ms is 0 (at once), -1 (forever) "
+                      "or milliseconds above 0, not %d", sl_lend_lists_timeout(m));
+  return 0;
+}

@@ -304,8 +304,13 @@ static int draft_off_loop(struct sl_req *x, struct sl_waiter *w, Sublet__Lend *m
   return 0;
 }
 
-static int lend_timeout(const Sublet__Lend *m) {
-  return m->has_timeout_ms ? m->timeout_ms : 0;
+/* The text of a waiting Lend's timeout (waiters.c calls it). */
+static void lend_timed_out(const struct sl_waiter *w, struct sl_err *err) {
+  sl_err_set(err, SUBLET_ETIMEDOUT, "the device was not free within %d ms (%s runs, "
+             "%zu other lends wait): nothing was lent; lend again with a longer timeout, or later",
+             w->lend.timeout_ms,
+             sl_status_loan_text(w->conn, sl_books_current_loan(w->d->books), (char[48]){0}),
+             sl_waiters_lends(w->d) - 1);
 }
 
 /* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
@@ -314,30 +319,22 @@ int sl_lends_lend(struct sl_req *x, Sublet__Lend *m) {
   struct sl_waiter *w;
   uint64_t npages;
   char name[SL_LOAN_NAME_SIZE];
-  int rc;
+  int timeout = sl_lend_lists_timeout(m);
+  int rc = sl_lend_lists_check(m, x->keep_fd, name, &x->err);
 
-  if ((rc = sl_lends_name(&x->err, "a loan name", m->has_name, m->name, name)) != 0)
+  if (rc != 0)
     return rc;
-  if ((rc = sl_keepwire_decode(m, x->keep_fd, &x->err)) != 0)
-    return rc;
-  if (m->n_pinned % 2 != 0)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.pinned holds (first page, count) pairs: "
-                      "an even count, not %zu", m->n_pinned);
-  if (lend_timeout(m) < -1)
-    return sl_err_set(&x->err, SUBLET_EINVAL, "Lend.timeout_ms is 0 (at once), -1 (forever) "
-                      "or milliseconds above 0, not %d", lend_timeout(m));
-  if (m->release) /* no waiting: a release does not take the device's one loan */
-    return sl_releases_start(x->c, x->id, m, &x->keep_fd, &x->err);
   rc = sl_books_may_lend(x->d->books, x->c->client_id, m->region, &npages, &x->err);
   if (rc != 0)
     return rc;
-  w = sl_waiter_park(x->c, SL_WAIT_LEND, x->id, lend_timeout(m) > 0 ? lend_timeout(m) : -1);
+  w = sl_waiter_park(x->c, SL_WAIT_LEND, x->id, timeout > 0 ? timeout : -1);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   memcpy(w->name, name, sizeof(w->name));
   w->known_layout = m->known_layout;
   w->lend = (struct sl_lend_wait){.region = m->region, .rescue = m->rescue, .local = m->local,
-                                  .timeout_ms = lend_timeout(m), .serve = serve_lend};
+                                  .timeout_ms = timeout, .serve = serve_lend};
+  w->timed_out = lend_timed_out;
   if (sl_keepwire_is_long(m, x->keep_fd))
     rc = draft_off_loop(x, w, m, npages);
   else if ((rc = sl_books_draft(sl_books_cfg(x->d->books), npages,

@@ -87,6 +87,32 @@ static struct sl_release_offer *find(const struct sl_daemon *d, uint64_t id) {
   return o;
 }
 
+/* The text of an offer's waiter's timeout (waiters.c calls it). */
+static void offer_timed_out(const struct sl_waiter *w, struct sl_err *err) {
+  const struct sl_release_offer *o = find(w->d, w->loan_id);
+
+  if (w->kind == SL_WAIT_TAKE)
+    sl_err_set(err, SUBLET_ETIMEDOUT, "no release offer%s%s%s was on offer in time",
+               w->name[0] ? " named \"" : "", w->name, w->name[0] ? "\"" : "");
+  else if (o != NULL && o->trouble[0] != '\0')
+    sl_err_set(err, SUBLET_ETIMEDOUT, "release offer %llu is %s still: the owner's resume "
+               "fails (%s); free the memory taken meanwhile", (unsigned long long)o->id,
+               phase_name(o->phase), o->trouble);
+  else
+    sl_err_set(err, SUBLET_ETIMEDOUT, "release offer %llu is %s still",
+               (unsigned long long)w->loan_id, o != NULL ? phase_name(o->phase) : "gone");
+}
+
+/* A waiter of a release offer's request (SL_WAIT_OFFER_STEP, _TAKE, _TAKE_WAIT; timeout_ms < 0:
+ * no timer), whose timeout offer_timed_out tells. */
+static struct sl_waiter *park(struct sl_req *x, enum sl_waiter_kind kind, int timeout_ms) {
+  struct sl_waiter *w = sl_waiter_park(x->c, kind, x->id, timeout_ms);
+
+  if (w != NULL)
+    w->timed_out = offer_timed_out;
+  return w;
+}
+
 static void offer_free(struct sl_release_offer *o) {
   if (o->released != NULL)
     sublet__offer_stats__free_unpacked(o->released, NULL);
@@ -525,7 +551,7 @@ static int next_task(struct sl_req *x, struct sl_release_offer *o, int withdraw)
     tell_owner(o, x->c, x->id, task);
     return 0;
   }
-  if ((w = sl_waiter_park(x->c, SL_WAIT_OFFER_STEP, x->id, -1)) == NULL)
+  if ((w = park(x, SL_WAIT_OFFER_STEP, -1)) == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = o->id;
   return 0;
@@ -604,7 +630,7 @@ int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m) {
     rc = try_take(x->c, x->id, name, m->has_need_bytes, m->need_bytes, &x->err);
   if ((rc != SUBLET_ENOOFFER && rc != SUBLET_EBUSY) || m->timeout_ms == 0)
     return rc;
-  if ((w = sl_waiter_park(x->c, SL_WAIT_TAKE, x->id, m->timeout_ms)) == NULL)
+  if ((w = park(x, SL_WAIT_TAKE, m->timeout_ms)) == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   memcpy(w->name, name, sizeof(w->name));
   w->has_need = m->has_need_bytes;
@@ -629,7 +655,7 @@ int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m) {
   if (m->timeout_ms == 0)
     return sl_err_set(&x->err, SUBLET_ETIMEDOUT, "release offer %llu is %s still",
                       (unsigned long long)o->id, phase_name(o->phase));
-  if ((w = sl_waiter_park(x->c, SL_WAIT_TAKE_WAIT, x->id, m->timeout_ms)) == NULL)
+  if ((w = park(x, SL_WAIT_TAKE_WAIT, m->timeout_ms)) == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = o->id;
   return 0;
@@ -754,21 +780,6 @@ void sl_release_offers_gone(struct sl_conn *c) {
   }
   end_orphans(c->d);
   sweep(c->d);
-}
-
-void sl_release_offers_timed_out(const struct sl_waiter *w, struct sl_err *err) {
-  const struct sl_release_offer *o = find(w->d, w->loan_id);
-
-  if (w->kind == SL_WAIT_TAKE)
-    sl_err_set(err, SUBLET_ETIMEDOUT, "no release offer%s%s%s was on offer in time",
-               w->name[0] ? " named \"" : "", w->name, w->name[0] ? "\"" : "");
-  else if (o != NULL && o->trouble[0] != '\0')
-    sl_err_set(err, SUBLET_ETIMEDOUT, "release offer %llu is %s still: the owner's resume "
-               "fails (%s); free the memory taken meanwhile", (unsigned long long)o->id,
-               phase_name(o->phase), o->trouble);
-  else
-    sl_err_set(err, SUBLET_ETIMEDOUT, "release offer %llu is %s still",
-               (unsigned long long)w->loan_id, o != NULL ? phase_name(o->phase) : "gone");
 }
 
 /* ------------------------------------------------------------------ status */

@@ -367,8 +367,8 @@ static void draft_done(struct sl_job *j) {
   sl_job_submit(j->d, j); /* the connection stays paused: it is the job's again */
 }
 
-int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
-                      struct sl_err *err) {
+static int release_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
+                         struct sl_err *err) {
   struct release_job *rj;
   uint64_t npages;
   int rc = sl_books_may_release(c->d->books, c->client_id, m->region, &npages, err);
@@ -394,6 +394,17 @@ int sl_releases_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep
     return err->code;
   }
   return 0;
+}
+
+/* A Lend with release, routed here by handlers.c: no waiting, a release does not take the
+ * device's one loan. */
+int sl_releases_lend(struct sl_req *x, Sublet__Lend *m) {
+  char name[SL_LOAN_NAME_SIZE];
+  int rc = sl_lend_lists_check(m, x->keep_fd, name, &x->err);
+
+  if (rc != 0)
+    return rc;
+  return release_start(x->c, x->id, m, &x->keep_fd, &x->err);
 }
 
 /* ---- more by need ----------------------------------------------------------------------- */

@@ -191,11 +191,11 @@ void sl_rescue_end(struct sl_daemon *d, uint64_t loan_id, int restored) {
   rescue_free(r);
 }
 
-void sl_rescue_prune(struct sl_daemon *d) {
+void sl_rescue_prune(struct sl_daemon *d, sl_rescue_ending_fn ending) {
   uint64_t current = sl_books_current_loan(d->books);
 
   for (struct sl_rescue **link = &d->rescues, *r; (r = *link) != NULL;) {
-    if (r->loan_id == current || sl_loan_ending(d, r->loan_id, 0)) {
+    if (r->loan_id == current || ending(d, r->loan_id, 0)) {
       link = &r->next;
       continue;
     }

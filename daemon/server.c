@@ -225,7 +225,7 @@ int sl_server_start(struct sl_daemon *d, struct sl_err *err) {
   d->accept_retry.data = d;
   if (d->cfg.parent_pid > 0 && (rc = watch_parent(d, err)) != 0)
     return rc;
-  sl_idle_start(d);
+  sl_idle_start(d, sl_server_stop);
   sl_pins_init(d);
   if (d->cfg.notify)
     sl_server_notify("READY=1\nSTATUS=serving");

@@ -40,18 +40,11 @@ static void on_wait_timeout(uv_timer_t *t) {
   struct sl_waiter *w = t->data;
   struct sl_err err;
 
-  if (w->kind == SL_WAIT_RECLAIM)
+  if (w->timed_out != NULL)
+    w->timed_out(w, &err);
+  else if (w->kind == SL_WAIT_RECLAIM)
     sl_err_set(&err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet; it goes on",
                (unsigned long long)w->loan_id);
-  else if (w->kind == SL_WAIT_TAKE || w->kind == SL_WAIT_TAKE_WAIT ||
-           w->kind == SL_WAIT_OFFER_STEP)
-    sl_release_offers_timed_out(w, &err);
-  else if (w->kind == SL_WAIT_LEND)
-    sl_err_set(&err, SUBLET_ETIMEDOUT, "the device was not free within %d ms (%s runs, "
-               "%zu other lends wait): nothing was lent; lend again with a longer timeout, or later",
-               w->lend.timeout_ms,
-               sl_status_loan_text(w->conn, sl_books_current_loan(w->d->books), (char[48]){0}),
-               sl_waiters_lends(w->d) - 1);
   else
     sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
                w->name[0] ? " under the name " : "", w->name);
