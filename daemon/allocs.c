@@ -101,7 +101,7 @@ static int alloc_save(struct sl_req *x, struct sl_grant *g, int fd) {
   aj->fd = fd;
   aj->job.done = alloc_saved;
   aj->job.conn = x->c;
-  sl_job_submit(x->d, &aj->job);
+  sl_jobs_submit(x->d, &aj->job);
   /* The loop writes the entries while the job moves and saves (2 to 3 ms for 124,000 moves:
    * the journal's fresh pages), and commits them when it is done. */
   aj->journal_rc = sl_rescue_emptied_write(x->d, &aj->g, &aj->journaled, &aj->journal_err);

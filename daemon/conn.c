@@ -113,7 +113,7 @@ static int decode_off_loop(struct sl_conn *c, const struct sl_frame_header *h,
   dj->job.run = decode_run;
   dj->job.done = decode_done;
   dj->job.conn = c;
-  if (sl_job_submit_host(c->d, &dj->job, c->peer.uid, dj->len + dj->limit, err) != 0) {
+  if (sl_jobs_submit_host(c->d, &dj->job, c->peer.uid, dj->len + dj->limit, err) != 0) {
     free(dj->payload);
     free(dj);
     return err->code;

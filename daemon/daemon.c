@@ -10,7 +10,7 @@
 #include "log.h"
 #include "utf8.h"
 
-uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve) {
+uint64_t sl_daemon_free_pages(const struct sl_daemon *d, int keep_reserve) {
   uint64_t ps = sl_device_info(d->dev)->page_size, free_bytes = 0;
   uint64_t taken = d->building_bytes + (keep_reserve ? d->cfg.reserve_bytes : 0);
 
@@ -19,7 +19,7 @@ uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve) {
   return (free_bytes - taken) / ps;
 }
 
-void sl_check_books(struct sl_daemon *d, uint64_t req_id) {
+void sl_daemon_check_books(struct sl_daemon *d, uint64_t req_id) {
   char why[256];
 
   if (d->cfg.check_books && sl_books_check(d->books, why, sizeof(why)) != 0) {
@@ -28,8 +28,8 @@ void sl_check_books(struct sl_daemon *d, uint64_t req_id) {
   }
 }
 
-int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
-                  ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]) {
+int sl_daemon_loan_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
+                        ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]) {
   size_t len;
 
   out[0] = '\0';

@@ -197,13 +197,13 @@ struct sl_job {
   double move_seconds;  /* moving on the device */
   double submitted_at, ran_at; /* sl_clock_now(), for the debug log */
   int started;
-  int host;             /* submitted with sl_job_submit_host: queued by uid */
+  int host;             /* submitted with sl_jobs_submit_host: queued by uid */
   uid_t uid;
   size_t held;          /* host memory the job holds for uid (sl_jobs_held) */
   struct sl_job *next;
 };
 
-void sl_job_submit(struct sl_daemon *d, struct sl_job *j);
+void sl_jobs_submit(struct sl_daemon *d, struct sl_job *j);
 /* Host work that touches only the job (run; no transfer), which need not keep its place among
  * the copies: decoding a large request, drafting a long keep list. Queued per uid, served one
  * job per user in turn, one at a time, beside the copies: one user's many such jobs delay
@@ -211,8 +211,8 @@ void sl_job_submit(struct sl_daemon *d, struct sl_job *j);
  * done runs; over SL_JOBS_HELD_PER_USER in all the job is refused: SUBLET_EBUSY (err says
  * why), and it stays the caller's. */
 #define SL_JOBS_HELD_PER_USER (256ull << 20)
-int sl_job_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t held,
-                       struct sl_err *err);
+int sl_jobs_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t held,
+                        struct sl_err *err);
 /* Bytes held by uid's host jobs, queued or running. */
 size_t sl_jobs_held(const struct sl_daemon *d, uid_t uid);
 /* No job of either lane, and no pin ahead (pins.c), runs or waits. */
@@ -273,9 +273,9 @@ void sl_conn_send_stats(struct sl_conn *c, uint64_t id, int returned,
                         const struct sublet_loan_stats *s, const uint64_t *replaced, size_t n);
 
 /* Waiters: park one (timeout_ms < 0: no timer), answer-and-free one, drop a conn's. */
-struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
-                                 int timeout_ms);
-void sl_waiter_done(struct sl_waiter *w);
+struct sl_waiter *sl_waiters_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
+                                  int timeout_ms);
+void sl_waiters_done(struct sl_waiter *w);
 void sl_waiters_cancel(struct sl_conn *c);
 /* Cancel: the conn's waiter of that request answers ECANCELED; returns 1 if there was one. */
 int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id);
@@ -294,24 +294,24 @@ int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s
  * memory for fresh_pages fresh pages (endings.c), and a later Reclaim may wait again. */
 void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint64_t loan_id,
                                const struct sl_err *err, uint64_t fresh_pages);
-/* Takes an ended loan off the conn's list (NULL if not there); sl_ended_free() frees it. */
-struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan);
-void sl_ended_free(struct sl_ended *e);
+/* Takes an ended loan off the conn's list (NULL if not there); sl_waiters_ended_free() frees it. */
+struct sl_ended *sl_waiters_ended_take(struct sl_conn *c, uint64_t loan);
+void sl_waiters_ended_free(struct sl_ended *e);
 
 /* Carries out a loan's end on the device (endings.c): the kept bytes are copied back off the
  * loop, then fresh memory is released and the owner told; last, answer (may be NULL) gets the
  * final stats, with c (the connection whose request ended the loan, or NULL; NULL too if it
  * closed meanwhile), and owns arg. Takes over end's arrays. */
-typedef void (*sl_loan_answer_fn)(struct sl_conn *c, void *arg,
-                                  const struct sublet_loan_stats *s);
-void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
-                       sl_loan_answer_fn answer, void *arg);
+typedef void (*sl_endings_answer_fn)(struct sl_conn *c, void *arg,
+                                     const struct sublet_loan_stats *s);
+void sl_endings_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
+                      sl_endings_answer_fn answer, void *arg);
 /* Has the books' loan ended, with its kept bytes still on their way back (to this owner;
  * owner_client 0: to anyone)? */
-int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client);
+int sl_endings_pending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client);
 /* A Reclaim of no wait, of a loan whose end is stalled: answered at once (1), with why. */
-int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
-                           uint64_t loan_id);
+int sl_endings_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
+                              uint64_t loan_id);
 
 /* What lets a loan's owner restore its kept bytes itself if the daemon dies (rescue.c). At
  * Lend: a journal, the owner's save area and a release pipe; fds[3] (journal, save area, the
@@ -321,7 +321,7 @@ int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_
  * for a grant (in the order they ran), before their pages are lent. end:
  * everything is back (restored) or the loan is gone; prune: drops the loans that ended
  * without a restore (withdrawn, or the owner left), keeping those whose end is under way
- * (ending: endings.c's sl_loan_ending, given by the caller above it). */
+ * (ending: endings.c's sl_endings_pending, given by the caller above it). */
 int sl_rescue_lend(struct sl_daemon *d, uint64_t loan_id, const struct sl_loan_info *li,
                    uid_t owner_uid, int fds[3], struct sl_err *err);
 int sl_rescue_borrow(struct sl_daemon *d, uint64_t loan_id, const struct sl_peer *borrower);
@@ -371,8 +371,9 @@ void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
 /* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,
  * OfferStep, Take, TakeWait, GiveBack); 0 when answered (now, or later through a waiter),
- * else an error in x->err. gone: a connection went (an owner's or a taker's); status: the offers c may see, into st (the arrays
- * are the caller's to free with sl_release_offers_status_free). */
+ * else an error in x->err. gone: a connection went (an owner's or a taker's); status: the
+ * offers c may see, into st (the arrays are the caller's to free with
+ * sl_release_offers_status_free). */
 struct sl_req;
 int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m);
 int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m);
@@ -395,8 +396,8 @@ struct sl_req {
 /* daemon.c: a request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes
  * without control characters) into out, "" when absent (has not set); what names it in the
  * refusal. */
-int sl_lends_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
-                  ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
+int sl_daemon_loan_name(struct sl_err *err, const char *what, protobuf_c_boolean has,
+                        ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
 /* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
  * in x->err for the caller to send. A Lend may take x->keep_fd. */
 int sl_lends_lend(struct sl_req *x, Sublet__Lend *m);
@@ -419,7 +420,7 @@ struct sl_lend_lists {
   size_t npinned;
 };
 void sl_lend_lists_take(struct sl_lend_lists *l, Sublet__Lend *m, int *keep_fd);
-/* The host memory the lists take (a memfd's once read), for sl_job_submit_host. */
+/* The host memory the lists take (a memfd's once read), for sl_jobs_submit_host. */
 static inline size_t sl_lend_lists_bytes(const struct sl_lend_lists *l) {
   return (l->nkeep + l->npinned) * 2 * sizeof(uint64_t);
 }
@@ -436,9 +437,9 @@ int sl_lend_lists_timeout(const Sublet__Lend *m);
 /* daemon.c: pages of free device memory, less those of regions being made (and, keep_reserve,
  * the --reserve left to others: loans take fresh memory within it, a resume takes back the
  * owner's own pages and does not). */
-uint64_t sl_free_pages(const struct sl_daemon *d, int keep_reserve);
+uint64_t sl_daemon_free_pages(const struct sl_daemon *d, int keep_reserve);
 /* --check: the books checked after a step, abort if broken. */
-void sl_check_books(struct sl_daemon *d, uint64_t req_id);
+void sl_daemon_check_books(struct sl_daemon *d, uint64_t req_id);
 
 /* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
  * a job with the connection paused), else an error in err for the caller to send. */
@@ -455,11 +456,11 @@ int sl_regions_dropped(struct sl_conn *c, uint64_t id, const Sublet__Dropped *m,
 
 /* The request layer's side of a connection (handlers.c): requests and the connection's end. */
 extern const struct sl_conn_ops sl_handlers;
-void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
-                       size_t nfds);
+void sl_handlers_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
+                         size_t nfds);
 /* A connection went away: cancel its waits and settle its part in the books (endings.c). */
-void sl_handle_disconnect(struct sl_conn *c);
+void sl_endings_disconnect(struct sl_conn *c);
 /* Ends what still waits for a dead borrower's exit: the daemon is going away. */
-void sl_handle_shutdown(struct sl_daemon *d);
+void sl_endings_shutdown(struct sl_daemon *d);
 
 #endif

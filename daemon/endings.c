@@ -29,7 +29,7 @@ struct end_job {
   struct sl_loan_end end;
   size_t replaced;   /* of end.replace: written by the transfer's run */
   struct sl_pool_area *area; /* the save area it restores from, held (end.nreplace > 0) */
-  sl_loan_answer_fn answer;
+  sl_endings_answer_fn answer;
   void *arg;
   struct end_job *next_stalled;
 };
@@ -164,8 +164,8 @@ static void release_fresh(struct sl_daemon *d, struct sl_loan_end *end) {
   end->nfresh = 0;
 }
 
-void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
-                       sl_loan_answer_fn answer, void *arg) {
+void sl_endings_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_conn *c,
+                      sl_endings_answer_fn answer, void *arg) {
   struct end_job *ej = calloc(1, sizeof(*ej));
 
   release_fresh(d, end);
@@ -191,7 +191,7 @@ void sl_loan_end_start(struct sl_daemon *d, struct sl_loan_end *end, struct sl_c
   ej->job.done = end_restored;
   ej->job.conn = c;
   ej->job.rc = end_transfer(d, ej, &ej->job.transfer, &ej->job.err);
-  sl_job_submit(d, &ej->job);
+  sl_jobs_submit(d, &ej->job);
 }
 
 /* ---- ends that wait for fresh memory ------------------------------------------------------ */
@@ -272,7 +272,7 @@ static void stall_retry(struct sl_daemon *d, struct end_job *ej) {
   ej->replaced = 0;
   ej->job.done = end_restored;
   ej->job.rc = end_transfer(d, ej, &ej->job.transfer, &ej->job.err);
-  sl_job_submit(d, &ej->job);
+  sl_jobs_submit(d, &ej->job);
 }
 
 #define STILL_LACKS                                                                      \
@@ -329,8 +329,8 @@ static int stalled_has(const struct sl_daemon *d, uint64_t loan_id, uint64_t own
  * waiting one hears at the next retry: otherwise a poller hears only "not ended yet", its
  * library never lets go of the granted pages, and the end waits for ever. Returns 1 when
  * it answered the request. */
-int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
-                           uint64_t loan_id) {
+int sl_endings_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_id,
+                              uint64_t loan_id) {
   struct sl_err err = {0};
 
   for (struct end_job *ej = d->stalled != NULL ? d->stalled->first : NULL; ej != NULL;
@@ -345,7 +345,7 @@ int sl_loan_stalled_answer(struct sl_daemon *d, struct sl_conn *c, uint64_t req_
   return 0;
 }
 
-int sl_loan_ending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client) {
+int sl_endings_pending(const struct sl_daemon *d, uint64_t loan_id, uint64_t owner_client) {
   for (const struct sl_job *j = d->jobs; j != NULL; j = j->next) {
     const struct end_job *ej = (const struct end_job *)j;
     if (j->done == end_restored && ej->end.loan_id == loan_id &&
@@ -372,7 +372,7 @@ static void finish_now(struct sl_daemon *d, const uint64_t *loans, size_t n) {
       continue;
     }
     if (sl_books_loan_finish(d->books, loans[i], &end) == 0)
-      sl_loan_end_start(d, &end, NULL, NULL, NULL);
+      sl_endings_start(d, &end, NULL, NULL, NULL);
   }
   sl_waiters_device_free(d); /* the next owner in line lends */
 }
@@ -446,7 +446,7 @@ static int drain_after_exit(struct sl_conn *c, uint64_t *loans, size_t n) {
   return 0;
 }
 
-void sl_handle_shutdown(struct sl_daemon *d) {
+void sl_endings_shutdown(struct sl_daemon *d) {
   stalled_free_all(d);
   while (d->drains != NULL) {
     struct sl_drain *dr = d->drains;
@@ -482,7 +482,7 @@ static void settle_borrower(struct sl_conn *c, uint64_t *loans, size_t n) {
   }
 }
 
-void sl_handle_disconnect(struct sl_conn *c) {
+void sl_endings_disconnect(struct sl_conn *c) {
   struct sl_daemon *d = c->d;
   struct sl_client_gone gone = {0};
 
@@ -490,7 +490,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
   while (c->ended != NULL) {
     struct sl_ended *e = c->ended;
     c->ended = e->next;
-    sl_ended_free(e);
+    sl_waiters_ended_free(e);
   }
   if (c->client_id != 0 && sl_books_client_remove(d->books, c->client_id, &gone) == 0) {
     for (size_t i = 0; i < gone.nfree_regions; i++)
@@ -499,7 +499,7 @@ void sl_handle_disconnect(struct sl_conn *c) {
       settle_borrower(c, gone.draining_loans, gone.ndraining);
     sl_client_gone_clear(&gone);
   }
-  sl_rescue_prune(d, sl_loan_ending);
+  sl_rescue_prune(d, sl_endings_pending);
   if (c->pidfd >= 0)
     close(c->pidfd);
   c->pidfd = -1;

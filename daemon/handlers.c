@@ -79,26 +79,26 @@ static int on_pin_ahead(struct sl_req *x, const Sublet__PinAhead *m) {
 }
 
 static int on_reclaim(struct sl_req *x, const Sublet__Reclaim *m) {
-  struct sl_ended *e = sl_ended_take(x->c, m->loan);
+  struct sl_ended *e = sl_waiters_ended_take(x->c, m->loan);
   struct sl_waiter *w;
   int rc;
 
   if (e != NULL) {
     sl_conn_send_stats(x->c, x->id, 0, &e->stats, e->replaced, e->nreplaced);
-    sl_ended_free(e);
+    sl_waiters_ended_free(e);
     return 0;
   }
   rc = sl_books_loan_owned(x->d->books, x->c->client_id, m->loan, &x->err);
-  if (rc == SUBLET_ENOENT && sl_loan_ending(x->d, m->loan, x->c->client_id))
+  if (rc == SUBLET_ENOENT && sl_endings_pending(x->d, m->loan, x->c->client_id))
     rc = 0; /* ended, its restore still running: the reply comes when it is done */
   if (rc != 0)
     return rc;
-  if (m->timeout_ms == 0 && sl_loan_stalled_answer(x->d, x->c, x->id, m->loan))
+  if (m->timeout_ms == 0 && sl_endings_stalled_answer(x->d, x->c, x->id, m->loan))
     return 0;
   if (m->timeout_ms == 0)
     return sl_err_set(&x->err, SUBLET_ETIMEDOUT, "loan %llu has not ended yet",
                       (unsigned long long)m->loan);
-  w = sl_waiter_park(x->c, SL_WAIT_RECLAIM, x->id, m->timeout_ms);
+  w = sl_waiters_park(x->c, SL_WAIT_RECLAIM, x->id, m->timeout_ms);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = m->loan;
@@ -109,7 +109,7 @@ static int on_withdraw(struct sl_req *x, const Sublet__Withdraw *m) {
   int rc = sl_books_withdraw(x->d->books, x->c->client_id, m->loan, &x->err);
 
   if (rc == 0) {
-    sl_rescue_prune(x->d, sl_loan_ending);
+    sl_rescue_prune(x->d, sl_endings_pending);
     sl_conn_send_ok(x->c, x->id);
   }
   return rc;
@@ -197,7 +197,7 @@ static int on_return(struct sl_req *x, const Sublet__Return *m) {
     ra->id = x->id;
     ra->leaked = rc == SUBLET_ELEAK;
     snprintf(ra->msg, sizeof(ra->msg), "%s", x->err.msg);
-    sl_loan_end_start(x->d, &end, x->c, answer_return, ra);
+    sl_endings_start(x->d, &end, x->c, answer_return, ra);
     return 0;
   }
   free(ra->leaks);
@@ -256,8 +256,8 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
   }
 }
 
-void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
-                       size_t nfds) {
+void sl_handlers_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,
+                         size_t nfds) {
   struct sl_req x = {.c = c, .d = c->d, .id = req->id, .keep_fd = -1};
   double t0 = sl_clock_now();
   int rc;
@@ -283,7 +283,7 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
       sl_conn_close(c); /* PROTOCOL.md: answered, then the connection closes */
   }
   sl_waiters_device_free(c->d); /* it may have ended the loan, or left a Lend first */
-  sl_check_books(c->d, req->id);
+  sl_daemon_check_books(c->d, req->id);
   /* Where a loan's time goes, for --log-level debug: the loop's share of each request. */
   sl_debug("pid %d: request %llu (body %d) took %.3f ms on the loop", (int)c->peer.pid,
            (unsigned long long)req->id, (int)req->body_case, 1e3 * (sl_clock_now() - t0));
@@ -292,8 +292,8 @@ void sl_handle_request(struct sl_conn *c, const Sublet__Request *req, const int 
 /* A connection went: its part in the books, then in the release offers (an owner's or a
  * taker's: the other side hears of it). */
 static void on_gone(struct sl_conn *c) {
-  sl_handle_disconnect(c);
+  sl_endings_disconnect(c);
   sl_release_offers_gone(c);
 }
 
-const struct sl_conn_ops sl_handlers = {.request = sl_handle_request, .gone = on_gone};
+const struct sl_conn_ops sl_handlers = {.request = sl_handlers_request, .gone = on_gone};

@@ -8,7 +8,7 @@
  * Small copies with nothing queued run on the loop instead (sl_jobs_inline): the trip through
  * the thread pool would cost more than they do (a page of 64 KiB blocks: 2 MiB in 40 us).
  *
- * Host work (sl_job_submit_host: decoding a large request, drafting a long keep list) has no
+ * Host work (sl_jobs_submit_host: decoding a large request, drafting a long keep list) has no
  * place in that order and touches only its job, so it runs in a second lane beside the
  * copies, from one queue per uid: the users with work waiting take turns, one job each, so
  * that a user who sends a hundred huge keep lists delays another user's call by one job, not
@@ -98,7 +98,7 @@ static void prepare(struct sl_daemon *d, struct sl_job *j) {
     j->conn->job = j;
 }
 
-void sl_job_submit(struct sl_daemon *d, struct sl_job *j) {
+void sl_jobs_submit(struct sl_daemon *d, struct sl_job *j) {
   prepare(d, j);
   j->host = 0; /* a job resubmitted after its host part keeps its place among the copies */
   if (d->jobs_tail != NULL)
@@ -180,13 +180,13 @@ static void start_next_host(struct sl_daemon *d) {
   uv_queue_work(d->loop, &j->work, run_job, after_host);
 }
 
-int sl_job_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t held,
-                       struct sl_err *err) {
+int sl_jobs_submit_host(struct sl_daemon *d, struct sl_job *j, uid_t uid, size_t held,
+                        struct sl_err *err) {
   struct sl_job_user *u = job_user(d, uid, 1);
   char a[32], b[32];
 
   if (u == NULL) { /* no memory for a queue: the job takes its place among the copies */
-    sl_job_submit(d, j);
+    sl_jobs_submit(d, j);
     return 0;
   }
   if (held > SL_JOBS_HELD_PER_USER - u->held) {

@@ -56,7 +56,7 @@ int sl_lend_lists_check(Sublet__Lend *m, int keep_fd, char name[SL_LOAN_NAME_SIZ
                         struct sl_err *err) {
   int rc;
 
-  if ((rc = sl_lends_name(err, "a loan name", m->has_name, m->name, name)) != 0)
+  if ((rc = sl_daemon_loan_name(err, "a loan name", m->has_name, m->name, name)) != 0)
     return rc;
   if ((rc = sl_keepwire_decode(m, keep_fd, err)) != 0)
     return rc;

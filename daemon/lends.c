@@ -76,7 +76,7 @@ static int try_borrow(struct sl_waiter *w, struct sl_err *err) {
   uint64_t got;
   int rc = sl_books_borrow(c->d->books, c->client_id, w->loan_id,
                            w->has_token ? w->token : NULL, w->name,
-                           sl_free_pages(c->d, 1), &got, err);
+                           sl_daemon_free_pages(c->d, 1), &got, err);
 
   if (rc == 0)
     reply_borrowed(c, w->req_id, got, w->rescue, w->known_layout);
@@ -92,14 +92,14 @@ int sl_lends_borrow(struct sl_req *x, const Sublet__Borrow *m) {
   if (m->has_token && m->token.len != SUBLET_TOKEN_SIZE)
     return sl_err_set(&x->err, SUBLET_EINVAL, "a loan's token is %d bytes, not %zu",
                       SUBLET_TOKEN_SIZE, m->token.len);
-  if ((rc = sl_lends_name(&x->err, "a loan name", m->has_name, m->name, ask.name)) != 0)
+  if ((rc = sl_daemon_loan_name(&x->err, "a loan name", m->has_name, m->name, ask.name)) != 0)
     return rc;
   if (m->has_token)
     memcpy(ask.token, m->token.data, SUBLET_TOKEN_SIZE);
   rc = try_borrow(&ask, &x->err);
   if (rc != SUBLET_ENOOFFER || m->timeout_ms == 0)
     return rc;
-  w = sl_waiter_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
+  w = sl_waiters_park(x->c, SL_WAIT_BORROW, x->id, m->timeout_ms);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   w->loan_id = ask.loan_id;
@@ -126,7 +126,7 @@ void sl_lends_offer_posted(struct sl_daemon *d) {
       continue;
     if (rc != 0)
       sl_conn_send_error(w->conn, w->req_id, &err);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
     if (rc == 0)
       return; /* one loan per device: the offer is taken */
   }
@@ -139,7 +139,7 @@ void sl_lends_offer_posted(struct sl_daemon *d) {
 static int borrow_own(struct sl_req *x, uint64_t loan) {
   uint64_t got;
   int rc = sl_books_borrow(x->d->books, x->c->client_id, loan, NULL, NULL,
-                           sl_free_pages(x->d, 1), &got, &x->err);
+                           sl_daemon_free_pages(x->d, 1), &got, &x->err);
 
   if (rc != 0)
     sl_books_withdraw(x->d->books, x->c->client_id, loan, NULL);
@@ -213,7 +213,7 @@ static void serve_lend(struct sl_waiter *w) {
 
   if (lend_now(&x, w) != 0)
     sl_conn_send_error(w->conn, w->req_id, &x.err);
-  sl_check_books(w->d, w->req_id);
+  sl_daemon_check_books(w->d, w->req_id);
 }
 
 /* The waiter's draft is there: it is served now if it is first and the device free; else it
@@ -227,7 +227,7 @@ static void lend_drafted(struct sl_waiter *w) {
                "one loan at a time; lend with a timeout to wait your turn",
                sl_status_loan_text(w->conn, loan, (char[48]){0}), sl_waiters_lends(w->d) - 1);
     sl_conn_send_error(w->conn, w->req_id, &err);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
     return;
   }
   sl_waiters_device_free(w->d);
@@ -270,7 +270,7 @@ static void draft_done(struct sl_job *j) {
   } else if (j->rc != 0) {
     w->lend.drafter = NULL;
     sl_conn_send_error(w->conn, w->req_id, &j->err);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
   } else {
     w->lend.drafter = NULL;
     w->lend.draft = dj->draft;
@@ -294,8 +294,8 @@ static int draft_off_loop(struct sl_req *x, struct sl_waiter *w, Sublet__Lend *m
   dj->job.run = draft_run;
   dj->job.done = draft_done;
   /* Host work of the Lend's user (its turn among that user's), holding the lists meanwhile */
-  if (sl_job_submit_host(x->d, &dj->job, x->c->peer.uid, sl_lend_lists_bytes(&dj->lists),
-                         &x->err) != 0) {
+  if (sl_jobs_submit_host(x->d, &dj->job, x->c->peer.uid, sl_lend_lists_bytes(&dj->lists),
+                          &x->err) != 0) {
     sl_lend_lists_clear(&dj->lists);
     free(dj);
     return x->err.code;
@@ -327,7 +327,7 @@ int sl_lends_lend(struct sl_req *x, Sublet__Lend *m) {
   rc = sl_books_may_lend(x->d->books, x->c->client_id, m->region, &npages, &x->err);
   if (rc != 0)
     return rc;
-  w = sl_waiter_park(x->c, SL_WAIT_LEND, x->id, timeout > 0 ? timeout : -1);
+  w = sl_waiters_park(x->c, SL_WAIT_LEND, x->id, timeout > 0 ? timeout : -1);
   if (w == NULL)
     return sl_err_set(&x->err, SUBLET_ENOHOSTMEM, "out of host memory");
   memcpy(w->name, name, sizeof(w->name));
@@ -343,6 +343,6 @@ int sl_lends_lend(struct sl_req *x, Sublet__Lend *m) {
                                 &x->err)) == 0)
     lend_drafted(w);
   if (rc != 0)
-    sl_waiter_done(w);
+    sl_waiters_done(w);
   return rc;
 }

@@ -54,7 +54,7 @@ static void submit_build(struct sl_conn *c, struct sl_job *job, void (*run)(stru
   job->done = done;
   job->conn = c;
   c->d->building_bytes += bytes;
-  sl_job_submit(c->d, job);
+  sl_jobs_submit(c->d, job);
 }
 
 static void region_build_run(struct sl_job *j) {
@@ -107,7 +107,7 @@ static void submit_map(struct sl_daemon *d, uint64_t region) {
   mj->region = region;
   mj->job.run = map_run;
   mj->job.done = map_done;
-  sl_job_submit(d, &mj->job);
+  sl_jobs_submit(d, &mj->job);
 }
 
 static void region_built(struct sl_job *j) {

@@ -106,7 +106,7 @@ static void offer_timed_out(const struct sl_waiter *w, struct sl_err *err) {
 /* A waiter of a release offer's request (SL_WAIT_OFFER_STEP, _TAKE, _TAKE_WAIT; timeout_ms < 0:
  * no timer), whose timeout offer_timed_out tells. */
 static struct sl_waiter *park(struct sl_req *x, enum sl_waiter_kind kind, int timeout_ms) {
-  struct sl_waiter *w = sl_waiter_park(x->c, kind, x->id, timeout_ms);
+  struct sl_waiter *w = sl_waiters_park(x->c, kind, x->id, timeout_ms);
 
   if (w != NULL)
     w->timed_out = offer_timed_out;
@@ -219,7 +219,7 @@ static void nudge_owner(struct sl_daemon *d, struct sl_release_offer *o) {
   if (w == NULL)
     return;
   tell_owner(o, w->conn, w->req_id, task);
-  sl_waiter_done(w);
+  sl_waiters_done(w);
 }
 
 /* Is the taker's wait over: the memory released (not given back yet; more of it, if asked),
@@ -249,7 +249,7 @@ static void nudge_taker(struct sl_daemon *d, struct sl_release_offer *o) {
   if (w == NULL)
     return;
   answer_taker(o, w->conn, w->req_id);
-  sl_waiter_done(w);
+  sl_waiters_done(w);
 }
 
 /* ------------------------------------------------------------------ checks */
@@ -385,7 +385,7 @@ static void offer_posted(struct sl_daemon *d) {
       continue;
     if (try_take(w->conn, w->req_id, w->name, w->has_need, w->need_bytes, &err) != 0)
       continue; /* not for it: it goes on waiting */
-    sl_waiter_done(w);
+    sl_waiters_done(w);
     return; /* one offer, one taker */
   }
 }
@@ -394,7 +394,7 @@ int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m) {
   struct sl_release_offer *o = NULL;
   struct sl_region_info ri;
   char name[SL_LOAN_NAME_SIZE];
-  int rc = sl_lends_name(&x->err, "a release offer's name", m->has_name, m->name, name);
+  int rc = sl_daemon_loan_name(&x->err, "a release offer's name", m->has_name, m->name, name);
 
   if (rc == 0)
     rc = may_offer(x, m->region, &ri);
@@ -485,7 +485,7 @@ static void refuse(struct sl_daemon *d, struct sl_release_offer *o,
   o->need = 0;
   if (o->refused != NULL && (w = waiter_of(d, SL_WAIT_TAKE_WAIT, o->id)) != NULL) {
     hear_refusal(w->conn, w->req_id, o);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
   }
   offer_posted(d);
 }
@@ -624,7 +624,7 @@ static int try_take(struct sl_conn *c, uint64_t id, const char *name, int has_ne
 int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m) {
   char name[SL_LOAN_NAME_SIZE];
   struct sl_waiter *w;
-  int rc = sl_lends_name(&x->err, "a release offer's name", m->has_name, m->name, name);
+  int rc = sl_daemon_loan_name(&x->err, "a release offer's name", m->has_name, m->name, name);
 
   if (rc == 0)
     rc = try_take(x->c, x->id, name, m->has_need_bytes, m->need_bytes, &x->err);

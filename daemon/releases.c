@@ -275,7 +275,7 @@ static void release_done(struct sl_job *j) {
   sl_pool_transfer_free(rj->transfer);
   rj->transfer = NULL;
   sl_books_release_done(d->books, rj->work.release_id, j->rc == 0 && j->conn != NULL);
-  sl_check_books(d, rj->req_id);
+  sl_daemon_check_books(d, rj->req_id);
   if (j->rc != 0 || j->conn == NULL) {
     sl_releases_prune(d);
     if (j->rc != 0)
@@ -364,7 +364,7 @@ static void draft_done(struct sl_job *j) {
   j->rc = 0;
   j->run = release_run;
   j->done = release_done;
-  sl_job_submit(j->d, j); /* the connection stays paused: it is the job's again */
+  sl_jobs_submit(j->d, j); /* the connection stays paused: it is the job's again */
 }
 
 static int release_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *keep_fd,
@@ -388,8 +388,8 @@ static int release_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *k
   rj->job.run = draft_run;
   rj->job.done = draft_done;
   rj->job.conn = c;
-  if (sl_job_submit_host(c->d, &rj->job, c->peer.uid, sl_lend_lists_bytes(&rj->lists),
-                         err) != 0) {
+  if (sl_jobs_submit_host(c->d, &rj->job, c->peer.uid, sl_lend_lists_bytes(&rj->lists),
+                          err) != 0) {
     job_free(rj);
     return err->code;
   }
@@ -438,7 +438,7 @@ static void more_done(struct sl_job *j) {
   rj->transfer = NULL;
   /* Its pages were let go of once the run succeeded, owner or not. */
   sl_books_release_done(d->books, rj->work.release_id, j->rc == 0);
-  sl_check_books(d, rj->req_id);
+  sl_daemon_check_books(d, rj->req_id);
   if (j->rc != 0 || j->conn == NULL) {
     if (j->rc != 0)
       sl_error("more of release %llu failed: %s", (unsigned long long)rj->work.release_id,
@@ -476,7 +476,7 @@ static int more_job(struct sl_conn *c, struct release_job *rj, struct sl_err *er
   rj->job.run = release_run;
   rj->job.done = more_done;
   rj->job.conn = c;
-  sl_job_submit(d, &rj->job);
+  sl_jobs_submit(d, &rj->job);
   return 0;
 }
 
@@ -493,7 +493,7 @@ int sl_releases_more(struct sl_conn *c, uint64_t id, const Sublet__ReleaseMore *
     rj->req_id = id;
     rj->t0 = sl_clock_now();
     rc = sl_books_release_more(d->books, c->client_id, m->release, &need, &rj->work, err);
-    sl_check_books(d, id);
+    sl_daemon_check_books(d, id);
   }
   if (rc == 0 && !rj->work.done)
     return more_job(c, rj, err) == 0 ? 0 : (job_free(rj), err->code);
@@ -527,7 +527,7 @@ static void early_finish(struct release_job *rj, struct sl_conn *c, uint64_t req
   int restored = rj->job.rc == 0;
 
   sl_books_resume_done(d->books, rj->work.release_id, 1);
-  sl_check_books(d, req_id);
+  sl_daemon_check_books(d, req_id);
   if (lr != NULL) {
     if (restored)
       rj->area = lr->area; /* back with the job, a spare */
@@ -585,7 +585,7 @@ static void early_made(struct release_job *rj) {
   sl_pool_transfer_free(rj->transfer);
   rj->transfer = NULL;
   sl_books_resume_made(d->books, rj->work.release_id);
-  sl_check_books(d, rj->req_id);
+  sl_daemon_check_books(d, rj->req_id);
   if (reply_stats(rj, SUBLET__REPLY__BODY_RESUMED, -1) != 0)
     sl_conn_close(c); /* the copies go on: their end finds no owner */
   sl_conn_resume(c);
@@ -593,7 +593,7 @@ static void early_made(struct release_job *rj) {
   rj->early = 2;
   rj->job.seconds = rj->job.move_seconds = 0;
   rj->job.rc = restore_transfer(d, rj, 1, &rj->job.err); /* failed: the run is skipped */
-  sl_job_submit(d, &rj->job);
+  sl_jobs_submit(d, &rj->job);
 }
 
 static void resume_done(struct sl_job *j) {
@@ -613,7 +613,7 @@ static void resume_done(struct sl_job *j) {
   if (lr != NULL)
     lr->resuming = NULL;
   sl_books_resume_done(d->books, rj->work.release_id, ok);
-  sl_check_books(d, rj->req_id);
+  sl_daemon_check_books(d, rj->req_id);
   if (ok && (lr = live_take(d, rj->work.release_id)) != NULL) {
     rj->area = lr->area; /* back with the job, a spare */
     free(lr);
@@ -645,7 +645,7 @@ static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct s
 int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
                        struct sl_err *err) {
   struct sl_daemon *d = c->d;
-  uint64_t ps = sl_device_info(d->dev)->page_size, avail = sl_free_pages(d, 0);
+  uint64_t ps = sl_device_info(d->dev)->page_size, avail = sl_daemon_free_pages(d, 0);
   struct release_job *rj = calloc(1, sizeof(*rj));
   char a[16], b[16];
   int rc;
@@ -675,7 +675,7 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
   rj->job.done = resume_done;
   rj->job.conn = c;
   (*live_link(d, rj->work.release_id))->resuming = rj; /* restore_transfer found it */
-  sl_job_submit(d, &rj->job);
+  sl_jobs_submit(d, &rj->job);
   return 0;
 }
 

@@ -63,7 +63,7 @@ static void free_pages(struct sl_daemon *d, struct sl_pool_region *r, struct sl_
   fj->job.run = free_run;
   fj->job.done = free_done;
   fj->job.conn = c;
-  sl_job_submit(d, &fj->job);
+  sl_jobs_submit(d, &fj->job);
 }
 
 static void send_gone(struct sl_conn *c, uint64_t region_id) {

@@ -281,7 +281,7 @@ void sl_server_stop(struct sl_daemon *d) {
   close_borrowers(d);
   while (d->conns != NULL)
     sl_conn_close_now(d->conns);
-  sl_handle_shutdown(d);
+  sl_endings_shutdown(d);
   sl_transports_destroy(&d->transports);
   close_handle((uv_handle_t *)&d->listener);
   close_handle((uv_handle_t *)&d->accept_retry);

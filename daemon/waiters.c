@@ -17,7 +17,7 @@ static void free_waiter(uv_handle_t *h) {
   free(h->data);
 }
 
-void sl_waiter_done(struct sl_waiter *w) {
+void sl_waiters_done(struct sl_waiter *w) {
   struct sl_waiter **link = &w->d->waiters;
 
   /* Answering a waiter can close its conn, which ends the conn's waiters: this one too. */
@@ -49,11 +49,11 @@ static void on_wait_timeout(uv_timer_t *t) {
     sl_err_set(&err, SUBLET_ETIMEDOUT, "no loan was offered in time%s%s",
                w->name[0] ? " under the name " : "", w->name);
   sl_conn_send_error(w->conn, w->req_id, &err);
-  sl_waiter_done(w);
+  sl_waiters_done(w);
 }
 
-struct sl_waiter *sl_waiter_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
-                                 int timeout_ms) {
+struct sl_waiter *sl_waiters_park(struct sl_conn *c, enum sl_waiter_kind kind, uint64_t req_id,
+                                  int timeout_ms) {
   struct sl_waiter *w = calloc(1, sizeof(*w));
 
   if (w == NULL)
@@ -81,7 +81,7 @@ void sl_waiters_cancel(struct sl_conn *c) {
   for (; w != NULL; w = next) {
     next = w->next;
     if (w->conn == c)
-      sl_waiter_done(w);
+      sl_waiters_done(w);
   }
 }
 
@@ -94,7 +94,7 @@ int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id) {
     sl_err_set(&err, SUBLET_ECANCELED, "cancelled by the client%s",
                w->kind == SL_WAIT_LEND ? ": nothing was lent" : "");
     sl_conn_send_error(c, req_id, &err);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
     return 1;
   }
   return 0;
@@ -130,7 +130,7 @@ void sl_waiters_device_free(struct sl_daemon *d) {
   while (!d->stopping && sl_books_current_loan(d->books) == 0 && (w = first_lend(d)) != NULL) {
     if (!w->conn->closed) /* a closing connection's Lend would only be withdrawn */
       w->lend.serve(w);
-    sl_waiter_done(w);
+    sl_waiters_done(w);
   }
 }
 
@@ -152,7 +152,7 @@ int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s
   for (struct sl_waiter *w = d->waiters; w != NULL; w = w->next) {
     if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == s->loan_id) {
       sl_conn_send_stats(owner, w->req_id, 0, s, replaced, n);
-      sl_waiter_done(w);
+      sl_waiters_done(w);
       return 1;
     }
   }
@@ -182,13 +182,13 @@ void sl_waiters_reclaim_failed(struct sl_daemon *d, uint64_t owner_client, uint6
   for (struct sl_waiter *w = d->waiters; owner != NULL && w != NULL; w = w->next) {
     if (w->kind == SL_WAIT_RECLAIM && w->conn == owner && w->loan_id == loan_id) {
       sl_conn_send_error_fresh(owner, w->req_id, err, fresh_pages);
-      sl_waiter_done(w);
+      sl_waiters_done(w);
       return; /* a connection waits for one request at a time */
     }
   }
 }
 
-struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan) {
+struct sl_ended *sl_waiters_ended_take(struct sl_conn *c, uint64_t loan) {
   for (struct sl_ended **link = &c->ended; *link != NULL; link = &(*link)->next) {
     struct sl_ended *e = *link;
     if (e->stats.loan_id == loan) {
@@ -199,7 +199,7 @@ struct sl_ended *sl_ended_take(struct sl_conn *c, uint64_t loan) {
   return NULL;
 }
 
-void sl_ended_free(struct sl_ended *e) {
+void sl_waiters_ended_free(struct sl_ended *e) {
   if (e != NULL)
     free(e->replaced);
   free(e);
