@@ -138,7 +138,8 @@ static void log_plan(const struct sl_grant *g, double plan_s, double chunk_s) {
 
 /* Plan, do, commit: the books plan the grant, the pool makes the fresh chunk and (off the
  * loop, unless small) saves the kept bytes, the books commit it. */
-int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m) {
+int sl_allocs_alloc(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Alloc *m = r->alloc;
   struct sl_grant g = {0};
   double t0 = sl_clock_now(), t1, t2;
   size_t journaled = 0;

@@ -56,6 +56,7 @@ struct sl_job;
 struct sl_job_user;
 struct sl_rescue;
 struct sl_pinner;
+struct sl_req;
 
 /* What the request layer does with a connection's requests and its end (handlers.c gives
  * them, through server.c, to conn.c). */
@@ -342,7 +343,7 @@ typedef int (*sl_rescue_ending_fn)(const struct sl_daemon *d, uint64_t loan_id,
                                    uint64_t owner_client);
 void sl_rescue_prune(struct sl_daemon *d, sl_rescue_ending_fn ending);
 void sl_rescue_free_all(struct sl_daemon *d);
-int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err);
+int sl_status_reply(struct sl_req *x, const Sublet__Request *r);
 /* The device's loan as a message to c names it: "loan N" where status shows it to c, else as
  * another user's (a refusal says no more than status). */
 const char *sl_status_loan_text(const struct sl_conn *c, uint64_t loan, char buf[48]);
@@ -357,16 +358,12 @@ void sl_retire_region_for(struct sl_daemon *d, uint64_t region_id, struct sl_con
 
 /* releases.c: Lend.release (takes the Lend's keep and pinned lists, and x->keep_fd), Resume,
  * ResumeEnd; the areas of releases that left the books go back; what live releases hold pinned. */
-struct sl_req;
-int sl_releases_lend(struct sl_req *x, Sublet__Lend *m);
-int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
-                       struct sl_err *err);
-int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
-                           struct sl_err *err);
+int sl_releases_lend(struct sl_req *x, const Sublet__Request *r);
+int sl_releases_resume(struct sl_req *x, const Sublet__Request *r);
+int sl_releases_resume_end(struct sl_req *x, const Sublet__Request *r);
 /* ReleaseMore: more of a live release by need (issue 42), answered Released once its device
  * work is done (at once when there is none). */
-int sl_releases_more(struct sl_conn *c, uint64_t id, const Sublet__ReleaseMore *m,
-                     struct sl_err *err);
+int sl_releases_more(struct sl_req *x, const Sublet__Request *r);
 void sl_releases_prune(struct sl_daemon *d);
 uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
 /* release_offers.c: release offers, a release that a scheduler starts and ends (ReleaseOffer,
@@ -374,18 +371,17 @@ uint64_t sl_releases_host_bytes(const struct sl_daemon *d);
  * else an error in x->err. gone: a connection went (an owner's or a taker's); status: the
  * offers c may see, into st (the arrays are the caller's to free with
  * sl_release_offers_status_free). */
-struct sl_req;
-int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m);
-int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m);
-int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m);
-int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m);
-int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m);
-int sl_release_offers_take_more(struct sl_req *x, const Sublet__TakeMore *m);
+int sl_release_offers_offer(struct sl_req *x, const Sublet__Request *r);
+int sl_release_offers_step(struct sl_req *x, const Sublet__Request *r);
+int sl_release_offers_take(struct sl_req *x, const Sublet__Request *r);
+int sl_release_offers_take_wait(struct sl_req *x, const Sublet__Request *r);
+int sl_release_offers_give_back(struct sl_req *x, const Sublet__Request *r);
+int sl_release_offers_take_more(struct sl_req *x, const Sublet__Request *r);
 void sl_release_offers_gone(struct sl_conn *c);
 int sl_release_offers_status(struct sl_conn *c, Sublet__Status *st);
 void sl_release_offers_status_free(Sublet__Status *st);
-/* One request being handled (handlers.c, and the files it dispatches to that take one):
- * its connection, its id, the error to answer with. */
+/* One request being handled (handlers.c, and the files it dispatches to): its connection,
+ * its id, the error to answer with. */
 struct sl_req {
   struct sl_conn *c;
   struct sl_daemon *d;
@@ -393,6 +389,10 @@ struct sl_req {
   struct sl_err err;
   int keep_fd; /* a Lend's keep memfd: the request's until a Lend takes it (-1: none) */
 };
+/* Every request's handler (handlers.c's table, indexed by the request's body case, holds one
+ * per request): r is the request, x what the handler answers through; 0 when answered (now,
+ * or later through a waiter or a job), else an error in x->err for handlers.c to send. */
+typedef int (*sl_handlers_fn)(struct sl_req *x, const Sublet__Request *r);
 /* daemon.c: a request's loan or offer name (LoanName in sublet.proto: UTF-8 of 1 to 63 bytes
  * without control characters) into out, "" when absent (has not set); what names it in the
  * refusal. */
@@ -400,12 +400,12 @@ int sl_daemon_loan_name(struct sl_err *err, const char *what, protobuf_c_boolean
                         ProtobufCBinaryData name, char out[SL_LOAN_NAME_SIZE]);
 /* lends.c: Lend and Borrow; 0 when answered (now, or later through a waiter), else an error
  * in x->err for the caller to send. A Lend may take x->keep_fd. */
-int sl_lends_lend(struct sl_req *x, Sublet__Lend *m);
-int sl_lends_borrow(struct sl_req *x, const Sublet__Borrow *m);
+int sl_lends_lend(struct sl_req *x, const Sublet__Request *r);
+int sl_lends_borrow(struct sl_req *x, const Sublet__Request *r);
 /* Called when an offer appears: wakes borrowers waiting for one. */
 void sl_lends_offer_posted(struct sl_daemon *d);
 /* allocs.c: Alloc, the same way (answered later when kept bytes are saved off the loop). */
-int sl_allocs_alloc(struct sl_req *x, const Sublet__Alloc *m);
+int sl_allocs_alloc(struct sl_req *x, const Sublet__Request *r);
 /* lend_lists.c: a Lend's keep and pinned lists, taken over for a draft off the loop: the Lend's
  * own arrays (protobuf-c malloc'd them), or (keep_fd_ranges) the keep memfd, which the draft
  * reads into the daemon's own buffer (the client could change it meanwhile). take: on the
@@ -441,18 +441,13 @@ uint64_t sl_daemon_free_pages(const struct sl_daemon *d, int keep_reserve);
 /* --check: the books checked after a step, abort if broken. */
 void sl_daemon_check_books(struct sl_daemon *d, uint64_t req_id);
 
-/* Region requests (regions.c), for handlers.c's dispatch: 0 when answered (now, or later by
- * a job with the connection paused), else an error in err for the caller to send. */
-int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
-                      struct sl_err *err);
-int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
-                    struct sl_err *err);
-int sl_regions_pages_get(struct sl_conn *c, uint64_t id, const Sublet__PagesGet *m,
-                         struct sl_err *err);
-int sl_regions_release(struct sl_conn *c, uint64_t id, const Sublet__RegionRelease *m,
-                       struct sl_err *err);
-int sl_regions_dropped(struct sl_conn *c, uint64_t id, const Sublet__Dropped *m,
-                       struct sl_err *err);
+/* Region requests (regions.c), for handlers.c's table: 0 when answered (now, or later by a
+ * job with the connection paused), else an error in x->err for the caller to send. */
+int sl_regions_create(struct sl_req *x, const Sublet__Request *r);
+int sl_regions_grow(struct sl_req *x, const Sublet__Request *r);
+int sl_regions_pages_get(struct sl_req *x, const Sublet__Request *r);
+int sl_regions_release(struct sl_req *x, const Sublet__Request *r);
+int sl_regions_dropped(struct sl_req *x, const Sublet__Request *r);
 
 /* The request layer's side of a connection (handlers.c): requests and the connection's end. */
 extern const struct sl_conn_ops sl_handlers;

@@ -1,7 +1,8 @@
 /* handlers.c - what subletd does for each request, between the books and the pool: the
- * dispatch and the small handlers. The larger requests have files of their own: Lend and
- * Borrow lends.c's, Alloc allocs.c's, the region requests regions.c's, a release and Resume
- * releases.c's.
+ * dispatch, a table of one handler per request (sl_handlers_fn, indexed by the request's body
+ * case, as dbus-broker's driver table), and the small handlers. The larger requests have files
+ * of their own: Lend and Borrow lends.c's, Alloc allocs.c's, the region requests regions.c's,
+ * a Lend with release, Resume and ReleaseMore releases.c's, release offers release_offers.c's.
  *
  * Each handler checks its arguments, asks the books, does the device work the books name, and
  * answers. Requests that wait (Borrow with a timeout, Reclaim, every Lend) park a waiter
@@ -17,7 +18,8 @@
 #include "log.h"
 #include "msg.h"
 
-static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
+static int on_hello(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Hello *m = r->hello;
   const struct sl_device_info *info = sl_device_info(x->d->dev);
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Welcome w = SUBLET__WELCOME__INIT;
@@ -70,7 +72,8 @@ static int on_hello(struct sl_req *x, const Sublet__Hello *m) {
   return 0;
 }
 
-static int on_pin_ahead(struct sl_req *x, const Sublet__PinAhead *m) {
+static int on_pin_ahead(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__PinAhead *m = r->pin_ahead;
   int rc = sl_pins_request(x->d, x->c->peer.uid, m->bytes, m->release, &x->err);
 
   if (rc == 0)
@@ -78,7 +81,8 @@ static int on_pin_ahead(struct sl_req *x, const Sublet__PinAhead *m) {
   return rc;
 }
 
-static int on_reclaim(struct sl_req *x, const Sublet__Reclaim *m) {
+static int on_reclaim(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Reclaim *m = r->reclaim;
   struct sl_ended *e = sl_waiters_ended_take(x->c, m->loan);
   struct sl_waiter *w;
   int rc;
@@ -105,7 +109,8 @@ static int on_reclaim(struct sl_req *x, const Sublet__Reclaim *m) {
   return 0;
 }
 
-static int on_withdraw(struct sl_req *x, const Sublet__Withdraw *m) {
+static int on_withdraw(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Withdraw *m = r->withdraw;
   int rc = sl_books_withdraw(x->d->books, x->c->client_id, m->loan, &x->err);
 
   if (rc == 0) {
@@ -115,7 +120,8 @@ static int on_withdraw(struct sl_req *x, const Sublet__Withdraw *m) {
   return rc;
 }
 
-static int on_free(struct sl_req *x, const Sublet__Free *m) {
+static int on_free(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Free *m = r->free;
   uint64_t size;
   int rc = sl_books_free_alloc(x->d->books, x->c->client_id, m->alloc, &size, &x->err);
 
@@ -177,7 +183,8 @@ static void answer_return(struct sl_conn *c, void *arg, const struct sublet_loan
   free(ra);
 }
 
-static int on_return(struct sl_req *x, const Sublet__Return *m) {
+static int on_return(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Return *m = r->return_;
   uint64_t loan = sl_books_client_loan(x->d->books, x->c->client_id);
   size_t nleaks = loan != 0 ? sl_books_leaks(x->d->books, loan, NULL, 0) : 0;
   struct return_answer *ra = calloc(1, sizeof(*ra));
@@ -205,7 +212,43 @@ static int on_return(struct sl_req *x, const Sublet__Return *m) {
   return rc;
 }
 
+/* A Lend lends, or (release) releases: releases.c's, which needs no turn on the device. */
+static int on_lend(struct sl_req *x, const Sublet__Request *r) {
+  return r->lend->release ? sl_releases_lend(x, r) : sl_lends_lend(x, r);
+}
+
+/* Every request's handler, by its body's case (sublet.proto's field number). Cancel is not
+ * here: dispatch answers it before the one-wait check, and it has no reply of its own. */
+static const sl_handlers_fn handlers[] = {
+  [SUBLET__REQUEST__BODY_HELLO] = on_hello,
+  [SUBLET__REQUEST__BODY_REGION_CREATE] = sl_regions_create,
+  [SUBLET__REQUEST__BODY_REGION_GROW] = sl_regions_grow,
+  [SUBLET__REQUEST__BODY_PAGES_GET] = sl_regions_pages_get,
+  [SUBLET__REQUEST__BODY_REGION_RELEASE] = sl_regions_release,
+  [SUBLET__REQUEST__BODY_DROPPED] = sl_regions_dropped,
+  [SUBLET__REQUEST__BODY_LEND] = on_lend, /* may take its keep */
+  [SUBLET__REQUEST__BODY_RECLAIM] = on_reclaim,
+  [SUBLET__REQUEST__BODY_WITHDRAW] = on_withdraw,
+  [SUBLET__REQUEST__BODY_BORROW] = sl_lends_borrow,
+  [SUBLET__REQUEST__BODY_ALLOC] = sl_allocs_alloc,
+  [SUBLET__REQUEST__BODY_FREE] = on_free,
+  [SUBLET__REQUEST__BODY_RETURN] = on_return,
+  [SUBLET__REQUEST__BODY_STATS_GET] = sl_status_reply,
+  [SUBLET__REQUEST__BODY_RESUME] = sl_releases_resume,
+  [SUBLET__REQUEST__BODY_RESUME_END] = sl_releases_resume_end,
+  [SUBLET__REQUEST__BODY_RELEASE_MORE] = sl_releases_more,
+  [SUBLET__REQUEST__BODY_RELEASE_OFFER] = sl_release_offers_offer,
+  [SUBLET__REQUEST__BODY_OFFER_STEP] = sl_release_offers_step,
+  [SUBLET__REQUEST__BODY_TAKE] = sl_release_offers_take,
+  [SUBLET__REQUEST__BODY_TAKE_WAIT] = sl_release_offers_take_wait,
+  [SUBLET__REQUEST__BODY_GIVE_BACK] = sl_release_offers_give_back,
+  [SUBLET__REQUEST__BODY_TAKE_MORE] = sl_release_offers_take_more,
+  [SUBLET__REQUEST__BODY_PIN_AHEAD] = on_pin_ahead,
+};
+
 static int dispatch(struct sl_req *x, const Sublet__Request *r) {
+  size_t body = (size_t)r->body_case;
+
   if (r->body_case != SUBLET__REQUEST__BODY_HELLO && x->c->client_id == 0)
     return sl_err_set(&x->err, SUBLET_EPROTO, "the first request must be Hello");
   if (r->body_case == SUBLET__REQUEST__BODY_CANCEL) { /* no reply of its own */
@@ -215,45 +258,10 @@ static int dispatch(struct sl_req *x, const Sublet__Request *r) {
   if (x->c->waiting)
     return sl_err_set(&x->err, SUBLET_EBUSY, "a Borrow, Reclaim or Lend of this connection is "
                       "still waiting: wait for its reply (or cancel it) before sending more");
-  switch (r->body_case) {
-    case SUBLET__REQUEST__BODY_HELLO: return on_hello(x, r->hello);
-    case SUBLET__REQUEST__BODY_REGION_CREATE:
-      return sl_regions_create(x->c, x->id, r->region_create, &x->err);
-    case SUBLET__REQUEST__BODY_REGION_GROW:
-      return sl_regions_grow(x->c, x->id, r->region_grow, &x->err);
-    case SUBLET__REQUEST__BODY_PAGES_GET:
-      return sl_regions_pages_get(x->c, x->id, r->pages_get, &x->err);
-    case SUBLET__REQUEST__BODY_REGION_RELEASE:
-      return sl_regions_release(x->c, x->id, r->region_release, &x->err);
-    case SUBLET__REQUEST__BODY_LEND: /* may take its keep */
-      return r->lend->release ? sl_releases_lend(x, r->lend) : sl_lends_lend(x, r->lend);
-    case SUBLET__REQUEST__BODY_RECLAIM: return on_reclaim(x, r->reclaim);
-    case SUBLET__REQUEST__BODY_WITHDRAW: return on_withdraw(x, r->withdraw);
-    case SUBLET__REQUEST__BODY_BORROW: return sl_lends_borrow(x, r->borrow);
-    case SUBLET__REQUEST__BODY_ALLOC: return sl_allocs_alloc(x, r->alloc);
-    case SUBLET__REQUEST__BODY_FREE: return on_free(x, r->free);
-    case SUBLET__REQUEST__BODY_RETURN: return on_return(x, r->return_);
-    case SUBLET__REQUEST__BODY_STATS_GET: return sl_status_reply(x->c, x->id, &x->err);
-    case SUBLET__REQUEST__BODY_DROPPED:
-      return sl_regions_dropped(x->c, x->id, r->dropped, &x->err);
-    case SUBLET__REQUEST__BODY_RESUME:
-      return sl_releases_resume(x->c, x->id, r->resume, &x->err);
-    case SUBLET__REQUEST__BODY_RESUME_END:
-      return sl_releases_resume_end(x->c, x->id, r->resume_end, &x->err);
-    case SUBLET__REQUEST__BODY_RELEASE_MORE:
-      return sl_releases_more(x->c, x->id, r->release_more, &x->err);
-    case SUBLET__REQUEST__BODY_RELEASE_OFFER:
-      return sl_release_offers_offer(x, r->release_offer);
-    case SUBLET__REQUEST__BODY_OFFER_STEP: return sl_release_offers_step(x, r->offer_step);
-    case SUBLET__REQUEST__BODY_TAKE: return sl_release_offers_take(x, r->take);
-    case SUBLET__REQUEST__BODY_TAKE_WAIT: return sl_release_offers_take_wait(x, r->take_wait);
-    case SUBLET__REQUEST__BODY_GIVE_BACK: return sl_release_offers_give_back(x, r->give_back);
-    case SUBLET__REQUEST__BODY_TAKE_MORE: return sl_release_offers_take_more(x, r->take_more);
-    case SUBLET__REQUEST__BODY_PIN_AHEAD: return on_pin_ahead(x, r->pin_ahead);
-    default:
-      return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
-                        "is older than the client; upgrade subletd", (int)r->body_case);
-  }
+  if (body >= sizeof(handlers) / sizeof(handlers[0]) || handlers[body] == NULL)
+    return sl_err_set(&x->err, SUBLET_EPROTO, "unknown request (body %d): this subletd "
+                      "is older than the client; upgrade subletd", (int)r->body_case);
+  return handlers[body](x, r);
 }
 
 void sl_handlers_request(struct sl_conn *c, const Sublet__Request *req, const int *fds,

@@ -83,7 +83,8 @@ static int try_borrow(struct sl_waiter *w, struct sl_err *err) {
   return rc;
 }
 
-int sl_lends_borrow(struct sl_req *x, const Sublet__Borrow *m) {
+int sl_lends_borrow(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Borrow *m = r->borrow;
   struct sl_waiter ask = {.conn = x->c, .req_id = x->id, .loan_id = m->loan,
                           .has_token = m->has_token, .rescue = m->rescue,
                           .known_layout = m->known_layout}, *w;
@@ -315,7 +316,8 @@ static void lend_timed_out(const struct sl_waiter *w, struct sl_err *err) {
 
 /* Every Lend waits as a waiter, at the tail: served when the device is free and its turn
  * comes (at once, most often), or when its timer fires, or dropped with its connection. */
-int sl_lends_lend(struct sl_req *x, Sublet__Lend *m) {
+int sl_lends_lend(struct sl_req *x, const Sublet__Request *r) {
+  Sublet__Lend *m = r->lend;
   struct sl_waiter *w;
   uint64_t npages;
   char name[SL_LOAN_NAME_SIZE];

@@ -134,8 +134,11 @@ static void region_built(struct sl_job *j) {
   free(rj);
 }
 
-int sl_regions_create(struct sl_conn *c, uint64_t id, const Sublet__RegionCreate *m,
-                      struct sl_err *err) {
+int sl_regions_create(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__RegionCreate *m = r->region_create;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   const struct sl_device_info *info = sl_device_info(c->d->dev);
   uint64_t ps = info->page_size, total = info->total_bytes;
   struct region_job *rj;
@@ -200,8 +203,11 @@ static void grow_done(struct sl_job *j) {
   free(gj);
 }
 
-int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
-                    struct sl_err *err) {
+int sl_regions_grow(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__RegionGrow *m = r->region_grow;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   const struct sl_device_info *info = sl_device_info(c->d->dev);
   uint64_t ps = info->page_size, npages = (m->size / ps) + (m->size % ps != 0);
   struct sl_region_info ri;
@@ -235,8 +241,11 @@ int sl_regions_grow(struct sl_conn *c, uint64_t id, const Sublet__RegionGrow *m,
 
 /* ---- pages, release, drop */
 
-int sl_regions_pages_get(struct sl_conn *c, uint64_t id, const Sublet__PagesGet *m,
-                         struct sl_err *err) {
+int sl_regions_pages_get(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__PagesGet *m = r->pages_get;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Pages pages = SUBLET__PAGES__INIT;
   int fds[SL_WIRE_MAX_FDS], groups = m->has_groups && m->groups;
@@ -269,8 +278,11 @@ int sl_regions_pages_get(struct sl_conn *c, uint64_t id, const Sublet__PagesGet 
   return 0;
 }
 
-int sl_regions_release(struct sl_conn *c, uint64_t id, const Sublet__RegionRelease *m,
-                       struct sl_err *err) {
+int sl_regions_release(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__RegionRelease *m = r->region_release;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   int rc = sl_books_region_remove(c->d->books, c->client_id, m->region, err);
 
   if (rc != 0)
@@ -279,8 +291,11 @@ int sl_regions_release(struct sl_conn *c, uint64_t id, const Sublet__RegionRelea
   return 0;
 }
 
-int sl_regions_dropped(struct sl_conn *c, uint64_t id, const Sublet__Dropped *m,
-                       struct sl_err *err) {
+int sl_regions_dropped(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Dropped *m = r->dropped;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   int last, rc = sl_books_kept_drop(c->d->books, c->client_id, m->region, &last, err);
 
   if (rc != 0)

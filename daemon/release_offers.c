@@ -390,7 +390,8 @@ static void offer_posted(struct sl_daemon *d) {
   }
 }
 
-int sl_release_offers_offer(struct sl_req *x, const Sublet__ReleaseOffer *m) {
+int sl_release_offers_offer(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__ReleaseOffer *m = r->release_offer;
   struct sl_release_offer *o = NULL;
   struct sl_region_info ri;
   char name[SL_LOAN_NAME_SIZE];
@@ -557,7 +558,8 @@ static int next_task(struct sl_req *x, struct sl_release_offer *o, int withdraw)
   return 0;
 }
 
-int sl_release_offers_step(struct sl_req *x, const Sublet__OfferStep *m) {
+int sl_release_offers_step(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__OfferStep *m = r->offer_step;
   struct sl_release_offer *o = find(x->d, m->offer);
   int rc = owned(x, o, m->offer);
 
@@ -621,7 +623,8 @@ static int try_take(struct sl_conn *c, uint64_t id, const char *name, int has_ne
   return 0;
 }
 
-int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m) {
+int sl_release_offers_take(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Take *m = r->take;
   char name[SL_LOAN_NAME_SIZE];
   struct sl_waiter *w;
   int rc = sl_daemon_loan_name(&x->err, "a release offer's name", m->has_name, m->name, name);
@@ -638,7 +641,8 @@ int sl_release_offers_take(struct sl_req *x, const Sublet__Take *m) {
   return 0;
 }
 
-int sl_release_offers_take_wait(struct sl_req *x, const Sublet__TakeWait *m) {
+int sl_release_offers_take_wait(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__TakeWait *m = r->take_wait;
   struct sl_release_offer *o = find(x->d, m->offer);
   struct sl_waiter *w;
   int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
@@ -671,7 +675,8 @@ static void give_back(struct sl_daemon *d, struct sl_release_offer *o) {
   nudge_owner(d, o);
 }
 
-int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m) {
+int sl_release_offers_give_back(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__GiveBack *m = r->give_back;
   struct sl_release_offer *o = find(x->d, m->offer);
   int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
 
@@ -690,7 +695,8 @@ int sl_release_offers_give_back(struct sl_req *x, const Sublet__GiveBack *m) {
 }
 
 /* The taker needs more (need_bytes in all): its owner releases more of it (the task MORE). */
-int sl_release_offers_take_more(struct sl_req *x, const Sublet__TakeMore *m) {
+int sl_release_offers_take_more(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__TakeMore *m = r->take_more;
   struct sl_release_offer *o = find(x->d, m->offer);
   int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
 

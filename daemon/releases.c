@@ -398,7 +398,8 @@ static int release_start(struct sl_conn *c, uint64_t id, Sublet__Lend *m, int *k
 
 /* A Lend with release, routed here by handlers.c: no waiting, a release does not take the
  * device's one loan. */
-int sl_releases_lend(struct sl_req *x, Sublet__Lend *m) {
+int sl_releases_lend(struct sl_req *x, const Sublet__Request *r) {
+  Sublet__Lend *m = r->lend;
   char name[SL_LOAN_NAME_SIZE];
   int rc = sl_lend_lists_check(m, x->keep_fd, name, &x->err);
 
@@ -480,8 +481,11 @@ static int more_job(struct sl_conn *c, struct release_job *rj, struct sl_err *er
   return 0;
 }
 
-int sl_releases_more(struct sl_conn *c, uint64_t id, const Sublet__ReleaseMore *m,
-                     struct sl_err *err) {
+int sl_releases_more(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__ReleaseMore *m = r->release_more;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   struct sl_daemon *d = c->d;
   struct sl_release_need need = {.need_bytes = m->need_bytes};
   struct release_job *rj = calloc(1, sizeof(*rj));
@@ -642,8 +646,11 @@ static int resume_transfer(struct sl_daemon *d, struct release_job *rj, struct s
   return rc;
 }
 
-int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
-                       struct sl_err *err) {
+int sl_releases_resume(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__Resume *m = r->resume;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   struct sl_daemon *d = c->d;
   uint64_t ps = sl_device_info(d->dev)->page_size, avail = sl_daemon_free_pages(d, 0);
   struct release_job *rj = calloc(1, sizeof(*rj));
@@ -679,8 +686,11 @@ int sl_releases_resume(struct sl_conn *c, uint64_t id, const Sublet__Resume *m,
   return 0;
 }
 
-int sl_releases_resume_end(struct sl_conn *c, uint64_t id, const Sublet__ResumeEnd *m,
-                           struct sl_err *err) {
+int sl_releases_resume_end(struct sl_req *x, const Sublet__Request *r) {
+  const Sublet__ResumeEnd *m = r->resume_end;
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   struct sl_live_release *lr = *live_link(c->d, m->release);
   struct release_job *rj = lr != NULL ? lr->resuming : NULL;
   struct sl_release_info ri;

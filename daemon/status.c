@@ -224,7 +224,10 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
       sl_pins_progress(d, &st->pin_target_bytes, &st->pin_done_bytes);
 }
 
-int sl_status_reply(struct sl_conn *c, uint64_t id, struct sl_err *err) {
+int sl_status_reply(struct sl_req *x, const Sublet__Request *r) {
+  struct sl_conn *c = x->c;
+  uint64_t id = x->id;
+  struct sl_err *err = &x->err;
   Sublet__Reply rep = SUBLET__REPLY__INIT;
   Sublet__Status st = SUBLET__STATUS__INIT;
   Sublet__LoanStatus ls = SUBLET__LOAN_STATUS__INIT;
