@@ -103,8 +103,8 @@ struct sublet_client {
 };
 
 /* A call's deadline by default: subletd answers within microseconds, or the time of the copies
- * a request needs (a save of kept bytes: 0.3 s for 16 GiB on an H200); past this it is not
- * answering. $SUBLET_TIMEOUT (seconds) or sublet_set_timeout() change it. */
+ * a request needs (a save of kept bytes takes a small part of this: docs/benchmarks.md); past
+ * this it is not answering. $SUBLET_TIMEOUT (seconds) or sublet_set_timeout() change it. */
 #define SL_CLIENT_TIMEOUT_MS 30000
 /* Connecting gives up after this (a daemon that does not accept: stopped, or its backlog full). */
 #define SL_CLIENT_CONNECT_MS 10000

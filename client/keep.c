@@ -1,8 +1,8 @@
 /* keep.c - libsublet: kept rows of a table as the byte ranges a Lend carries.
  *
  * A paged KV cache keeps hundreds of thousands of live blocks, listed by index. Turning the
- * index list into ranges is one pass here; in numpy it was five passes and 2.5 to 4 ms for
- * 300,000 blocks, per loan. No daemon, no device: pure arithmetic over the caller's arrays.
+ * index list into ranges is one pass here, where numpy took five and milliseconds a loan (the
+ * figure: docs/benchmarks.md). No daemon, no device: pure arithmetic over the caller's arrays.
  *
  * A memory pool holds many such tables (one KV cache tensor per layer, its K and V halves)
  * whose live rows are the same block ids: sublet_blocks_ranges finds the runs of the id list

@@ -69,8 +69,8 @@ static struct sl_release_rec **rec_link(struct sublet_region *r, uint64_t id) {
 /* ---- releasing ---------------------------------------------------------------------------- */
 
 /* How long subletd may work on a release or a resume of r before the call's own deadline
- * starts: its first save pins host memory (0.7 s per GiB on an H200) and copies, and its
- * resume makes every page again; 2 s per GiB of the region covers both with room. */
+ * starts: its first save pins host memory and copies, and its resume makes every page again;
+ * 2 s per GiB of the region covers both with room (what the pin takes: docs/benchmarks.md). */
 static int work_ms(const struct sublet_region *r) {
   uint64_t gib = (r->npages * r->page_size) >> 30;
 
@@ -213,12 +213,11 @@ static void unmap_runs(sublet_client *c, struct sublet_region *r, const uint64_t
 
 /* ---- a release that keeps nothing: this process unmaps beside subletd ---------------------
  *
- * The driver serves two processes' unmaps partly at once (16,384 handles of 2 MiB on an H200:
- * 0.71 to 0.89 s from both at once, 0.87 to 1.17 s one after the other, 0.44 to 0.61 s from
- * one alone). With no kept byte to lose, this process unmaps the set it releases while
- * subletd lets go of its own mapping, instead of after it. Its handles stay until Released:
- * a release that fails has its pages mapped again, intact, as does any page subletd held
- * back (a page group not wholly in the set). */
+ * The driver serves two processes' unmaps partly at once: both at once end sooner than one
+ * after the other (the figures: docs/benchmarks.md). With no kept byte to lose, this process
+ * unmaps the set it releases while subletd lets go of its own mapping, instead of after it.
+ * Its handles stay until Released: a release that fails has its pages mapped again, intact,
+ * as does any page subletd held back (a page group not wholly in the set). */
 struct early_unmap {
   sublet_client *c;
   struct sublet_region *r;
@@ -641,8 +640,8 @@ static int resume_request(sublet_client *c, struct sublet_region *r, int flags,
   m.release = rec->id;
   m.has_groups = 1;
   m.groups = !(flags & SUBLET_RESUME_PAGES);
-  /* Early: the pages are mapped here while subletd copies into them (their mapping costs
-   * 0.03 s for 64 GiB on an H200, beside a copy of a second or more). */
+  /* Early: the pages are mapped here while subletd copies into them (their mapping costs a
+   * small part of the copy's time: docs/benchmarks.md). */
   m.has_early = 1;
   m.early = c->early_resume_ok && m.groups;
   req.body_case = SUBLET__REQUEST__BODY_RESUME;

@@ -235,7 +235,8 @@ int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_e
   return rc;
 }
 
-#define PREMAP_RUN 256 /* pages between asks to stop: 512 MiB, about 8 ms of mapping */
+/* Pages between asks to stop: a few ms of mapping (docs/benchmarks.md). */
+#define PREMAP_RUN 256
 
 /* The pages this loan's allocations hold, wherever they lie. */
 static uint64_t pages_held(const struct sl_window *w) {

@@ -99,11 +99,10 @@ int sl_window_map_run(struct sl_window *w, uint64_t pos, uint64_t n, struct sl_e
  * reach: none when the unkept and fresh zones' free positions can hold it (its grant comes at
  * once), else as many as it would take past them, from the kept zone's start, skipping those
  * mapped already or whose handle this process lacks. The grant of such an allocation waits
- * for subletd to save or move the kept bytes out of its pages, which takes as long as mapping
- * them does (130 GiB region, 39 GiB kept: 0.69 s against 0.64 s on an H200): the mapping
- * goes in that wait instead of after it. stop(arg) is asked between runs of pages and ends it
- * (the grant is here). Nothing touches the memory; a failure maps nothing and is left for
- * sl_window_map_run to meet and report. */
+ * for subletd to save or move the kept bytes out of its pages, which takes about as long as
+ * mapping them does (docs/benchmarks.md): the mapping goes in that wait instead of after it.
+ * stop(arg) is asked between runs of pages and ends it (the grant is here). Nothing touches
+ * the memory; a failure maps nothing and is left for sl_window_map_run to meet and report. */
 void sl_window_premap(struct sl_window *w, uint64_t npages, int (*stop)(void *), void *arg);
 /* Maps a fresh chunk (imported handle, now owned by w) at its positions. */
 int sl_window_add_chunk(struct sl_window *w, uint64_t pos, uint64_t npages, sl_handle h,

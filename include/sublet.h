@@ -145,12 +145,13 @@ SUBLET_EXPORT int sublet_cancel(sublet_client *c);
 /* Pins host memory for the saves of this user's loans ahead of the first Lend, in the
  * background, toward `bytes` (at most the bytes of the user's regions together): a loan's
  * first save then finds it made, where otherwise it waits for the kernel to make host pages
- * (about 5 GB/s). Returns once the pin is under way (`sublet status` shows it);
- * SUBLET_ENOENT if the user has no region on the device, SUBLET_EBUSY while the loans' save
- * area is another user's, SUBLET_ENOTSUP from a subletd too old for it. What is pinned
- * stays for later loans, and goes when the user has had no region for subletd's --pin-keep.
- * flags SUBLET_PIN_RELEASE: for the user's releases instead (sublet_release): a save area
- * that the next release takes, and gives back pinned for the one after. */
+ * (slower than the link: docs/benchmarks.md). Returns once the pin is under way (`sublet
+ * status` shows it); SUBLET_ENOENT if the user has no region on the device, SUBLET_EBUSY
+ * while the loans' save area is another user's, SUBLET_ENOTSUP from a subletd too old for
+ * it. What is pinned stays for later loans, and goes when the user has had no region for
+ * subletd's --pin-keep. flags SUBLET_PIN_RELEASE: for the user's releases instead
+ * (sublet_release): a save area that the next release takes, and gives back pinned for the
+ * one after. */
 #define SUBLET_PIN_RELEASE 1u
 SUBLET_EXPORT int sublet_pin_ahead(sublet_client *c, uint64_t bytes, unsigned flags);
 

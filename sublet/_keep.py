@@ -302,8 +302,8 @@ def _not_a_view(i: int, v: object) -> TypeError:
 def _one_view_ranges(view: torch.Tensor, storage_ptr: int, region_size: int) -> np.ndarray:
     """The ranges of one view (a slice, rows with a step: the usual keep of a loan), without
     the grouping, sorting and merging that many views need: its runs ascend with gaps between
-    them unless strides overlap, which one comparison tells (0.3 ms a loan on the H200's host
-    for the general path, a few microseconds here)."""
+    them unless strides overlap, which one comparison tells (a fraction of the general path's
+    time a loan: docs/benchmarks.md)."""
     try:
         shape, strides, itemsize = tuple(view.shape), view.stride(), view.element_size()
         ptr = view.data_ptr()
@@ -436,8 +436,9 @@ def _group_by_layout(views: list, storage_ptr: int, region_size: int
     Blocks among them come back apart.
 
     The loop reads three attributes and the data pointer per view and nothing else (no
-    storage object per view): with 300,000 views it takes 0.15 to 0.4 s, which is why a list
-    of views of one layout takes _one_layout's way instead.
+    storage object per view), yet a KV cache's hundreds of thousands of views take it a large
+    part of a second (docs/benchmarks.md), which is why a list of views of one layout takes
+    _one_layout's way instead.
     """
     groups: dict[_Layout, list[int]] = defaultdict(list)
     blocks: list[Blocks] = []
@@ -499,14 +500,14 @@ def _one_layout(views: list) -> tuple[_Layout, np.ndarray] | None:
     """(layout, data pointers) when every view is a tensor of the first one's layout (shape,
     strides, item size), else None (then the loop of _group_by_layout sorts them out).
 
-    Reading shape, stride() and element_size() of each view in a Python loop costs 0.5 to
-    2 us a view (torch.Size alone is 0.1 to 0.8 us); here each view pays for two attributes
-    read by map() in C (nbytes, data_ptr: 50 to 70 ns each) and one C++ pass compares every
-    view's sizes and strides with the first's (40 ns a view). Every view is checked: a view of
-    another shape, strides (of a dimension longer than 1, the only ones that place bytes) or
-    item size anywhere in the list, or something that is not a tensor, sends the whole list to
-    the loop. The C++ pass lets any empty tensor through: nbytes, equal to the first view's
-    (not empty), refuses those and other item sizes.
+    Reading shape, stride() and element_size() of each view in a Python loop costs
+    microseconds a view (torch.Size alone most of one); here each view pays for two attributes
+    read by map() in C (nbytes, data_ptr) and one C++ pass compares every view's sizes and
+    strides with the first's, tens of nanoseconds each (the figures: docs/benchmarks.md).
+    Every view is checked: a view of another shape, strides (of a dimension longer than 1, the
+    only ones that place bytes) or item size anywhere in the list, or something that is not a
+    tensor, sends the whole list to the loop. The C++ pass lets any empty tensor through:
+    nbytes, equal to the first view's (not empty), refuses those and other item sizes.
     """
     n = len(views)
     if n < _BULK_VIEWS or not _bulk_check_works():

@@ -190,7 +190,7 @@ def _check_inside(ranges: np.ndarray, lent: Lent) -> None:
     if len(lent.spans) == 1:  # one tensor lent: the ranges are sorted, so their ends decide
         lo, n = (int(x) for x in lent.spans[0])
         if int(ranges[0, 0]) >= lo and int(ranges[-1, 0] + ranges[-1, 1]) <= lo + n:
-            return  # (315,000 ranges took 3 ms a loan to check one by one)
+            return  # (checking them one by one cost a loan milliseconds: docs/benchmarks.md)
     starts = ranges[:, 0].astype(np.int64)
     ends = starts + ranges[:, 1].astype(np.int64)
     span_starts = lent.spans[:, 0].astype(np.int64)

@@ -110,7 +110,7 @@ def release_cached(device: int) -> None:
     borrower's allocations all go to the loan's pool anyway). It also keeps the loan's fresh
     zone the same size from one loan to the next, so that the borrower's window, laid out by
     zone sizes, is kept and nothing is mapped again (a few hundred MiB that a checksum cached
-    between two loans cost a remap of the whole window, 0.3 to 0.9 s on the H200)."""
+    between two loans cost a remap of the whole window: docs/benchmarks.md)."""
     with torch.cuda.device(device):
         torch.cuda.empty_cache()
 

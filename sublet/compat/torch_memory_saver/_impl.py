@@ -195,8 +195,9 @@ class _TorchMemorySaverImpl:
     def _pin_backups(self, device: torch.device) -> None:
         """With SUBLET_TMS_BACKUP=daemon the CPU-backup tags' bytes go to subletd's host memory
         at their pause: the daemon pins it now, in the background, instead of on the first
-        pause's path (64 GiB took 18 to 20 s on an H200). A hint: a daemon too old for it, or
-        one that refuses, costs the pause nothing it did not cost before."""
+        pause's path (where it takes seconds per 10 GiB: docs/benchmarks.md). A hint: a
+        daemon too old for it, or one that refuses, costs the pause nothing it did not cost
+        before."""
         import sublet
         if self.retain_cpu_backup or self.backup_place != "daemon":
             return  # pause() then keeps nothing: the host copy is this process's own
