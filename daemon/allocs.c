@@ -64,8 +64,7 @@ static void alloc_saved(struct sl_job *j) {
   struct sl_conn *c = j->conn;
   int rc;
 
-  j->d->copy_out_seconds += j->seconds;
-  j->d->move_seconds += j->move_seconds;
+  sl_books_loan_time(j->d->books, aj->g.loan_id, j->seconds, j->move_seconds);
   if (j->rc == 0 && aj->journal_rc != 0) {
     j->rc = aj->journal_rc;
     j->err = aj->journal_err;
@@ -123,8 +122,7 @@ static int empty_now(struct sl_req *x, const struct sl_grant *g) {
   if (rc == 0)
     rc = sl_pool_transfer_run(t, &copy, &move, &x->err);
   sl_pool_transfer_free(t);
-  x->d->copy_out_seconds += copy;
-  x->d->move_seconds += move;
+  sl_books_loan_time(x->d->books, g->loan_id, copy, move);
   return rc;
 }
 

@@ -99,8 +99,6 @@ struct sl_daemon {
   struct sl_live_release *releases; /* live releases' save areas (releases.c) */
   struct sl_release_offer *release_offers; /* release offers, oldest first (release_offers.c) */
   uint64_t release_offers_made;    /* the last offer's id */
-  double copy_out_seconds;  /* of the loan in progress (the books count bytes, not time) */
-  double move_seconds;      /* the same, moving kept bytes on the device */
   uint64_t building_bytes;  /* of regions whose pages a job is creating: not free any more */
   double started;           /* CLOCK_MONOTONIC seconds */
   uint64_t conns_total;

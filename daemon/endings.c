@@ -63,7 +63,7 @@ static int end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const cha
              why);
     end->stats.copied_in_bytes = 0; /* nothing came back: the owner's client reports it */
   }
-  end->stats.move_seconds = d->move_seconds + move_seconds;
+  end->stats.move_seconds += move_seconds; /* the loan's own, then the way back's */
   if (end->nreplace > 0)
     sl_books_pages_replaced(d->books, end, ej->replaced);
   end->stats.replaced_pages = ej->replaced;
@@ -73,7 +73,6 @@ static int end_finish(struct sl_daemon *d, struct end_job *ej, int rc, const cha
    * daemon dies before it has, its library restores from the save area, as mid-loan. */
   sl_rescue_end(d, end->loan_id, rc == 0 && ej->replaced == 0);
   end->stats.copy_in_seconds = seconds;
-  end->stats.copy_out_seconds = d->copy_out_seconds;
   sl_info("loan %llu ended: %s copied out and back%s", (unsigned long long)end->loan_id,
           sl_format_size(size, end->stats.copied_out_bytes),
           end->stats.borrower_died ? " (the borrower died)" : "");

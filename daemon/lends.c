@@ -47,8 +47,6 @@ static int fill_borrowed(struct sl_conn *c, uint64_t loan, uint64_t known_layout
   b->keep_window = sl_books_kept_window(d->books, c->client_id, li.region_id);
   b->has_pages_version = 1;
   b->pages_version = ri.pages_version;
-  d->copy_out_seconds = 0;
-  d->move_seconds = 0;
   sl_info("loan %llu borrowed by pid %d: %llu unkept, %llu fresh, %llu kept pages",
           (unsigned long long)loan, (int)c->peer.pid, (unsigned long long)b->unkept_pages,
           (unsigned long long)b->fresh_pages, (unsigned long long)b->kept_pages);

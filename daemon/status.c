@@ -149,8 +149,6 @@ static int status_held(struct sl_conn *c, Sublet__Status *st, Sublet__HeldStatus
 static void status_loan(struct sl_daemon *d, struct sl_loan_info *li, Sublet__LoanStatus *ls,
                         Sublet__LoanStats *stats) {
   sl_books_loan_info(d->books, sl_books_current_loan(d->books), li);
-  li->stats.copy_out_seconds = d->copy_out_seconds;
-  li->stats.move_seconds = d->move_seconds;
   sl_msg_stats_to_proto(&li->stats, stats);
   ls->loan = li->id;
   ls->region = li->region_id;

@@ -1378,6 +1378,17 @@ int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loa
   return 0;
 }
 
+int sl_books_loan_time(struct sl_books *b, uint64_t loan_id, double copy_out_seconds,
+                       double move_seconds) {
+  struct sl_loan *l = sl_books_find_loan(b, loan_id);
+
+  if (l == NULL)
+    return SUBLET_ENOENT;
+  l->stats.copy_out_seconds += copy_out_seconds;
+  l->stats.move_seconds += move_seconds;
+  return 0;
+}
+
 const char *sl_books_loan_state_name(enum sl_loan_state s) {
   return s >= SL_LOAN_OFFERED && s <= SL_LOAN_DRAINING ? state_names[s] : "?";
 }

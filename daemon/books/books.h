@@ -487,6 +487,11 @@ size_t sl_books_kept_held(const struct sl_books *b, struct sl_held_info *out, si
 
 /* Observation */
 int sl_books_loan_info(const struct sl_books *b, uint64_t loan_id, struct sl_loan_info *li);
+/* The time the daemon's copies for a loan took (the books count bytes; the daemon times its
+ * copies), added to the loan's stats (copy_out_seconds, move_seconds), which its info and its
+ * end carry. SUBLET_ENOENT, nothing added, when the loan is not in the books. */
+int sl_books_loan_time(struct sl_books *b, uint64_t loan_id, double copy_out_seconds,
+                       double move_seconds);
 /* "offered", "active", "draining" (status, messages). */
 const char *sl_books_loan_state_name(enum sl_loan_state s);
 /* The loan of this device, if any (there is at most one). */
