@@ -2,6 +2,8 @@
  * fresh chunk and empties the kept pages it reaches (their kept bytes moved or saved: on the
  * loop when small, else off it with the connection paused), the books commit it. handlers.c
  * dispatches it here.
+ *
+ * Floor 5 (daemon.h's floors).
  */
 #include <stdlib.h>
 #include <unistd.h>

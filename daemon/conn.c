@@ -4,6 +4,8 @@
  * The request layer (handlers.c) is reached only through d->conn_ops, which server.c sets:
  * this file calls nothing above it. Sending only queues and closing is deferred to the loop,
  * so no handler ever runs inside another connection's handler or close.
+ *
+ * Floor 4 (daemon.h's floors).
  */
 #include <errno.h>
 #include <fcntl.h>

@@ -1,6 +1,6 @@
 /* daemon.c - the helpers the request layer shares, below every file that handles a request:
  * the pages of device memory free for a loan, the --check of the books after a step, and the
- * check of a request's loan or offer name. Floor 2 (daemon.h lists the floors): calls only the
+ * check of a request's loan or offer name. Floor 2 (daemon.h's floors): calls only the
  * books, the device and log.c.
  */
 #include <stdlib.h>

@@ -7,9 +7,30 @@
  * keepers told), status.c (the Status reply), idle.c (--idle-exit), jobs.c (copies off the
  * loop).
  *
- * Layers call downwards only: server.c -> handlers.c -> waiters.c, endings.c, retire.c, status.c ->
- * conn.c -> transport.c -> users.c. The lower ones reach the upper ones only through the
- * callbacks they were given (struct sl_conn_ops, struct sl_transport_ops, users.h's taken).
+ * The files stand on floors, lowest first: a file calls functions of files on lower floors
+ * only, never of a file on its own floor or above; a lower file reaches an upper one only
+ * through a callback it was given (struct sl_conn_ops, struct sl_transport_ops, users.h's
+ * taken, a waiter's timed_out, sl_rescue_prune's ending, sl_idle_start's leave; server.c
+ * takes handlers.c's sl_handlers table). Each file's opening comment names its floor.
+ * tests/check-floors reads the floor lines below and checks them against nm of the built
+ * objects (ctest: check_floors_daemon); a new file takes the floor above the highest one it
+ * calls. The books (daemon/books/) are a library below them all.
+ *
+ *   floor 1: decode.c log.c pool.c users.c      bounded decoding; the log; the memory;
+ *            per-uid admission and accounting
+ *   floor 2: daemon.c pool_transfer.c rescue.c transport.c   the request layer's shared
+ *            helpers; the pool's copies; an owner's rescue; a connection's bytes and fds
+ *   floor 3: jobs.c lend_lists.c                 work off the loop; a Lend's lists
+ *   floor 4: conn.c idle.c                       one client's frames; --idle-exit
+ *   floor 5: allocs.c releases.c waiters.c       Alloc; releases and Resume; requests
+ *            answered later
+ *   floor 6: pins.c release_offers.c             the save area pinned ahead; release offers
+ *   floor 7: retire.c status.c                   a region gone, its keepers told; Status
+ *   floor 8: endings.c lends.c regions.c         loan ends and dead clients; Lend and Borrow;
+ *            the region requests
+ *   floor 9: handlers.c                          the dispatch table and the small requests
+ *   floor 10: server.c                           the socket, signals, the parent watch
+ *   floor 11: main.c                             the command line
  *
  * One daemon serves one device: a libuv loop, a listening Unix socket, the connections, the
  * books (daemon/books/books.h: who holds what) and the pool (daemon/pool.h: the memory itself).

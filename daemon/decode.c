@@ -1,5 +1,8 @@
 /* decode.c - requests decoded within a bound of the daemon's memory (decode.h says why): a
- * counting allocator under protobuf-c, and the id of a request read without decoding it. */
+ * counting allocator under protobuf-c, and the id of a request read without decoding it.
+ *
+ * Floor 1 (daemon.h's floors).
+ */
 #include "decode.h"
 
 #include <stdlib.h>

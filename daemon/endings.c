@@ -13,6 +13,8 @@
  * restored, the region stays getting fresh pages (no Lend, no PagesGet), the save area becomes
  * the end's alone, and the owner's Reclaim gets SUBLET_ENOMEM saying so. A timer tries again
  * while it waits; once the memory is there the end completes like any other.
+ *
+ * Floor 8 (daemon.h's floors).
  */
 #include <errno.h>
 #include <signal.h>

@@ -8,6 +8,8 @@
  * answers. Requests that wait (Borrow with a timeout, Reclaim, every Lend) park a waiter
  * (waiters.c), answered when an offer is posted, the loan ends or the device is free (a Lend's
  * turn), when its timer fires, or when its client cancels it.
+ *
+ * Floor 9 (daemon.h's floors).
  */
 #include <stdlib.h>
 #include <string.h>

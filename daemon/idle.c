@@ -1,7 +1,10 @@
 /* idle.c - `--idle-exit SECONDS`: a daemon started on demand (a user's own, see README) leaves
  * by itself once it has served nobody for that long: no connection, no region, no loan, no
  * dead borrower's loan still to finish. A tick checks, rather than every place that could
- * make the daemon idle: leaving a few hundred milliseconds late costs nothing. */
+ * make the daemon idle: leaving a few hundred milliseconds late costs nothing.
+ *
+ * Floor 4 (daemon.h's floors).
+ */
 #include "clock.h"
 #include "daemon.h"
 #include "log.h"

@@ -15,6 +15,8 @@
  * by a hundred (one queue for all made others wait 27 to 29 s).
  *
  * The pin ahead of the save area (pins.c) is a third lane of its own; idleness counts it.
+ *
+ * Floor 3 (daemon.h's floors).
  */
 #include <stdlib.h>
 

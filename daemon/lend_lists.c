@@ -1,6 +1,6 @@
 /* lend_lists.c - a Lend's keep and pinned lists, taken over from the request for a draft off
  * the loop (daemon.h's struct sl_lend_lists): lends.c's Lend and releases.c's release share
- * them. Floor 2 (daemon.h lists the floors): calls only the books and common/'s keepwire.c.
+ * them. Floor 3 (daemon.h's floors): calls daemon.c, the books and common/'s keepwire.c.
  */
 #include <stdlib.h>
 #include <unistd.h>

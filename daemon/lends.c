@@ -6,6 +6,8 @@
  *
  * Every Lend parks a waiter (waiters.c) at the tail, served when the device is free and its
  * turn comes; a Borrow with a timeout parks one that the next offer may answer.
+ *
+ * Floor 8 (daemon.h's floors).
  */
 #include <errno.h>
 #include <stdlib.h>

@@ -1,4 +1,7 @@
-/* log.c - log lines on stderr, with journald's priority prefixes when stderr is the journal. */
+/* log.c - log lines on stderr, with journald's priority prefixes when stderr is the journal.
+ *
+ * Floor 1 (daemon.h's floors).
+ */
 #include "log.h"
 
 #include <stdarg.h>

@@ -1,4 +1,7 @@
-/* main.c - subletd's command line: options, the device, the books, the loop. */
+/* main.c - subletd's command line: options, the device, the books, the loop.
+ *
+ * Floor 11 (daemon.h's floors).
+ */
 #include <errno.h>
 #include <getopt.h>
 #include <grp.h>

@@ -23,6 +23,8 @@
  * One pin at a time, on libuv's thread pool beside the copies and the host work. It holds the
  * area (sl_pool_area_ref) until its done callback, and stops after the piece in progress
  * once the area is replaced or detached, or the daemon stops.
+ *
+ * Floor 6 (daemon.h's floors).
  */
 #include <stdlib.h>
 

@@ -5,6 +5,8 @@
  * read them itself if the daemon dies (daemon/rescue.c). It belongs to one user at a time:
  * a loan of another user's region gets a new one (the old one goes once no copy uses it), so
  * that an owner's fd never shows another user's bytes.
+ *
+ * Floor 1 (daemon.h's floors).
  */
 #include "pool_impl.h"
 

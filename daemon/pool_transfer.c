@@ -1,6 +1,8 @@
 /* pool_transfer.c - a pool's transfers: kept bytes copied between a region and the save area,
  * moved inside the region, and the pages a transfer makes again first (a resume, a loan's
  * fresh pages) or lets go of after (a release). Run off the loop, one at a time (jobs.c).
+ *
+ * Floor 2 (daemon.h's floors).
  */
 #include "pool_impl.h"
 

@@ -13,6 +13,8 @@
  * Address space: a region reserves in the daemon what it holds, a growable one room that
  * doubles as it grows (the books decide it and bound it per user: books_space.c; the pool
  * moves the daemon's mapping when a growth passes it).
+ *
+ * Floor 8 (daemon.h's floors).
  */
 #include <stdlib.h>
 

@@ -18,6 +18,8 @@
  * back to the driver with its regions). An offer leaves the list once neither side needs it:
  * one that ended waits for its taker's next TakeWait or GiveBack (or the taker's end), so that
  * the taker learns how it ended.
+ *
+ * Floor 6 (daemon.h's floors).
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -15,6 +15,8 @@
  * Each live release has its own save area (pool.h: a spare of its user's when there is one),
  * whose fd goes to the owner with Released (read-only), with the plan, so that its library
  * can put the kept bytes back itself if subletd dies.
+ *
+ * Floor 5 (daemon.h's floors).
  */
 #include <stdlib.h>
 #include <string.h>

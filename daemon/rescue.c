@@ -8,6 +8,8 @@
  * The daemon holds the write end until a borrower has it, so the owner reads end-of-file at
  * once if the daemon dies before anyone borrowed. Every fd here is the daemon's until sent;
  * sending does not give it away (the receiver gets its own), so the caller closes what it sent.
+ *
+ * Floor 2 (daemon.h's floors).
  */
 #include <errno.h>
 #include <fcntl.h>

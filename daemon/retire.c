@@ -9,6 +9,8 @@
  * each: docs/benchmarks.md) is a job, off the loop; a RegionRelease is answered when it is
  * done, so that the memory is back by the time the client hears so. A small region is freed
  * on the loop.
+ *
+ * Floor 7 (daemon.h's floors).
  */
 #include <stdlib.h>
 

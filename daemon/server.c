@@ -1,5 +1,8 @@
 /* server.c - the listening socket, the pid file, signals and the parent watch of subletd's
- * event loop. */
+ * event loop.
+ *
+ * Floor 10 (daemon.h's floors).
+ */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>

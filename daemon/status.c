@@ -4,7 +4,10 @@
  *
  * A client sees only what it may: the regions of its own user and the loan of one of them (or
  * that it borrows); root and the --allow-group group see every user's. The device and the
- * totals are everyone's. */
+ * totals are everyone's.
+ *
+ * Floor 7 (daemon.h's floors).
+ */
 #include <stdio.h>
 #include <stdlib.h>
 

@@ -11,6 +11,8 @@
  * of queued frames; fds handed to ops->frame are the callee's. A transport closed while its
  * client still holds fds it sent lingers (its socket shut down, still open) until they are
  * taken: the kernel counts them against the daemon's user until then.
+ *
+ * Floor 2 (daemon.h's floors).
  */
 #include "transport.h"
 

@@ -1,5 +1,7 @@
 /* users.c - per-uid admission and accounting of the daemon's shared bounds: connections,
  * receive buffers, fds in flight (users.h). Counts only: no socket is read or written here.
+ *
+ * Floor 1 (daemon.h's floors).
  */
 #include "users.h"
 

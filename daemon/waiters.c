@@ -6,6 +6,8 @@
  * when its connection goes first (then it is only freed). Waiters are kept in arrival order,
  * and each kind is served oldest first: owners get the device in the order they asked, among
  * the Lends whose loans are drafted (first_lend).
+ *
+ * Floor 5 (daemon.h's floors).
  */
 #include <stdlib.h>
 #include <string.h>
