@@ -220,8 +220,7 @@ static int free_request(sublet_client *c, uint64_t alloc_id, int undo) {
   m.alloc = alloc_id;
   req.body_case = SUBLET__REQUEST__BODY_FREE;
   req.free = &m;
-  return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
-              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
+  return sl_client_ok(c, &req, undo);
 }
 
 /* The kept-zone mapping an allocation may need, done while subletd clears its pages. */

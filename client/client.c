@@ -300,6 +300,11 @@ int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCa
   return 0;
 }
 
+int sl_client_ok(sublet_client *c, Sublet__Request *req, int undo) {
+  return undo ? sl_client_undo(c, req, SUBLET__REPLY__BODY_OK)
+              : sl_client_call(c, req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
+}
+
 /* ------------------------------------------------------------------ connecting */
 
 /* A Unix socket's connect fails with EAGAIN while the daemon's backlog is full (a daemon

@@ -159,6 +159,9 @@ int sl_client_readable(const sublet_client *c);
  * not reported (returns 0), the thread's last error stays the one that says why the step
  * failed. */
 int sl_client_undo(sublet_client *c, Sublet__Request *req, Sublet__Reply__BodyCase expect);
+/* Sends req, which subletd answers with Ok: a step, its outcome returned (sl_client_call), or
+ * with undo set the undoing of a step that failed (sl_client_undo). */
+int sl_client_ok(sublet_client *c, Sublet__Request *req, int undo);
 /* Asks the daemon for its Status (the caller holds c->lock and frees *rep, set even on
  * failure when an Error came). */
 int sl_client_status(sublet_client *c, Sublet__Reply **rep);

@@ -89,8 +89,7 @@ static int region_release_request(sublet_client *c, uint64_t id, int undo) {
   m.region = id;
   req.body_case = SUBLET__REQUEST__BODY_REGION_RELEASE;
   req.region_release = &m;
-  return undo ? sl_client_undo(c, &req, SUBLET__REPLY__BODY_OK)
-              : sl_client_call(c, &req, SUBLET__REPLY__BODY_OK, NULL, NULL, NULL, 0);
+  return sl_client_ok(c, &req, undo);
 }
 
 /* The pages a growable region may reach: the device's whole memory (the daemon refuses more). */
