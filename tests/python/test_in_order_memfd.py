@@ -141,7 +141,7 @@ def test_a_borrower_past_the_free_pages_takes_free_memory_before_the_host():
 BORROWER = textwrap.dedent("""
     import sys, torch, sublet
     for i in range(int(sys.argv[2])):
-        with sublet.borrow(name=sys.argv[1], device="cpu", timeout=20) as loan:
+        with sublet.borrow(name=sys.argv[1], device="cpu", timeout=300) as loan:
             held = [loan.empty(int(sys.argv[3]), dtype=torch.uint8).fill_(0xAB)]
             held.append(loan.empty(3 * 65536, dtype=torch.uint8).fill_(0xCD))
             del held
@@ -166,9 +166,9 @@ def test_another_process_maps_only_at_its_first_loan_whatever_the_keep():
         before, keep = t.clone(), keep_of(t, kind, seed=10 + i)
         mask = kept_mask(t, keep)
         with sublet.offer(t, keep=keep, name="inorder") as offer:
-            offer.wait(timeout=30)
+            offer.wait(timeout=300)
         assert np.array_equal(t.numpy()[mask], before.numpy()[mask]), f"loan {i} ({kind})"
-    out, err = child.communicate(timeout=30)
+    out, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     mapped = [int(line.split()[1]) for line in out.splitlines() if line.startswith("mapped")]
     assert len(mapped) == loans and mapped[0] >= 43, out

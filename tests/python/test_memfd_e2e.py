@@ -385,7 +385,7 @@ def test_a_known_layout_with_less_free_memory_is_laid_out_again():
 BORROWER = textwrap.dedent("""
     import sys, time, torch, sublet
     name, mode = sys.argv[1], sys.argv[2]
-    with sublet.borrow(name=name, device="cpu", timeout=20) as loan:
+    with sublet.borrow(name=name, device="cpu", timeout=300) as loan:
         tensors = []
         while True:
             try:
@@ -413,8 +413,8 @@ def test_offer_and_borrow_across_processes():
     keep = cache[::2, :4096]
     with sublet.offer(cache, keep=keep, name="kv") as offer:
         child = start_borrower("kv", "normal")
-        stats = offer.wait(timeout=30)
-    out, err = child.communicate(timeout=30)
+        stats = offer.wait(timeout=300)
+    out, err = child.communicate(timeout=300)
     assert child.returncode == 0, err
     assert "filled" in out
     assert_kept_intact(cache, before, keep)
@@ -429,7 +429,7 @@ def test_borrower_killed_mid_loan():
     child.send_signal(signal.SIGKILL)
     child.wait()
     with pytest.raises(sublet.BorrowerDiedError) as caught:
-        offer.wait(timeout=30)
+        offer.wait(timeout=300)
     assert caught.value.stats is not None and caught.value.stats.borrower_died
     assert_kept_intact(cache, before, None)
     with sublet.lend(cache, keep=[]):  # the tensor is the owner's again
@@ -446,7 +446,7 @@ KEEPER = textwrap.dedent("""
         with open("/proc/self/maps") as maps:
             return fds, sum("/memfd:sublet-page" in line for line in maps)
     for i in range(2):
-        with sublet.borrow(name=sys.argv[1], device="cpu", timeout=20) as loan:
+        with sublet.borrow(name=sys.argv[1], device="cpu", timeout=300) as loan:
             loan.empty(int(sys.argv[2]), dtype=torch.uint8).fill_(0xAB)
         print("held", *memfd_pages(), flush=True)
     sys.stdin.read()
@@ -490,7 +490,7 @@ def test_idle_borrower_lets_go_when_the_region_is_freed():
     try:
         for _ in range(2):
             with sublet.offer(cache, keep=cache[:1], name="kept") as offer:
-                offer.wait(timeout=30)
+                offer.wait(timeout=300)
             assert torch.equal(cache[:1], before[:1])
         first, second = (child.stdout.readline().split() for _ in range(2))
         assert first[0] == "held" and int(first[1]) >= size // PAGE - 1
@@ -601,7 +601,7 @@ def test_status_during_a_loan_in_every_form():
     assert metrics["sublet_loan_copied_out_bytes"] == 4 * 65536
     assert metrics["sublet_memory_total_bytes"] == TOTAL
     with pytest.raises(sublet.BorrowerDiedError):
-        offer.wait(timeout=30)
+        offer.wait(timeout=300)
     assert_kept_intact(cache, before, cache[:4])
 
 
@@ -647,7 +647,7 @@ def test_owner_killed_mid_loan_is_told_to_the_borrower():
         assert owner.stdout.readline().startswith("offered"), owner.stderr.read()
         # Told at the next allocation, and again when the loan is returned (cleanly).
         with pytest.raises(sublet.OwnerGoneError, match="owner went away"):
-            with sublet.borrow(name="orphan", device="cpu", timeout=30) as loan:
+            with sublet.borrow(name="orphan", device="cpu", timeout=300) as loan:
                 held = loan.empty(4 * 65536, dtype=torch.uint8).fill_(1)
                 owner.send_signal(signal.SIGKILL)
                 owner.wait()

@@ -41,7 +41,7 @@ SCHEDULER = textwrap.dedent("""
     import sys, sublet
     name, rounds, hold = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "hold"
     for _ in range(rounds):
-        t = sublet.take(name=name, device="cpu", timeout=30)
+        t = sublet.take(name=name, device="cpu", timeout=300)
         try:
             with t:
                 print("taken", t.released_bytes, t.offer_id, flush=True)
@@ -184,7 +184,7 @@ def test_a_scheduler_takes_the_offer_and_a_third_process_allocates_the_memory():
         assert hog(free0 + 16 * PAGE) == "ok"            # someone else allocates it, writes it
         sched.say()
         assert sched.line() == "back 0"
-        stats = off.wait(timeout=30)
+        stats = off.wait(timeout=300)
     finally:
         sched.close()
     assert stats.released_pages == 31 and stats.copied_in_bytes == 0
@@ -211,7 +211,7 @@ def test_loans_in_sequence_with_changing_keeps_bring_every_kept_bit_back(stay):
             off = sublet.offer(cache, keep=keep, name=f"seq-{stay}", release=True, stay=stay)
             assert sched.line().startswith("taken")
             assert sched.line().startswith("back")
-            stats = off.wait(timeout=30)
+            stats = off.wait(timeout=300)
             kept = sum(k.numel() for k in keep)
             assert off.released_stats.kept_bytes == kept
             if stay == 0:
@@ -239,7 +239,7 @@ def test_the_scheduler_killed_while_holding_and_the_owner_resumes():
         assert free_bytes() > free0
         sched.kill()
         with pytest.raises(sublet.BorrowerDiedError, match="went without giving it back") as e:
-            off.wait(timeout=30)
+            off.wait(timeout=300)
     finally:
         sched.close()
     assert e.value.stats.released_pages == off.released_stats.released_pages > 0
@@ -267,7 +267,7 @@ def test_the_owner_killed_while_released_tells_the_scheduler():
     owner = Child(OWNER, 16 * PAGE, "die-released", PAGE)
     try:
         assert owner.line().startswith("offered")
-        t = sublet.take(name="die-released", device="cpu", timeout=30)
+        t = sublet.take(name="die-released", device="cpu", timeout=300)
         # subletd sees the death before the give-back (released) or after it (returning):
         # the scheduler is told either way
         with pytest.raises(sublet.OwnerGoneError, match="went while it was (released|returning)"):
@@ -293,7 +293,7 @@ def test_the_daemon_killed_while_released_and_the_owner_resumes_alone(daemon):
         assert off.released_bytes > 0
         daemon.kill()
         with pytest.raises(sublet.DaemonDiedError) as e:
-            off.wait(timeout=30)
+            off.wait(timeout=300)
         sched.say()
         assert sched.line().startswith("error Daemon")   # its give back hears subletd is gone
     finally:
@@ -311,7 +311,7 @@ def test_the_daemon_killed_while_offered_releases_nothing(daemon):
     off = sublet.offer(cache, keep=[], name="die-daemon-offered", release=True)
     daemon.kill()
     with pytest.raises(sublet.DaemonDiedError, match="nothing was released"):
-        off.wait(timeout=30)
+        off.wait(timeout=300)
     assert np.array_equal(bits(cache), before)
 
 
@@ -323,7 +323,7 @@ def test_resume_waits_for_the_memory_to_be_freed_and_status_says_why():
     holder = None
     try:
         assert owner.line().startswith("offered")
-        t = sublet.take(name="oom-resume", device="cpu", timeout=30).__enter__()
+        t = sublet.take(name="oom-resume", device="cpu", timeout=300).__enter__()
         holder = Child(HOG, free_bytes(), "hold")         # takes every byte released
         assert holder.line() == "ok"
         with pytest.raises(sublet.SubletTimeoutError, match="resume fails"):
@@ -331,7 +331,7 @@ def test_resume_waits_for_the_memory_to_be_freed_and_status_says_why():
         assert "free it" in offers_named("oom-resume")[0]["trouble"]
         holder.say()                                     # the memory is freed ...
         holder.proc.wait()
-        assert t.give_back(timeout=30).released_pages > 0    # ... and the owner resumes
+        assert t.give_back(timeout=300).released_pages > 0    # ... and the owner resumes
         assert owner.line() == "ok True"
     finally:
         owner.close()
@@ -369,7 +369,7 @@ def test_what_release_offers_refuse():
                 again.withdraw()
             sched.say()                                  # leaving the block waits for it
         finally:
-            sched.proc.wait(timeout=30)
+            sched.proc.wait(timeout=300)
             sched.close()
     assert again.state == "ended"
     del off, again
@@ -444,7 +444,7 @@ def test_another_user_may_take_only_with_allow_group(open_daemon, native, reques
     if allowed:
         assert lines[0] == f"taken {7 * PAGE}"
         assert lines[1].startswith("SubletError")        # given back and over: not its any more
-        off.wait(timeout=30)
+        off.wait(timeout=300)
     else:
         assert lines[0].startswith("NoOfferError") and "another user's offers" in lines[0]
         assert lines[1] == "SubletError ENOENT"         # another user's: refused as missing

@@ -36,7 +36,7 @@ SCHEDULER = textwrap.dedent("""
         cmd, *args = line.split()
         try:
             if cmd == "take":
-                t = sublet.take(name=args[0], device="cpu", timeout=30, need=int(args[1]))
+                t = sublet.take(name=args[0], device="cpu", timeout=300, need=int(args[1]))
                 t.__enter__()
                 print("taken", t.stats.released_pages, t.stats.copied_out_bytes, flush=True)
             elif cmd == "need":
@@ -115,7 +115,7 @@ def test_take_by_need_then_more_then_one_give_back():
         assert off.released_bytes == 30 * PAGE and free_bytes() == 0   # as it was, still held
         assert ask(sched, "free") == ["ok"]
         assert ask(sched, "back") == ["back", str(2 * PAGE)]
-        stats = off.wait(timeout=30)
+        stats = off.wait(timeout=300)
     finally:
         sched.close()
     assert stats.copied_in_bytes == 2 * PAGE and stats.released_pages == 30
@@ -138,7 +138,7 @@ def test_the_taker_killed_between_the_needs_and_after_the_second():
                 assert ask(sched, f"alloc {14 * PAGE}") == ["ok"]
             sched.kill()
             with pytest.raises(sublet.BorrowerDiedError, match="went without giving it back"):
-                off.wait(timeout=30)
+                off.wait(timeout=300)
         finally:
             sched.close()
         assert off.released_stats.released_pages == (6 if when == "between" else 20)
@@ -172,7 +172,7 @@ def test_the_owner_killed_during_the_second_need(paced_daemon):
     try:
         assert owner.stdout.readline().split()[0] == "offered"
         free1 = sublet.info("cpu").free_bytes
-        t = sublet.take(name="need-owner", device="cpu", timeout=30, need=free1 + 10 * PAGE)
+        t = sublet.take(name="need-owner", device="cpu", timeout=300, need=free1 + 10 * PAGE)
         with pytest.raises(sublet.OwnerGoneError):
             with t:
                 assert t.stats.released_pages == 10
@@ -203,7 +203,7 @@ def test_the_daemon_killed_during_the_second_need(paced_daemon):
         watch.join()
         assert words[:2] == ["error", "DaemonUnavailableError"], words
         with pytest.raises(sublet.DaemonDiedError) as e:
-            off.wait(timeout=30)
+            off.wait(timeout=300)
     finally:
         sched.close()
     assert e.value.stats.daemon_died
