@@ -310,6 +310,20 @@ static int taken_by(struct sl_req *x, const struct sl_release_offer *o, uint64_t
   return 0;
 }
 
+/* The offer a taker's request names (TakeWait, GiveBack, TakeMore), once it is x's as its
+ * taker and no refusal waits to be heard: NULL when the request is answered or refused
+ * already (*rc: 0 when answered, else the refusal's code). */
+static struct sl_release_offer *takers_offer(struct sl_req *x, uint64_t id, int *rc) {
+  struct sl_release_offer *o = find(x->d, id);
+
+  *rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, id);
+  if (*rc == 0 && refusal_pending(x->c, o)) {
+    *rc = hear_refusal(x->c, x->id, o);
+    return NULL;
+  }
+  return *rc == 0 ? o : NULL;
+}
+
 /* The region is the caller's process's, and not lent. */
 static int may_offer(struct sl_req *x, uint64_t region, struct sl_region_info *ri) {
   const struct sl_peer *p = &x->c->peer;
@@ -645,13 +659,11 @@ int sl_release_offers_take(struct sl_req *x, const Sublet__Request *r) {
 
 int sl_release_offers_take_wait(struct sl_req *x, const Sublet__Request *r) {
   const Sublet__TakeWait *m = r->take_wait;
-  struct sl_release_offer *o = find(x->d, m->offer);
   struct sl_waiter *w;
-  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
+  int rc;
+  struct sl_release_offer *o = takers_offer(x, m->offer, &rc);
 
-  if (rc == 0 && refusal_pending(x->c, o))
-    return hear_refusal(x->c, x->id, o);
-  if (rc != 0)
+  if (o == NULL)
     return rc;
   if (settled(o)) {
     answer_taker(o, x->c, x->id);
@@ -678,13 +690,10 @@ static void give_back(struct sl_daemon *d, struct sl_release_offer *o) {
 }
 
 int sl_release_offers_give_back(struct sl_req *x, const Sublet__Request *r) {
-  const Sublet__GiveBack *m = r->give_back;
-  struct sl_release_offer *o = find(x->d, m->offer);
-  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
+  int rc;
+  struct sl_release_offer *o = takers_offer(x, r->give_back->offer, &rc);
 
-  if (rc == 0 && refusal_pending(x->c, o))
-    return hear_refusal(x->c, x->id, o);
-  if (rc != 0)
+  if (o == NULL)
     return rc;
   if (o->failure.code == 0)
     give_back(x->d, o);
@@ -699,12 +708,10 @@ int sl_release_offers_give_back(struct sl_req *x, const Sublet__Request *r) {
 /* The taker needs more (need_bytes in all): its owner releases more of it (the task MORE). */
 int sl_release_offers_take_more(struct sl_req *x, const Sublet__Request *r) {
   const Sublet__TakeMore *m = r->take_more;
-  struct sl_release_offer *o = find(x->d, m->offer);
-  int rc = refusal_pending(x->c, o) ? 0 : taken_by(x, o, m->offer);
+  int rc;
+  struct sl_release_offer *o = takers_offer(x, m->offer, &rc);
 
-  if (rc == 0 && refusal_pending(x->c, o))
-    return hear_refusal(x->c, x->id, o);
-  if (rc != 0)
+  if (o == NULL)
     return rc;
   if (o->failure.code != 0) { /* over: the taker hears how */
     answer_taker(o, x->c, x->id);
