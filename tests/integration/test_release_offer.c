@@ -33,6 +33,22 @@ static uint64_t free_bytes(sublet_client *c) {
   return sublet_get_info(c, &info) == 0 ? info.free_bytes : 0;
 }
 
+/* The owner's region, its every byte pattern(i). */
+static void fill_pattern(sublet_region *r) {
+  for (uint64_t i = 0; i < sublet_region_size(r); i++)
+    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+}
+
+/* The kept bytes of r that are no longer pattern(i). */
+static uint64_t kept_changed(sublet_region *r, const struct sublet_range *keep, int n) {
+  uint64_t bad = 0;
+
+  for (int i = 0; i < n; i++)
+    for (uint64_t b = keep[i].offset; b < keep[i].offset + keep[i].length; b++)
+      bad += ((uint8_t *)sublet_region_addr(r))[b] != pattern(b);
+  return bad;
+}
+
 static void test_taken_released_given_back(void) {
   struct sl_test_daemon d;
   struct sublet_release_stats rel, res, seen;
@@ -40,15 +56,14 @@ static void test_taken_released_given_back(void) {
   sublet_client *owner, *sched;
   sublet_region *r;
   sublet_release_offer *o;
-  uint64_t id, free0, bad = 0;
+  uint64_t id, free0;
   int state;
 
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
   CHECK_RC(sublet_connect(d.socket, &owner), 0);
   CHECK_RC(sublet_connect(d.socket, &sched), 0);
   CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
-  for (uint64_t i = 0; i < 16 * PAGE; i++)
-    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  fill_pattern(r);
   free0 = free_bytes(sched);
   CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "c-kv", &o), 0);
   CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED);
@@ -66,10 +81,7 @@ static void test_taken_released_given_back(void) {
   CHECK_RC(sublet_release_offer_wait(o, 5000, &rel, &res), 0);
   CHECK(rel.released_pages == seen.released_pages && res.release_id == rel.release_id);
   CHECK(free_bytes(sched) == free0);
-  for (int i = 0; i < 3; i++)
-    for (uint64_t b = keep[i].offset; b < keep[i].offset + keep[i].length; b++)
-      bad += ((uint8_t *)sublet_region_addr(r))[b] != pattern(b);
-  CHECK(bad == 0);
+  CHECK(kept_changed(r, keep, 3) == 0);
   sublet_release_offer_free(o);
   sublet_disconnect(sched);
   sublet_disconnect(owner);
@@ -126,7 +138,6 @@ static void test_given_back_then_died(void) {
   sublet_client *owner;
   sublet_region *r;
   sublet_release_offer *o;
-  uint64_t bad = 0;
   int said[2], rc;
   pid_t pid;
   char x;
@@ -134,8 +145,7 @@ static void test_given_back_then_died(void) {
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
   CHECK_RC(sublet_connect(d.socket, &owner), 0);
   CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
-  for (uint64_t i = 0; i < 16 * PAGE; i++)
-    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  fill_pattern(r);
   CHECK_RC(sublet_offer_release(r, NULL, 0, &keep, 1, 0, SUBLET_STAY_ANY, "c-die", &o), 0);
   CHECK(pipe(said) == 0);
   if ((pid = sl_test_child()) == 0)
@@ -146,9 +156,7 @@ static void test_given_back_then_died(void) {
   printf("  the owner heard %d%s%s\n", rc, rc != 0 ? ": " : "", rc != 0 ? sublet_last_error() : "");
   CHECK_RC(rc, 0);
   CHECK(rel.released_pages > 0 && res.release_id == rel.release_id);
-  for (uint64_t b = keep.offset; b < keep.offset + keep.length; b++)
-    bad += ((uint8_t *)sublet_region_addr(r))[b] != pattern(b);
-  CHECK(bad == 0);
+  CHECK(kept_changed(r, &keep, 1) == 0);
   sublet_release_offer_free(o);
   sublet_disconnect(owner);
   close(said[0]);
@@ -444,15 +452,14 @@ static void test_by_need(void) {
   sublet_client *owner, *sched;
   sublet_region *r, *first;
   sublet_release_offer *o;
-  uint64_t id, free0, region, bad = 0;
+  uint64_t id, free0, region;
   int state, a, b;
 
   CHECK(sl_test_daemon_start(&d, PAGE, 64 * PAGE) == 0);
   CHECK_RC(sublet_connect(d.socket, &owner), 0);
   CHECK_RC(sublet_connect(d.socket, &sched), 0);
   CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
-  for (uint64_t i = 0; i < 16 * PAGE; i++)
-    ((uint8_t *)sublet_region_addr(r))[i] = pattern(i);
+  fill_pattern(r);
   free0 = free_bytes(sched);
   CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "need-kv", &o), 0);
   CHECK_RC(sublet_take_need(sched, "need-kv", free0 + 16 * PAGE + 1, 5000, &id), 0);
@@ -489,10 +496,7 @@ static void test_by_need(void) {
   CHECK(state == SUBLET_OFFER_ENDED);
   CHECK_RC(sublet_release_offer_wait(o, 5000, NULL, NULL), 0);
   CHECK(free_bytes(sched) == free0);
-  for (int i = 0; i < 3; i++)
-    for (uint64_t k = keep[i].offset; k < keep[i].offset + keep[i].length; k++)
-      bad += ((uint8_t *)sublet_region_addr(r))[k] != pattern(k);
-  CHECK(bad == 0);
+  CHECK(kept_changed(r, keep, 3) == 0);
   sublet_release_offer_free(o);
 
   a = sl_raw_open(d.socket, &rx);
