@@ -360,7 +360,8 @@ SUBLET_EXPORT int sublet_release(sublet_region *r, const struct sublet_range *pa
 /* A release by need (issue 42; PROTOCOL.md, "Releases by need"): the taker needs need_bytes
  * of device memory. subletd counts the device's free bytes first and releases only the pages
  * of the set the rest of the need takes (at least those beyond stay_pages; whole page groups),
- * those holding the fewest kept bytes; their kept bytes move into holes of the pages that
+ * the cheapest to give (few kept bytes in few runs: docs/design/release.md); their kept
+ * bytes move into holes of the pages that
  * stay, and only what those cannot hold goes to the host. SUBLET_ENEED, nothing moved, when
  * the need exceeds the free bytes and every page the release could give (the message gives
  * the figures); SUBLET_ENOTSUP from a subletd that cannot (nothing sent). need_bytes
@@ -374,9 +375,9 @@ SUBLET_EXPORT int sublet_release_need(sublet_region *r, const struct sublet_rang
 /* More of a live release made by need (issue 42; PROTOCOL.md, "Releases by need"): the
  * taker now needs need_bytes in all (not in addition). A need not above the release's is
  * nothing to do (0, stats as they were). Else subletd counts the device's free bytes again
- * and releases only the pages the increase takes beyond them, of the pages that stayed, those
- * holding the fewest bytes (their kept bytes and those moved into them); their bytes move into
- * holes of the pages that still stay, only the rest goes to the host; nothing released before
+ * and releases only the pages the increase takes beyond them, of the pages that stayed, the
+ * cheapest to give (their kept bytes and those moved into them, in few runs); their bytes move
+ * into holes of the pages that still stay, only the rest goes to the host; nothing released before
  * is resumed. stats: the release's in all (released_pages, stayed_pages, moved_bytes: every
  * step's moves, copied_out_bytes). SUBLET_ENEED, nothing moved and the release as it was, when
  * the pages that stay cannot give it (the message gives the figures); SUBLET_EINVAL for a

@@ -148,8 +148,8 @@ class Release:
         """More of a release made by need (sublet.release(..., need=N)): the taker now needs
         `nbytes` of device memory in all, not in addition. Not more than the release's need
         (need_bytes): nothing happens. Else subletd counts the device's free bytes again and
-        releases only the pages the increase takes beyond them, of those that stayed, the ones
-        holding the fewest bytes (their kept bytes and those moved into them); their bytes move
+        releases only the pages the increase takes beyond them, of those that stayed, the
+        cheapest to give (few bytes, theirs and those moved into them, in few runs); they move
         into holes of the pages that still stay, only the rest goes to the host. Nothing
         released before comes back: resume() brings everything back at once. Returns the
         release's stats in all (released_bytes and the others say the same).
@@ -235,7 +235,7 @@ def release(what: _lent.Lendable, keep: _keep.Keep = None, stay: int | None = No
     page that `stay` allows. subletd counts the device's free bytes first and releases only the
     pages the rest of the need takes, ceil((need - free) / page) of them (at least those beyond
     `stay`; a region made again by a resume gives back whole page groups, so up to a group
-    more), choosing those that hold the fewest kept bytes; their kept bytes move on the device
+    more), the cheapest to give (few kept bytes in few runs); their kept bytes move on the device
     into the unkept bytes of the pages that stay, and only what those cannot hold goes to the
     host. A need beyond the free bytes and every page of `what` raises NeedTooLargeError
     (a SubletOutOfMemoryError) with the figures, before anything moves. Release.need_bytes

@@ -94,8 +94,8 @@ class Taken:
         `nbytes` of device memory in all, not in addition. Not more than need_bytes: nothing
         happens. Else the owner's library releases more of its live release, as
         Release.need(nbytes) would (subletd counts the free bytes again; only the pages the
-        increase takes beyond them go, of those that stayed, the ones holding the fewest
-        bytes), nothing resumed; giving back resumes everything at once. Waits up to `timeout`
+        increase takes beyond them go, of those that stayed, the cheapest to give), nothing
+        resumed; giving back resumes everything at once. Waits up to `timeout`
         seconds (None: as long as it takes; SubletTimeoutError: it goes on, call again with
         the same need to wait for it). Returns the release's stats in all (as .stats).
         NeedTooLargeError with the figures when the pages that stay cannot give it, the
@@ -201,7 +201,7 @@ def take(name: str | None = None, device: object = None,
 
     need: bytes of device memory the taker needs (None: the owner releases everything). The
     owner's library releases by it as sublet.release(..., need=need) would: only the pages
-    the need takes beyond the device's free bytes, those holding the fewest kept bytes.
+    the need takes beyond the device's free bytes, the cheapest to give.
     NeedTooLargeError (the figures in its message) when the offer cannot give it: nothing
     released, the offer on offer again. Taken.need(N) asks for more later (N in all). An owner
     or a subletd older than this: SubletError (ENOTSUP) naming which to upgrade."""

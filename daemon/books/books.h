@@ -417,7 +417,7 @@ struct sl_release_info {
 
 /* A release by need (Lend.need_bytes, issue 42): the bytes the taker needs, and the device's
  * free bytes at the release's moment. The release gives back only the pages the need takes
- * beyond the free bytes, the ones whose release moves or saves the fewest kept bytes; a need
+ * beyond the free bytes, the cheapest to give (need_pick.c: few kept bytes, few runs); a need
  * beyond the free bytes and every page the release could give is refused (SUBLET_ENEED) before
  * anything moves. */
 struct sl_release_need {
@@ -436,9 +436,9 @@ void sl_books_release_done(struct sl_books *b, uint64_t release_id, int ok);
 /* More of a live release by need (issue 42): need->need_bytes is the taker's need in all, now;
  * need->free_bytes the device's free bytes now. A need not above the release's is nothing to
  * do (w->done). Else the increase beyond the free bytes takes more pages of those that stay,
- * chosen as the first need chose (fewest kept bytes per page, the bytes moved into it
- * counted), whose kept bytes move into holes of the pages that still stay, the rest saved
- * (host offsets after the release's); none needed: w->done, the need noted. SUBLET_ENEED
+ * chosen as the first need's were (need_pick.c; the bytes moved into a page counted), whose
+ * kept bytes move into holes of the pages that still stay, the rest saved (host offsets after
+ * the release's); none needed: w->done, the need noted. SUBLET_ENEED
  * (nothing changes) when the pages that stay cannot give enough. Else the release is
  * RELEASING until sl_books_release_done: ok, it has the pages and the new plan; failed, it is
  * as it was (the work only copied). w: the increment's device work and new pages; its

@@ -1,6 +1,6 @@
 /* books_impl.h - the books' data, shared by books.c (the ledger's operations),
- * books_alloc.c (a loan's allocations), books_release.c, kept.c and books_space.c, and
- * check.c (its invariants). Nothing else includes it: the contract is books.h.
+ * books_alloc.c (a loan's allocations), books_release.c, need_pick.c, kept.c and
+ * books_space.c, and check.c (its invariants). Nothing else includes it: the contract is books.h.
  */
 #ifndef SL_BOOKS_IMPL_H
 #define SL_BOOKS_IMPL_H
@@ -284,5 +284,28 @@ void sl_books_mark_kept_pages(const struct sublet_range *keep, size_t nkeep,
                               uint64_t page_size, uint8_t *flags);
 /* flags[p] = SL_PAGE_PINNED for every page of the (first, count) pairs (books.c). */
 void sl_books_mark_pinned_pages(const uint64_t *pinned, size_t npinned, uint8_t *flags);
+
+/* What a release by need may give back (need_pick.c): a whole page group, or a page of a
+ * region without groups; entries [first, first + size) of the candidate pages (ascending),
+ * holding kept bytes; joins: its first page follows the previous unit's last. */
+struct sl_need_unit {
+  size_t first;
+  uint64_t size, kept;
+  int joins;
+};
+
+/* A choice to make: count pages at least, of units[0, nunits), among npages candidates of
+ * page_size bytes holding kept_all kept bytes in all. */
+struct sl_need_choice {
+  const struct sl_need_unit *units;
+  size_t nunits;
+  uint64_t count, npages, page_size, kept_all;
+};
+
+/* Marks released[] for every page of the units chosen (need_pick.c says how): 0, or
+ * SUBLET_ENOHOSTMEM. The cost of a set of units: the test's reference compares with it. */
+int sl_need_pick(const struct sl_need_choice *c, uint8_t *released);
+uint64_t sl_need_pick_cost(const struct sl_need_choice *c, uint64_t pages, uint64_t kept,
+                      uint64_t runs);
 
 #endif

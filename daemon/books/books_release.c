@@ -437,28 +437,11 @@ static int choose_stay(const struct sl_books *b, struct sl_release *rel, uint64_
 
 /* ---- releases by need --------------------------------------------------------------------- */
 
-/* What a release by need may give back: a whole page group (or a page of a region without
- * groups), entries [first, first + size) of the release's pages, holding kept bytes. */
-struct need_unit {
-  size_t first;
-  uint64_t size, kept;
-};
-
-/* Fewest kept bytes per page first (a unit with none costs nothing), then ascending. */
-static int unit_cmp(const void *a, const void *b) {
-  const struct need_unit *x = a, *y = b;
-  uint64_t l = x->kept * y->size, r = y->kept * x->size;
-
-  if (l != r)
-    return l < r ? -1 : 1;
-  return x->first < y->first ? -1 : x->first > y->first;
-}
-
 /* The units of pages[0, n) that a release may give back whole, their kept bytes from kb; the
  * entries of a group the release does not hold whole (a page of it pinned) make none. */
-static struct need_unit *need_units(const struct sl_region *r, const uint64_t *pages,
+static struct sl_need_unit *need_units(const struct sl_region *r, const uint64_t *pages,
                                     const uint64_t *kb, size_t n, size_t *nunits) {
-  struct need_unit *u = malloc((n + 1) * sizeof(*u));
+  struct sl_need_unit *u = malloc((n + 1) * sizeof(*u));
   size_t m = 0;
 
   for (size_t i = 0, j; u != NULL && i < n; i = j) {
@@ -466,7 +449,7 @@ static struct need_unit *need_units(const struct sl_region *r, const uint64_t *p
     for (j = i; j < n && pages[j] < head + span; j++)
       kept += kb[j];
     if (pages[i] == head && j - i == span)
-      u[m++] = (struct need_unit){i, span, kept};
+      u[m++] = (struct sl_need_unit){i, span, kept, i > 0 && pages[i - 1] + 1 == pages[i]};
   }
   *nunits = m;
   return u;
@@ -494,16 +477,15 @@ static int need_count(const struct sl_books *b, const struct sl_release *rel, ui
   return 0;
 }
 
-/* Marks released[i] for the cheapest units until count pages are (whole groups: a group may
- * take it past count, by less than the group). */
-static void need_pick(struct need_unit *u, size_t nunits, uint64_t count, uint8_t *released) {
-  uint64_t got = 0;
+/* Marks released[i] for the units need_pick.c chooses for count pages of pages[0, n). */
+static int need_pick(const struct sl_need_unit *u, size_t nunits, uint64_t count,
+                     const uint64_t *kb, size_t n, uint64_t ps, uint8_t *released) {
+  struct sl_need_choice c = {.units = u, .nunits = nunits, .count = count, .npages = n,
+                             .page_size = ps};
 
-  qsort(u, nunits, sizeof(*u), unit_cmp);
-  for (size_t i = 0; i < nunits && got < count; i++) {
-    memset(released + u[i].first, 1, u[i].size);
-    got += u[i].size;
-  }
+  for (size_t i = 0; i < n; i++)
+    c.kept_all += kb[i];
+  return sl_need_pick(&c, released);
 }
 
 /* The released pages (ascending), and the plan's zone: the released ones that hold kept
@@ -537,7 +519,7 @@ static int choose_need(const struct sl_books *b, struct sl_release *rel, uint64_
                        size_t *reach, struct sl_err *err) {
   const struct sl_region *r = sl_books_find_region(b, rel->region_id);
   struct sl_loan *l = rel->l;
-  struct need_unit *u = NULL;
+  struct sl_need_unit *u = NULL;
   uint64_t *kb = NULL, can_give = 0, count = 0;
   size_t n = 0, nunits = 0, nzone = 0;
   uint64_t *pages = region_pages(l, &n);
@@ -551,10 +533,10 @@ static int choose_need(const struct sl_books *b, struct sl_release *rel, uint64_
       can_give += u[i].size;
     rc = need_count(b, rel, n, can_give, stay, &count, err);
   }
-  if (rc == 0) {
-    need_pick(u, nunits, count, released);
+  if (rc == 0)
+    rc = need_pick(u, nunits, count, kb, n, b->cfg.page_size, released);
+  if (rc == 0)
     rc = need_lists(rel, pages, kb, released, n, &nzone, reach);
-  }
   if (rc == 0) {
     sl_plan_release(&l->plan);
     sl_plan_init(&l->plan, b->cfg.page_size, l->keep, l->nkeep, rel->zone, nzone,
@@ -968,7 +950,7 @@ static int more_plan(const struct sl_books *b, struct sl_release *rel,
   uint64_t *stay = staying(rel, &ns);
   struct sublet_range *occ = occupancy(rel->l, &nocc);
   uint8_t *pick = calloc(ns + 1, 1);
-  struct need_unit *u = NULL;
+  struct sl_need_unit *u = NULL;
   int rc = SUBLET_ENOHOSTMEM;
 
   if (stay != NULL && occ != NULL && pick != NULL &&
@@ -978,8 +960,9 @@ static int more_plan(const struct sl_books *b, struct sl_release *rel,
       can_give += u[i].size;
     rc = more_count(b, rel, need, can_give, &count, err);
   }
+  if (rc == 0 && count > 0)
+    rc = need_pick(u, nunits, count, kb, ns, b->cfg.page_size, pick);
   if (rc == 0 && count > 0) {
-    need_pick(u, nunits, count, pick);
     rc = more_step(b, occ, nocc, stay, kb, pick, ns, rel->l->plan.compact, s);
   }
   if (rc == 0 && count > 0)

@@ -137,6 +137,43 @@ def test_a_plain_process_allocates_what_the_engine_released_for_the_scheduler(ki
         torch.cuda.empty_cache()
 
 
+def test_a_take_by_need_releases_the_need_then_more_when_asked(page):
+    """A scheduler's take by need (issue 42): the GPU made nearly full, the scheduler takes
+    the engine's offer needing an eighth of the tag beyond what is free; the engine's library
+    releases about that, not the whole tag, and a cudaMalloc process allocates it; then
+    Taken.need asks a quarter more, which does not fit before and fits after, nothing resumed
+    meanwhile; given back, the engine has every kept bit."""
+    live, total = BLOCKS // 10, LAYERS * BLOCKS * BLOCK
+    engine = Engine("gpu-offer-need", 1, live)
+    consumer = Consumer("cudart")
+    filler = None
+    try:
+        assert engine.line() == "offered 0"
+        filler = torch.empty(settled_free_memory() - 512 * MiB, dtype=torch.uint8,
+                             device="cuda")
+        torch.cuda.synchronize()
+        first, more = free_now() + total // 8, total // 4
+        with sublet.take(name="gpu-offer-need", timeout=300, need=first) as t:
+            released_first = t.released_bytes
+            assert 0 < released_first < total // 2, "by need, not the whole tag"
+            assert consumer.ask(f"alloc {first}") == "ok"
+            assert consumer.ask(f"alloc {more}") == "oom", "the second need fits before asked"
+            t.need(first + more)
+            assert released_first < t.released_bytes < total
+            assert consumer.ask(f"alloc {more}") == "ok", \
+                f"released {t.released_bytes / GiB:.2f} GiB, free {free_now() / GiB:.2f}"
+            assert consumer.ask("free") == "freed"
+        assert engine.line() == "round 0 ok True"
+        print(f"\ntake by need: {first / GiB:.2f} then {(first + more) / GiB:.2f} GiB; "
+              f"released {released_first / GiB:.2f} then {t.released_bytes / GiB:.2f} GiB of "
+              f"{total / GiB:.2f}")
+    finally:
+        del filler
+        consumer.close()
+        engine.close()
+        torch.cuda.empty_cache()
+
+
 def test_loans_in_sequence_with_changing_keeps_keep_every_bit(page):
     """Five loans, a new live set each, a plain process writing over the released memory
     during each: every kept bit back after each."""

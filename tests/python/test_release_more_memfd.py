@@ -1,6 +1,7 @@
 """More of a release by need, end to end on the memfd backend (issue 42): Release.need(N), N
 the taker's need in all, releases only the pages the increase takes beyond the device's free
-bytes, of those that stayed, the ones holding the fewest bytes, without resuming anything;
+bytes, of those that stayed, chosen as the first need's were (daemon/books/need_pick.c: few
+bytes moved, few runs), without resuming anything;
 resume() brings everything back at once, bit for bit. Checked against the rule after each
 step (pages, host bytes max(0, K - stayed x page), moves), the status, a refused increment,
 and the owner, the taker or subletd killed between the first need and the second or during
@@ -53,11 +54,11 @@ def test_need_alloc_need_alloc_free_then_resume():
     gc.collect()
     free0 = free_bytes()
     rel = sublet.release(t, keep=keep, need=free0 + 10 * PAGE)
-    assert rel.stats.released_pages == 10                  # the ten with 8 KiB kept first
-    assert (rel.moved_bytes, rel.copied_bytes) == (8 * 8192 + 2 * 16384, 0)
+    assert rel.stats.released_pages == 10  # pages 0 to 9, one run: the ten holding the fewest
+    assert (rel.moved_bytes, rel.copied_bytes) == (39 * 8192, 0)  # kept bytes would be ten
     first = sublet.empty(free0 + 10 * PAGE, dtype=torch.uint8, device="cpu").fill_(0xA1)
     assert free_bytes() == 0
-    stats = rel.need(free0 + 30 * PAGE)                    # 20 more: the next fewest
+    stats = rel.need(free0 + 30 * PAGE)                    # 20 more, of those that stay
     assert stats.released_pages == rel.stats.released_pages == 30
     assert stats.stayed_pages == 34 and rel.need_bytes == free0 + 30 * PAGE
     assert rel.copied_bytes == host_bytes(kept, 30) == 2 * PAGE

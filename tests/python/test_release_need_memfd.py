@@ -1,7 +1,8 @@
 """Releases by need end to end on the memfd backend (issue 42): sublet.release(what, keep,
-need=N) gives back only the pages the need takes beyond the device's free bytes, those with
-the fewest kept bytes; their kept bytes move into the holes of the pages that stay and only
-what those cannot hold goes to the host. Checked exactly against that rule: a 100 %-kept
+need=N) gives back only the pages the need takes beyond the device's free bytes, the cheapest
+(daemon/books/need_pick.c: few kept bytes, few runs); their kept bytes move into the holes of
+the pages that stay and only what those cannot hold goes to the host. Checked against that
+rule (the host bytes exactly; the choice itself in tests/unit/test_books_need.c): a 100 %-kept
 tensor and a 30 %-kept pool tag with needs of 10, 25, 50 and 100 % of it, the need allocated
 by this process and by another one, kept bits compared over cycles whose keeps change, the
 refusal (figures, nothing moved), the status, and the owner or subletd killed meanwhile.
@@ -35,9 +36,9 @@ PART = 20480  # kept bytes of each page of the 30 % case: 5/16 of a 64 KiB page
 
 
 def predicted(kept_per_page: list[int], released: int) -> tuple[int, int]:
-    """(moved, saved) of releasing `released` of these pages, those with the fewest kept
-    bytes: their kept bytes Kr fill the holes of the pages that stay, the host takes
-    max(0, K - stayed x PAGE), the rest moved."""
+    """(moved, saved) of releasing `released` of these pages: the host takes
+    max(0, K - stayed x PAGE) whichever go; moved is the least possible, the fewest kept
+    bytes Kr less that (where every page holds as many, what any choice moves)."""
     kr = sum(sorted(kept_per_page)[:released])
     saved = max(0, sum(kept_per_page) - (len(kept_per_page) - released) * PAGE)
     return kr - saved, saved
@@ -150,7 +151,9 @@ def test_cycles_with_changing_keeps_and_needs(groups):
             assert rel.copied_bytes == saved and moved >= 0
         else:
             assert got == pages, (cycle, pages, got)
-            assert (rel.moved_bytes, rel.copied_bytes) == predicted(kept, pages), cycle
+            least_moved, saved = predicted(kept, pages)   # the choice itself: test_books_need
+            assert rel.copied_bytes == saved, cycle
+            assert least_moved <= rel.moved_bytes <= sum(kept) - saved, cycle
         assert rel.stats.kept_bytes == sum(kept)
         assert free_bytes() == free0 + got * PAGE
         rel.resume(groups=groups)

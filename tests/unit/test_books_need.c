@@ -2,15 +2,18 @@
  * property test of the page choice against a reference, and the refusal.
  *
  * The reference, for a region without page groups: a need of N bytes with F free takes
- * R = ceil(max(0, N - F) / page) pages; exactly R are released (never more), those with the
- * fewest kept bytes, so their kept bytes Kr are the R smallest counts' sum. The pages that
- * stay have (n - R) x page - (K - Kr) bytes of holes, so the host gets exactly
- * max(0, Kr - holes) = max(0, K - (n - R) x page), the rest moves on the device; every kept
+ * R = ceil(max(0, N - F) / page) pages; exactly R are released (never more): the R with the
+ * fewest kept bytes, or R consecutive ones, whichever costs less (need_pick.c's cost: bytes
+ * moved, host bytes, runs of released pages), so the choice costs what the cheaper of the
+ * R smallest counts and the cheapest window of R does. The pages that stay have
+ * (n - R) x page - (K - Kr) bytes of holes (Kr: the released pages' kept bytes), so the host
+ * gets exactly max(0, Kr - holes) = max(0, K - (n - R) x page), the rest moves; every kept
  * byte comes back (a byte map), and the books check after each step. With page groups (a
  * resume's), whole groups go: at least R pages, fewer than R plus a group, the host figure
  * the same rule over the pages that stay.
  */
 #include "books.h"
+#include "books_impl.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -89,20 +92,70 @@ static int kept_back(const struct fixture *f, const struct sl_release_work *w,
   return check_kept_back(w, u, f->keep, f->nkeep, f->npages, PS, 13);
 }
 
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+/* Runs of the chosen candidates (took[i]), pg[] their pages, ascending. */
+static uint64_t runs_of(const uint8_t *took, const uint64_t *pg, size_t n) {
+  uint64_t runs = 0;
+
+  for (size_t i = 0; i < n; i++)
+    runs += took[i] && (i == 0 || !took[i - 1] || pg[i - 1] + 1 != pg[i]);
+  return runs;
+}
+
+static const uint64_t *by_kept; /* for by_kept_cmp: the counts being sorted */
+
+static int by_kept_cmp(const void *a, const void *b) {
+  size_t x = *(const size_t *)a, y = *(const size_t *)b;
+
+  if (by_kept[x] != by_kept[y])
+    return by_kept[x] < by_kept[y] ? -1 : 1;
   return x < y ? -1 : x > y;
 }
 
-/* The reference's Kr: the r smallest kept counts. */
-static uint64_t fewest_kept(const struct fixture *f, uint64_t r) {
-  uint64_t v[64], sum = 0;
+/* The reference's least cost of releasing `want` of n candidates (kept counts v[], pages
+ * pg[], ascending): the want fewest-kept ones, or any want consecutive ones. */
+static uint64_t least_cost(const uint64_t *v, const uint64_t *pg, size_t n, uint64_t want,
+                           uint64_t kept_all) {
+  struct sl_need_choice c = {.count = want, .npages = n, .page_size = PS, .kept_all = kept_all};
+  uint8_t took[64] = {0};
+  size_t idx[64];
+  uint64_t kept = 0, best;
 
-  memcpy(v, f->kb, f->npages * sizeof(*v));
-  qsort(v, f->npages, sizeof(*v), cmp_u64);
-  for (uint64_t i = 0; i < r; i++)
-    sum += v[i];
-  return sum;
+  for (size_t i = 0; i < n; i++)
+    idx[i] = i;
+  by_kept = v;
+  qsort(idx, n, sizeof(*idx), by_kept_cmp);
+  for (uint64_t i = 0; i < want; i++) {
+    took[idx[i]] = 1;
+    kept += v[idx[i]];
+  }
+  best = sl_need_pick_cost(&c, want, kept, runs_of(took, pg, n));
+  for (size_t at = 0; want > 0 && at + want <= n; at++) {
+    uint8_t w[64] = {0};
+    kept = 0;
+    for (size_t i = at; i < at + want; i++) {
+      w[i] = 1;
+      kept += v[i];
+    }
+    uint64_t cost = sl_need_pick_cost(&c, want, kept, runs_of(w, pg, n));
+    best = cost < best ? cost : best;
+  }
+  return best;
+}
+
+/* The cost of the release's choice among the candidates pg[0, n) (kept counts v[]). */
+static uint64_t chosen_cost(const struct sl_release_work *w, const uint64_t *v,
+                            const uint64_t *pg, size_t n, uint64_t kept_all) {
+  struct sl_need_choice c = {.npages = n, .page_size = PS, .kept_all = kept_all};
+  uint8_t took[64] = {0};
+  uint64_t kept = 0;
+
+  for (size_t r = 0; r < w->nreleased; r++)
+    for (size_t i = 0; i < n; i++)
+      if (pg[i] == w->released[r]) {
+        took[i] = 1;
+        kept += v[i];
+      }
+  return sl_need_pick_cost(&c, w->nreleased, kept, runs_of(took, pg, n));
 }
 
 static uint64_t released_kept(const struct fixture *f, const struct sl_release_work *w) {
@@ -120,8 +173,12 @@ static void check_figures(const struct fixture *f, const struct sl_release_work 
   uint64_t host = f->kept > stayed * PS ? f->kept - stayed * PS : 0;
 
   if (exact) {
+    uint64_t pg[64];
+    for (uint64_t p = 0; p < f->npages; p++)
+      pg[p] = p;
     CHECK_EQ(w->nreleased, want);
-    CHECK_EQ(kr, fewest_kept(f, want));
+    CHECK_EQ(chosen_cost(w, f->kb, pg, f->npages, f->kept),
+             least_cost(f->kb, pg, f->npages, want, f->kept));
   } else {
     CHECK(w->nreleased >= want);
     CHECK(w->nreleased < want + SL_GROUP_PAGES);
@@ -222,11 +279,11 @@ static void test_refusal_and_free_enough(void) {
 /* ---- increments: need, need, ..., resume ------------------------------------------------
  *
  * The reference of an increment: the taker now needs N' bytes in all, N before; with F free
- * now, R' = ceil(max(0, N' - N - F) / page) more pages go (N' <= N: nothing), those of the
- * pages that stay holding the fewest bytes now (their kept bytes and the bytes moved into
- * them), and the host holds max(0, K - S x page) in all, S the pages that still stay. A byte
- * map follows the device through every step (moves, then saves, then the released pages
- * overwritten) and the resume: every kept byte back. */
+ * now, R' = ceil(max(0, N' - N - F) / page) more pages go (N' <= N: nothing), of the
+ * pages that stay, chosen as the first need's are over their bytes now (their kept bytes and
+ * the bytes moved into them), and the host holds max(0, K - S x page) in all, S the pages
+ * that still stay. A byte map follows the device through every step (moves, then saves, then
+ * the released pages overwritten) and the resume: every kept byte back. */
 
 struct device_map {
   uint8_t *dev, *orig, *host, *occ; /* occ: 1 where the device holds a kept byte now */
@@ -289,14 +346,17 @@ static uint64_t page_occ(const struct device_map *m, uint64_t page) {
   return n;
 }
 
-/* The pages of the set that stay (not in released[0, n)), and their bytes now. */
+/* The pages of the set that stay (not gone), pg[] if given, and their bytes now. */
 static size_t staying_occ(const struct fixture *f, const struct device_map *m,
-                          const uint8_t *gone, uint64_t *occ) {
+                          const uint8_t *gone, uint64_t *occ, uint64_t *pg) {
   size_t ns = 0;
 
   for (uint64_t p = 0; p < f->npages; p++)
-    if (!gone[p])
+    if (!gone[p]) {
+      if (pg != NULL)
+        pg[ns] = p;
       occ[ns++] = page_occ(m, p);
+    }
   return ns;
 }
 
@@ -304,19 +364,16 @@ static size_t staying_occ(const struct fixture *f, const struct device_map *m,
 static void check_increment(const struct fixture *f, const struct device_map *m,
                             const uint8_t *gone, const struct sl_release_work *w, uint64_t want,
                             int exact) {
-  uint64_t occ[64], chosen = 0, fewest = 0, stayed;
-  size_t ns = staying_occ(f, m, gone, occ);
+  uint64_t occ[64], pg[64], on_device = 0, stayed;
+  size_t ns = staying_occ(f, m, gone, occ, pg);
 
-  for (size_t i = 0; i < w->nreleased; i++) {
+  for (size_t i = 0; i < w->nreleased; i++)
     CHECK(!gone[w->released[i]]);
-    chosen += page_occ(m, w->released[i]);
-  }
-  qsort(occ, ns, sizeof(*occ), cmp_u64);
-  for (uint64_t i = 0; i < want && i < ns; i++)
-    fewest += occ[i];
+  for (size_t i = 0; i < ns; i++)
+    on_device += occ[i];
   if (exact) {
     CHECK_EQ(w->nreleased, want);
-    CHECK_EQ(chosen, fewest);
+    CHECK_EQ(chosen_cost(w, occ, pg, ns, on_device), least_cost(occ, pg, ns, want, on_device));
   } else {
     CHECK(w->nreleased >= want && w->nreleased < want + SL_GROUP_PAGES);
   }
@@ -330,7 +387,7 @@ static void one_increment(struct fixture *f, uint64_t *s, uint64_t id, uint64_t 
                           struct device_map *m, uint8_t *gone, int exact) {
   struct sl_release_need need = {.need_bytes = *had + rnd(s) % ((f->npages / 2 + 2) * PS),
                                  .free_bytes = rnd(s) % 3 == 0 ? 0 : rnd(s) % (2 * PS)};
-  uint64_t occ[64], ns = staying_occ(f, m, gone, occ), want, moved0;
+  uint64_t occ[64], ns = staying_occ(f, m, gone, occ, NULL), want, moved0;
   struct sl_release_work w = {0};
   struct sl_release_info ri;
   struct sl_err err = {0};
