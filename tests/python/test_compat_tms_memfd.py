@@ -367,8 +367,6 @@ def test_the_c_library_stand_in_reports_the_region_config_and_refuses_the_rest(m
         cdll.tms_set_current_tag(b"x")
     with pytest.raises(AttributeError, match="get_cpu_backup"):
         cdll.tms_get_cpu_backup_pointer
-    with pytest.raises(AttributeError, match="preload library"):
-        cdll.cudaHostGetFlags
 
 
 
@@ -445,6 +443,54 @@ def test_retain_cpu_backup_keeps_a_host_copy_at_one_address_as_the_original(tms)
     assert np.array_equal(bits(t), expected)
     assert tms.get_cpu_backup(t) is None
     del t, first, again
+
+
+@needs_release
+@pytest.mark.parametrize("paused", [False, True])
+def test_a_pool_popped_from_mem_pools_and_dropped_takes_its_retained_copy(tms, paused):
+    """cpu_backup.py's last step, as code reaches into the original: _impl._mem_pools keyed
+    (tag, backup, disk, backend, device), a pool popped and dropped under
+    _with_region_config takes its host copy with it, retained, paused or not."""
+    with tms.region("popped", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+        t = alloc(tms, PAGE + 100, seed=21)
+    expected = bits(t)
+    impl = tms._impl
+    key = ("popped", True, False, "pinned", impl._current_device())
+    assert key in impl._mem_pools and ("popped", False, False, "", key[4]) not in impl._mem_pools
+    tms.retain_cpu_backup = True
+    tms.pause("popped")
+    backup = tms.get_cpu_backup(t, zero_copy=True)
+    assert np.array_equal(backup.numpy(), expected)
+    if not paused:
+        tms.resume("popped")
+        assert tms.get_cpu_backup(t, zero_copy=True).data_ptr() == backup.data_ptr()
+    pool = impl._mem_pools.pop(key)
+    assert pool.nbytes > 0                               # the pool's own attributes
+    del backup
+    with impl._with_region_config(tag="popped", enable_cpu_backup=True,
+                                  cpu_backup_backend="pinned"):
+        assert impl.config().tag == "popped"
+        del pool
+        gc.collect()
+    assert impl._host.keys() == []
+    if paused:
+        tms.resume("popped")                             # nothing to restore: dropped
+    else:
+        assert tms.get_cpu_backup(t) is None and np.array_equal(bits(t), expected)
+    tms.retain_cpu_backup = False
+    del t
+
+
+def test_the_c_library_stand_in_resolves_cuda_runtime_symbols_of_the_process():
+    """cdll.cudaHostGetFlags (cpu_backup.py asks it of a backup's pointer): the libcudart
+    PyTorch loaded; without one loaded, the AttributeError names the preload library."""
+    cdll = _impl._TorchMemorySaverImpl(device="cpu")._binary_wrapper.cdll
+    loaded = any("libcudart.so" in line for line in open("/proc/self/maps"))
+    if loaded:
+        assert callable(cdll.cudaHostGetFlags) and cdll.cudaGetLastError.__name__
+    else:
+        with pytest.raises(AttributeError, match="preload library"):
+            cdll.cudaHostGetFlags
 
 
 def test_retain_from_the_environment(monkeypatch):

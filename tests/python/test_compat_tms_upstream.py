@@ -49,13 +49,7 @@ UPSTREAM: dict[str, tuple[str | None, str, str]] = {
        for name, row in {
            "test_simple": (NEEDS_GPU, PASS, ""),
            "test_cuda_graph": (NEEDS_GPU, PASS, ""),
-           "test_cpu_backup": (NEEDS_GPU, PASS if mode == "preload" else FAIL,
-                               "" if mode == "preload" else
-                               "its last step (_assert_cpu_backup_released_on_allocation_"
-                               "free) pops _impl._mem_pools and calls cudaHostGetFlags "
-                               "through _impl._binary_wrapper.cdll: the preload library's "
-                               "(preload mode) has both, sublet pools (torch mode) neither; "
-                               "every step before it is expected to pass"),
+           "test_cpu_backup": (NEEDS_GPU, PASS, ""),
            "test_cpu_backup_multi_device_mmap_restore": (SKIP, SKIP, _TWO),
            "test_cpu_backup_backend_from_env": (SKIP, PASS, _CUDA_ONLY),
            "test_disk_backup": (FAIL, FAIL, "disk backup is refused: NotImplementedError "

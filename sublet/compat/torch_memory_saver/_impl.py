@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple, Optional
 
@@ -102,6 +102,36 @@ class _TorchMemorySaverImpl:
             from .binary_wrapper import BinaryWrapper
             self._binary = BinaryWrapper(self)
         return self._binary
+
+    @property
+    def _mem_pools(self) -> "_PoolsView":
+        """The original's `_impl._mem_pools`, its MemPools by (tag, enable_cpu_backup,
+        enable_disk_backup, cpu_backup_backend or "", device index), which code reaches into:
+        a view of sublet's pools. A pool popped from it and dropped takes its host copies
+        with it, retained or not, as the original's frees an allocation's backup with it."""
+        return _PoolsView(self)
+
+    @contextmanager
+    def _with_region_config(self, tag: str, enable_cpu_backup: bool,
+                            cpu_backup_backend: Optional[str], enable_disk_backup: bool = False):
+        """The original's: the library reports this config inside the block (frees made
+        under it included). Nothing is routed anew, and a paused tag is no refusal."""
+        device = self._current_device()
+        entry = _Entry(self.current_pool(device), tag, bool(enable_cpu_backup),
+                       cpu_backup_backend or self.default_backend)
+        with self._pushed(device, entry):
+            yield
+
+    def discard_backups(self, key: _PoolKey) -> None:
+        """The pool's host copies go, and PyTorch's cache of page-locked host memory gives
+        them back to the system (the original frees them with the allocation)."""
+        with self._lock:
+            self._host.drop([key])
+        if key[2].type == "cuda":
+            torch.cuda.synchronize(key[2])
+            empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+            if empty_host_cache is not None:
+                empty_host_cache()
 
     # ------------------------------------------------------------ pools and devices
     def _current_device(self) -> torch.device:
@@ -475,7 +505,10 @@ class _TorchMemorySaverImpl:
 
     # ------------------------------------------------------------ host copies
     def restore(self, key: _PoolKey) -> None:
-        self._host.restore(key, self._pools[key])
+        """The host copy back into the resumed pool; none when the pool was discarded
+        meanwhile (_mem_pools.pop: its tensors are gone)."""
+        if self._host.has(key):
+            self._host.restore(key, self._pools[key])
 
     def get_cpu_backup(self, x: torch.Tensor, zero_copy: bool = False):
         if not isinstance(x, torch.Tensor):
@@ -562,3 +595,58 @@ class _Restoring:
 
     def __getattr__(self, name: str):
         return getattr(self.release, name)
+
+
+class _PoolsView(Mapping):
+    """_impl._mem_pools (see there): the original's keys over sublet's pools (not the graph
+    pools: the original's graphs capture into PyTorch's pools, not these)."""
+
+    def __init__(self, impl: _TorchMemorySaverImpl):
+        self._impl = impl
+
+    def _keys(self) -> dict[tuple, _PoolKey]:
+        impl = self._impl
+        with impl._lock:
+            keys = [k for k in impl._pools if not k[3]]
+            backends = dict(impl._backends)
+        view = {}
+        for tag, backup, device, graph in keys:
+            backend = backends.get((tag, backup, device, graph), impl.default_backend)
+            index = device.index if device.type == "cuda" else device
+            view[(tag, backup, False, backend if backup else "", index)] = (tag, backup,
+                                                                            device, graph)
+        return view
+
+    def __getitem__(self, key: tuple):
+        return self._impl._pools[self._keys()[key]]
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def pop(self, key: tuple, *default):
+        """The pool, to be dropped: its host copies go when the returned object does."""
+        found = self._keys().get(key)
+        if found is None:
+            if default:
+                return default[0]
+            raise KeyError(key)
+        return _Discarded(self._impl, found)
+
+
+class _Discarded:
+    """A pool popped from _mem_pools: the pool's attributes; dropped, its host copies go."""
+
+    def __init__(self, impl: _TorchMemorySaverImpl, key: _PoolKey):
+        self._impl, self._key = impl, key
+
+    def __getattr__(self, name: str):
+        return getattr(self._impl._pools[self._key], name)
+
+    def __del__(self):
+        try:
+            self._impl.discard_backups(self._key)
+        except Exception:  # noqa: BLE001 (a finalizer, at exit too: nothing to tell)
+            logger.debug("host copies of %s not discarded", self._key, exc_info=True)

@@ -12,15 +12,19 @@ tms_pause / tms_resume, set_memory_margin_bytes, tms_get/set_retain_cpu_backup a
 tms_set_disk_backup_dir. Each is a Python function taking what the C one takes (bytes for
 strings), returning what it returns; argtypes and restype may be set on them and are ignored.
 
+The CUDA runtime's symbols, which the original's library re-exports (code calls
+cdll.cudaHostGetFlags on a get_cpu_backup() pointer), are the process's own libcudart's, the
+one PyTorch loaded: ctypes functions, as the original's.
+
 What it does not do: it is no shared library, so `ctypes.CDLL(None).tms_pause` finds nothing,
 and the other setters (tms_set_current_tag, tms_set_enable_cpu_backup, ...: use region()),
-tms_get_cpu_backup_pointer (use get_cpu_backup()), the CUDA runtime symbols the original's
-library re-exports (cudaHostGetFlags, ...) and the XPU ones raise AttributeError or
+tms_get_cpu_backup_pointer (use get_cpu_backup()) and the XPU ones raise AttributeError or
 NotImplementedError naming the alternative: the preload library has the real ones.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable, Optional
 
 
@@ -68,6 +72,10 @@ class _Cdll:
             setattr(self, name, _function(name, _use_region(name)))
 
     def __getattr__(self, name: str):
+        if name.startswith("cuda"):
+            runtime = _cuda_runtime()
+            if runtime is not None:
+                return getattr(runtime, name)  # AttributeError of ctypes' own if none
         hint = ("use get_cpu_backup()" if name == "tms_get_cpu_backup_pointer" else
                 "run under sublet's preload library (configure_subprocess()), which has it")
         raise AttributeError(f"sublet's torch_memory_saver has no C library, and its Python "
@@ -88,3 +96,13 @@ def _function(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         return call(*args)
     function.__name__ = name
     return function
+
+
+def _cuda_runtime() -> Optional[ctypes.CDLL]:
+    """The CUDA runtime this process loaded (PyTorch's libcudart), or None: none loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return None
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
