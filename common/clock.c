@@ -1,4 +1,4 @@
-/* clock.c - the one clock of sublet (see clock.h). */
+/* clock.c - the one clock of sublet (see clock.h). Floor 1 (floors.h). */
 #include "clock.h"
 
 #include <time.h>

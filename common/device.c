@@ -4,6 +4,8 @@
  * Backends may rely on what is checked here: sizes of create/map/unmap are non-zero whole
  * pages, handles are non-zero, reservations are whole pages (rounded up here, identically for
  * reserve and unreserve, so that the two always agree).
+ *
+ * Floor 2 (floors.h).
  */
 #include "device.h"
 

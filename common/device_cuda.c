@@ -9,6 +9,8 @@
  * call, so that any thread may call and the caller's current context is left as it was.
  * This file opens the device and holds its handles, address space and pinned host memory;
  * device_cuda_copy.c runs the transfers between them.
+ *
+ * Floor 3 (floors.h).
  */
 #include "device_cuda.h"
 #include "prefault.h" /* pinning touched memory costs a tenth of cuMemHostAlloc */

@@ -1,7 +1,10 @@
 /* device_cuda_copy.c - the cuda backend's transfers: copies between device and host memory
  * (batched on the copy engines, or staged through the device for many small pieces), moves
  * inside device memory and verify's checksums (kernels.cu's module, one launch over all the
- * pieces: SMs copy device to device far faster than copy engines do). */
+ * pieces: SMs copy device to device far faster than copy engines do).
+ *
+ * Floor 3 (floors.h).
+ */
 #include "device_cuda.h"
 #include "hash.h"
 #include "kernels.h"

@@ -22,6 +22,8 @@
  * F_SEAL_WRITE to a memfd fails with EBUSY while a writable shared mapping of it exists (every
  * mapping here is one). Tests use it to show what the owner's own mapping costs on CUDA. A
  * process that holds only an fd, unmapped, is not seen.
+ *
+ * Floor 3 (floors.h).
  */
 #include "device.h"
 #include "hash.h"

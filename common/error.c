@@ -1,4 +1,4 @@
-/* error.c - typed errors and their messages. */
+/* error.c - typed errors and their messages. Floor 1 (floors.h). */
 #include "error.h"
 
 #include <ctype.h>

@@ -1,4 +1,5 @@
-/* journal.c - the journal of a loan's saved kept bytes (the contract is journal.h). */
+/* journal.c - the journal of a loan's saved kept bytes (the contract is journal.h).
+ * Floor 2 (floors.h). */
 #include "journal.h"
 
 #include <errno.h>

@@ -1,5 +1,8 @@
 /* keepwire.c - a Lend's keep list on the wire: the client's encoder, subletd's decoder
- * (keepwire.h says why there are three forms). */
+ * (keepwire.h says why there are three forms).
+ *
+ * Floor 2 (floors.h).
+ */
 #include "keepwire.h"
 
 #include <errno.h>

@@ -1,4 +1,4 @@
-/* msg.c - packing protocol messages into frames and unpacking them. */
+/* msg.c - packing protocol messages into frames and unpacking them. Floor 3 (floors.h). */
 #include "msg.h"
 
 #include <stdlib.h>

@@ -1,4 +1,5 @@
-/* prefault.c - host memory's pages made by several threads at once (prefault.h). */
+/* prefault.c - host memory's pages made by several threads at once (prefault.h).
+ * Floor 1 (floors.h). */
 #include "prefault.h"
 
 #include <pthread.h>

@@ -1,4 +1,5 @@
-/* seal.c - memfds sealed so that no client can write or shrink them (the contract is seal.h). */
+/* seal.c - memfds sealed so that no client can write or shrink them (the contract is seal.h).
+ * Floor 1 (floors.h). */
 #include "seal.h"
 
 #include <errno.h>

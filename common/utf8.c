@@ -1,4 +1,5 @@
-/* utf8.c - what is UTF-8, and text of another process made printable (see utf8.h). */
+/* utf8.c - what is UTF-8, and text of another process made printable (see utf8.h).
+ * Floor 1 (floors.h). */
 #include "utf8.h"
 
 size_t sl_utf8_sequence(const uint8_t *s, size_t n) {

@@ -8,6 +8,8 @@
  * Who owns which fd: those passed to sl_wire_send stay the caller's; those in the receiver's
  * queue are the receiver's (sl_wire_rx_destroy closes them); those handed out with a frame are
  * the caller's. Every error path closes the fds it owns.
+ *
+ * Floor 2 (floors.h).
  */
 #include "wire.h"
 
