@@ -12,6 +12,8 @@
  *
  * Byte counts of allocations (live_bytes, peak_bytes, served) are page-granular: they count
  * the window pages handed out, which is the memory the borrower takes from the device.
+ *
+ * Floor 3 (books_impl.h).
  */
 #include "books_impl.h"
 #include "grow.h"

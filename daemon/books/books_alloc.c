@@ -7,6 +7,8 @@
  * holes on the device) or, where that would save to the host and fresh memory below fits,
  * down. Pure C on the books' data; check.c checks the result after every step (the unit
  * tests, and subletd --check).
+ *
+ * Floor 2 (books_impl.h).
  */
 #include "books_impl.h"
 

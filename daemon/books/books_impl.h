@@ -1,6 +1,18 @@
 /* books_impl.h - the books' data, shared by books.c (the ledger's operations),
  * books_alloc.c (a loan's allocations), books_release.c, need_pick.c, kept.c and
- * books_space.c, and check.c (its invariants). Nothing else includes it: the contract is books.h.
+ * books_space.c, and check.c (its invariants). Nothing else includes it: the contract is
+ * books.h.
+ *
+ * The files stand on floors, lowest first: a file calls functions of files on lower floors
+ * only (tests/check-floors, ctest check_floors_books; each file's opening comment names its
+ * floor). The ledger and its releases are one unit: a release holds a loan's draft, which the
+ * ledger frees.
+ *
+ *   floor 1: books_space.c kept.c need_pick.c plan.c   address space; kept windows; a need's
+ *            pages; where kept bytes go
+ *   floor 2: books_alloc.c                    a loan's allocations
+ *   floor 3: books.c+books_release.c          the ledger; releases
+ *   floor 4: check.c                          the invariants
  */
 #ifndef SL_BOOKS_IMPL_H
 #define SL_BOOKS_IMPL_H

@@ -13,6 +13,8 @@
  * of the window, and to the host for what those cannot hold (plan.h). Every page outside the
  * window is released, less the pages of groups it would not release whole (books.h, "Page
  * groups"): those are held.
+ *
+ * Floor 3 (books_impl.h).
  */
 #include <inttypes.h>
 #include <string.h>

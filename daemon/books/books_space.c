@@ -8,6 +8,8 @@
  * and every user's growable RegionCreate failed. Now a region reserves what it holds, a
  * growable one room that doubles as it grows (the pool moves its mapping), and a user's
  * regions together reserve at most SL_USER_SPACE_DEVICES times the device.
+ *
+ * Floor 1 (books_impl.h).
  */
 #include "books_impl.h"
 

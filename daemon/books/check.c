@@ -1,6 +1,8 @@
 /* check.c - the books' invariants (sl_books_check, declared in books.h): everything the
  * ledger promises, checked from its data alone. Slow on purpose (linear or n log n in pages,
  * ranges and moves): the daemon runs it after every request only with --check, for tests.
+ *
+ * Floor 4 (books_impl.h).
  */
 #include <inttypes.h>
 #include <stdarg.h>

@@ -6,6 +6,8 @@
  * each of its keepers becomes a holder (an sl_held entry) until it says Dropped or leaves; the
  * daemon releases the region's pages when its last holder is gone. The held array always has
  * room for every keeper to become a holder, so a region leaves without allocating.
+ *
+ * Floor 1 (books_impl.h).
  */
 #include "books_impl.h"
 #include "grow.h"

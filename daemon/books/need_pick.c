@@ -12,6 +12,8 @@
  * many runs), and the consecutive units holding the need with the fewest kept bytes (one run
  * unless pinned pages cut it; whole groups, so the host figure favours the window that
  * overshoots least).
+ *
+ * Floor 1 (books_impl.h).
  */
 #include <stdlib.h>
 #include <string.h>

@@ -2,6 +2,8 @@
  *
  * Work is linear in the pieces a step makes and the pages it reaches, with one binary search
  * per step: a 64 GiB region keeping 300,000 scattered blocks makes about as many moves, once.
+ *
+ * Floor 1 (books_impl.h).
  */
 #include "plan.h"
 
