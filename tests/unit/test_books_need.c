@@ -250,6 +250,37 @@ static void test_groups(void) {
   }
 }
 
+/* Every page kept whole; a first need of 48 of 64 pages, resumed as page groups (16 pages
+ * each: a sixteenth of the run, at least 16). A need of 20 pages then goes to the host to the
+ * page: a group and 4 of the pages never released, one run (the fewest-kept choice, ties by
+ * page, took two groups: 12 pages, 48 KiB, more each way). */
+static void test_groups_and_single_pages_meet_a_need_to_the_page(void) {
+  struct fixture f;
+  struct sl_release_need first = {.need_bytes = 48 * PS}, then = {.need_bytes = 20 * PS};
+  struct sl_release_work w = {0}, u = {0};
+
+  fixture_new(&f, 64);
+  f.keep[0] = (struct sublet_range){0, 64 * PS};
+  f.nkeep = 1;
+  CHECK_EQ(release_need(&f, &first, UINT64_MAX, &w, NULL), 0);
+  CHECK_EQ(w.nreleased, 48);
+  sl_books_release_done(f.b, w.release_id, 1);
+  CHECK_EQ(sl_books_resume_begin(f.b, f.owner, w.release_id, 1, &u, NULL), 0);
+  sl_books_resume_done(f.b, w.release_id, 1);
+  BOOKS_OK(f.b);
+  sl_release_work_clear(&w);
+  sl_release_work_clear(&u);
+  CHECK_EQ(release_need(&f, &then, UINT64_MAX, &w, NULL), 0);
+  CHECK_EQ(w.nreleased, 20);
+  CHECK_EQ(w.saved_bytes, 20 * PS);       /* K - stayed x page: 64 - 44 pages */
+  for (size_t i = 1; i < w.nreleased; i++)
+    CHECK_EQ(w.released[i], w.released[i - 1] + 1);
+  sl_books_release_done(f.b, w.release_id, 1);
+  BOOKS_OK(f.b);
+  sl_release_work_clear(&w);
+  sl_books_free(f.b);
+}
+
 /* The figures of a refusal, and a need the free bytes cover releasing nothing. */
 static void test_refusal_and_free_enough(void) {
   struct fixture f;
@@ -524,6 +555,7 @@ static void test_increment_refusals(void) {
 int main(void) {
   test_choice_against_the_reference();
   test_groups();
+  test_groups_and_single_pages_meet_a_need_to_the_page();
   test_refusal_and_free_enough();
   test_increments_against_the_reference();
   test_increments_with_groups();
