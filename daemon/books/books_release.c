@@ -442,7 +442,7 @@ static int choose_stay(const struct sl_books *b, struct sl_release *rel, uint64_
 /* The units of pages[0, n) that a release may give back whole, their kept bytes from kb; the
  * entries of a group the release does not hold whole (a page of it pinned) make none. */
 static struct sl_need_unit *need_units(const struct sl_region *r, const uint64_t *pages,
-                                    const uint64_t *kb, size_t n, size_t *nunits) {
+                                       const uint64_t *kb, size_t n, size_t *nunits) {
   struct sl_need_unit *u = malloc((n + 1) * sizeof(*u));
   size_t m = 0;
 
@@ -964,9 +964,8 @@ static int more_plan(const struct sl_books *b, struct sl_release *rel,
   }
   if (rc == 0 && count > 0)
     rc = need_pick(u, nunits, count, kb, ns, b->cfg.page_size, pick);
-  if (rc == 0 && count > 0) {
+  if (rc == 0 && count > 0)
     rc = more_step(b, occ, nocc, stay, kb, pick, ns, rel->l->plan.compact, s);
-  }
   if (rc == 0 && count > 0)
     rc = more_build(b, rel, stay, pick, ns, s, need);
   free(stay);
