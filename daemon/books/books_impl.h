@@ -318,6 +318,6 @@ struct sl_need_choice {
  * SUBLET_ENOHOSTMEM. The cost of a set of units: the test's reference compares with it. */
 int sl_need_pick(const struct sl_need_choice *c, uint8_t *released);
 uint64_t sl_need_pick_cost(const struct sl_need_choice *c, uint64_t pages, uint64_t kept,
-                      uint64_t runs);
+                           uint64_t runs);
 
 #endif

@@ -31,7 +31,7 @@ struct need_set {
 };
 
 uint64_t sl_need_pick_cost(const struct sl_need_choice *c, uint64_t pages, uint64_t kept,
-                      uint64_t runs) {
+                           uint64_t runs) {
   uint64_t stays = (c->npages - pages) * c->page_size;
   uint64_t host = c->kept_all > stays ? c->kept_all - stays : 0;
 
