@@ -257,6 +257,16 @@ def test_need_cases_one_tms_then_sublet_all_and_need_per_keep(br):
     assert sum("do not fit" in n for n in notes) == 2
 
 
+def test_need_cases_pin_ahead_every_sublet_child_when_asked(br):
+    def pins(**kw):
+        cases, _ = br.plan_need_cases([0.3, 1.0], list(br.CONTENDERS), [0.25], 64 * GiB,
+                                      118 * GiB, tms_ok=True, cycles=1, tms_cycles=1, **kw)
+        return {c["label"]: c.get("pin_ahead", False) for c in cases}
+    assert not any(pins().values())
+    asked = pins(pin_ahead=True)
+    assert asked.pop("tms all") is False and len(asked) == 6 and all(asked.values())
+
+
 def need_doc(br, need_out: int) -> dict:
     """A synthetic run by need at 64 GiB, 100 % kept, a 25 % need, 14 GiB free."""
     size, free = 64 * GiB, 14 * GiB
@@ -271,7 +281,7 @@ def need_doc(br, need_out: int) -> dict:
 
     def result(label: str, mode: str, total: float, out: int) -> dict:
         return {"label": label, "mode": mode, "fraction": 1.0, "pattern": "all",
-                "first": cycle(10 * total, out),
+                "first": cycle(1.2 * total, out), "pin_ahead_s": 4.5 if mode == "sublet" else None,
                 "needs": [{"fraction": 0.25, "take_bytes": take,
                            "need_bytes": take + br.NEED_SLACK,
                            "cycles": [cycle(total, out), cycle(total, out)]}]}
@@ -296,9 +306,11 @@ def test_report_by_need_prints_limits_and_judges_the_targets(br, capsys):
     assert f"limit: link {br.gib(doc['limit_host'])} each way, moved 0.00 GiB" in out
     for label in ("tms all", "sublet all all 100%", "sublet need all 100%"):
         assert label in out
-    assert "take 0.167" in out and "x the limit" in out and "first cycles:" in out
+    assert "take 0.167" in out and "x the limit" in out and "first cycles (the largest need):" in out
     assert "PASS sublet need all 100%, need 25%: link bytes = the limit's" in out
     assert "PASS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
+    assert "PASS sublet need all 100%: first cycle within 1.5 x a later one" in out
+    assert "sublet need all 100% 0.600 s (pinned ahead in 4.500 s)" in out
     assert "(judged at 64 GiB)" not in out
 
 
@@ -306,9 +318,11 @@ def test_report_by_need_misses(br, capsys):
     doc = need_doc(br, need_out=GiB)
     doc["results"][2]["needs"][0]["cycles"][0]["total_s"] = 5.0
     doc["results"][2]["needs"][0]["cycles"][1]["total_s"] = 5.0
+    doc["results"][2]["first"]["seconds"] = 1.6 * 2 * 0.5 / 3 + 1e-6  # 1.6 x a later one
     doc["results"].append({"label": "sublet need rows 30%", "error": "exit status 1"})
     assert br.report_need(doc) == 1
     out = capsys.readouterr().out
     assert "MISS sublet need all 100%, need 25%: link bytes = the limit's" in out
     assert "MISS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
+    assert "MISS sublet need all 100%: first cycle within 1.5 x a later one" in out
     assert "FAILED: exit status 1" in out
