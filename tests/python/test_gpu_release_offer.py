@@ -99,6 +99,31 @@ class Engine:
         self.proc.wait()
 
 
+class Scene:
+    """An engine, a plain consumer, and the GPU made nearly full beside them by this process
+    (fill): all closed and given back at the end, whatever failed (a failed test's traceback
+    holds its frame, so the filler is not left to it)."""
+
+    def __init__(self, tag: str, rounds: int, live: int, kind: str):
+        self.engine = Engine(tag, rounds, live)
+        self.consumer = Consumer(kind)
+        self._filler = None
+
+    def fill(self, leave: int) -> None:
+        self._filler = torch.empty(settled_free_memory() - leave, dtype=torch.uint8,
+                                   device="cuda")
+        torch.cuda.synchronize()
+
+    def __enter__(self) -> "Scene":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._filler = None
+        self.consumer.close()
+        self.engine.close()
+        torch.cuda.empty_cache()
+
+
 def will_free(live: int, page: int) -> int:
     """What a release keeping `live` blocks of every layer gives back at least."""
     kept = LAYERS * live * BLOCK
@@ -112,12 +137,10 @@ def test_a_plain_process_allocates_what_the_engine_released_for_the_scheduler(ki
     it; given back, the engine has every kept bit."""
     live = BLOCKS // 10
     want = int(will_free(live, page) * 0.75) // (2 * MiB) * (2 * MiB)
-    engine = Engine(f"gpu-offer-{kind}", 1, live)
-    consumer = Consumer(kind)
-    filler = None
-    try:
+    with Scene(f"gpu-offer-{kind}", 1, live, kind) as scene:
+        engine, consumer = scene.engine, scene.consumer
         assert engine.line() == "offered 0"
-        filler = torch.empty(settled_free_memory() - 1 * GiB, dtype=torch.uint8, device="cuda")
+        scene.fill(leave=1 * GiB)
         assert free_now() < want - 1 * GiB, "the GPU is not full enough for the test to mean"
         assert consumer.ask(f"alloc {want}") == "oom", "it fits before the take"
         with sublet.take(name=f"gpu-offer-{kind}", timeout=300) as t:
@@ -130,11 +153,6 @@ def test_a_plain_process_allocates_what_the_engine_released_for_the_scheduler(ki
         print(f"\n{kind}: {want / GiB:.2f} GiB allocated by a process without sublet while "
               f"taken; released {t.released_bytes / GiB:.2f} GiB in {t.stats.seconds:.3f} s, "
               f"resumed in {t.resumed_stats.seconds:.3f} s")
-    finally:
-        del filler
-        consumer.close()
-        engine.close()
-        torch.cuda.empty_cache()
 
 
 def test_a_take_by_need_releases_the_need_then_more_when_asked(page):
@@ -144,14 +162,10 @@ def test_a_take_by_need_releases_the_need_then_more_when_asked(page):
     Taken.need asks a quarter more, which does not fit before and fits after, nothing resumed
     meanwhile; given back, the engine has every kept bit."""
     live, total = BLOCKS // 10, LAYERS * BLOCKS * BLOCK
-    engine = Engine("gpu-offer-need", 1, live)
-    consumer = Consumer("cudart")
-    filler = None
-    try:
+    with Scene("gpu-offer-need", 1, live, "cudart") as scene:
+        engine, consumer = scene.engine, scene.consumer
         assert engine.line() == "offered 0"
-        filler = torch.empty(settled_free_memory() - 512 * MiB, dtype=torch.uint8,
-                             device="cuda")
-        torch.cuda.synchronize()
+        scene.fill(leave=512 * MiB)
         first, more = free_now() + total // 8, total // 4
         with sublet.take(name="gpu-offer-need", timeout=300, need=first) as t:
             released_first = t.released_bytes
@@ -167,30 +181,19 @@ def test_a_take_by_need_releases_the_need_then_more_when_asked(page):
         print(f"\ntake by need: {first / GiB:.2f} then {(first + more) / GiB:.2f} GiB; "
               f"released {released_first / GiB:.2f} then {t.released_bytes / GiB:.2f} GiB of "
               f"{total / GiB:.2f}")
-    finally:
-        del filler
-        consumer.close()
-        engine.close()
-        torch.cuda.empty_cache()
 
 
 def test_loans_in_sequence_with_changing_keeps_keep_every_bit(page):
     """Five loans, a new live set each, a plain process writing over the released memory
     during each: every kept bit back after each."""
-    live = BLOCKS // 4
-    engine = Engine("gpu-offer-seq", 5, live)
-    consumer = Consumer("torch")
-    try:
+    with Scene("gpu-offer-seq", 5, BLOCKS // 4, "torch") as scene:
         for round_ in range(5):
-            assert engine.line() == f"offered {round_}"
+            assert scene.engine.line() == f"offered {round_}"
             with sublet.take(name="gpu-offer-seq", timeout=300) as t:
                 want = t.released_bytes // (2 * MiB) * (2 * MiB) - 256 * MiB
-                assert consumer.ask(f"alloc {want}") == "ok"  # written with 0xAB
-                assert consumer.ask("free") == "freed"
-            assert engine.line() == f"round {round_} ok True"
-    finally:
-        consumer.close()
-        engine.close()
+                assert scene.consumer.ask(f"alloc {want}") == "ok"  # written with 0xAB
+                assert scene.consumer.ask("free") == "freed"
+            assert scene.engine.line() == f"round {round_} ok True"
 
 
 def test_the_scheduler_killed_while_holding_and_the_engine_resumes(page):
