@@ -483,15 +483,19 @@ def need_rows(doc: dict) -> list[dict]:
     return rows
 
 
-def need_row_line(row: dict) -> str:
+def need_row_line(row: dict, head: dict) -> str:
+    """A row, judged against its own limit (its free memory: said where not head's)."""
     c, limit = row["cycles"], row["limit"]
     last = c[-1]
     handoff = median_of(c, "seconds")
+    own = ("" if abs(row["free_bytes"] - head["free_bytes"]) < MiB else
+           f" ({gib(row['free_bytes'])} free: link {gib(limit['host_bytes'])}, "
+           f"{limit['seconds']:.3f} s)")
     return (f"    {row['label']:24s} {median_of(c, 'total_s'):7.3f} s (release "
             f"{median_of(c, 'pause_s'):.3f} + take {median_of(c, 'take_s'):.3f} + resume "
             f"{median_of(c, 'resume_s'):.3f}); link {gib(last['out_bytes'])} out + "
             f"{gib(last['in_bytes'])} in, moved {gib(last['moved_bytes'])}; release + resume "
-            f"{handoff / max(limit['seconds'], 1e-9):.1f} x the limit")
+            f"{handoff / max(limit['seconds'], 1e-9):.1f} x the limit{own}")
 
 
 def report_need(doc: dict) -> int:
@@ -510,13 +514,15 @@ def report_need(doc: dict) -> int:
         mine = [r for r in rows if (r["fraction"], r["pattern"]) == (fraction, pattern)]
         for need in dict.fromkeys(r["need"] for r in mine):
             same = [r for r in mine if r["need"] == need]
-            lim = same[0]["limit"]
-            print(f"  need {need:.0%}: {gib(same[0]['take_bytes'])} taken ({gib(same[0]['need_bytes'])}"
-                  f" asked), {gib(same[0]['free_bytes'])} free; limit: link "
+            # the judged row's limit (tms runs without subletd's context: more free, its own)
+            head = next((r for r in same if r["label"].startswith("sublet need")), same[0])
+            lim = head["limit"]
+            print(f"  need {need:.0%}: {gib(head['take_bytes'])} taken ({gib(head['need_bytes'])}"
+                  f" asked), {gib(head['free_bytes'])} free; limit: link "
                   f"{gib(lim['host_bytes'])} each way, moved {gib(lim['moved_bytes'])}, "
                   f"{lim['seconds']:.3f} s")
             for r in same:
-                print(need_row_line(r))
+                print(need_row_line(r, head))
         firsts = {r["label"]: r for r in mine}
         print("  first cycles (the largest need): " + ", ".join(
             f"{k} {r['first']['total_s']:.3f} s" + ("" if r["pin_ahead_s"] is None else

@@ -300,9 +300,13 @@ def test_report_by_need_prints_limits_and_judges_the_targets(br, capsys):
     doc["results"][2]["needs"][0]["cycles"] = [
         {**c, "out_bytes": doc["limit_host"], "in_bytes": doc["limit_host"]}
         for c in doc["results"][2]["needs"][0]["cycles"]]
+    for c in doc["results"][0]["needs"][0]["cycles"]:   # tms: no subletd beside it
+        c["free_bytes"] += GiB // 2
     assert br.report_need(doc) == 0
     out = capsys.readouterr().out
     assert "kept 100% (all):" in out and "need 25%: 16.00 GiB taken (16.25 GiB asked)" in out
+    assert "asked), 14.00 GiB free; limit" in out                 # the judged row's
+    assert "x the limit (14.50 GiB free: link 1.75 GiB" in out    # tms's own
     assert f"limit: link {br.gib(doc['limit_host'])} each way, moved 0.00 GiB" in out
     for label in ("tms all", "sublet all all 100%", "sublet need all 100%"):
         assert label in out
