@@ -240,7 +240,7 @@ class SubletAllocator:
         need (sublet's extension; else need_on_next_sleep's, else $SUBLET_RELEASE_NEED's,
         read now): the bytes of device memory a taker needs. Each tag is then released by
         need, the dropped tags first, then the kept, then the offloaded: only the pages the
-        rest of the need takes beyond the free memory, those holding the fewest kept bytes,
+        rest of the need takes beyond the free memory, the cheapest to give (few kept bytes),
         whose kept bytes (an offload tag's live blocks too) stay on the device where the
         pages that stay hold them, the rest to the host. A tag that cannot give that much is
         released as without need, and the next goes on."""

@@ -1,6 +1,6 @@
 """GPU tests of releases by need (issue 42): sublet.release(what, keep, need=N) gives the CUDA
-driver only the pages the need takes beyond the device's free memory, those holding the
-fewest kept bytes; their kept bytes move on the GPU into the holes of the pages that stay and
+driver only the pages the need takes beyond the device's free memory, the cheapest to give
+(few kept bytes in few runs); their kept bytes move on the GPU into the holes of the pages that stay and
 only what those cannot hold goes to the host. A plain PyTorch process and a cudaMalloc process
 (ctypes on libcudart), neither knowing sublet, allocate their stated need during the release
 of a 100 %-kept tensor and of a 30 %-kept pool tag; kept bits compared over cycles whose keeps

@@ -413,7 +413,7 @@ class _TorchMemorySaverImpl:
                          need: int):
         """One sublet.release of the tag's pools by need (_need.py): the taker needs `need`
         bytes of device memory; subletd releases only the pages that takes beyond the free
-        bytes, those holding the fewest kept bytes. What is kept: keep= if given; else every
+        bytes, the cheapest to give (few kept bytes in few runs). What is kept: keep= if given; else every
         byte of the backup pools (they stay on the device where the pages that stay hold
         them, the rest in subletd's host memory: get_cpu_backup() is None while paused),
         unless this process keeps their host copy (retain_cpu_backup): then nothing of them.

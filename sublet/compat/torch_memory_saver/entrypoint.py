@@ -89,8 +89,8 @@ class TorchMemorySaver:
         come back, staying on the GPU where they fit unless stay= (bytes) says otherwise; and
         need= (bytes, or a size such as "24GiB"; default: $SUBLET_RELEASE_NEED, read now): the
         device memory a taker needs; only the pages that takes beyond the free memory are
-        released, those holding the fewest kept bytes (a tag that cannot give that much is
-        released whole, and the next pause goes on by the same need)."""
+        released, the cheapest to give (few kept bytes in few runs; a tag that cannot give
+        that much is released whole, and the next pause goes on by the same need)."""
         from .. import _need
         need = _need.need_for_call(need)
         impl = self._initialized()
