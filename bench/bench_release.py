@@ -69,10 +69,13 @@ cannot give without their kept bytes K), the least bytes moved on the GPU (the k
 the pages with the fewest, less those), and seconds = link bytes / the link bandwidth each way
 + the moves there and back / the device-to-device bandwidth, measured in the same run. Pages
 made again by a resume come back as page groups (release.md), given back whole by a later
-release; the choice counts the bytes a group over the need sends to the host. Targets (issue 42): link bytes equal the limit's; later cycles within 1.25 x the limit; the
-first cycle (at the largest need) within 1.5 x a later one of that need; at 100 % kept and a
-25 % need, sublet need 3 x faster than tms all. --pin-ahead: each sublet child pins its kept
-bytes ahead of its first cycle (timed apart); without it the first release pins on its path.
+release; the choice counts the bytes a group over the need sends to the host. Targets (issue
+42): link bytes equal the limit's; later cycles within 1.25 x the limit; the first cycle (at
+the largest need) within 1.5 x a later one of that need (both judged at 64 GiB and more); at
+100 % kept and a 25 % need, sublet need 3 x faster than tms all. --pin-ahead: each sublet
+child pins its kept bytes ahead of its first cycle (timed apart; subletd keeps what is pinned
+for later children, whose pin then takes no time); without it the first release pins on its
+path.
 
     python3 bench/bench_release.py                 # S = 64 GiB, kept 30% and 100%
     python3 bench/bench_release.py --quick         # S = 4 GiB, 2 cycles: a smoke run
@@ -498,6 +501,20 @@ def need_row_line(row: dict, head: dict) -> str:
             f"{handoff / max(limit['seconds'], 1e-9):.1f} x the limit{own}")
 
 
+def print_need(need: float, same: list[dict]) -> None:
+    """One need's rows under a header with the judged row's limit: sublet need's, else
+    another sublet row's (tms runs without subletd's context: it finds more free and is
+    judged against its own)."""
+    head = next((r for r in same if r["label"].startswith("sublet need")),
+                next((r for r in same if r["label"].startswith("sublet")), same[0]))
+    lim = head["limit"]
+    print(f"  need {need:.0%}: {gib(head['take_bytes'])} taken ({gib(head['need_bytes'])} "
+          f"asked), {gib(head['free_bytes'])} free; limit: link {gib(lim['host_bytes'])} each "
+          f"way, moved {gib(lim['moved_bytes'])}, {lim['seconds']:.3f} s")
+    for r in same:
+        print(need_row_line(r, head))
+
+
 def report_need(doc: dict) -> int:
     """The table of a run by need and its targets; returns the exit status (1 when a case
     failed)."""
@@ -513,16 +530,7 @@ def report_need(doc: dict) -> int:
         print(f"kept {fraction:.0%} ({pattern}):")
         mine = [r for r in rows if (r["fraction"], r["pattern"]) == (fraction, pattern)]
         for need in dict.fromkeys(r["need"] for r in mine):
-            same = [r for r in mine if r["need"] == need]
-            # the judged row's limit (tms runs without subletd's context: more free, its own)
-            head = next((r for r in same if r["label"].startswith("sublet need")), same[0])
-            lim = head["limit"]
-            print(f"  need {need:.0%}: {gib(head['take_bytes'])} taken ({gib(head['need_bytes'])}"
-                  f" asked), {gib(head['free_bytes'])} free; limit: link "
-                  f"{gib(lim['host_bytes'])} each way, moved {gib(lim['moved_bytes'])}, "
-                  f"{lim['seconds']:.3f} s")
-            for r in same:
-                print(need_row_line(r, head))
+            print_need(need, [r for r in mine if r["need"] == need])
         firsts = {r["label"]: r for r in mine}
         print("  first cycles (the largest need): " + ", ".join(
             f"{k} {r['first']['total_s']:.3f} s" + ("" if r["pin_ahead_s"] is None else
@@ -559,10 +567,12 @@ def need_limit_targets(rows: list[dict], size: int) -> list[tuple[str, bool | No
     return out
 
 
-def need_first_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+def need_first_targets(rows: list[dict], size: int) -> list[tuple[str, bool | None, str]]:
     """Per sublet need case: its first cycle (the process's first release, at the largest
-    need) within NEED_TARGET_FIRST x the later cycles of that need (release + resume)."""
+    need) within NEED_TARGET_FIRST x the later cycles of that need (release + resume; judged
+    at 64 GiB and more)."""
     out: list[tuple[str, bool | None, str]] = []
+    judged = size >= 64 * GiB or None
     for r in rows:
         same = [x["need"] for x in rows if x["label"] == r["label"]]
         if not r["label"].startswith("sublet need") or r["need"] != max(same):
@@ -570,8 +580,9 @@ def need_first_targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
         first, later_s = r["first"]["seconds"], median_of(r["cycles"], "seconds")
         pinned = "" if r["pin_ahead_s"] is None else ", pinned ahead"
         out.append((f"{r['label']}: first cycle within {NEED_TARGET_FIRST} x a later one",
-                    first <= NEED_TARGET_FIRST * later_s,
-                    f"{first:.3f} s vs {later_s:.3f} s at need {r['need']:.0%}{pinned}"))
+                    judged and first <= NEED_TARGET_FIRST * later_s,
+                    f"{first:.3f} s vs {later_s:.3f} s at need {r['need']:.0%}{pinned}" +
+                    ("" if judged else " (judged at 64 GiB)")))
     return out
 
 
@@ -580,7 +591,7 @@ def need_targets(rows: list[dict], size: int) -> list[tuple[str, bool | None, st
     limit (judged at 64 GiB and more), the first cycle within NEED_TARGET_FIRST x a later one
     of its need (the largest), and at 100 % kept and a 25 % need sublet need
     NEED_TARGET_SPEEDUP x faster than tms all (release + allocation + resume)."""
-    out = need_limit_targets(rows, size) + need_first_targets(rows)
+    out = need_limit_targets(rows, size) + need_first_targets(rows, size)
     for r in rows:
         if r["label"] != "sublet need all 100%" or abs(r["need"] - 0.25) > 1e-9:
             continue

@@ -3,6 +3,7 @@
  * a test's few small frames never fill. */
 #include "proxy.h"
 
+#include <errno.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,8 +105,11 @@ static void serve(int listener, const char *daemon_socket) {
     pfd[0] = (struct pollfd){.fd = listener, .events = POLLIN};
     for (int i = 0; i < 2 * PAIRS; i++)
       pfd[1 + i] = (struct pollfd){.fd = pairs[i / 2].fd[i % 2], .events = POLLIN};
-    if (poll(pfd, 1 + 2 * PAIRS, -1) < 0)
+    if (poll(pfd, 1 + 2 * PAIRS, -1) < 0) {
+      if (errno != EINTR)
+        _exit(1);
       continue;
+    }
     if (pfd[0].revents & POLLIN)
       accept_one(listener, pairs, daemon_socket);
     for (int i = 0; i < 2 * PAIRS; i++)
@@ -128,10 +132,11 @@ static int listen_at(const char *path) {
   return fd;
 }
 
-int sl_test_proxy_start(struct sl_test_proxy *p, const char *socket, const char *daemon_socket,
+int sl_proxy_start(struct sl_proxy *p, const char *socket, const char *daemon_socket,
                         void (*edit)(Sublet__Welcome *w)) {
   int listener = listen_at(socket);
 
+  p->pid = 0;
   if (listener < 0)
     return -1;
   snprintf(p->socket, sizeof(p->socket), "%s", socket);
@@ -145,7 +150,10 @@ int sl_test_proxy_start(struct sl_test_proxy *p, const char *socket, const char 
   return p->pid > 0 ? 0 : -1;
 }
 
-void sl_test_proxy_stop(struct sl_test_proxy *p) {
+void sl_proxy_stop(struct sl_proxy *p) {
+  if (p->pid <= 0)
+    return; /* never started: no pid to kill (0 or -1 would be a group, or everyone) */
   sl_test_reap(p->pid);
+  p->pid = 0;
   unlink(p->socket);
 }

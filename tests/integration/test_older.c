@@ -1,13 +1,15 @@
 /* test_older.c - libsublet against a subletd older than itself. Each capability the library
  * asks of the daemon (a flag of Welcome) absent, the call that needs it fails with
- * SUBLET_ENOTSUP and a message naming the update, before anything is sent: nothing released,
- * every page still mapped, each byte where it was; what the older daemon can do still works,
- * every kept byte back. The daemon is real (memfd backend, --check on); a proxy between it and
- * the library takes the flag out of each Welcome (proxy.h). The same proxy taking nothing out
- * shows the calls succeed through it: the refusals are the flags', not the proxy's.
+ * SUBLET_ENOTSUP and a message naming the update: nothing released, every page still mapped,
+ * each byte where it was; what the older daemon can do still works, every kept byte back. The
+ * daemon is real (memfd backend, --check on); a proxy between it and the library takes the
+ * flag out of each Welcome (proxy.h). The same proxy taking nothing out shows the calls
+ * succeed through it: the refusals are the flags', not the proxy's. Each test lets go of what
+ * it made whatever it checked, and the next starts once the daemon has freed it all.
  */
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 #include "proxy.h"
@@ -44,29 +46,66 @@ static void without_pin_ahead(Sublet__Welcome *w) {
   w->has_pin_ahead = w->pin_ahead = 0;
 }
 
-/* A client of the daemon through a proxy that applies edit (NULL: none), and a region of it
- * filled with the pattern. */
-static int open_through(struct sl_test_proxy *p, void (*edit)(Sublet__Welcome *),
-                        sublet_client **c, sublet_region **r) {
+/* A client of the daemon seen through a proxy applying edit (NULL: none), and a region of it
+ * filled with the pattern: what each test's body is given. */
+struct older {
+  struct sl_proxy proxy;
+  sublet_client *c;
+  sublet_region *r;
+};
+
+static int open_through(struct older *o, void (*edit)(Sublet__Welcome *)) {
   char path[108];
   int rc;
 
   snprintf(path, sizeof(path), "%s/older.sock", daemon_.dir);
-  if (sl_test_proxy_start(p, path, daemon_.socket, edit) != 0)
+  if (sl_proxy_start(&o->proxy, path, daemon_.socket, edit) != 0)
     return SUBLET_EIO;
-  if ((rc = sublet_connect(p->socket, c)) != 0)
+  if ((rc = sublet_connect(o->proxy.socket, &o->c)) != 0)
     return rc;
-  if ((rc = sublet_region_create(*c, REGION, r)) != 0)
+  if ((rc = sublet_region_create(o->c, REGION, &o->r)) != 0)
     return rc;
   for (uint64_t i = 0; i < REGION; i++)
-    ((uint8_t *)sublet_region_addr(*r))[i] = pattern(i);
+    ((uint8_t *)sublet_region_addr(o->r))[i] = pattern(i);
   return 0;
 }
 
-static void close_through(struct sl_test_proxy *p, sublet_client *c, sublet_region *r) {
-  sublet_region_release(r);
+/* Waits until the daemon counts every byte free (it frees a gone client's regions when it
+ * reads the close): 1, or 0 if it has not within 30 s. */
+static int all_free(void) {
+  struct sublet_info info = {.free_bytes = 0};
+  sublet_client *c;
+
+  if (sublet_connect(daemon_.socket, &c) != 0)
+    return 0;
+  for (double end = sl_test_now() + 30; sl_test_now() < end; usleep(10000))
+    if (sublet_get_info(c, &info) != 0 || info.free_bytes == TOTAL)
+      break;
   sublet_disconnect(c);
-  sl_test_proxy_stop(p);
+  return info.free_bytes == TOTAL;
+}
+
+/* Runs body through a proxy applying edit, then lets go of all of it whatever body checked
+ * (a CHECK returns from body): the client goes, the proxy with it, and the daemon frees what
+ * was theirs; the next test starts once it has, FREE bytes free beside a new region. */
+static void through(void (*edit)(Sublet__Welcome *), void (*body)(struct older *o)) {
+  struct older o = {.proxy = {.pid = 0}, .c = NULL};
+  int failed = sl_test_failed;
+
+  if (open_through(&o, edit) != 0) {
+    fprintf(stderr, "through the proxy: %s\n", sublet_last_error());
+    sl_test_failed++;
+  } else {
+    body(&o);
+  }
+  if (sl_test_failed == failed && sublet_region_release(o.r) != 0) { /* else the close frees */
+    fprintf(stderr, "the region's release: %s\n", sublet_last_error());
+    sl_test_failed++;
+  }
+  if (o.c != NULL)
+    sublet_disconnect(o.c);
+  sl_proxy_stop(&o.proxy);
+  CHECK(all_free());
 }
 
 /* Every byte kept; the taker needs the free bytes and 4 pages more: 4 pages released. */
@@ -74,83 +113,80 @@ static int release_by_need(sublet_region *r, uint64_t *rel, struct sublet_releas
   return sublet_release_need(r, NULL, 0, NULL, 0, 1, SUBLET_STAY_ANY, FREE + 4 * PAGE, rel, st);
 }
 
-static void test_release_by_need(void) {
-  struct sl_test_proxy p;
+static void release_by_need_and_more(struct older *o) {
   struct sublet_release_stats st;
-  sublet_client *c;
-  sublet_region *r, *taker;
+  sublet_region *taker;
   uint64_t rel;
 
-  CHECK_RC(open_through(&p, NULL, &c, &r), 0);
-  CHECK_RC(release_by_need(r, &rel, &st), 0);
+  CHECK_RC(release_by_need(o->r, &rel, &st), 0);
   CHECK(st.released_pages == 4 && st.copied_out_bytes == 4 * PAGE);
-  CHECK_RC(sublet_region_create(c, FREE + 4 * PAGE, &taker), 0); /* the taker takes its need */
-  CHECK_RC(sublet_release_more(r, rel, FREE + 6 * PAGE, &st), 0); /* ... then needs 2 more */
+  CHECK_RC(sublet_region_create(o->c, FREE + 4 * PAGE, &taker), 0); /* the taker takes it */
+  CHECK_RC(sublet_release_more(o->r, rel, FREE + 6 * PAGE, &st), 0); /* ... needs 2 more */
   CHECK(st.released_pages == 6 && st.copied_out_bytes == 6 * PAGE);
   CHECK_RC(sublet_region_release(taker), 0);
-  CHECK_RC(sublet_resume(r, rel, 0, &st), 0);
-  CHECK(intact(sublet_region_addr(r)));
-  close_through(&p, c, r);
+  CHECK_RC(sublet_resume(o->r, rel, 0, &st), 0);
+  CHECK(intact(sublet_region_addr(o->r)));
 }
 
-static void test_release_by_need_refused(void) {
-  struct sl_test_proxy p;
+static void release_by_need_refused(struct older *o) {
   struct sublet_release_stats st;
-  sublet_client *c;
-  sublet_region *r;
   uint64_t rel;
 
-  CHECK_RC(open_through(&p, without_release_need, &c, &r), 0);
-  CHECK_RC(release_by_need(r, &rel, &st), SUBLET_ENOTSUP);
+  CHECK_RC(release_by_need(o->r, &rel, &st), SUBLET_ENOTSUP);
   CHECK(strstr(sublet_last_error(), "update subletd") != NULL);
-  CHECK(intact(sublet_region_addr(r))); /* nothing released: every page mapped, as it was */
-  CHECK_RC(sublet_release(r, NULL, 0, NULL, 0, 1, 0, &rel, &st), 0); /* the older way works */
+  CHECK(intact(sublet_region_addr(o->r))); /* nothing released: every page mapped, as it was */
+  CHECK_RC(sublet_release(o->r, NULL, 0, NULL, 0, 1, 0, &rel, &st), 0); /* the older way */
   CHECK(st.released_pages == PAGES && st.copied_out_bytes == REGION);
-  CHECK_RC(sublet_resume(r, rel, 0, &st), 0);
-  CHECK(intact(sublet_region_addr(r)));
-  close_through(&p, c, r);
+  CHECK_RC(sublet_resume(o->r, rel, 0, &st), 0);
+  CHECK(intact(sublet_region_addr(o->r)));
 }
 
-static void test_more_of_a_release_refused(void) {
-  struct sl_test_proxy p;
+static void more_of_a_release_refused(struct older *o) {
   struct sublet_release_stats st;
-  sublet_client *c;
-  sublet_region *r;
   uint64_t rel;
 
-  CHECK_RC(open_through(&p, without_release_more, &c, &r), 0);
-  CHECK_RC(release_by_need(r, &rel, &st), 0);
+  CHECK_RC(release_by_need(o->r, &rel, &st), 0);
   CHECK(st.released_pages == 4);
-  CHECK_RC(sublet_release_more(r, rel, FREE + 6 * PAGE, &st), SUBLET_ENOTSUP);
+  CHECK_RC(sublet_release_more(o->r, rel, FREE + 6 * PAGE, &st), SUBLET_ENOTSUP);
   CHECK(strstr(sublet_last_error(), "update subletd") != NULL);
-  CHECK_RC(sublet_resume(r, rel, 0, &st), 0); /* the release as it was: 4 pages */
+  CHECK_RC(sublet_resume(o->r, rel, 0, &st), 0); /* the release as it was: 4 pages */
   CHECK(st.released_pages == 4 && st.copied_in_bytes == 4 * PAGE);
-  CHECK(intact(sublet_region_addr(r)));
-  close_through(&p, c, r);
+  CHECK(intact(sublet_region_addr(o->r)));
 }
 
-static void test_pin_ahead(void) {
-  struct sl_test_proxy p, older;
-  sublet_client *c, *c2;
-  sublet_region *r, *r2;
+static void pin_ahead(struct older *o) {
+  CHECK_RC(sublet_pin_ahead(o->c, PAGE, 0), 0);
+}
 
-  CHECK_RC(open_through(&p, NULL, &c, &r), 0);
-  CHECK_RC(sublet_pin_ahead(c, PAGE, 0), 0);
-  close_through(&p, c, r);
-  CHECK_RC(open_through(&older, without_pin_ahead, &c2, &r2), 0);
-  CHECK_RC(sublet_pin_ahead(c2, PAGE, 0), SUBLET_ENOTSUP);
+static void pin_ahead_refused(struct older *o) {
+  CHECK_RC(sublet_pin_ahead(o->c, PAGE, 0), SUBLET_ENOTSUP);
   CHECK(strstr(sublet_last_error(), "update it") != NULL);
-  close_through(&older, c2, r2);
+}
+
+static void test_through_the_proxy(void) {
+  through(NULL, release_by_need_and_more);
+  through(NULL, pin_ahead);
+}
+
+static void test_without_release_need(void) {
+  through(without_release_need, release_by_need_refused);
+}
+
+static void test_without_release_more(void) {
+  through(without_release_more, more_of_a_release_refused);
+}
+
+static void test_without_pin_ahead(void) {
+  through(without_pin_ahead, pin_ahead_refused);
 }
 
 int main(void) {
   if (sl_test_daemon_start(&daemon_, PAGE, TOTAL) != 0)
     return 1;
-  sl_test_run("through the proxy, a release by need and more of it", test_release_by_need);
-  sl_test_run("without release_need: refused, a release of all works", test_release_by_need_refused);
-  sl_test_run("without release_more: refused, the release resumes as it was",
-              test_more_of_a_release_refused);
-  sl_test_run("without pin_ahead: refused", test_pin_ahead);
+  sl_test_run("through the proxy: by need, more, pin", test_through_the_proxy);
+  sl_test_run("no release_need: refused, all works", test_without_release_need);
+  sl_test_run("no release_more: refused, resumes", test_without_release_more);
+  sl_test_run("no pin_ahead: refused", test_without_pin_ahead);
   if (sl_test_daemon_stop(&daemon_) != 0)
     sl_test_failed++;
   return sl_test_summary("older");

@@ -310,7 +310,8 @@ def test_report_by_need_prints_limits_and_judges_the_targets(br, capsys):
     assert f"limit: link {br.gib(doc['limit_host'])} each way, moved 0.00 GiB" in out
     for label in ("tms all", "sublet all all 100%", "sublet need all 100%"):
         assert label in out
-    assert "take 0.167" in out and "x the limit" in out and "first cycles (the largest need):" in out
+    assert "take 0.167" in out and "x the limit" in out
+    assert "first cycles (the largest need):" in out
     assert "PASS sublet need all 100%, need 25%: link bytes = the limit's" in out
     assert "PASS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
     assert "PASS sublet need all 100%: first cycle within 1.5 x a later one" in out
@@ -322,11 +323,27 @@ def test_report_by_need_misses(br, capsys):
     doc = need_doc(br, need_out=GiB)
     doc["results"][2]["needs"][0]["cycles"][0]["total_s"] = 5.0
     doc["results"][2]["needs"][0]["cycles"][1]["total_s"] = 5.0
-    doc["results"][2]["first"]["seconds"] = 1.6 * 2 * 0.5 / 3 + 1e-6  # 1.6 x a later one
+    mine = doc["results"][2]
+    mine["first"]["seconds"] = 1.6 * mine["needs"][0]["cycles"][0]["seconds"]
+    del mine["pin_ahead_s"]                       # a result of a run without --pin-ahead
     doc["results"].append({"label": "sublet need rows 30%", "error": "exit status 1"})
     assert br.report_need(doc) == 1
     out = capsys.readouterr().out
+    assert "sublet need all 100% 0.600 s\n" in out  # its first cycle: nothing pinned ahead
     assert "MISS sublet need all 100%, need 25%: link bytes = the limit's" in out
     assert "MISS sublet need 100% kept, need 25%: 3 x faster than tms all" in out
     assert "MISS sublet need all 100%: first cycle within 1.5 x a later one" in out
     assert "FAILED: exit status 1" in out
+
+
+def test_the_first_cycle_is_judged_against_its_need_the_largest(br):
+    def row(need: float, later: float) -> dict:
+        return {"label": "sublet need all 100%", "need": need, "pin_ahead_s": None,
+                "first": {"seconds": 3.0}, "cycles": [{"seconds": later}]}
+
+    rows = [row(0.1, 0.01), row(0.25, 2.5)]
+    for order in (rows, rows[::-1]):
+        [(name, met, text)] = br.need_first_targets(order, 64 * GiB)
+        assert met and text == "3.000 s vs 2.500 s at need 25%"
+    [(name, met, text)] = br.need_first_targets(rows, 4 * GiB)
+    assert met is None and text.endswith("(judged at 64 GiB)")
