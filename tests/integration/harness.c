@@ -163,6 +163,25 @@ int sl_test_summary(const char *suite) {
   return sl_test_failed == 0 ? 0 : 1;
 }
 
+uint64_t sl_test_free_bytes(sublet_client *c) {
+  struct sublet_info info;
+
+  return sublet_get_info(c, &info) == 0 ? info.free_bytes : 0;
+}
+
+long long sl_test_status_number(sublet_client *c, const char *key) {
+  char want[64], *json, *at;
+  long long n = -1;
+
+  if (sublet_status_json(c, &json) != 0)
+    return -1;
+  snprintf(want, sizeof(want), "\"%s\": ", key);
+  if ((at = strstr(json, want)) != NULL)
+    n = strtoll(at + strlen(want), NULL, 10);
+  sublet_string_free(json);
+  return n;
+}
+
 double sl_test_now(void) {
   struct timespec ts;
 

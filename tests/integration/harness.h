@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
+#include <unistd.h>
+
+#include "sublet.h"
 
 extern int sl_test_failed, sl_test_passed;
 
@@ -30,6 +33,17 @@ extern int sl_test_failed, sl_test_passed;
 
 /* Seconds on the monotonic clock. */
 double sl_test_now(void);
+/* Waits for what the daemon reaches in its own time (a dead client's connection seen, its
+ * pages freed): evaluates cond every 10 ms until it holds or 30 s have passed. The caller then
+ * CHECKs cond: one never reached fails there, and no check depends on how long it took. */
+#define SL_TEST_UNTIL(cond)                                                           \
+  for (double sl_until_ = sl_test_now() + 30; !(cond) && sl_test_now() < sl_until_;)  \
+    usleep(10000)
+/* The device's free bytes, asked on c (0 when it cannot say). */
+uint64_t sl_test_free_bytes(sublet_client *c);
+/* The number the daemon's status gives for key ("clients", "lends_waiting"), asked on c; -1
+ * when it cannot say. */
+long long sl_test_status_number(sublet_client *c, const char *key);
 /* fork(), the child set to die with this process whatever check fails first (a hoarder or a
  * keeper left behind would hold fds and pages). */
 pid_t sl_test_child(void);

@@ -740,7 +740,7 @@ static void test_many_connections(void) {
       CHECK_RC(sublet_region_create(c, PAGE, &r), 0); /* freed by the disconnect */
     sublet_disconnect(c);
   }
-  usleep(100000);
+  SL_TEST_UNTIL(sl_test_count_fds(daemon_.pid) <= fds0); /* the daemon closes them in turn */
   fds1 = sl_test_count_fds(daemon_.pid);
   rss1 = sl_test_rss_kib(daemon_.pid);
   printf("  3000 connections: daemon fds %d -> %d, RSS %ld -> %ld KiB\n", fds0, fds1, rss0,
@@ -753,7 +753,6 @@ static void test_many_connections(void) {
 
 static void test_owner_dies(void) {
   sublet_client *c;
-  struct sublet_info info;
   pid_t pid = fork();
   int status;
 
@@ -765,10 +764,9 @@ static void test_owner_dies(void) {
     raise(SIGKILL);
   }
   waitpid(pid, &status, 0);
-  usleep(50000);
   CHECK_RC(connect_client(&c), 0);
-  sublet_get_info(c, &info);
-  CHECK(info.free_bytes == TOTAL); /* the dead owner's region was freed */
+  SL_TEST_UNTIL(sl_test_free_bytes(c) == TOTAL); /* once the daemon has seen its connection go */
+  CHECK(sl_test_free_bytes(c) == TOTAL); /* the dead owner's region was freed */
   sublet_disconnect(c);
 }
 
@@ -1248,7 +1246,10 @@ static void test_owner_killed_mid_loan(void) {
   memset(p, 0xAB, 20 * PAGE);
   kill(pid, SIGKILL);
   waitpid(pid, &status, 0);
-  usleep(50000);
+  /* The daemon counts the owner gone when it sees its connection go (c alone is left): asked
+   * before, an allocation would be served. */
+  SL_TEST_UNTIL(sl_test_status_number(c, "clients") == 1);
+  CHECK(sl_test_status_number(c, "clients") == 1);
   CHECK_RC(sublet_alloc(c, PAGE, &q), SUBLET_EOWNERGONE);
   CHECK(strstr(sublet_last_error(), "owner") != NULL);
   CHECK(((uint8_t *)p)[20 * PAGE - 1] == 0xAB); /* what it holds stays usable until it returns */

@@ -177,8 +177,7 @@ static void test_other_user_gets_nothing_after_the_loan(void) {
   CHECK(kept_changed(base) == 0);
   CHECK(say(p.to_borrower[1], 'q') == 0);
   CHECK(borrower_exit(pid) == 0);
-  for (int i = 0; i < 200 && !retained_none(owner); i++)
-    usleep(10000); /* the daemon sees the borrower's connection go soon after its exit */
+  SL_TEST_UNTIL(retained_none(owner)); /* the daemon sees the borrower's connection go */
   CHECK(status_retained(owner, 0) == 1); /* counted until the borrower disconnected */
   /* The region goes on: a local loan through the new pages, every kept byte back. */
   CHECK_RC(sublet_lend_local(r, keep, keep_ranges(keep), 0, &loan), 0);

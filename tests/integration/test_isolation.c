@@ -7,10 +7,12 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -600,6 +602,16 @@ static void test_decoded_size_bound(void) {
 
 /* ------------------------------------------------------------------ item 8: receive buffers */
 
+/* Has the daemon read all that was written on each of the n sockets (none left queued)? */
+static int all_read(const int *fds, int n) {
+  for (int i = 0; i < n; i++) {
+    int queued;
+    if (ioctl(fds[i], SIOCOUTQ, &queued) != 0 || queued != 0)
+      return 0;
+  }
+  return 1;
+}
+
 /* Four connections each begin a frame of the largest size and send all of it but a byte:
  * their buffers fill the uid's 128 MiB. Then a small client of the same uid says Hello. The
  * small one was cut off; now the connection that holds the most is, told why. */
@@ -624,7 +636,8 @@ static void test_receive_buffers_cut_the_holder(void) {
     CHECK(write(holders[i], head, sizeof(head)) == sizeof(head));
     CHECK(write(holders[i], part, SL_WIRE_MAX_PAYLOAD - 1) == SL_WIRE_MAX_PAYLOAD - 1);
   }
-  usleep(100000); /* the daemon has read them */
+  SL_TEST_UNTIL(all_read(holders, 4)); /* the daemon has read them (or cut them off) */
+  CHECK(all_read(holders, 4));
   rc = sublet_connect(d.socket, &c);
   printf("  the small client, %.2f s after the first holder began: %s\n", sl_test_now() - t0,
          rc == 0 ? "served" : sublet_last_error());

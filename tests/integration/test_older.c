@@ -9,7 +9,6 @@
  */
 #include <stdio.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "harness.h"
 #include "proxy.h"
@@ -71,18 +70,17 @@ static int open_through(struct older *o, void (*edit)(Sublet__Welcome *)) {
 }
 
 /* Waits until the daemon counts every byte free (it frees a gone client's regions when it
- * reads the close): 1, or 0 if it has not within 30 s. */
+ * reads the close): 1, or 0 if it has not within SL_TEST_UNTIL's time. */
 static int all_free(void) {
-  struct sublet_info info = {.free_bytes = 0};
   sublet_client *c;
+  int ok;
 
   if (sublet_connect(daemon_.socket, &c) != 0)
     return 0;
-  for (double end = sl_test_now() + 30; sl_test_now() < end; usleep(10000))
-    if (sublet_get_info(c, &info) != 0 || info.free_bytes == TOTAL)
-      break;
+  SL_TEST_UNTIL(sl_test_free_bytes(c) == TOTAL);
+  ok = sl_test_free_bytes(c) == TOTAL;
   sublet_disconnect(c);
-  return info.free_bytes == TOTAL;
+  return ok;
 }
 
 /* Runs body through a proxy applying edit, then lets go of all of it whatever body checked

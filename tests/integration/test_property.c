@@ -330,8 +330,7 @@ static void test_random_loans(void) {
   lend_in_process(local);
   if (sl_test_failed == 0)
     lend_across_processes(across);
-  for (int i = 0; i < 100 && sl_test_count_fds(daemon_.pid) > fds + 1; i++)
-    usleep(10000); /* the daemon sees the last disconnection a moment later */
+  SL_TEST_UNTIL(sl_test_count_fds(daemon_.pid) <= fds + 1); /* the last disconnection seen */
   printf("  daemon fds %d -> %d\n", fds, sl_test_count_fds(daemon_.pid));
   /* One may stay: the host save area the daemon keeps for the user's next loans. Thousands
    * of loans must not add more. */

@@ -46,15 +46,7 @@ static int intact(const uint8_t *p, const struct sublet_range *keep, size_t nkee
 
 /* "lends_waiting" of the daemon's status, or -1. */
 static long lends_waiting(sublet_client *c) {
-  char *json, *at;
-  long n = -1;
-
-  if (sublet_status_json(c, &json) != 0)
-    return -1;
-  if ((at = strstr(json, "\"lends_waiting\": ")) != NULL)
-    n = strtol(at + strlen("\"lends_waiting\": "), NULL, 10);
-  sublet_string_free(json);
-  return n;
+  return (long)sl_test_status_number(c, "lends_waiting");
 }
 
 /* The same, asked on a connection of its own. */
@@ -69,12 +61,10 @@ static long lends_waiting_anyone(void) {
   return n;
 }
 
-/* Waits (up to 20 s) until n Lends wait for the device. */
+/* Waits (up to 30 s) until n Lends wait for the device. */
 static int wait_for_line(sublet_client *c, long n) {
-  for (double end = sl_test_now() + 20; sl_test_now() < end; usleep(10000))
-    if (lends_waiting(c) == n)
-      return 1;
-  return 0;
+  SL_TEST_UNTIL(lends_waiting(c) == n);
+  return lends_waiting(c) == n;
 }
 
 /* Reads one report of a child, or fails after 60 s (a child that never reports). */
@@ -325,8 +315,7 @@ static void test_cancel_a_waiting_lend(void) {
   CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &wl.r), 0);
   CHECK_RC(sublet_cancel(c), 0); /* nothing waits: nothing happens */
   CHECK(pthread_create(&th, NULL, lend_and_wait, &wl) == 0);
-  for (double end = sl_test_now() + 20; sl_test_now() < end && lends_waiting_anyone() != 1;)
-    usleep(10000);
+  SL_TEST_UNTIL(lends_waiting_anyone() == 1);
   CHECK_RC(sublet_cancel(c), 0);
   pthread_join(th, NULL);
   CHECK_RC(wl.rc, SUBLET_ECANCELED);

@@ -27,12 +27,6 @@ static uint8_t pattern(uint64_t i) {
   return (uint8_t)((i * 2654435761u) >> 13);
 }
 
-static uint64_t free_bytes(sublet_client *c) {
-  struct sublet_info info;
-
-  return sublet_get_info(c, &info) == 0 ? info.free_bytes : 0;
-}
-
 /* The owner's region, its every byte pattern(i). */
 static void fill_pattern(sublet_region *r) {
   for (uint64_t i = 0; i < sublet_region_size(r); i++)
@@ -64,7 +58,7 @@ static void test_taken_released_given_back(void) {
   CHECK_RC(sublet_connect(d.socket, &sched), 0);
   CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
   fill_pattern(r);
-  free0 = free_bytes(sched);
+  free0 = sl_test_free_bytes(sched);
   CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "c-kv", &o), 0);
   CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED);
   CHECK_RC(sublet_release_offer_wait(o, 0, NULL, NULL), SUBLET_ETIMEDOUT);
@@ -72,7 +66,7 @@ static void test_taken_released_given_back(void) {
   CHECK(id == sublet_release_offer_id(o));
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
   CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages > 0);
-  CHECK(free_bytes(sched) == free0 + seen.released_pages * PAGE);
+  CHECK(sl_test_free_bytes(sched) == free0 + seen.released_pages * PAGE);
   CHECK_RC(sublet_take_wait(sched, id, 0, &state, &seen), 0); /* settled: answered again */
   CHECK_RC(sublet_give_back(sched, id), 0);
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
@@ -80,7 +74,7 @@ static void test_taken_released_given_back(void) {
   CHECK_RC(sublet_take_wait(sched, id, 0, &state, NULL), SUBLET_ENOENT); /* heard the end */
   CHECK_RC(sublet_release_offer_wait(o, 5000, &rel, &res), 0);
   CHECK(rel.released_pages == seen.released_pages && res.release_id == rel.release_id);
-  CHECK(free_bytes(sched) == free0);
+  CHECK(sl_test_free_bytes(sched) == free0);
   CHECK(kept_changed(r, keep, 3) == 0);
   sublet_release_offer_free(o);
   sublet_disconnect(sched);
@@ -121,7 +115,7 @@ static void scheduler(const char *socket, int said_fd) {
 
   if (sublet_connect(socket, &c) != 0 || sublet_take(c, "c-die", 5000, &id) != 0 ||
       sublet_take_wait(c, id, 5000, &state, &seen) != 0 || state != SUBLET_OFFER_RELEASED ||
-      sublet_region_create(c, free_bytes(c), &all) != 0 || sublet_give_back(c, id) != 0 ||
+      sublet_region_create(c, sl_test_free_bytes(c), &all) != 0 || sublet_give_back(c, id) != 0 ||
       write(said_fd, "g", 1) != 1)
     _exit(1);
   pause();
@@ -460,34 +454,35 @@ static void test_by_need(void) {
   CHECK_RC(sublet_connect(d.socket, &sched), 0);
   CHECK_RC(sublet_region_create(owner, 16 * PAGE, &r), 0);
   fill_pattern(r);
-  free0 = free_bytes(sched);
+  free0 = sl_test_free_bytes(sched);
   CHECK_RC(sublet_offer_release(r, NULL, 0, keep, 3, 0, SUBLET_STAY_ANY, "need-kv", &o), 0);
   CHECK_RC(sublet_take_need(sched, "need-kv", free0 + 16 * PAGE + 1, 5000, &id), 0);
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), SUBLET_ENEED);
   printf("  refused: %s\n", sublet_last_error());
   CHECK(strstr(sublet_last_error(), "on offer again") != NULL &&
         strstr(sublet_last_error(), " 1 short") != NULL);
-  CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED && free_bytes(sched) == free0);
+  CHECK(sublet_release_offer_state(o) == SUBLET_OFFER_OFFERED &&
+        sl_test_free_bytes(sched) == free0);
   CHECK_RC(sublet_give_back(sched, id), SUBLET_EPERM); /* not its own any more */
   CHECK_RC(sublet_take_need(sched, "need-kv", free0 + 4 * PAGE, 5000, &id), 0);
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
   CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 4);
-  CHECK(free_bytes(sched) == free0 + 4 * PAGE);
+  CHECK(sl_test_free_bytes(sched) == free0 + 4 * PAGE);
   CHECK_RC(sublet_region_create(sched, free0 + 4 * PAGE, &first), 0); /* the taker's need */
-  CHECK(free_bytes(sched) == 0);
+  CHECK(sl_test_free_bytes(sched) == 0);
   CHECK_RC(sublet_take_more(sched, id, free0 + 4 * PAGE, &state), 0);
   CHECK(state == SUBLET_OFFER_RELEASED); /* not more: nothing to do */
   CHECK_RC(sublet_take_more(sched, id, free0 + 10 * PAGE, &state), 0);
   CHECK(state == SUBLET_OFFER_MORE);
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), 0);
   CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 10);
-  CHECK(free_bytes(sched) == 6 * PAGE);
+  CHECK(sl_test_free_bytes(sched) == 6 * PAGE);
   /* 6 pages free (the taker's first need holds the rest) and 6 that stay: 1 byte short */
   CHECK_RC(sublet_take_more(sched, id, free0 + 22 * PAGE + 1, &state), 0);
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &seen), SUBLET_ENEED);
   CHECK(strstr(sublet_last_error(), "stays released as it was") != NULL &&
         strstr(sublet_last_error(), " 1 short") != NULL);
-  CHECK(free_bytes(sched) == 6 * PAGE);
+  CHECK(sl_test_free_bytes(sched) == 6 * PAGE);
   CHECK_RC(sublet_take_wait(sched, id, 0, &state, &seen), 0); /* still held, as it was */
   CHECK(state == SUBLET_OFFER_RELEASED && seen.released_pages == 10);
   CHECK_RC(sublet_region_release(first), 0);
@@ -495,7 +490,7 @@ static void test_by_need(void) {
   CHECK_RC(sublet_take_wait(sched, id, 5000, &state, &res), 0);
   CHECK(state == SUBLET_OFFER_ENDED);
   CHECK_RC(sublet_release_offer_wait(o, 5000, NULL, NULL), 0);
-  CHECK(free_bytes(sched) == free0);
+  CHECK(sl_test_free_bytes(sched) == free0);
   CHECK(kept_changed(r, keep, 3) == 0);
   sublet_release_offer_free(o);
 
