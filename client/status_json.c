@@ -253,8 +253,8 @@ static json_t *pin_json(const Sublet__Status *st) {
                    "done_bytes", count_json(st->pin_done_bytes));
 }
 
-/* The fields, then the release offers and the pin (beside them: json_pack takes so many at
- * most). */
+/* The fields, then the release offers, the pin and the Borrows waiting (beside them: json_pack
+ * takes so many at most). */
 static json_t *status_object(const Sublet__Status *st) {
   json_t *obj = status_fields(st);
   json_t *offers = list_json((void *const *)st->release_offers, st->n_release_offers,
@@ -270,6 +270,7 @@ static json_t *status_object(const Sublet__Status *st) {
   /* set_new takes its value even when it fails: each is called */
   int bad = json_object_set_new(obj, "release_offers", offers) != 0;
   bad |= json_object_set_new(obj, "pin", pin) != 0;
+  bad |= json_object_set_new(obj, "borrows_waiting", count_json(st->borrows_waiting)) != 0;
   if (bad) {
     json_decref(obj);
     return NULL;

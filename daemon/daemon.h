@@ -303,9 +303,11 @@ int sl_waiters_cancel_request(struct sl_conn *c, uint64_t req_id);
  * drafted ones (one whose keep list is still being drafted is not in the line yet, and holds
  * nobody back). */
 void sl_waiters_device_free(struct sl_daemon *d);
-/* Is w the oldest drafted Lend? How many Lends wait (drafted or not)? */
+/* Is w the oldest drafted Lend? How many Lends wait (drafted or not)? How many requests of a
+ * kind wait (everyone's)? */
 int sl_waiters_lend_first(const struct sl_waiter *w);
 size_t sl_waiters_lends(const struct sl_daemon *d);
+size_t sl_waiters_count(const struct sl_daemon *d, enum sl_waiter_kind kind);
 /* Tells the owner that a loan ended, and which of its region's pages are new (replaced, the
  * caller's): its waiting Reclaim (returns 1), else its next one (0). */
 int sl_waiters_loan_ended(struct sl_daemon *d, const struct sublet_loan_stats *s,

@@ -221,6 +221,8 @@ static void status_device(struct sl_daemon *d, Sublet__Status *st) {
   st->replaced_bytes = t.replaced_pages * info->page_size;
   st->has_lends_waiting = 1;
   st->lends_waiting = sl_waiters_lends(d);
+  st->has_borrows_waiting = 1;
+  st->borrows_waiting = sl_waiters_count(d, SL_WAIT_BORROW);
   st->has_pin_target_bytes = st->has_pin_done_bytes =
       sl_pins_progress(d, &st->pin_target_bytes, &st->pin_done_bytes);
 }

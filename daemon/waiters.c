@@ -117,12 +117,16 @@ int sl_waiters_lend_first(const struct sl_waiter *w) {
   return first_lend(w->d) == w;
 }
 
-size_t sl_waiters_lends(const struct sl_daemon *d) {
+size_t sl_waiters_count(const struct sl_daemon *d, enum sl_waiter_kind kind) {
   size_t n = 0;
 
   for (const struct sl_waiter *w = d->waiters; w != NULL; w = w->next)
-    n += w->kind == SL_WAIT_LEND;
+    n += w->kind == kind;
   return n;
+}
+
+size_t sl_waiters_lends(const struct sl_daemon *d) {
+  return sl_waiters_count(d, SL_WAIT_LEND);
 }
 
 void sl_waiters_device_free(struct sl_daemon *d) {

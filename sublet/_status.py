@@ -168,6 +168,8 @@ def text_status(s: dict[str, Any]) -> str:
                      f"disconnects")
     if s.get("lends_waiting"):
         lines.append(f"  waiting  {s['lends_waiting']} lends wait for the device, in line")
+    if s.get("borrows_waiting"):
+        lines.append(f"  waiting  {s['borrows_waiting']} borrows wait for an offer")
     lines.append(f"  totals   {t['loans_ended']} loans ended, {t['borrowers_died']} borrowers "
                  f"died, {human(t['copied_out_bytes'])} copied out and "
                  f"{human(t['copied_in_bytes'])} back")
@@ -190,6 +192,8 @@ METRICS = [  # name, type, help, value from a status
     ("sublet_clients", "gauge", "connected clients", lambda s: s["clients"]),
     ("sublet_lends_waiting", "gauge", "lends waiting for the device",
      lambda s: s.get("lends_waiting", 0)),
+    ("sublet_borrows_waiting", "gauge", "borrows waiting for an offer",
+     lambda s: s.get("borrows_waiting", 0)),
     ("sublet_regions", "gauge", "regions", lambda s: len(s["regions"])),
     ("sublet_retained_bytes", "gauge", "old pages borrowers of other users may still hold",
      lambda s: sum(r["bytes"] for r in s.get("retained", []))),

@@ -783,29 +783,33 @@ static void waiting_borrower(const char *name, int timeout_ms) {
   _exit(rc == 0 ? 0 : rc == SUBLET_ETIMEDOUT ? 1 : 3);
 }
 
-/* The next offer (no name, no id) goes to exactly one of the borrowers waiting for it. */
+/* Borrows waiting for an offer, everyone's (the daemon's status; -1: it cannot say). */
+static long long borrows_waiting(sublet_client *c) {
+  return sl_test_status_number(c, "borrows_waiting");
+}
+
+/* The next offer (no name, no id) goes to exactly one of the borrowers waiting for it: once
+ * all four wait, one lend leaves three waiting, and still three once the loan has ended. */
 static void test_next_offer_taken_once(void) {
-  int got = 0, timed_out = 0, status;
   sublet_client *c;
   sublet_region *r;
   uint8_t token[16];
   uint64_t loan;
   pid_t kids[4];
 
+  CHECK_RC(connect_client(&c), 0);
   for (size_t i = 0; i < 4; i++)
     if ((kids[i] = fork()) == 0)
-      waiting_borrower(NULL, 1500);
-  usleep(200000);
-  CHECK_RC(connect_client(&c), 0);
+      waiting_borrower(NULL, 60000);
+  SL_TEST_UNTIL(borrows_waiting(c) == 4);
+  CHECK(borrows_waiting(c) == 4);
   CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
   CHECK_RC(sublet_lend(r, NULL, 0, 1, NULL, &loan, token), 0);
-  for (size_t i = 0; i < 4; i++) {
-    waitpid(kids[i], &status, 0);
-    got += WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    timed_out += WIFEXITED(status) && WEXITSTATUS(status) == 1;
-  }
-  CHECK(got == 1 && timed_out == 3);
-  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  SL_TEST_UNTIL(borrows_waiting(c) == 3);
+  CHECK_RC(sublet_reclaim(c, loan, 5000, NULL), 0); /* one borrowed it and gave it back */
+  CHECK(borrows_waiting(c) == 3);
+  for (size_t i = 0; i < 4; i++)
+    sl_test_reap(kids[i]);
   CHECK_RC(sublet_region_release(r), 0);
   sublet_disconnect(c);
 }
@@ -1132,23 +1136,25 @@ static void test_waiting_borrowers_first_come_first_served(void) {
   sublet_region *r;
   uint8_t token[16];
   uint64_t loan;
-  int first, second;
-  pid_t a, b;
+  int first;
+  pid_t a, b, done = 0;
 
-  if ((a = fork()) == 0)
-    waiting_borrower("queue", 3000);
-  usleep(100000);
-  if ((b = fork()) == 0)
-    waiting_borrower("queue", 1000);
-  usleep(100000);
   CHECK_RC(connect_client(&c), 0);
+  if ((a = fork()) == 0)
+    waiting_borrower("queue", 60000);
+  SL_TEST_UNTIL(borrows_waiting(c) == 1); /* a asks first */
+  CHECK(borrows_waiting(c) == 1);
+  if ((b = fork()) == 0)
+    waiting_borrower("queue", 60000);
+  SL_TEST_UNTIL(borrows_waiting(c) == 2);
+  CHECK(borrows_waiting(c) == 2);
   CHECK_RC(sublet_region_create(c, 4 * PAGE, &r), 0);
   CHECK_RC(sublet_lend(r, NULL, 0, 1, "queue", &loan, token), 0);
-  waitpid(a, &first, 0);
-  waitpid(b, &second, 0);
-  CHECK(WIFEXITED(first) && WEXITSTATUS(first) == 0);   /* asked first: got it */
-  CHECK(WIFEXITED(second) && WEXITSTATUS(second) == 1); /* asked second: timed out */
-  CHECK_RC(sublet_reclaim(c, loan, 1000, NULL), 0);
+  SL_TEST_UNTIL((done = waitpid(a, &first, WNOHANG)) == a);
+  CHECK(done == a && WIFEXITED(first) && WEXITSTATUS(first) == 0); /* asked first: got it */
+  CHECK(borrows_waiting(c) == 1);                                   /* b still waits */
+  sl_test_reap(b);
+  CHECK_RC(sublet_reclaim(c, loan, 5000, NULL), 0);
   CHECK_RC(sublet_region_release(r), 0);
   sublet_disconnect(c);
 }
@@ -1197,8 +1203,9 @@ static void test_local_lends_are_never_offers(void) {
   if ((pid = fork()) == 0)
     next_offer_taker(fds[1]);
   close(fds[1]);
-  usleep(200000); /* its Borrow is parked by now */
   CHECK_RC(connect_client(&c), 0);
+  SL_TEST_UNTIL(borrows_waiting(c) == 1); /* its Borrow is parked */
+  CHECK(borrows_waiting(c) == 1);
   CHECK_RC(sublet_region_create(c, REGION_PAGES * PAGE, &r), 0);
   for (uint64_t i = 0; i < 100 && sl_test_failed == 0; i++)
     lend_locally_once(c, r, i, &loan);

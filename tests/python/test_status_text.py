@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import unicodedata
 
 import pytest
@@ -97,3 +98,40 @@ def test_help_names_every_exit_status():
     for code in codes:
         assert f" {code} " in f" {epilog} ", (code, epilog)
     assert "5 no daemon answered and one at least refused this user" in epilog
+
+
+
+def test_a_borrow_waiting_for_an_offer_is_counted(daemon):  # noqa: F811
+    """Status.borrows_waiting: a Borrow parked in the daemon until an offer comes is counted,
+    shown in the text and given to monitoring; no longer once it is given up."""
+    import threading
+    from sublet import _lib, _status
+    waiter, watcher = _lib.Client.open(daemon), _lib.Client.open(daemon)
+    outcome: list[BaseException | None] = []
+
+    def borrow() -> None:
+        try:
+            waiter.borrow(name="none-yet", timeout_ms=60000)
+            outcome.append(None)
+        except _lib.SubletError as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=borrow)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30  # it parks once the daemon has read it
+        while watcher.status()["borrows_waiting"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s = dict(watcher.status(), socket=daemon)
+        assert s["borrows_waiting"] == 1
+        assert "  waiting  1 borrows wait for an offer" in _status.text_status(s)
+        assert any(line.startswith("sublet_borrows_waiting{") and line.endswith(" 1")
+                   for line in _status.prometheus([s], []).splitlines())
+    finally:
+        waiter.cancel()
+        thread.join(timeout=60)
+    assert len(outcome) == 1 and outcome[0] is not None       # given up, nothing borrowed
+    assert watcher.status()["borrows_waiting"] == 0
+    assert "borrows wait" not in _status.text_status(dict(watcher.status(), socket=daemon))
+    waiter.close()
+    watcher.close()

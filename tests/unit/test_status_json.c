@@ -45,6 +45,8 @@ static void fixture_init(struct fixture *f) {
   f->st.total_bytes = 1 << 30;
   f->st.free_bytes = 1 << 29;
   f->st.clients = 2;
+  f->st.has_borrows_waiting = 1;
+  f->st.borrows_waiting = 1; /* a borrower waiting for an offer */
   f->region.region = 1;
   f->region.owner_pid = 4242;
   f->region.owner_uid = 1000;
@@ -118,7 +120,8 @@ static void test_idle_daemon(void) {
       "\"retained\": [], \"totals\": {\"loans_ended\": 7, \"borrowers_died\": 1, "
       "\"copied_out_bytes\": 4096, "
       "\"copied_in_bytes\": 4096, \"served_unkept_bytes\": 0, \"served_fresh_bytes\": 0, "
-      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}, \"release_offers\": [], \"pin\": null}");
+      "\"served_kept_bytes\": 0, \"replaced_bytes\": 0}, \"release_offers\": [], \"pin\": null, "
+      "\"borrows_waiting\": 1}");
   free(text);
   json_decref(parsed);
 }
