@@ -39,6 +39,12 @@ double sl_test_now(void);
 #define SL_TEST_UNTIL(cond)                                                           \
   for (double sl_until_ = sl_test_now() + 30; !(cond) && sl_test_now() < sl_until_;)  \
     usleep(10000)
+/* SL_TEST_UNTIL(cond), then CHECK(cond). */
+#define CHECK_UNTIL(cond)                                                             \
+  do {                                                                                \
+    SL_TEST_UNTIL(cond);                                                              \
+    CHECK(cond);                                                                      \
+  } while (0)
 /* The device's free bytes, asked on c (0 when it cannot say). */
 uint64_t sl_test_free_bytes(sublet_client *c);
 /* The number the daemon's status gives for key ("clients", "lends_waiting"), asked on c; -1

@@ -269,8 +269,7 @@ static void test_connection_cap(void) {
   for (int i = 0; i < 4; i++)
     CHECK_RC(sublet_get_info(c[i], &info), 0);
   sublet_disconnect(c[3]);
-  SL_TEST_UNTIL(sl_test_status_number(c[0], "clients") == 3); /* the daemon counts the close */
-  CHECK(sl_test_status_number(c[0], "clients") == 3);
+  CHECK_UNTIL(sl_test_status_number(c[0], "clients") == 3); /* the daemon counts the close */
   CHECK_RC(sublet_connect(d.socket, &c[3]), 0);
   for (int i = 0; i < 4; i++)
     sublet_disconnect(c[i]);
@@ -298,8 +297,7 @@ static void test_fd_table_full(void) {
   for (int i = n / 2; i < n; i++)
     sublet_disconnect(c[i]);
   /* The daemon closes them (their fds go back before it accepts again). */
-  SL_TEST_UNTIL(sl_test_status_number(c[0], "clients") == n / 2);
-  CHECK(sl_test_status_number(c[0], "clients") == n / 2);
+  CHECK_UNTIL(sl_test_status_number(c[0], "clients") == n / 2);
   CHECK_RC(sublet_connect(d.socket, &late), 0);
   CHECK_RC(sublet_get_info(late, &info), 0);
   sublet_disconnect(late);
